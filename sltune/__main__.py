@@ -1,0 +1,5 @@
+import sys
+
+from sltune.cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""The `sltune` command line: one module per command, registered in main.py."""

@@ -1,0 +1,36 @@
+"""Flags several commands share: the model and the SpeedLoader knobs."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from sltune.config import SpeedLoaderConfig
+
+KNOB_FLAGS = {
+    "sub_batch_size": ("--sub-batch-size", int, "rows per sub-batch (b)"),
+    "num_sub_batches": ("--num-sub-batches", int, "sub-batches per step (N)"),
+    "num_live_blocks": ("--num-live-blocks", int, "layers live on the device at once (k)"),
+    "schedule": ("--schedule", str, "speedloader | canonical | resident"),
+    "device": ("--device", str, "cpu, cuda, cuda:1, ..."),
+    "dtype": ("--dtype", str, "float32 | bfloat16 | float16"),
+    "device_memory_limit": ("--device-memory-limit", str, "bytes or e.g. 2GiB"),
+}
+
+
+def add_knobs(parser: argparse.ArgumentParser) -> None:
+    for field, (flag, typ, help_) in KNOB_FLAGS.items():
+        parser.add_argument(flag, dest=field, type=typ, default=None, help=help_)
+
+
+def config_from_args(args: argparse.Namespace, base: SpeedLoaderConfig | None = None) -> SpeedLoaderConfig:
+    """The config file (if any) with flags given on the command line taking precedence."""
+    data: dict[str, Any] = base.model_dump() if base is not None else {}
+    data.update({f: getattr(args, f) for f in KNOB_FLAGS if getattr(args, f, None) is not None})
+    return SpeedLoaderConfig.from_dict(data, source="command line")
+
+
+def fail(message: str, code: int = 2) -> None:
+    print(f"sltune: error: {message}", file=sys.stderr)
+    raise SystemExit(code)

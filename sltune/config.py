@@ -1,0 +1,113 @@
+"""The SpeedLoader knobs, validated once, and the YAML file a tuning job exports."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from sltune.sizes import parse_bytes
+
+Schedule = Literal["speedloader", "canonical", "resident"]
+DType = Literal["float32", "bfloat16", "float16"]
+
+# Sections a best-config YAML carries besides the knobs: reports, read by `sltune plan`, ignored here.
+REPORT_SECTIONS = ("effective_batch_size", "workload", "measured", "predicted", "resource_models",
+                   "limits", "binding_limit", "provenance", "trials")
+
+
+class SpeedLoaderConfig(BaseModel):
+    """How the runtime schedules one model: b, N and k, the schedule, and where it runs."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    sub_batch_size: int = Field(1, ge=1, description="rows per sub-batch (b)")
+    num_sub_batches: int = Field(1, ge=1, description="sub-batches per optimizer step (N); effective batch b*N")
+    num_live_blocks: int = Field(1, ge=1, description="decoder layers loaded on the device at once (k)")
+    schedule: Schedule = "speedloader"
+    device: str = "cpu"
+    dtype: DType = "float32"
+    device_memory_limit: int | None = Field(None, description="bytes, or a string such as '2GiB'")
+    memory_tracking: Literal["first", "always", "never"] = Field(
+        "first", description="CPU only: measure device allocations on the first step of each batch shape, "
+        "on every step, or never (then device_memory_limit cannot be enforced)")
+
+    @field_validator("device_memory_limit", mode="before")
+    @classmethod
+    def _limit(cls, value: Any) -> int | None:
+        return None if value is None else parse_bytes(value, "device_memory_limit")
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, value: str) -> str:
+        import torch
+
+        try:
+            torch.device(value)
+        except RuntimeError as err:
+            raise ValueError(f"device {value!r} is not a torch device name; use 'cpu', 'cuda' or 'cuda:1'") from err
+        return value
+
+    @property
+    def effective_batch_size(self) -> int:
+        return self.sub_batch_size * self.num_sub_batches
+
+    # -- YAML ---------------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str = "config") -> "SpeedLoaderConfig":
+        knobs = {k: v for k, v in data.items() if k not in REPORT_SECTIONS}
+        try:
+            cfg = cls(**knobs)
+        except ValidationError as err:
+            raise ValueError(f"{source}: {_describe(err)}") from None
+        batch = data.get("effective_batch_size")
+        if batch is not None and batch != cfg.effective_batch_size:
+            raise ValueError(
+                f"{source}: effective_batch_size {batch} != sub_batch_size*num_sub_batches "
+                f"({cfg.sub_batch_size}*{cfg.num_sub_batches}={cfg.effective_batch_size}); fix one of them"
+            )
+        return cfg
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "SpeedLoaderConfig":
+        """Reads the best-config file a tuning job exports (or any YAML with the knobs at the top)."""
+        text = Path(path).read_text()
+        data = yaml.safe_load(text)
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a mapping of config fields, got {type(data).__name__}")
+        return cls.from_dict(data, source=str(path))
+
+    def to_dict(self) -> dict[str, Any]:
+        out = self.model_dump()
+        out["effective_batch_size"] = self.effective_batch_size
+        return out
+
+    def to_yaml(self, path: str | Path | None = None, **sections: Any) -> str:
+        """The knobs first, then any report sections (measured, predicted, provenance...)."""
+        data = self.to_dict()
+        unknown = set(sections) - set(REPORT_SECTIONS)
+        if unknown:
+            raise ValueError(f"to_yaml: unknown sections {sorted(unknown)}; allowed: {list(REPORT_SECTIONS)}")
+        data.update({k: v for k, v in sections.items() if v is not None})
+        text = "# sltune SpeedLoader config; read it with SpeedLoaderConfig.from_yaml\n"
+        text += yaml.safe_dump(data, sort_keys=False)
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+    def replace(self, **changes: Any) -> "SpeedLoaderConfig":
+        return SpeedLoaderConfig(**{**self.model_dump(), **changes})
+
+
+def _describe(err: ValidationError) -> str:
+    """One line per bad field: 'num_live_blocks: Input should be greater than or equal to 1'."""
+    parts = []
+    for e in err.errors():
+        where = ".".join(str(p) for p in e["loc"]) or "config"
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field; check the spelling (fields: " + ", ".join(SpeedLoaderConfig.model_fields) + ")"
+        parts.append(f"{where}: {msg}")
+    return "; ".join(parts)

@@ -1,0 +1,146 @@
+"""Preset shapes: tiny ones that run in seconds on a CPU, benchmark sizes, and real shapes."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SUPPORTED_FAMILIES = ("gpt2", "llama", "mistral", "opt", "qwen2")
+
+# Small token ids so tiny vocabularies stay valid; no dropout so sub-batched and whole-batch
+# training are comparable bit for bit in tests.
+_TINY = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "max_position_embeddings": 512}
+
+
+@dataclass(frozen=True)
+class Preset:
+    family: str
+    description: str
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def config(self):
+        from transformers import AutoConfig
+
+        return AutoConfig.for_model(self.family, **self.kwargs)
+
+
+def _llama(v, h, i, layers, heads, kv=None, **extra):
+    return dict(vocab_size=v, hidden_size=h, intermediate_size=i, num_hidden_layers=layers,
+                num_attention_heads=heads, num_key_value_heads=kv or heads, **extra)
+
+
+PRESETS: dict[str, Preset] = {
+    # tiny: every family, seconds on a CPU; the test suite's models
+    "llama-tiny": Preset("llama", "4 layers, hidden 64: seconds on a CPU", _llama(512, 64, 176, 4, 4, 2, **_TINY)),
+    "llama-tiny-tied": Preset("llama", "llama-tiny with tied input/output embeddings",
+                              _llama(512, 64, 176, 4, 4, 2, tie_word_embeddings=True, **_TINY)),
+    "mistral-tiny": Preset("mistral", "4 layers, sliding window 16",
+                           _llama(512, 64, 176, 4, 4, 2, sliding_window=16, **_TINY)),
+    "qwen2-tiny": Preset("qwen2", "4 layers, attention biases, 2 sliding-window layers",
+                         _llama(512, 64, 176, 4, 4, 2, use_sliding_window=True, sliding_window=16,
+                                max_window_layers=2, **_TINY)),
+    "gpt2-tiny": Preset("gpt2", "4 layers, learned positions, tied embeddings",
+                        dict(vocab_size=512, n_embd=64, n_layer=4, n_head=4, n_positions=512, resid_pdrop=0.0,
+                             embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=2)),
+    "opt-tiny": Preset("opt", "4 layers, project_in/out (word_embed_proj_dim 32), tied embeddings",
+                       dict(vocab_size=512, hidden_size=64, ffn_dim=176, num_hidden_layers=4, num_attention_heads=4,
+                            word_embed_proj_dim=32, dropout=0.0, attention_dropout=0.0, **_TINY)),
+    # benchmark sizes
+    "llama-small": Preset("llama", "~34M parameters: the runtime benchmark's model",
+                          _llama(8192, 512, 1408, 8, 8, max_position_embeddings=2048, **{k: v for k, v in _TINY.items() if k != "max_position_embeddings"})),
+    "llama-medium": Preset("llama", "~134M parameters", _llama(32000, 768, 2048, 12, 12, max_position_embeddings=2048)),
+    # real shapes, for machines that can hold them
+    "llama-2-7b": Preset("llama", "Llama-2-7B shape", _llama(32000, 4096, 11008, 32, 32, max_position_embeddings=4096)),
+    "llama-2-13b": Preset("llama", "Llama-2-13B shape", _llama(32000, 5120, 13824, 40, 40, max_position_embeddings=4096)),
+    "llama-2-70b": Preset("llama", "Llama-2-70B shape", _llama(32000, 8192, 28672, 80, 64, 8, max_position_embeddings=4096)),
+    "mistral-7b": Preset("mistral", "Mistral-7B-v0.1 shape",
+                         _llama(32000, 4096, 14336, 32, 32, 8, sliding_window=4096, max_position_embeddings=32768)),
+    "qwen2-0.5b": Preset("qwen2", "Qwen2-0.5B shape", _llama(151936, 896, 4864, 24, 14, 2, tie_word_embeddings=True)),
+    "qwen2-7b": Preset("qwen2", "Qwen2-7B shape", _llama(152064, 3584, 18944, 28, 28, 4)),
+    "gpt2": Preset("gpt2", "GPT-2 124M shape", {}),
+    "gpt2-medium": Preset("gpt2", "GPT-2 355M shape", dict(n_embd=1024, n_layer=24, n_head=16)),
+    "opt-125m": Preset("opt", "OPT-125M shape", dict(hidden_size=768, ffn_dim=3072, num_hidden_layers=12,
+                                                   num_attention_heads=12, word_embed_proj_dim=768)),
+    "opt-1.3b": Preset("opt", "OPT-1.3B shape", dict(hidden_size=2048, ffn_dim=8192, num_hidden_layers=24,
+                                                   num_attention_heads=32, word_embed_proj_dim=2048)),
+    "opt-6.7b": Preset("opt", "OPT-6.7B shape", dict(hidden_size=4096, ffn_dim=16384, num_hidden_layers=32,
+                                                   num_attention_heads=32, word_embed_proj_dim=4096)),
+}
+
+
+def load_config(model: Any):
+    """A transformers config from a preset name, a path to a config.json (or its folder), a dict, or a config.
+
+    Only the families sltune supports are accepted, and no remote code is ever run.
+    """
+    from transformers import AutoConfig, PretrainedConfig
+
+    if isinstance(model, PretrainedConfig):
+        config = model
+    elif isinstance(model, dict):
+        config = _from_dict(model, "hf_config")
+    elif isinstance(model, str) and model in PRESETS:
+        config = PRESETS[model].config()
+    else:
+        path = Path(model)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise ValueError(
+                f"model {model!r} is neither a preset nor a config.json file; presets: {', '.join(PRESETS)}"
+            )
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}: not valid JSON ({err})") from None
+        config = _from_dict(data, str(path))
+    if config.model_type not in SUPPORTED_FAMILIES:
+        raise ValueError(
+            f"model family {config.model_type!r} is not supported; supported families: {', '.join(SUPPORTED_FAMILIES)}"
+        )
+    return config
+
+
+def _from_dict(data: dict[str, Any], source: str):
+    from transformers import AutoConfig
+
+    data = dict(data)
+    family = data.pop("model_type", None)
+    if family is None:
+        raise ValueError(f"{source}: no 'model_type'; set it to one of {', '.join(SUPPORTED_FAMILIES)}")
+    if family not in SUPPORTED_FAMILIES:
+        raise ValueError(
+            f"{source}: model family {family!r} is not supported; supported families: {', '.join(SUPPORTED_FAMILIES)}"
+        )
+    for key in ("auto_map", "trust_remote_code"):
+        if key in data:
+            raise ValueError(f"{source}: '{key}' would run remote code; sltune only builds the standard families")
+    try:
+        return AutoConfig.for_model(family, **data)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{source}: transformers rejected the config: {err}") from None
+
+
+def build(model: Any = "llama-tiny", seed: int = 0, dtype: str | torch.dtype = "float32"):
+    """A causal LM with seeded random weights from a preset, a config.json path, a dict or a config."""
+    from transformers import AutoModelForCausalLM
+
+    config = load_config(model)
+    torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+
+
+def param_count(model: Any) -> int:
+    """Parameters of a preset or config, counted on the meta device (nothing allocated)."""
+    from transformers import AutoModelForCausalLM
+
+    config = load_config(model)
+    with torch.device("meta"):
+        m = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in {id(p): p for p in m.parameters()}.values())

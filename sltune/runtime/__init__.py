@@ -1,0 +1,1 @@
+"""The SpeedLoader runtime: parameter units, activation stores, copies and their counters."""

@@ -1,0 +1,178 @@
+"""Device memory: measured peaks and the enforced limit, on CUDA and on the CPU.
+
+On CUDA the caching allocator knows what is allocated (max_memory_allocated) and enforces a limit
+(per-process memory fraction). On the CPU the "device" is host memory, so the runtime measures what a
+step allocates itself: a TorchDispatchMode sees every ATen op, counts the storages each op freshly
+allocates (outputs the op's schema does not mark as aliases of its inputs) until they are freed, and
+adds the runtime's own device buffers explicitly. Host-side work (host buffers, the optimizer on host
+parameters) runs paused, so the figure is "what a step allocates above its host-resident buffers".
+The tracker costs about 25 us per op, so by default it runs on the first step of each batch shape:
+the peak is a function of the shapes and the config.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Iterator
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from sltune.sizes import format_bytes
+
+
+class DeviceMemoryExceeded(torch.OutOfMemoryError):
+    """A step needed more device memory than the limit allows; the engine is left as it was."""
+
+    def __init__(self, peak_bytes: int, limit_bytes: int, device: str = "cpu"):
+        self.peak_bytes = int(peak_bytes)
+        self.limit_bytes = int(limit_bytes)
+        super().__init__(
+            f"device memory limit exceeded on {device}: the step reached {format_bytes(peak_bytes)} "
+            f"({peak_bytes} bytes) against a limit of {format_bytes(limit_bytes)} ({limit_bytes} bytes). "
+            "Lower sub_batch_size or num_live_blocks, or raise device_memory_limit."
+        )
+
+    def __reduce__(self):  # picklable across trial processes
+        return (type(self), (self.peak_bytes, self.limit_bytes))
+
+
+class DeviceMemory:
+    """What every device memory monitor offers the engine."""
+
+    limit: int | None = None
+    peak: int = 0
+
+    def tracking(self, active: bool) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def paused(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def alloc(self, nbytes: int) -> None:
+        pass
+
+    def free(self, nbytes: int) -> None:
+        pass
+
+
+class CpuAllocationTracker(DeviceMemory, TorchDispatchMode):
+    """Counts live bytes of storages allocated by ATen ops (and explicit buffers); keeps the peak."""
+
+    def __init__(self, limit: int | None = None, device: str = "cpu"):
+        TorchDispatchMode.__init__(self)
+        self.limit = limit
+        self.device = device
+        self.live = 0
+        self.peak = 0
+        self._counting = False
+        self._refs: dict[int, weakref.ref] = {}
+        self._fresh: dict[object, tuple[int, ...] | None] = {}
+
+    # -- explicit buffers (the runtime's pool) -------------------------------------------------
+    def alloc(self, nbytes: int) -> None:
+        self.live += nbytes
+        self._check()
+
+    def free(self, nbytes: int) -> None:
+        self.live -= nbytes
+
+    # -- the step window -----------------------------------------------------------------------
+    @contextlib.contextmanager
+    def tracking(self, active: bool) -> Iterator[None]:
+        if not active:
+            yield
+            return
+        self.peak = self.live
+        self._counting = True
+        try:
+            with self:
+                yield
+        finally:
+            self._counting = False
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        was, self._counting = self._counting, False
+        try:
+            yield
+        finally:
+            self._counting = was
+
+    def _check(self) -> None:
+        if self.live > self.peak:
+            self.peak = self.live
+            if self._counting and self.limit is not None and self.live > self.limit:
+                raise DeviceMemoryExceeded(self.live, self.limit, self.device)
+
+    def _released(self, key: int, nbytes: int) -> None:
+        if self._refs.pop(key, None) is not None:
+            self.live -= nbytes
+
+    def _fresh_outputs(self, func) -> tuple[int, ...] | None:
+        """Indices of the op's outputs that are new allocations (not aliases of inputs)."""
+        try:
+            return self._fresh[func]
+        except KeyError:
+            idx = tuple(i for i, r in enumerate(func._schema.returns)
+                        if r.alias_info is None and ("Tensor" in str(r.type)))
+            self._fresh[func] = idx or None
+            return self._fresh[func]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not self._counting:
+            return out
+        fresh = self._fresh_outputs(func)
+        if fresh is None:
+            return out
+        outs = out if isinstance(out, (tuple, list)) and len(func._schema.returns) > 1 else (out,)
+        for i in fresh:
+            o = outs[i]
+            for t in (o if isinstance(o, (list, tuple)) else (o,)):
+                if isinstance(t, torch.Tensor):
+                    self._count(t)
+        return out
+
+    def _count(self, t: torch.Tensor) -> None:
+        st = t.untyped_storage()
+        nbytes = st.nbytes()
+        key = st.data_ptr()
+        if nbytes == 0 or key in self._refs:
+            return
+        self._refs[key] = weakref.ref(st, lambda _r, k=key, n=nbytes: self._released(k, n))
+        self.live += nbytes
+        self._check()
+
+
+class CudaMemoryMonitor(DeviceMemory):
+    """The CUDA allocator's own figures; the limit is a per-process memory fraction."""
+
+    def __init__(self, device: torch.device, limit: int | None = None):
+        self.device = device
+        self.limit = limit
+        if limit is not None:
+            total = torch.cuda.get_device_properties(device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), device)
+
+    @contextlib.contextmanager
+    def tracking(self, active: bool) -> Iterator[None]:
+        torch.cuda.reset_peak_memory_stats(self.device)
+        try:
+            yield
+        except torch.cuda.OutOfMemoryError:
+            if self.limit is None:
+                raise
+            raise DeviceMemoryExceeded(max(self.limit + 1, torch.cuda.max_memory_allocated(self.device)),
+                                       self.limit, str(self.device)) from None
+        finally:
+            self.peak = torch.cuda.max_memory_allocated(self.device)
+        if self.limit is not None and self.peak > self.limit:
+            raise DeviceMemoryExceeded(self.peak, self.limit, str(self.device))
+
+
+def monitor_for(device: torch.device, limit: int | None) -> DeviceMemory:
+    if device.type == "cuda":
+        return CudaMemoryMonitor(device, limit)
+    return CpuAllocationTracker(limit, str(device))

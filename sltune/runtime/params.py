@@ -1,0 +1,187 @@
+"""Parameters in flat host buffers, one per unit (the embedding, each group of live blocks, the head),
+loaded to the device when a unit is needed and released after.
+
+The model keeps its own nn.Parameter objects: their .data points into the host buffer between steps and
+into a device buffer while their unit is live, so the user's model computes as written and always holds
+the current weights. Gradients accumulate on the device across sub-batches, in a flat buffer per unit,
+and are offloaded once. In the resident schedule the "host" buffers live on the device and nothing moves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from sltune.runtime.memory import DeviceMemory
+from sltune.runtime.transfer import Copier, Pending
+
+
+@dataclass
+class ParamUnit:
+    """Parameters that are loaded and released together, flattened into one buffer."""
+
+    name: str
+    params: list[nn.Parameter]
+    host: torch.Tensor | None = None            # flat parameters (pinned on CUDA)
+    host_grad: torch.Tensor | None = None       # flat gradients of the trainable ones
+    offsets: list[int] = field(default_factory=list)
+    grad_offsets: list[int | None] = field(default_factory=list)
+    dev: torch.Tensor | None = None             # the live device copy
+    dev_grad: torch.Tensor | None = None
+    pending: Pending | None = None
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel() for p in self.params)
+
+    @property
+    def grad_numel(self) -> int:
+        return sum(p.numel() for p in self.params if p.requires_grad)
+
+    @property
+    def nbytes(self) -> int:
+        return self.host.numel() * self.host.element_size() if self.host is not None else 0
+
+    @property
+    def grad_nbytes(self) -> int:
+        return self.host_grad.numel() * self.host_grad.element_size() if self.host_grad is not None else 0
+
+    def _views(self, flat: torch.Tensor, offsets) -> list[torch.Tensor | None]:
+        return [None if off is None else flat[off:off + p.numel()].view(p.shape)
+                for p, off in zip(self.params, offsets)]
+
+
+class BufferPool:
+    """Reuses device buffers by size. On the CPU a fresh large buffer costs page faults on every load,
+    so released buffers are kept; on CUDA the caching allocator already does this."""
+
+    def __init__(self, device: torch.device, memory: DeviceMemory):
+        self.device = device
+        self.memory = memory
+        self.cache = device.type != "cuda"
+        self._free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+
+    def acquire(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        free = self._free.get((numel, dtype))
+        if free:
+            buf = free.pop()
+        else:
+            with self.memory.paused():
+                buf = torch.empty(numel, dtype=dtype, device=self.device)
+        self.memory.alloc(buf.numel() * buf.element_size())
+        return buf
+
+    def release(self, buf: torch.Tensor) -> None:
+        self.memory.free(buf.numel() * buf.element_size())
+        if self.cache:
+            self._free.setdefault((buf.numel(), buf.dtype), []).append(buf)
+
+    def clear(self) -> None:
+        self._free.clear()
+
+
+class ParamStore:
+    """Moves units between host and device and keeps every Parameter pointing at the right copy."""
+
+    def __init__(self, units: list[ParamUnit], dtype: torch.dtype, copier: Copier, pool: BufferPool,
+                 resident: bool):
+        self.units = units
+        self.copier = copier
+        self.pool = pool
+        self.resident = resident
+        device = copier.device
+        for unit in units:
+            if not unit.params:
+                continue
+            if resident:
+                unit.host = torch.empty(unit.numel, dtype=dtype, device=device)
+            else:
+                unit.host = copier.host_empty(unit.numel, dtype)
+            unit.offsets, unit.grad_offsets = [], []
+            off = goff = 0
+            for p in unit.params:
+                unit.offsets.append(off)
+                off += p.numel()
+                if p.requires_grad:
+                    unit.grad_offsets.append(goff)
+                    goff += p.numel()
+                else:
+                    unit.grad_offsets.append(None)
+            for p, view in zip(unit.params, unit._views(unit.host, unit.offsets)):
+                view.copy_(p.data)
+            if goff:
+                unit.host_grad = (torch.zeros(goff, dtype=dtype, device=device) if resident
+                                  else copier.host_empty(goff, dtype).zero_())
+            self._point(unit, unit.host, unit.host_grad)
+        if resident:
+            for unit in units:
+                pool.memory.alloc(unit.nbytes + unit.grad_nbytes)
+
+    @staticmethod
+    def _point(unit: ParamUnit, flat: torch.Tensor, grad_flat: torch.Tensor | None) -> None:
+        grads = unit._views(grad_flat, unit.grad_offsets) if grad_flat is not None else [None] * len(unit.params)
+        for p, view, g in zip(unit.params, unit._views(flat, unit.offsets), grads):
+            p.grad = None
+            p.data = view
+            p.grad = g
+
+    # -- loading ---------------------------------------------------------------------------------
+    def prefetch(self, unit: ParamUnit | None) -> None:
+        """Start copying a unit's parameters to the device (a side stream on CUDA)."""
+        if unit is None or self.resident or unit.host is None or unit.dev is not None or unit.pending:
+            return
+        buf = self.pool.acquire(unit.host.numel(), unit.host.dtype)
+        unit.pending = self.copier.to_device(unit.host, "param_load_bytes", out=buf)
+
+    def activate(self, unit: ParamUnit) -> None:
+        """Make the unit's parameters live on the device."""
+        if self.resident or unit.host is None or unit.dev is not None:
+            return
+        self.prefetch(unit)
+        unit.dev = unit.pending.wait()
+        unit.pending = None
+        self._point(unit, unit.dev, None)
+
+    def release(self, unit: ParamUnit) -> None:
+        """Point the parameters back at the host copy and free the device buffers."""
+        if self.resident or unit.host is None:
+            return
+        self._point(unit, unit.host, unit.host_grad)
+        for attr in ("dev", "dev_grad"):
+            buf = getattr(unit, attr)
+            if buf is not None:
+                self.pool.release(buf)
+                setattr(unit, attr, None)
+        if unit.pending is not None:
+            self.pool.release(unit.pending.tensor)
+            unit.pending = None
+
+    # -- gradients -------------------------------------------------------------------------------
+    def begin_grads(self, unit: ParamUnit) -> None:
+        """Give the live parameters zeroed device gradient buffers to accumulate into."""
+        if unit.host_grad is None:
+            return
+        if self.resident:
+            return  # gradients live in host_grad (on the device) and are zeroed once per step
+        unit.dev_grad = self.pool.acquire(unit.host_grad.numel(), unit.host_grad.dtype).zero_()
+        for p, g in zip(unit.params, unit._views(unit.dev_grad, unit.grad_offsets)):
+            p.grad = g
+
+    def offload_grads(self, unit: ParamUnit, accumulate: bool) -> None:
+        """Copy (or, for later micro-batches, add) the unit's device gradients into its host gradients."""
+        if self.resident or unit.dev_grad is None:
+            return
+        self.copier.to_host(unit.dev_grad, unit.host_grad, "grad_offload_bytes", accumulate=accumulate)
+
+    def zero_resident_grads(self) -> None:
+        if self.resident:
+            for unit in self.units:
+                if unit.host_grad is not None:
+                    unit.host_grad.zero_()
+
+    def reset(self) -> None:
+        """After a failed step: everything back on the host copy, no device buffers held."""
+        for unit in self.units:
+            self.release(unit)

@@ -1,0 +1,72 @@
+"""The byte counters follow the traffic table: SpeedLoader's parameter traffic does not grow with N."""
+
+import pytest
+import torch
+
+from sltune import IOCounters, SpeedLoaderConfig, SpeedLoaderEngine
+from sltune.models import build
+from tests.reference import adamw
+
+SEQ = 16
+
+
+def step_io(preset="llama-tiny", n=1, schedule="speedloader", b=2, k=1) -> tuple[IOCounters, SpeedLoaderEngine]:
+    engine = SpeedLoaderEngine(build(preset), SpeedLoaderConfig(sub_batch_size=b, num_sub_batches=n,
+                               num_live_blocks=k, schedule=schedule), optimizer=adamw)
+    ids = torch.randint(3, 512, (b * n, SEQ), generator=torch.Generator().manual_seed(n))
+    return engine.train_step(ids).io, engine
+
+
+@pytest.mark.parametrize("preset", ["llama-tiny", "gpt2-tiny", "opt-tiny"])
+def test_speedloader_parameter_traffic_does_not_grow_with_n(preset):
+    io1, engine = step_io(preset, n=1)
+    io8, _ = step_io(preset, n=8)
+    p = engine.param_bytes
+    assert io8.param_load_bytes == io1.param_load_bytes <= 2 * p
+    assert io8.grad_offload_bytes == io1.grad_offload_bytes <= p
+    assert io1.param_load_bytes > p   # everything but the head (and tied weights) loads twice
+    assert io8.act_offload_bytes == 8 * io1.act_offload_bytes > 0
+    assert io8.allgather_bytes == io8.reduce_scatter_bytes == 0
+
+
+@pytest.mark.parametrize("preset", ["llama-tiny", "llama-tiny-tied"])
+def test_canonical_traffic_is_n_times_one_micro_batch(preset):
+    io1, _ = step_io(preset, n=1, schedule="canonical")
+    io8, _ = step_io(preset, n=8, schedule="canonical")
+    assert io8.param_load_bytes == 8 * io1.param_load_bytes
+    assert io8.grad_offload_bytes == 8 * io1.grad_offload_bytes
+    assert io8.act_offload_bytes == io8.act_load_bytes == 0
+
+
+def test_resident_moves_nothing():
+    io, _ = step_io(n=4, schedule="resident")
+    assert io == IOCounters()
+
+
+@pytest.mark.parametrize("schedule", ["speedloader", "canonical", "resident"])
+@pytest.mark.parametrize("preset,k,n", [("llama-tiny", 1, 3), ("llama-tiny", 3, 2), ("llama-tiny-tied", 2, 4),
+                                          ("gpt2-tiny", 4, 2), ("opt-tiny", 3, 5)])
+def test_counters_equal_the_documented_formulas(preset, k, n, schedule):
+    io, engine = step_io(preset, n=n, schedule=schedule, k=k)
+    assert io == engine.expected_io(SEQ)
+
+
+def test_formula_by_hand_for_llama_tiny():
+    """The formulas spelled out once with numbers: 4 layers, k=2, b=2, s=16, N=4, hidden 64, fp32."""
+    io, engine = step_io("llama-tiny", n=4, k=2)
+    units = {u.name: u.nbytes for u in engine.units}
+    p_layers = units["layers[0:2]"] + units["layers[2:4]"]
+    assert io.param_load_bytes == 2 * units["embed"] + 2 * p_layers + units["head"]
+    assert io.grad_offload_bytes == engine.param_bytes            # everything trainable
+    edge = 2 * 16 * 64 * 4                                          # b*s*hidden*4 bytes
+    assert io.act_offload_bytes == 4 * 2 * 3 * edge                 # N * 2 * (G+1 edges)
+    assert io.act_load_bytes == 4 * (3 * 3 - 1) * edge
+
+
+def test_counters_accumulate_on_the_engine():
+    engine = SpeedLoaderEngine(build("llama-tiny"), SpeedLoaderConfig(sub_batch_size=1, num_sub_batches=2),
+                               optimizer=adamw)
+    ids = torch.randint(3, 512, (2, SEQ))
+    a = engine.train_step(ids).io
+    b = engine.train_step(ids).io
+    assert engine.io == a + b

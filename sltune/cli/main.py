@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from sltune.cli import train
+from sltune.cli import profile, train
 
-COMMANDS = [train]
+COMMANDS = [train, profile]
 
 
 def parser() -> argparse.ArgumentParser:

@@ -42,6 +42,7 @@ from sltune.runtime.activations import DeviceActivations, HostActivations
 from sltune.runtime.family import CausalLM, LayerCall
 from sltune.runtime.memory import DeviceMemory, monitor_for
 from sltune.runtime.params import BufferPool, ParamStore, ParamUnit
+from sltune.runtime.regions import region, step_region
 from sltune.runtime.transfer import Copier, IOCounters
 
 IGNORE_INDEX = -100
@@ -142,7 +143,7 @@ class SpeedLoaderEngine:
         mode = self.config.memory_tracking
         track = mode == "always" or (mode == "first" and shape not in self._measured)
         try:
-            with self.memory.tracking(track):
+            with step_region(), self.memory.tracking(track):
                 loss = self._train(ids, labels, mask)
         except BaseException:
             self._recover()
@@ -165,7 +166,8 @@ class SpeedLoaderEngine:
             loss = self._pass(subs, num_items, accumulate=False)
         self.copier.synchronize()
         host_side = self.config.schedule != "resident"
-        with self.memory.paused() if host_side else contextlib.nullcontext():
+        with self.memory.paused() if host_side else contextlib.nullcontext(), \
+                region("cpu" if host_side else "compute", "optimizer"):
             self.optimizer.step()
         return float(loss)
 
@@ -197,22 +199,22 @@ class SpeedLoaderEngine:
                 store.begin_grads(unit)
             if kind == "embed_fwd":
                 for i, sb in enumerate(subs):
-                    with torch.no_grad(), self._rng.save(("embed", i)):
+                    with torch.no_grad(), self._rng.save(("embed", i)), region("compute", kind):
                         hidden, sb.calls = lm.prologue(sb.ids, sb.mask, use_cache=False)
                     acts.put(0, i, hidden)
             elif kind == "fwd":
                 edge = self.groups.index(group)
                 for i, (x, _) in self._each(edge, None, n):
-                    with torch.no_grad(), self._rng.save((edge, i)):
+                    with torch.no_grad(), self._rng.save((edge, i)), region("compute", kind):
                         y = lm.run_layers(group.first, group.last, x.wait(), subs[i].calls)
                     acts.put(edge + 1, i, y)
             elif kind == "head":
                 for i, (x, _) in self._each(last_edge, None, n):
                     x = x.wait().detach().requires_grad_(trains[last_edge])
-                    with torch.enable_grad():
+                    with torch.enable_grad(), region("compute", kind):
                         loss = lm.loss(lm.logits(x), subs[i].labels, num_items)
-                    if loss.requires_grad:
-                        loss.backward()
+                        if loss.requires_grad:
+                            loss.backward()
                     if x.grad is not None:
                         acts.put(last_edge, i, x.grad)
                     losses.append(loss.detach())
@@ -220,17 +222,19 @@ class SpeedLoaderEngine:
                 edge = self.groups.index(group)
                 for i, (x, gy) in self._each(edge, edge + 1, n):
                     x = x.wait().detach().requires_grad_(trains[edge])
-                    with torch.enable_grad(), self._rng.replay((edge, i)):
+                    gy = gy.wait()
+                    with torch.enable_grad(), self._rng.replay((edge, i)), region("compute", kind):
                         y = lm.run_layers(group.first, group.last, x, subs[i].calls)
-                    torch.autograd.backward(y, gy.wait())
+                        torch.autograd.backward(y, gy)
                     if x.grad is not None:
                         acts.put(edge, i, x.grad)
                     acts.drop(edge + 1, i)
             else:  # embed_bwd
                 for i, (_, gy) in self._each(None, 0, n):
-                    with torch.enable_grad(), self._rng.replay(("embed", i)):
+                    gy = gy.wait()
+                    with torch.enable_grad(), self._rng.replay(("embed", i)), region("compute", kind):
                         hidden, _ = lm.prologue(subs[i].ids, subs[i].mask, use_cache=False)
-                    torch.autograd.backward(hidden, gy.wait())
+                        torch.autograd.backward(hidden, gy)
                     acts.drop(0, i)
             if backward:
                 store.offload_grads(unit, accumulate)

@@ -11,6 +11,8 @@ from dataclasses import asdict, dataclass, fields
 
 import torch
 
+from sltune.runtime.regions import region
+
 
 @dataclass
 class IOCounters:
@@ -73,11 +75,15 @@ class Copier:
                   after: Pending | None = None) -> Pending:
         """Copy a host tensor to the device; `after` is a host write that must land first."""
         self._count(channel, src)
-        if out is None:
-            out = torch.empty(src.shape, dtype=src.dtype, device=self.device)
-        if not self.cuda:
-            out.copy_(src)
-            return Pending(out)
+        with region("memcpy", channel):
+            if out is None:
+                out = torch.empty(src.shape, dtype=src.dtype, device=self.device)
+            if not self.cuda:
+                out.copy_(src)
+                return Pending(out)
+            return self._h2d_copy(src, out, after)
+
+    def _h2d_copy(self, src: torch.Tensor, out: torch.Tensor, after: Pending | None) -> Pending:
         stream = self._h2d
         stream.wait_stream(torch.cuda.current_stream(self.device))
         if after is not None and after.event is not None:
@@ -92,9 +98,13 @@ class Copier:
     def to_host(self, src: torch.Tensor, out: torch.Tensor, channel: str, accumulate: bool = False) -> Pending:
         """Copy (or add, for host-side accumulation) a device tensor into a host buffer."""
         self._count(channel, src)
-        if not self.cuda:
-            out.add_(src) if accumulate else out.copy_(src)
-            return Pending(out)
+        with region("memcpy", channel):
+            if not self.cuda:
+                out.add_(src) if accumulate else out.copy_(src)
+                return Pending(out)
+            return self._d2h_copy(src, out, accumulate)
+
+    def _d2h_copy(self, src: torch.Tensor, out: torch.Tensor, accumulate: bool) -> Pending:
         stream = self._d2h
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):

@@ -1,0 +1,67 @@
+"""`sltune profile`: one isolated trial; prints a TrialResult (as JSON with --json)."""
+
+from __future__ import annotations
+
+import argparse
+
+from sltune.profiling import run_trial
+from sltune.profiling.schema import TrialSpec
+from sltune.sizes import format_bytes
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("profile", help="run one isolated, profiled trial",
+                       description="Run one config in its own process: throughput, measured peaks and a time "
+                                   "breakdown. Exit code 0 when the trial is ok, 3 when it is oom/failed/timeout.")
+    p.add_argument("--model", default="llama-tiny", help="preset name or path to a transformers config.json")
+    p.add_argument("--sub-batch-size", type=int, default=1)
+    p.add_argument("--num-sub-batches", type=int, default=1)
+    p.add_argument("--num-live-blocks", type=int, default=1)
+    p.add_argument("--schedule", default="speedloader", help="speedloader | canonical | resident")
+    p.add_argument("--mode", default="train", help="train | generate")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--prompt-len", type=int, default=32, help="generate: prompt tokens")
+    p.add_argument("--new-tokens", type=int, default=16, help="generate: tokens to generate")
+    p.add_argument("--steps", type=int, default=2, help="timed steps (after one warm-up step)")
+    p.add_argument("--world-size", type=int, default=1)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device-memory-limit", help="bytes or e.g. 2GiB")
+    p.add_argument("--host-memory-limit", help="stop the trial as oom above this resident memory")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds before the trial is stopped")
+    p.add_argument("--trace", help="write the profiled step as a Chrome/Perfetto trace (JSON)")
+    p.add_argument("--no-profile", action="store_true", help="skip the profiled step (no breakdown)")
+    p.add_argument("--json", action="store_true", help="print the TrialResult as JSON")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    spec = TrialSpec(model=args.model, sub_batch_size=args.sub_batch_size, num_sub_batches=args.num_sub_batches,
+                     num_live_blocks=args.num_live_blocks, schedule=args.schedule, mode=args.mode,
+                     seq_len=args.seq_len, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
+                     steps=args.steps, world_size=args.world_size, device=args.device, dtype=args.dtype,
+                     device_memory_limit=args.device_memory_limit, host_memory_limit=args.host_memory_limit,
+                     timeout_s=args.timeout, trace_path=args.trace, profile=not args.no_profile)
+    result = run_trial(spec)
+    if args.json:
+        print(result.model_dump_json())
+    else:
+        print(describe(result))
+    return 0 if result.status == "ok" else 3
+
+
+def describe(r) -> str:
+    c = r.config
+    lines = [f"trial {r.status}: {c.schedule} b={c.sub_batch_size} N={c.num_sub_batches} k={c.num_live_blocks} "
+             f"s={c.seq_len} W={c.world_size}"]
+    if r.error:
+        lines.append(f"  {r.error}")
+    if r.tokens_per_s is not None:
+        lines.append(f"  {r.tokens_per_s:,.1f} tokens/s, {r.step_seconds:.3f} s/step")
+    lines.append(f"  peak device {format_bytes(r.peak_device_bytes)}, peak host {format_bytes(r.peak_host_bytes)}")
+    if r.breakdown is not None:
+        parts = ", ".join(f"{k} {v:.1%}" for k, v in r.breakdown.model_dump().items())
+        lines.append(f"  time: {parts}")
+    if r.trace_path:
+        lines.append(f"  trace: {r.trace_path} (open in https://ui.perfetto.dev)")
+    return "\n".join(lines)

@@ -1,0 +1,95 @@
+"""The body of a trial: runs in its own process, builds the model and engine, measures, reports.
+
+Everything it can explain becomes a result (oom with the peak, failed with the exception); only a
+crash or a kill leaves the parent to explain the silence.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+import traceback
+from typing import Any
+
+import torch
+
+from sltune.profiling.schema import TrialSpec
+
+
+def main(spec_data: dict[str, Any], conn) -> None:
+    """Entry point in the child process: run the trial, send one result dict, exit."""
+    spec = TrialSpec.model_validate(spec_data)
+    try:
+        result = run(spec)
+    except BaseException as err:  # noqa: BLE001 - everything is reported, nothing escapes silently
+        result = describe_failure(err)
+    result.setdefault("config", spec.knobs())
+    try:
+        conn.send(result)
+    finally:
+        conn.close()
+
+
+def describe_failure(err: BaseException) -> dict[str, Any]:
+    from sltune.runtime.memory import DeviceMemoryExceeded
+
+    if isinstance(err, DeviceMemoryExceeded):
+        return {"status": "oom", "error": str(err), "peak_device_bytes": err.peak_bytes}
+    if isinstance(err, torch.OutOfMemoryError):
+        return {"status": "oom", "error": f"device out of memory: {err}"}
+    if isinstance(err, MemoryError):
+        return {"status": "oom", "error": "host memory exhausted (MemoryError); lower num_sub_batches or "
+                                          "sub_batch_size, or give the trial more host memory"}
+    tail = "".join(traceback.format_exception(err)[-3:]).strip()
+    return {"status": "failed", "error": f"{type(err).__name__}: {err}", "traceback": tail}
+
+
+def host_peak_bytes() -> int:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+def run(spec: TrialSpec) -> dict[str, Any]:
+    from sltune.config import SpeedLoaderConfig
+    from sltune.data import batches
+    from sltune.models import build
+    from sltune.profiling.breakdown import profile_call
+    from sltune.runtime.engine import SpeedLoaderEngine
+
+    torch.manual_seed(spec.seed)
+    cfg = SpeedLoaderConfig(sub_batch_size=spec.sub_batch_size, num_sub_batches=spec.num_sub_batches,
+                            num_live_blocks=spec.num_live_blocks, schedule=spec.schedule, device=spec.device,
+                            dtype=spec.dtype, device_memory_limit=spec.device_memory_limit)
+    model = build(spec.model, seed=spec.seed, dtype=spec.dtype)
+    if spec.mode == "generate":
+        return _run_generate(spec, cfg, model)
+    model.train()
+    engine = SpeedLoaderEngine(model, cfg, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-5))
+    data = batches(spec.rows, spec.seq_len, model.config.vocab_size, seed=spec.seed)
+
+    peak_device = None
+    for _ in range(spec.warmup_steps):
+        res = engine.train_step(next(data))
+        peak_device = res.peak_device_bytes if peak_device is None else max(peak_device, res.peak_device_bytes or 0)
+    timed = [engine.train_step(next(data)) for _ in range(spec.steps)]
+    seconds = sum(r.seconds for r in timed)
+    result: dict[str, Any] = {
+        "status": "ok",
+        "tokens_per_s": sum(r.tokens for r in timed) / seconds,
+        "step_seconds": seconds / len(timed),
+        "peak_device_bytes": peak_device,
+        "peak_host_bytes": host_peak_bytes(),
+        "io": timed[-1].io.as_dict(),
+        "loss": timed[-1].loss,
+    }
+    if spec.profile:
+        batch = next(data)
+        bd = profile_call(lambda: engine.train_step(batch), trace_path=spec.trace_path)
+        result.update(breakdown=bd.fractions, breakdown_seconds=bd.seconds, top_ops=bd.top_ops,
+                      profiled_step_seconds=bd.wall_seconds, trace_path=spec.trace_path)
+    return result
+
+
+def _run_generate(spec: TrialSpec, cfg, model) -> dict[str, Any]:
+    raise NotImplementedError("generation trials need SpeedLoaderEngine.generate (issue #7)")

@@ -1,0 +1,110 @@
+"""What a trial is asked to run (TrialSpec) and what it reports (TrialResult, the JSON in the design)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from sltune.config import DType, Schedule
+from sltune.sizes import parse_bytes
+
+Status = Literal["ok", "oom", "failed", "timeout"]
+
+
+class TrialSpec(BaseModel):
+    """One configuration of the runtime, run for a few steps in its own process."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | dict[str, Any] = Field("llama-tiny", description="preset, config.json path, or inline config")
+    sub_batch_size: int = Field(1, ge=1)
+    num_sub_batches: int = Field(1, ge=1)
+    num_live_blocks: int = Field(1, ge=1)
+    schedule: Schedule = "speedloader"
+    mode: Literal["train", "generate"] = "train"
+    seq_len: int = Field(128, ge=2, description="train: tokens per row")
+    prompt_len: int = Field(32, ge=1, description="generate: prompt tokens per row")
+    new_tokens: int = Field(16, ge=1, description="generate: tokens generated per row")
+    world_size: int = Field(1, ge=1)
+    device: str = "cpu"
+    dtype: DType = "float32"
+    device_memory_limit: int | None = None
+    host_memory_limit: int | None = Field(None, description="the trial is stopped as 'oom' above this RSS")
+    steps: int = Field(2, ge=1, description="timed steps")
+    warmup_steps: int = Field(1, ge=1, description="untimed steps first; the first measures device memory")
+    profile: bool = True
+    trace_path: str | None = None
+    timeout_s: float = Field(600.0, gt=0)
+    seed: int = 0
+
+    @field_validator("device_memory_limit", "host_memory_limit", mode="before")
+    @classmethod
+    def _sizes(cls, value: Any, info) -> int | None:
+        return None if value is None else parse_bytes(value, info.field_name)
+
+    @property
+    def rows(self) -> int:
+        return self.sub_batch_size * self.num_sub_batches
+
+    def knobs(self) -> dict[str, Any]:
+        return {"sub_batch_size": self.sub_batch_size, "num_sub_batches": self.num_sub_batches,
+                "num_live_blocks": self.num_live_blocks, "schedule": self.schedule,
+                "seq_len": self.seq_len if self.mode == "train" else self.prompt_len + self.new_tokens,
+                "world_size": self.world_size}
+
+
+class TrialConfig(BaseModel):
+    sub_batch_size: int
+    num_sub_batches: int
+    num_live_blocks: int
+    schedule: Schedule
+    seq_len: int
+    world_size: int = 1
+
+
+class BreakdownFractions(BaseModel):
+    compute: float = 0.0
+    memcpy: float = 0.0
+    cpu: float = 0.0
+    all_gather: float = 0.0
+    reduce_scatter: float = 0.0
+    other: float = 0.0
+
+
+class IOBytes(BaseModel):
+    param_load_bytes: int = 0
+    grad_offload_bytes: int = 0
+    act_offload_bytes: int = 0
+    act_load_bytes: int = 0
+    allgather_bytes: int = 0
+    reduce_scatter_bytes: int = 0
+    kv_load_bytes: int = 0
+    kv_offload_bytes: int = 0
+
+
+class TrialResult(BaseModel):
+    """The design's TrialResult, plus the raw seconds behind the fractions and the top operators."""
+
+    status: Status
+    error: str | None = None
+    config: TrialConfig
+    tokens_per_s: float | None = None
+    step_seconds: float | None = None
+    peak_device_bytes: int | None = None
+    peak_host_bytes: int | None = None
+    breakdown: BreakdownFractions | None = None
+    io: IOBytes = Field(default_factory=IOBytes)
+    breakdown_seconds: dict[str, float] | None = None
+    top_ops: list[dict[str, Any]] = Field(default_factory=list)
+    profiled_step_seconds: float | None = None
+    loss: float | None = None
+    trace_path: str | None = None
+    wall_seconds: float | None = None
+    ranks: list[dict[str, Any]] = Field(default_factory=list, description="per-rank figures when world_size > 1")
+
+    @model_validator(mode="after")
+    def _error_when_not_ok(self) -> "TrialResult":
+        if self.status != "ok" and not self.error:
+            raise ValueError("a trial that is not ok must say why (error)")
+        return self

@@ -1,0 +1,117 @@
+"""Trials run in their own process and always answer: ok with measurements, or why not."""
+
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import psutil
+import pytest
+
+from sltune.profiling import SLICES, TrialResult, run_trial
+
+# ~5M parameters: large enough that parameter copies, not per-copy overhead, dominate memcpy time
+MID = {"model_type": "llama", "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 704,
+       "num_hidden_layers": 4, "num_attention_heads": 4, "max_position_embeddings": 512}
+
+
+def trial(**kw) -> TrialResult:
+    spec = dict(model="llama-tiny", seq_len=32, steps=1, timeout_s=120)
+    spec.update(kw)
+    return run_trial(spec)
+
+
+def test_cli_json_is_a_trial_result_whose_fractions_sum_to_one(tmp_path):
+    trace = tmp_path / "trace.json"
+    out = subprocess.run([sys.executable, "-m", "sltune", "profile", "--model", "llama-tiny", "--sub-batch-size",
+                          "2", "--num-sub-batches", "3", "--num-live-blocks", "2", "--seq-len", "32", "--trace",
+                          str(trace), "--json"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    result = TrialResult.model_validate(data)
+    assert result.status == "ok" and result.error is None
+    assert data["config"] == {"sub_batch_size": 2, "num_sub_batches": 3, "num_live_blocks": 2,
+                              "schedule": "speedloader", "seq_len": 32, "world_size": 1}
+    assert set(data["breakdown"]) == set(SLICES)
+    assert sum(data["breakdown"].values()) == pytest.approx(1.0, abs=1e-9)
+    assert data["breakdown"]["compute"] > 0.1 and data["breakdown"]["memcpy"] > 0
+    assert sum(result.breakdown_seconds.values()) == pytest.approx(result.profiled_step_seconds, rel=1e-6)
+    assert result.tokens_per_s > 0 and result.step_seconds > 0
+    assert result.peak_device_bytes > 0 and result.peak_host_bytes > result.peak_device_bytes
+    assert result.io.param_load_bytes > 0 and result.top_ops[0]["name"].startswith("aten::")
+    events = json.loads(trace.read_text())["traceEvents"]      # opens in Perfetto: Chrome trace JSON
+    assert any(e.get("name") == "sltune.step" for e in events)
+    assert any(str(e.get("name", "")).startswith("sltune.memcpy.param_load_bytes") for e in events)
+
+
+def test_canonical_spends_a_larger_share_on_copies_at_small_sub_batches():
+    shares = {s: trial(model=MID, sub_batch_size=1, num_sub_batches=8, schedule=s).breakdown.memcpy
+              for s in ("speedloader", "canonical")}
+    assert shares["canonical"] > shares["speedloader"], shares
+
+
+def test_device_limit_below_the_measured_peak_is_oom_with_the_peak():
+    ok = trial(sub_batch_size=2, num_sub_batches=2, profile=False)
+    limit = ok.peak_device_bytes // 2
+    out = subprocess.run([sys.executable, "-m", "sltune", "profile", "--model", "llama-tiny", "--sub-batch-size", "2",
+                          "--num-sub-batches", "2", "--seq-len", "32", "--steps", "1", "--device-memory-limit",
+                          str(limit), "--json"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 3
+    result = TrialResult.model_validate_json(out.stdout)
+    assert result.status == "oom" and result.tokens_per_s is None
+    assert result.peak_device_bytes > limit
+    assert str(result.peak_device_bytes) in result.error and str(limit) in result.error
+
+
+def test_a_trial_that_hangs_times_out_on_time():
+    start = time.monotonic()
+    result = trial(steps=10**6, timeout_s=4, profile=False)
+    assert result.status == "timeout" and "timeout_s=4" in result.error
+    assert time.monotonic() - start < 4 + 5
+
+
+def test_a_broken_model_config_fails_with_the_exception_message():
+    broken = {**MID, "hidden_size": 30}
+    result = trial(model=broken)
+    assert result.status == "failed"
+    assert "hidden size (30) is not a multiple of the number of attention heads (4)" in result.error
+
+
+def test_a_killed_trial_process_is_failed_not_a_hang():
+    box = {}
+    thread = threading.Thread(target=lambda: box.update(r=trial(steps=10**6, timeout_s=60, profile=False)))
+    thread.start()
+    me = psutil.Process()
+    victim = None
+    deadline = time.monotonic() + 30
+    while victim is None and time.monotonic() < deadline:
+        servers = [p for p in me.children() if "forkserver" in " ".join(p.cmdline())]
+        trials = [c for s in servers for c in s.children()]
+        victim = trials[0] if trials else None
+        time.sleep(0.1)
+    assert victim is not None, "no trial process appeared"
+    time.sleep(1.0)
+    victim.kill()
+    thread.join(30)
+    assert not thread.is_alive()
+    result = box["r"]
+    assert result.status == "failed" and "SIGKILL" in result.error
+
+
+def test_host_memory_limit_stops_the_trial_as_oom():
+    result = trial(host_memory_limit="50MiB", steps=10**6, timeout_s=60, profile=False)
+    assert result.status == "oom" and "host_memory_limit" in result.error
+    assert result.peak_host_bytes > 50 * 2**20
+
+
+def test_measured_peaks_follow_the_resource_model():
+    """Device peaks rise with sub-batch size and live blocks; host peaks with N*b*s (the design note)."""
+    dev = {(b, k): trial(sub_batch_size=b, num_sub_batches=2, num_live_blocks=k, seq_len=64,
+                         profile=False).peak_device_bytes for b, k in [(1, 1), (4, 1), (1, 4)]}
+    assert dev[(4, 1)] > dev[(1, 1)] and dev[(1, 4)] > dev[(1, 1)], dev
+    host = [trial(sub_batch_size=b, num_sub_batches=n, seq_len=256, profile=False).peak_host_bytes
+            for n, b in [(1, 1), (8, 8), (16, 8)]]
+    assert host[0] < host[1] < host[2], host
+    # the host activation buffer alone grows by 5 edges * 16384 tokens * 64 * 4 bytes between the last two
+    assert host[2] - host[1] > 15 * 2**20, host

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from sltune.cli import profile, train
+from sltune.cli import profile, train, tune
 
-COMMANDS = [train, profile]
+COMMANDS = [train, profile, tune]
 
 
 def parser() -> argparse.ArgumentParser:

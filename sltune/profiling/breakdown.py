@@ -18,9 +18,11 @@ costs seconds for the ~35k events of a small step; nesting them here costs a ten
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -55,11 +57,30 @@ def profile_call(fn: Callable[[], Any], trace_path: str | None = None, top: int 
     activities = [ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(ProfilerActivity.CUDA)
-    with profile(activities=activities) as prof:
+    with _kineto_quiet(), profile(activities=activities) as prof:
         fn()
     if trace_path:
         prof.export_chrome_trace(str(trace_path))
     return attribute(_events(prof), top)
+
+
+@contextlib.contextmanager
+def _kineto_quiet() -> Iterator[None]:
+    """Kineto prints 'profiler_start'/'profiler_stop' lines to fd 2 from C++ with no setting to stop it;
+    they would land in every CLI's output. Errors still surface as exceptions."""
+    try:
+        saved = os.dup(2)
+    except OSError:
+        yield
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
 
 
 def _events(prof) -> list[_Event]:

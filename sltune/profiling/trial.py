@@ -13,7 +13,7 @@ import multiprocessing as mp
 import os
 import signal
 import time
-from typing import Any
+from typing import Any, Callable
 
 import psutil
 
@@ -36,13 +36,16 @@ def _context() -> mp.context.BaseContext:
     return _CONTEXT
 
 
-def run_trial(spec: TrialSpec | dict[str, Any]) -> TrialResult:
-    """Run one trial in a child process and return what it measured, or why it has no measurement."""
+def run_trial(spec: TrialSpec | dict[str, Any], stop: Callable[[], str | None] | None = None) -> TrialResult:
+    """Run one trial in a child process and return what it measured, or why it has no measurement.
+
+    `stop` is polled while the trial runs; when it returns a reason the trial is killed and reported as
+    failed with "cancelled: <reason>"."""
     spec = TrialSpec.model_validate(spec) if not isinstance(spec, TrialSpec) else spec
     if spec.world_size > 1:
         from sltune.profiling.distributed import run_distributed_trial
 
-        return run_distributed_trial(spec)
+        return run_distributed_trial(spec, stop)
     from sltune.profiling import child
 
     ctx = _context()
@@ -51,7 +54,7 @@ def run_trial(spec: TrialSpec | dict[str, Any]) -> TrialResult:
     start = time.monotonic()
     proc.start()
     send.close()
-    outcome = _wait(proc, recv, spec, start)
+    outcome = _wait(proc, recv, spec, start, stop)
     _stop(proc)
     recv.close()
     outcome.setdefault("config", spec.knobs())
@@ -60,10 +63,15 @@ def run_trial(spec: TrialSpec | dict[str, Any]) -> TrialResult:
     return TrialResult.model_validate(outcome)
 
 
-def _wait(proc, recv, spec: TrialSpec, start: float) -> dict[str, Any]:
+def _wait(proc, recv, spec: TrialSpec, start: float, stop: Callable[[], str | None] | None) -> dict[str, Any]:
     deadline = start + spec.timeout_s
     watcher = _Watcher(proc.pid)
+    last_check = 0.0
     while True:
+        if stop is not None and time.monotonic() - last_check > 0.5:
+            last_check = time.monotonic()
+            if why := stop():
+                return {"status": "failed", "error": f"cancelled: {why}"}
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             return {"status": "timeout",

@@ -1,0 +1,131 @@
+"""`sltune tune`, `sltune export` and `sltune plan`: tuning jobs without a server."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from tqdm import tqdm
+
+from sltune.settings import Settings
+from sltune.sizes import format_bytes
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("tune", help="run a tuning job here (resumes an unfinished one with the same spec)",
+                       description="Search sub-batch size, effective batch and live blocks for the fastest config "
+                                   "that fits the spec's memory limits. Re-running the same command with the same "
+                                   "--db resumes an interrupted job without repeating finished trials.")
+    p.add_argument("spec", help="tuning spec YAML (see README)")
+    p.add_argument("--out", help="write the best config YAML here")
+    p.add_argument("--strategy", choices=["oneshot", "grid", "random", "tpe"], help="override search.strategy")
+    p.add_argument("--db", help="SQLAlchemy URL (default: SQLite in $SLTUNE_DATA_DIR or ./sltune-data)")
+    p.add_argument("--job-id", help="resume (or name) this job")
+    p.add_argument("--json", action="store_true", help="print the job result as JSON")
+    p.set_defaults(run=run_tune)
+
+    e = sub.add_parser("export", help="write the best config of a finished job as YAML")
+    e.add_argument("job_id")
+    e.add_argument("--db")
+    e.add_argument("--out", help="file to write (default: print)")
+    e.set_defaults(run=run_export)
+
+    pl = sub.add_parser("plan", help="predict the best config under other memory limits, no trials")
+    pl.add_argument("--from", dest="source", required=True, help="a best-config YAML exported by a job")
+    pl.add_argument("--device-memory-limit")
+    pl.add_argument("--host-memory-limit")
+    pl.add_argument("--json", action="store_true")
+    pl.set_defaults(run=run_plan)
+
+
+def run_tune(args: argparse.Namespace) -> int:
+    from sltune.tuning.result import export_yaml
+    from sltune.tuning.runner import tune
+    from sltune.tuning.spec import TuningSpec
+
+    spec = TuningSpec.load(args.spec)
+    if args.strategy:
+        spec = TuningSpec.model_validate({**spec.model_dump(), "search": {**spec.search.model_dump(),
+                                                                          "strategy": args.strategy}})
+    bar = tqdm(total=spec.search.max_trials, unit="trial", desc=f"tune {spec.name} ({spec.search.strategy})",
+               disable=args.json)
+
+    def progress(p: dict) -> None:
+        bar.n = p["trials_done"]
+        best = p.get("best_tokens_per_s")
+        bar.set_postfix(best=f"{best:,.1f} tok/s" if best else "-", left=f"{p['time_left_s']:.0f}s",
+                        phase=p.get("phase"))
+        bar.refresh()
+
+    result = tune(spec, args.db, job_id=args.job_id, progress=progress)
+    bar.close()
+    if args.out and result["best"]:
+        export_yaml(spec, result, args.out)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(describe(result, args.out))
+    return 0 if result["status"] == "succeeded" else 1
+
+
+def describe(r: dict, out: str | None = None) -> str:
+    lines = [f"job {r['job_id']} {r['status']}: {len(r['trials'])} trials of {r['space_size']} configs "
+             f"in {r['wall_seconds']:.0f}s ({r['stop_reason']})"]
+    if r.get("error"):
+        lines.append(f"  {r['error']}")
+    if r["best"]:
+        b, p = r["best"], r["predicted"] or {}
+        c = b["config"]
+        lines.append(f"  best: b={c['sub_batch_size']} N={c['num_sub_batches']} k={c['num_live_blocks']} "
+                     f"({c['schedule']}): {b['tokens_per_s']:,.1f} tokens/s measured")
+        lines.append(f"  peaks: device {format_bytes(b['peak_device_bytes'])} (predicted "
+                     f"{format_bytes(p.get('peak_device_bytes'))}), host {format_bytes(b['peak_host_bytes'])} "
+                     f"(predicted {format_bytes(p.get('peak_host_bytes'))}); binding limit: {r['binding_limit']}")
+    for kind, m in r["models"].items():
+        r2 = f"{m['r2']:.3f}" if m.get("r2") is not None else "-"
+        loo = f"{m['loo_rel_error']:.1%}" if m.get("loo_rel_error") is not None else "-"
+        lines.append(f"  model {kind}: {m['n']} points, R^2 {r2}, leave-one-out error {loo}")
+    if out and r["best"]:
+        lines.append(f"  wrote {out}: train with `sltune train --config {out} --model ...`")
+    return "\n".join(lines)
+
+
+def run_export(args: argparse.Namespace) -> int:
+    from sltune.store import Store
+    from sltune.tuning.result import export_yaml
+    from sltune.tuning.spec import TuningSpec
+
+    store = Store(args.db or Settings().db_url())
+    job = store.job(args.job_id)
+    if job is None:
+        raise ValueError(f"no job {args.job_id!r} in {store.url}")
+    if job.status != "succeeded":
+        raise ValueError(f"job {job.id} is {job.status}; only a succeeded job has a best config")
+    text = export_yaml(TuningSpec.model_validate(job.spec), job.result, args.out)
+    if not args.out:
+        print(text, end="")
+    return 0
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from sltune.tuning.plan import plan
+
+    r = plan(args.source, args.device_memory_limit, args.host_memory_limit)
+    if args.json:
+        print(json.dumps(r))
+        return 0 if r["best"] else 1
+    lim = r["limits"]
+    print(f"limits: device {format_bytes(lim['device_memory_limit'])}, host {format_bytes(lim['host_memory_limit'])}: "
+          f"{r['fitting']} of {r['candidates']} configs predicted to fit")
+    if not r["best"]:
+        print(f"  {r['message']}")
+        return 1
+    c, p = r["best"]["config"], r["best"]["predicted"]
+    print(f"  best: b={c['sub_batch_size']} N={c['num_sub_batches']} k={c['num_live_blocks']}: "
+          f"{p['tokens_per_s']:,.1f} tokens/s predicted; device {format_bytes(p['peak_device_bytes'])}, "
+          f"host {format_bytes(p['peak_host_bytes'])}; binding limit: {r['best']['binding_limit']}")
+    print(f"  confidence: {r['confidence']['summary']}")
+    m = r["measured_best"]
+    print(f"  (the job measured {m['tokens_per_s']:,.1f} tokens/s at b={m['config']['sub_batch_size']} "
+          f"N={m['config']['num_sub_batches']} k={m['config']['num_live_blocks']})")
+    return 0

@@ -1,0 +1,165 @@
+"""Operations on the store, each one short transaction; the tuner and the service share them."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import timedelta
+from typing import Any
+
+from sqlalchemy import and_, or_, select, update
+
+from sltune.store.db import is_postgres, sessions
+from sltune.store.schema import Artifact, Fit, Job, Trial, now
+
+ACTIVE = ("queued", "running")
+FINISHED = ("succeeded", "failed", "cancelled")
+
+
+class Store:
+    """A handle on one database (SQLite file or PostgreSQL), by URL."""
+
+    def __init__(self, url: str):
+        self.url = url
+        self.Session = sessions(url)
+
+    # -- jobs --------------------------------------------------------------------------------------
+    def create_job(self, name: str, spec: dict[str, Any], spec_hash: str, requirements: dict[str, Any],
+                   job_id: str | None = None, status: str = "queued") -> Job:
+        job = Job(id=job_id or uuid.uuid4().hex[:12], name=name, spec=spec, spec_hash=spec_hash, status=status,
+                  requirements=requirements, progress={"trials_done": 0, "max_trials": spec["search"]["max_trials"]})
+        with self.Session.begin() as s:
+            s.add(job)
+        return job
+
+    def job(self, job_id: str) -> Job | None:
+        with self.Session() as s:
+            return s.get(Job, job_id)
+
+    def jobs(self, limit: int = 100, status: str | None = None) -> list[Job]:
+        with self.Session() as s:
+            q = select(Job).order_by(Job.created_at.desc()).limit(limit)
+            if status:
+                q = q.where(Job.status == status)
+            return list(s.scalars(q))
+
+    def resumable(self, spec_hash: str) -> Job | None:
+        """The newest unfinished job with this exact spec: a re-run of the same command resumes it."""
+        with self.Session() as s:
+            return s.scalars(select(Job).where(Job.spec_hash == spec_hash, Job.status.in_(ACTIVE))
+                             .order_by(Job.created_at.desc()).limit(1)).first()
+
+    def set_status(self, job_id: str, status: str, **fields: Any) -> None:
+        values: dict[str, Any] = {"status": status, **fields}
+        if status == "running":
+            values.setdefault("started_at", now())
+        if status in FINISHED:
+            values["finished_at"] = now()
+            values["lease_expires_at"] = None
+        with self.Session.begin() as s:
+            s.execute(update(Job).where(Job.id == job_id).values(**values))
+
+    def update_progress(self, job_id: str, progress: dict[str, Any]) -> None:
+        with self.Session.begin() as s:
+            s.execute(update(Job).where(Job.id == job_id).values(progress=progress))
+
+    def request_cancel(self, job_id: str) -> Job | None:
+        """Queued jobs are cancelled now; a running one is asked to stop (its worker checks)."""
+        with self.Session.begin() as s:
+            job = s.get(Job, job_id, with_for_update=True)
+            if job is None:
+                return None
+            if job.status == "queued":
+                job.status, job.finished_at = "cancelled", now()
+            elif job.status == "running":
+                job.cancel_requested = True
+            return job
+
+    def cancel_requested(self, job_id: str) -> bool:
+        with self.Session() as s:
+            return bool(s.scalar(select(Job.cancel_requested).where(Job.id == job_id)))
+
+    # -- workers -----------------------------------------------------------------------------------
+    def claim(self, worker_id: str, can_run, lease_s: float) -> Job | None:
+        """Atomically take a queued job (or one whose worker's lease ran out) that this worker can run.
+
+        PostgreSQL: SELECT ... FOR UPDATE SKIP LOCKED, so concurrent workers never see the same row.
+        SQLite: a conditional UPDATE ... WHERE status/lease still as read; whoever updates the row wins.
+        """
+        t = now()
+        claimable = or_(Job.status == "queued",
+                        and_(Job.status == "running", Job.lease_expires_at < t))
+        with self.Session.begin() as s:
+            q = select(Job).where(claimable).order_by(Job.created_at)
+            if is_postgres(self.url):
+                q = q.with_for_update(skip_locked=True)
+            for job in s.scalars(q.limit(50)):
+                if not can_run(job.requirements):
+                    continue
+                res = s.execute(
+                    update(Job).where(Job.id == job.id, Job.status == job.status,
+                                      or_(Job.lease_expires_at.is_(None), Job.lease_expires_at == job.lease_expires_at))
+                    .values(status="running", worker_id=worker_id, lease_expires_at=t + timedelta(seconds=lease_s),
+                            heartbeat_at=t, attempts=job.attempts + 1, started_at=job.started_at or t)
+                    .execution_options(synchronize_session=False))
+                if res.rowcount == 1:
+                    return s.get(Job, job.id, populate_existing=True)
+        return None
+
+    def heartbeat(self, job_id: str, worker_id: str, lease_s: float) -> bool:
+        """Extend the lease; False if this worker no longer holds the job."""
+        t = now()
+        with self.Session.begin() as s:
+            res = s.execute(update(Job).where(Job.id == job_id, Job.worker_id == worker_id, Job.status == "running")
+                            .values(heartbeat_at=t, lease_expires_at=t + timedelta(seconds=lease_s)))
+            return res.rowcount == 1
+
+    def unrunnable(self, can_run_any) -> list[Job]:
+        with self.Session() as s:
+            return [j for j in s.scalars(select(Job).where(Job.status == "queued")) if not can_run_any(j.requirements)]
+
+    # -- trials ------------------------------------------------------------------------------------
+    def trials(self, job_id: str) -> list[Trial]:
+        with self.Session() as s:
+            return list(s.scalars(select(Trial).where(Trial.job_id == job_id).order_by(Trial.number)))
+
+    def trial(self, job_id: str, number: int) -> Trial | None:
+        with self.Session() as s:
+            return s.scalars(select(Trial).where(Trial.job_id == job_id, Trial.number == number)).first()
+
+    def start_trial(self, job_id: str, number: int, role: str, config: dict[str, Any], predicted: dict[str, Any],
+                    optuna_number: int | None, worker_id: str | None) -> None:
+        with self.Session.begin() as s:
+            s.add(Trial(job_id=job_id, number=number, role=role, config=config, status="running",
+                        predicted=predicted, optuna_number=optuna_number, worker_id=worker_id))
+
+    def finish_trial(self, job_id: str, number: int, result: dict[str, Any]) -> None:
+        with self.Session.begin() as s:
+            s.execute(update(Trial).where(Trial.job_id == job_id, Trial.number == number).values(
+                status=result["status"], result=result, tokens_per_s=result.get("tokens_per_s"),
+                peak_device_bytes=result.get("peak_device_bytes"), peak_host_bytes=result.get("peak_host_bytes"),
+                finished_at=now()))
+
+    def interrupt_running_trials(self, job_id: str) -> int:
+        """Trials left 'running' by a dead process: they never finished and will be run again."""
+        with self.Session.begin() as s:
+            res = s.execute(update(Trial).where(Trial.job_id == job_id, Trial.status == "running")
+                            .values(status="interrupted", finished_at=now()))
+            return res.rowcount
+
+    # -- fits and artifacts ------------------------------------------------------------------------
+    def save_fit(self, job_id: str, kind: str, n_trials: int, payload: dict[str, Any]) -> None:
+        with self.Session.begin() as s:
+            s.add(Fit(job_id=job_id, kind=kind, n_trials=n_trials, payload=payload))
+
+    def fits(self, job_id: str) -> list[Fit]:
+        with self.Session() as s:
+            return list(s.scalars(select(Fit).where(Fit.job_id == job_id).order_by(Fit.id)))
+
+    def add_artifact(self, job_id: str, trial_number: int | None, kind: str, path: str, nbytes: int) -> None:
+        with self.Session.begin() as s:
+            s.add(Artifact(job_id=job_id, trial_number=trial_number, kind=kind, path=path, bytes=nbytes))
+
+    def artifact(self, job_id: str, trial_number: int, kind: str) -> Artifact | None:
+        with self.Session() as s:
+            return s.scalars(select(Artifact).where(Artifact.job_id == job_id, Artifact.trial_number == trial_number,
+                                                    Artifact.kind == kind)).first()

@@ -1,0 +1,73 @@
+"""What-if planning: the best config under other memory limits, predicted from a job's fitted models.
+
+No trial runs. The answer says how far to trust it: the models' leave-one-out errors, and every knob
+whose value lies outside the range the fits were measured on (an extrapolation).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from sltune.tuning.fit import LinearFit
+from sltune.tuning.shape import shape_of
+from sltune.tuning.space import SearchSpace
+from sltune.tuning.spec import TuningSpec
+from sltune.tuning.state import SearchState
+
+
+def plan(path: str | Path, device_memory_limit: int | str | None = None,
+         host_memory_limit: int | str | None = None) -> dict[str, Any]:
+    data = yaml.safe_load(Path(path).read_text())
+    missing = [k for k in ("resource_models", "search_space", "provenance", "workload") if k not in (data or {})]
+    if missing:
+        raise ValueError(f"{path}: no {', '.join(missing)}; plan needs a best-config file exported by a tuning job")
+    prov, work, limits = data["provenance"], data["workload"], data.get("limits", {})
+    hardware = dict(prov["hardware"])
+    if device_memory_limit is not None:
+        hardware["device_memory_limit"] = device_memory_limit
+    if host_memory_limit is not None:
+        hardware["host_memory_limit"] = host_memory_limit
+    space_desc = data["search_space"]
+    search = {"schedule": data.get("schedule", "speedloader"), "margin": limits.get("margins", {}).get("device", 0.05),
+              **{k: v for k, v in space_desc.items()}}
+    spec = TuningSpec.parse({"name": f"plan from {prov.get('job_id')}", "model": prov["model"],
+                             "workload": {k: v for k, v in work.items() if k != "world_size"},
+                             "hardware": hardware, "search": search}, source=str(path))
+    shape = shape_of(spec.model.source, spec.model.dtype)
+    state = SearchState(spec, shape, SearchSpace(spec, shape))
+    state.fits = {k: LinearFit.from_dict(v) for k, v in data["resource_models"].items()}
+    state.margins.update(limits.get("margins", {}))
+    preds = {c: state.predict(c) for c in state.space.candidates}
+    fitting = [c for c, p in preds.items() if p.fits and p.tokens_per_s]
+    out: dict[str, Any] = {"source": str(path), "job_id": prov.get("job_id"),
+                           "limits": {"device_memory_limit": spec.hardware.device_memory_limit,
+                                      "host_memory_limit": spec.hardware.host_memory_limit},
+                           "candidates": len(preds), "fitting": len(fitting), "best": None}
+    if not fitting:
+        out["message"] = "no config in the search space is predicted to fit these limits"
+        return out
+    fitting.sort(key=lambda c: (preds[c].tokens_per_s, c.batch), reverse=True)
+
+    def flags(c) -> list[str]:
+        return sorted({name for fit in state.fits.values() for name in fit.extrapolated(state.vars(c))})
+
+    out["configs"] = [{"config": c.knobs(), "predicted": preds[c].to_dict(), "extrapolated": flags(c)}
+                      for c in fitting]
+    best = fitting[0]
+    extrapolated = flags(best)
+    loo = {k: f.loo_rel_error for k, f in state.fits.items()}
+    out["best"] = {"config": {**best.knobs(), "schedule": spec.search.schedule}, "predicted": preds[best].to_dict(),
+                   "binding_limit": state.binding_limit(best)}
+    out["confidence"] = {
+        "extrapolated": extrapolated,
+        "leave_one_out_error": loo,
+        "summary": (f"extrapolates {', '.join(extrapolated)} beyond the measured range: treat as a first guess "
+                    "and confirm with a trial" if extrapolated else
+                    "within the measured range of every knob; expect errors near the leave-one-out figures"),
+    }
+    out["measured_best"] = {"config": {k: data[k] for k in ("sub_batch_size", "num_sub_batches", "num_live_blocks")},
+                            "tokens_per_s": data.get("measured", {}).get("tokens_per_s")}
+    return out

@@ -1,0 +1,71 @@
+"""A finished job's answer: the best config, its measurements and predictions, the fitted models, which
+limit binds, every trial; and the best-config YAML that training jobs read."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from sltune.config import SpeedLoaderConfig
+from sltune.tuning.spec import TuningSpec
+from sltune.tuning.state import SearchState
+
+
+def job_result(job_id: str, spec: TuningSpec, state: SearchState, stop_reason: str | None,
+               wall_seconds: float) -> dict[str, Any]:
+    best = state.best()
+    out: dict[str, Any] = {
+        "job_id": job_id, "name": spec.name, "strategy": spec.search.strategy, "stop_reason": stop_reason,
+        "wall_seconds": wall_seconds, "best": None, "predicted": None, "binding_limit": None,
+        "models": {k: f.to_dict() for k, f in state.fits.items()},
+        "margins": state.margins, "space_size": len(state.space.candidates),
+        "search_space": state.space.describe(),
+        "trials": [{"number": d.number, "role": d.role, "config": d.candidate.knobs(), "status": d.result["status"],
+                    "tokens_per_s": d.result.get("tokens_per_s"),
+                    "peak_device_bytes": d.result.get("peak_device_bytes"),
+                    "peak_host_bytes": d.result.get("peak_host_bytes"), "error": d.result.get("error")}
+                   for d in state.history],
+    }
+    if best is not None:
+        c = best.candidate
+        out["best"] = {"trial_number": best.number, "config": {**c.knobs(), "schedule": spec.search.schedule},
+                       "tokens_per_s": best.tokens_per_s, "step_seconds": best.result.get("step_seconds"),
+                       "peak_device_bytes": best.result.get("peak_device_bytes"),
+                       "peak_host_bytes": best.result.get("peak_host_bytes")}
+        out["predicted"] = state.predict(c).to_dict()
+        out["binding_limit"] = state.binding_limit(c)
+    return out
+
+
+def best_config(spec: TuningSpec, result: dict[str, Any]) -> SpeedLoaderConfig:
+    if not result.get("best"):
+        raise ValueError(f"job {result.get('job_id')} has no best config (status: no successful trial)")
+    c = result["best"]["config"]
+    return SpeedLoaderConfig(sub_batch_size=c["sub_batch_size"], num_sub_batches=c["num_sub_batches"],
+                             num_live_blocks=c["num_live_blocks"], schedule=c["schedule"],
+                             device=spec.hardware.device, dtype=spec.model.dtype,
+                             device_memory_limit=spec.hardware.device_memory_limit)
+
+
+def export_yaml(spec: TuningSpec, result: dict[str, Any], path: str | Path | None = None) -> str:
+    """The best config with what it measured, what the models predicted, the models and its provenance."""
+    from sltune import __version__
+
+    cfg = best_config(spec, result)
+    best = result["best"]
+    return cfg.to_yaml(
+        path,
+        workload={**spec.workload.model_dump(), "world_size": spec.hardware.world_size},
+        measured={k: best[k] for k in ("tokens_per_s", "step_seconds", "peak_device_bytes", "peak_host_bytes")},
+        predicted=result["predicted"],
+        limits={"device_memory_limit": spec.hardware.device_memory_limit,
+                "host_memory_limit": spec.hardware.host_memory_limit, "margins": result["margins"]},
+        binding_limit=result["binding_limit"],
+        resource_models=result["models"],
+        search_space=result["search_space"],
+        provenance={"job_id": result["job_id"], "job_name": spec.name, "strategy": result["strategy"],
+                    "trial_number": best["trial_number"], "trials": len(result["trials"]),
+                    "model": spec.model.model_dump(exclude_none=True), "hardware": spec.hardware.model_dump(),
+                    "sltune_version": __version__, "created_at": datetime.now(timezone.utc).isoformat()},
+    )

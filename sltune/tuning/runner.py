@@ -1,0 +1,202 @@
+"""Running a tuning job: propose, run an isolated trial, record it, refit, report progress; resumable.
+
+The job's trials live in the store and its Optuna study in the same database, so a job killed at any
+point and started again (same spec, same --db) picks up where it was: finished trials are read back,
+a trial that was running is marked interrupted and run again, nothing finished runs twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import optuna
+
+from sltune.profiling import run_trial
+from sltune.profiling.schema import TrialSpec
+from sltune.settings import Settings
+from sltune.store import Store
+from sltune.store.db import normalize_url
+from sltune.tuning.result import job_result
+from sltune.tuning.shape import shape_of
+from sltune.tuning.space import Candidate, SearchSpace
+from sltune.tuning.spec import TuningSpec
+from sltune.tuning.state import Done, SearchState
+from sltune.tuning.strategies import STRATEGIES, Stop
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+log = logging.getLogger("sltune.tuning")
+
+ProgressFn = Callable[[dict[str, Any]], None]
+StopFn = Callable[[], str | None]
+MAX_REPEATS = 200   # asks that return an already-tried or invalid config before the sampler is given up on
+
+
+def tune(spec: TuningSpec | dict[str, Any] | str | Path, db: str | None = None, *, strategy: str | None = None,
+         job_id: str | None = None, progress: ProgressFn | None = None, settings: Settings | None = None) -> dict[str, Any]:
+    """A whole tuning job in this process: create it (or resume the unfinished one with the same spec)."""
+    settings = settings or Settings()
+    if isinstance(spec, (str, Path)):
+        spec = TuningSpec.load(spec)
+    elif isinstance(spec, dict):
+        spec = TuningSpec.parse(spec)
+    if strategy is not None:
+        spec = TuningSpec.model_validate({**spec.model_dump(), "search": {**spec.search.model_dump(),
+                                                                          "strategy": strategy}})
+    store = Store(db or settings.db_url())
+    job = store.job(job_id) if job_id else store.resumable(spec.digest())
+    if job is None:
+        job = store.create_job(spec.name, spec.model_dump(mode="json"), spec.digest(), requirements(spec),
+                               job_id=job_id, status="running")
+    return run_job(store, job.id, progress=progress, artifact_dir=settings.artifact_dir())
+
+
+def requirements(spec: TuningSpec) -> dict[str, Any]:
+    """What a worker must offer to run this job."""
+    hw = spec.hardware
+    return {"device": hw.device_kind, "device_memory_limit": hw.device_memory_limit, "world_size": hw.world_size}
+
+
+def optuna_storage(url: str) -> optuna.storages.RDBStorage:
+    url = normalize_url(url)
+    kwargs = {"connect_args": {"timeout": 30}} if url.startswith("sqlite") else {"pool_pre_ping": True}
+    return optuna.storages.RDBStorage(url, engine_kwargs=kwargs)
+
+
+def run_job(store: Store, job_id: str, *, progress: ProgressFn | None = None, should_stop: StopFn | None = None,
+            worker_id: str | None = None, artifact_dir: Path | None = None) -> dict[str, Any]:
+    job = store.job(job_id)
+    if job is None:
+        raise ValueError(f"no job {job_id!r} in {store.url}")
+    spec = TuningSpec.model_validate(job.spec)
+    shape = shape_of(spec.model.source, spec.model.dtype)
+    space = SearchSpace(spec, shape)
+    state = SearchState(spec, shape, space)
+    store.set_status(job_id, "running")
+    store.interrupt_running_trials(job_id)
+    finished = [t for t in store.trials(job_id) if t.status not in ("running", "interrupted")]
+    for t in finished:
+        state.history.append(Done(t.number, Candidate(t.config["sub_batch_size"], t.config["num_sub_batches"],
+                                                      t.config["num_live_blocks"]), t.role, t.result))
+    state.refit()
+    number = max((t.number for t in store.trials(job_id)), default=-1) + 1
+
+    study = optuna.create_study(study_name=f"sltune-{job_id}", storage=optuna_storage(store.url),
+                                direction="maximize", load_if_exists=True,
+                                sampler=STRATEGIES[spec.search.strategy](state, spec.search.seed).sampler())
+    for stale in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+        study.tell(stale.number, state=optuna.trial.TrialState.FAIL)
+    strategy = STRATEGIES[spec.search.strategy](state, spec.search.seed)
+
+    search = spec.search
+    elapsed_before = float(job.progress.get("elapsed_s", 0.0))
+    start = time.monotonic()
+    trial_seconds: list[float] = []
+    repeats = 0
+    stop_reason = None
+
+    def elapsed() -> float:
+        return elapsed_before + time.monotonic() - start
+
+    def report(last: dict[str, Any] | None = None, phase: str = "running") -> None:
+        best = state.best()
+        done = len(state.history)
+        avg = sum(trial_seconds) / len(trial_seconds) if trial_seconds else None
+        left = search.time_budget_s - elapsed()
+        if avg is not None:
+            left = min(left, (search.max_trials - done) * avg)
+        payload = {"trials_done": done, "max_trials": search.max_trials, "elapsed_s": round(elapsed(), 2),
+                   "time_left_s": max(0.0, round(left, 1)), "phase": phase, "stop_reason": stop_reason,
+                   "best_tokens_per_s": best.tokens_per_s if best else None,
+                   "best_config": best.candidate.knobs() if best else None, "last_trial": last}
+        store.update_progress(job_id, payload)
+        if progress:
+            progress(payload)
+
+    report(phase="starting")
+    while True:
+        if len(state.history) >= search.max_trials:
+            stop_reason = f"max_trials ({search.max_trials}) reached"
+            break
+        if elapsed() >= search.time_budget_s:
+            stop_reason = f"time_budget_s ({search.time_budget_s:g}s) used up"
+            break
+        if should_stop and (why := should_stop()):
+            stop_reason = why
+            break
+        proposal = strategy.propose()
+        if isinstance(proposal, Stop):
+            stop_reason = proposal.reason
+            break
+        if proposal.candidate is not None:
+            study.enqueue_trial(space.params(proposal.candidate))
+        ot = study.ask(space.distributions())
+        cand = space.candidate(ot.params)
+        if cand is None or cand in state.tried:
+            prev = next((d for d in state.history if d.candidate == cand), None)
+            if prev is not None and prev.result["status"] in ("ok", "oom"):
+                study.tell(ot, prev.tokens_per_s)
+            else:
+                study.tell(ot, state=optuna.trial.TrialState.PRUNED)
+            repeats += 1
+            if repeats > MAX_REPEATS:
+                stop_reason = "the sampler keeps proposing configs already tried"
+                break
+            continue
+
+        pred = state.predict(cand)
+        trace = None
+        if search.profile and artifact_dir is not None:
+            trace = Path(artifact_dir) / job_id / f"trial-{number}.json"
+            trace.parent.mkdir(parents=True, exist_ok=True)
+        store.start_trial(job_id, number, proposal.role, {**cand.knobs(), "schedule": search.schedule},
+                          pred.to_dict(), ot.number, worker_id)
+        report(last={"number": number, "config": cand.knobs(), "status": "running"}, phase=proposal.role)
+        t0 = time.monotonic()
+        result = run_trial(trial_spec(spec, cand, trace), stop=should_stop).model_dump(mode="json")
+        trial_seconds.append(time.monotonic() - t0)
+        store.finish_trial(job_id, number, result)
+        if trace is not None and trace.exists():
+            store.add_artifact(job_id, number, "trace", str(trace.relative_to(artifact_dir)), trace.stat().st_size)
+        if result["status"] == "ok":
+            study.tell(ot, result["tokens_per_s"])
+        elif result["status"] == "oom":
+            study.tell(ot, 0.0)     # infeasible: the sampler learns to stay away
+        else:
+            study.tell(ot, state=optuna.trial.TrialState.FAIL)
+        state.add(Done(number, cand, proposal.role, result))
+        for kind, fit in state.fits.items():
+            store.save_fit(job_id, kind, fit.n, fit.to_dict())
+        report(last={"number": number, "config": cand.knobs(), "status": result["status"],
+                     "tokens_per_s": result.get("tokens_per_s"), "error": result.get("error")}, phase=proposal.role)
+        number += 1
+        if result["status"] == "failed" and result.get("error", "").startswith("cancelled"):
+            stop_reason = result["error"]
+            break
+
+    cancelled = bool(stop_reason and stop_reason.startswith("cancelled"))
+    out = job_result(job_id, spec, state, stop_reason, elapsed())
+    status = "cancelled" if cancelled else ("succeeded" if out["best"] else "failed")
+    error = None if out["best"] or cancelled else ("no config ran successfully: " + _failures(state))
+    report(phase="finished")
+    store.set_status(job_id, status, result=out, error=error)
+    out["status"] = status
+    out["error"] = error
+    return out
+
+
+def _failures(state: SearchState) -> str:
+    errs = [f"{d.candidate}: {d.result['status']} ({d.result.get('error')})" for d in state.history[-3:]]
+    return "; ".join(errs) or "no trial ran"
+
+
+def trial_spec(spec: TuningSpec, c: Candidate, trace: Path | None) -> TrialSpec:
+    w, hw, s = spec.workload, spec.hardware, spec.search
+    return TrialSpec(model=spec.model.source, dtype=spec.model.dtype, sub_batch_size=c.b, num_sub_batches=c.n,
+                     num_live_blocks=c.k, schedule=s.schedule, mode=w.mode, seq_len=w.seq_len,
+                     prompt_len=w.prompt_len, new_tokens=w.new_tokens, world_size=hw.world_size, device=hw.device,
+                     device_memory_limit=hw.device_memory_limit, host_memory_limit=hw.host_memory_limit,
+                     steps=s.trial_steps, profile=s.profile, trace_path=str(trace) if trace else None,
+                     timeout_s=s.trial_timeout_s, seed=s.seed)

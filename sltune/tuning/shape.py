@@ -1,0 +1,68 @@
+"""A model's shape without its weights: layer count, sizes of the runtime's units, bytes per value.
+
+Built on the meta device, so the shapes of a 70B model cost nothing. The tuner needs them for its
+features (G = number of groups) and for the lower bounds a limit must clear.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    family: str
+    layers: int
+    hidden: int
+    vocab: int
+    itemsize: int
+    layer_bytes: int        # the largest decoder layer's parameters
+    embed_bytes: int        # the embedding unit (without tied weights)
+    head_bytes: int         # final norm + head (without tied weights)
+    tied_bytes: int
+    param_bytes: int        # every parameter once
+
+    def groups(self, k: int) -> int:
+        return math.ceil(self.layers / k)
+
+    def min_device_bytes(self, mode: str) -> int:
+        """What any config needs on the device at least: its largest unit live (with its gradients
+        when training) - the smallest config, k=1, still holds one unit."""
+        unit = max(self.layer_bytes, self.embed_bytes + self.tied_bytes, self.head_bytes + self.tied_bytes)
+        return unit * (2 if mode == "train" else 1)
+
+    def min_host_bytes(self, mode: str) -> int:
+        """Parameters in host memory; training adds gradients and AdamW's two moments."""
+        return self.param_bytes * (4 if mode == "train" else 1)
+
+
+def shape_of(model: Any, dtype: str = "float32") -> ModelShape:
+    from transformers import AutoModelForCausalLM
+
+    from sltune.models import load_config
+    from sltune.runtime.family import CausalLM
+
+    config = load_config(model)
+    itemsize = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(config)
+    meta.eval()
+    prologue, layers, head = CausalLM(meta).param_groups()
+    tied = {id(p) for p in prologue} & {id(p) for p in head}
+
+    def nbytes(ps) -> int:
+        return sum(p.numel() for p in ps) * itemsize
+
+    every = {id(p): p for p in meta.parameters()}
+    return ModelShape(
+        family=config.model_type, layers=len(layers), hidden=config.hidden_size, vocab=config.vocab_size,
+        itemsize=itemsize, layer_bytes=max(nbytes(ps) for ps in layers),
+        embed_bytes=nbytes(p for p in prologue if id(p) not in tied),
+        head_bytes=nbytes(p for p in head if id(p) not in tied),
+        tied_bytes=nbytes(p for p in prologue if id(p) in tied),
+        param_bytes=nbytes(every.values()),
+    )

@@ -1,0 +1,232 @@
+"""The tuning job spec: one pydantic schema for SPEC.yaml and the JSON body of POST /tune.
+
+Every error names the field and the fix. Beyond types and ranges, a spec is checked against the model's
+shape before any trial runs: a memory limit below what even the smallest config needs is refused with
+that predicted minimum.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator,
+                      model_validator)
+
+from sltune.config import DType, Schedule
+from sltune.sizes import format_bytes, parse_bytes
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelSpec(_Strict):
+    """A preset name or an inline transformers config.json; never code, never a server-side path."""
+
+    preset: str | None = None
+    hf_config: dict[str, Any] | None = None
+    dtype: DType = "float32"
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "ModelSpec":
+        from sltune.models import PRESETS, load_config
+
+        if (self.preset is None) == (self.hf_config is None):
+            raise ValueError("give exactly one of model.preset (e.g. llama-tiny) or model.hf_config (a config.json)")
+        if self.preset is not None and self.preset not in PRESETS:
+            raise ValueError(f"model.preset {self.preset!r} is unknown; presets: {', '.join(PRESETS)}")
+        if self.hf_config is not None:
+            load_config(self.hf_config)    # checks family, refuses auto_map / remote code
+        return self
+
+    @property
+    def source(self) -> str | dict[str, Any]:
+        return self.preset if self.preset is not None else self.hf_config
+
+    def describe(self) -> str:
+        return self.preset or f"{self.hf_config.get('model_type')} (inline config)"
+
+
+class Workload(_Strict):
+    mode: Literal["train", "generate"] = "train"
+    seq_len: int = Field(128, ge=2, description="train: tokens per row")
+    prompt_len: int = Field(32, ge=1, description="generate: prompt tokens per row")
+    new_tokens: int = Field(16, ge=1, description="generate: tokens generated per row")
+
+    @property
+    def tokens_per_row(self) -> int:
+        return self.seq_len if self.mode == "train" else self.prompt_len + self.new_tokens
+
+
+class Hardware(_Strict):
+    device: str = "cpu"
+    device_memory_limit: int | None = None
+    host_memory_limit: int | None = None
+    world_size: int = Field(1, ge=1)
+
+    @field_validator("device_memory_limit", "host_memory_limit", mode="before")
+    @classmethod
+    def _size(cls, value: Any, info) -> int | None:
+        return None if value is None else parse_bytes(value, f"hardware.{info.field_name}")
+
+    @property
+    def device_kind(self) -> str:
+        return self.device.split(":")[0]
+
+
+class Range(_Strict):
+    """Powers of two from min to max, plus min and max themselves: {min: 1, max: 12} -> 1, 2, 4, 8, 12."""
+
+    min: int = Field(ge=1)
+    max: int = Field(ge=1)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "Range":
+        if self.min > self.max:
+            raise ValueError(f"min {self.min} > max {self.max}; swap them")
+        return self
+
+    def values(self) -> list[int]:
+        out = {self.min, self.max}
+        p = 1
+        while p <= self.max:
+            if p >= self.min:
+                out.add(p)
+            p *= 2
+        return sorted(out)
+
+
+def _knob(value: Any) -> Any:
+    """One clear message per knob, not one per member of the union."""
+    if isinstance(value, Range):
+        return value
+    if isinstance(value, dict):
+        try:
+            return Range(**value)
+        except ValidationError as err:
+            raise ValueError("; ".join(describe_errors(err))) from None
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, list) and value and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return value
+    raise ValueError(f"expected an integer, a list of integers or {{min: ..., max: ...}}, got {value!r}")
+
+
+Knob = Annotated[int | Range | list[int], BeforeValidator(_knob)]
+
+
+def knob_values(knob: Knob, field: str) -> list[int]:
+    if isinstance(knob, Range):
+        return knob.values()
+    values = [knob] if isinstance(knob, int) else list(knob)
+    if not values or any(v < 1 for v in values):
+        raise ValueError(f"search.{field}: values must be positive integers, got {values}")
+    return sorted(set(values))
+
+
+class Search(_Strict):
+    strategy: Literal["oneshot", "grid", "random", "tpe"] = "oneshot"
+    schedule: Schedule = "speedloader"
+    sub_batch_size: Knob = Field(default_factory=lambda: Range(min=1, max=16))
+    num_sub_batches: Knob | None = None
+    effective_batch_size: Knob | None = None
+    num_live_blocks: Knob = Field(default_factory=lambda: Range(min=1, max=4))
+    max_trials: int = Field(20, ge=1)
+    trial_steps: int = Field(2, ge=1, description="timed steps per trial")
+    trial_timeout_s: float = Field(300.0, gt=0)
+    time_budget_s: float = Field(600.0, gt=0)
+    margin: float = Field(0.05, ge=0.0, lt=1.0, description="predicted peaks within this fraction of a limit "
+                                                            "count as over it")
+    profile: bool = Field(True, description="profile one step per trial (the breakdown and trace)")
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _batch(self) -> "Search":
+        if self.num_sub_batches is not None and self.effective_batch_size is not None:
+            raise ValueError("give search.num_sub_batches or search.effective_batch_size, not both")
+        if self.num_sub_batches is None and self.effective_batch_size is None:
+            self.num_sub_batches = Range(min=1, max=16)
+        for name in ("sub_batch_size", "num_sub_batches", "effective_batch_size", "num_live_blocks"):
+            value = getattr(self, name)
+            if value is not None:
+                knob_values(value, name)
+        return self
+
+
+class TuningSpec(_Strict):
+    name: str = Field("tuning-job", min_length=1, max_length=200)
+    model: ModelSpec
+    workload: Workload = Field(default_factory=Workload)
+    hardware: Hardware = Field(default_factory=Hardware)
+    search: Search = Field(default_factory=Search)
+    objective: Literal["tokens_per_s"] = "tokens_per_s"
+
+    @model_validator(mode="after")
+    def _fits_at_all(self) -> "TuningSpec":
+        """The smallest config must be able to fit: refuse limits below its predicted minimum."""
+        from sltune.tuning.shape import shape_of
+        from sltune.tuning.space import SearchSpace
+
+        shape = shape_of(self.model.source, self.model.dtype)
+        mode = self.workload.mode
+        hw = self.hardware
+        need_dev = shape.min_device_bytes(mode)
+        if hw.device_memory_limit is not None and hw.device_memory_limit < need_dev:
+            raise ValueError(
+                f"hardware.device_memory_limit {format_bytes(hw.device_memory_limit)} is below the "
+                f"{format_bytes(need_dev)} ({need_dev} bytes) the smallest config (num_live_blocks=1) needs for the "
+                f"largest unit's parameters{' and gradients' if mode == 'train' else ''}; raise it to at least that")
+        need_host = shape.min_host_bytes(mode) // max(1, hw.world_size)
+        if hw.host_memory_limit is not None and hw.host_memory_limit < need_host:
+            what = "parameters, gradients and AdamW's two moments" if mode == "train" else "parameters"
+            raise ValueError(
+                f"hardware.host_memory_limit {format_bytes(hw.host_memory_limit)} is below the "
+                f"{format_bytes(need_host)} ({need_host} bytes) any config needs in host memory for the {what}; "
+                "raise it to at least that")
+        if hw.world_size > 1 and self.workload.mode == "generate":
+            raise ValueError("hardware.world_size > 1 is for training; generation runs on one process")
+        if not SearchSpace(self, shape).candidates:
+            raise ValueError("the search space is empty: no sub_batch_size divides any effective_batch_size; "
+                             "widen search.sub_batch_size or search.effective_batch_size")
+        return self
+
+    def digest(self) -> str:
+        """Identifies the job: the same spec re-run resumes the same job."""
+        return hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
+
+    @classmethod
+    def load(cls, path: str | Path) -> "TuningSpec":
+        text = Path(path).read_text()
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as err:
+            raise ValueError(f"{path}: not valid YAML ({err})") from None
+        return cls.parse(data, source=str(path))
+
+    @classmethod
+    def parse(cls, data: Any, source: str = "spec") -> "TuningSpec":
+        if not isinstance(data, dict):
+            raise ValueError(f"{source}: expected a mapping with model, workload, hardware and search")
+        try:
+            return cls.model_validate(data)
+        except ValidationError as err:
+            raise ValueError(f"{source}: " + "; ".join(describe_errors(err))) from None
+
+
+def describe_errors(err: ValidationError) -> list[str]:
+    """'search.sub_batch_size.min: ...' lines, with the fix where pydantic's text lacks one."""
+    out = []
+    for e in err.errors():
+        loc = [str(p) for p in e["loc"] if not str(p).startswith(("int", "list[", "Range", "function-"))]
+        where = ".".join(loc)
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field; check its spelling against the spec in the README"
+        elif e["type"] == "missing":
+            msg = "required field is missing"
+        out.append(f"{where}: {msg}" if where else msg)
+    return list(dict.fromkeys(out))

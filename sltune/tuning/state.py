@@ -1,0 +1,143 @@
+"""What a search knows after some trials: the history, the fitted models, and predictions from them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from sltune.tuning.fit import FEATURES, MODELS, LinearFit, variables
+from sltune.tuning.shape import ModelShape
+from sltune.tuning.space import Candidate, SearchSpace
+from sltune.tuning.spec import TuningSpec
+
+
+@dataclass
+class Done:
+    """A trial that finished (ok, oom, failed or timeout) with its TrialResult as a dict."""
+
+    number: int
+    candidate: Candidate
+    role: str
+    result: dict[str, Any]
+
+    @property
+    def ok(self) -> bool:
+        return self.result["status"] == "ok"
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.result.get("tokens_per_s") or 0.0
+
+
+@dataclass
+class Prediction:
+    device: float | None
+    host: float | None
+    step_seconds: float | None
+    tokens_per_s: float | None
+    fits: bool
+    over: list[str] = field(default_factory=list)       # which limits it is predicted to exceed
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"peak_device_bytes": self.device, "peak_host_bytes": self.host, "step_seconds": self.step_seconds,
+                "tokens_per_s": self.tokens_per_s, "fits": self.fits, "over": self.over}
+
+
+class SearchState:
+    """History plus models; refit() after every trial."""
+
+    def __init__(self, spec: TuningSpec, shape: ModelShape, space: SearchSpace):
+        self.spec = spec
+        self.shape = shape
+        self.space = space
+        self.tokens_per_row = spec.workload.tokens_per_row
+        self.history: list[Done] = []
+        self.fits: dict[str, LinearFit] = {}
+        self.margins = {"device": spec.search.margin, "host": spec.search.margin}
+        # features that vary over this space at all (a fixed effective batch makes N*b*s a constant, say)
+        self.models = MODELS[spec.workload.mode]
+        self.features = {kind: self._varying(feats) for kind, (_, feats) in self.models.items()}
+
+    def vars(self, c: Candidate) -> dict[str, float]:
+        return variables(c, self.shape, self.tokens_per_row)
+
+    def _varying(self, features: list[str]) -> list[str]:
+        rows = [[FEATURES[f](self.vars(c)) for f in features] for c in self.space.candidates]
+        kept: list[int] = []
+        for j in range(len(features)):
+            trial = np.array(rows)[:, kept + [j]]
+            if np.linalg.matrix_rank(trial / np.maximum(np.abs(trial).max(axis=0), 1e-300)) == len(kept) + 1:
+                kept.append(j)
+        return [features[j] for j in kept]
+
+    # -- history -------------------------------------------------------------------------------------
+    def add(self, done: Done) -> None:
+        self.history.append(done)
+        if done.result["status"] == "oom":
+            self._widen_margin(done)
+        self.refit()
+
+    def refit(self) -> None:
+        rows = [(self.vars(d.candidate), d.result) for d in self.history if d.ok]
+        self.fits = {}
+        for kind, (target, _) in self.models.items():
+            data = [(v, float(r[target])) for v, r in rows if r.get(target) is not None]
+            self.fits[kind] = LinearFit.fit(target, self.features[kind], data)
+
+    def _widen_margin(self, done: Done) -> None:
+        """A config predicted to fit ran out of memory: trust the model less by what it missed."""
+        pred = self.predict(done.candidate, update_margins=False)
+        for res, measured, predicted in (("device", done.result.get("peak_device_bytes"), pred.device),
+                                         ("host", done.result.get("peak_host_bytes"), pred.host)):
+            if measured and predicted and measured > predicted:
+                self.margins[res] = max(self.margins[res], measured / predicted - 1 + self.spec.search.margin)
+
+    @property
+    def tried(self) -> set[Candidate]:
+        return {d.candidate for d in self.history}
+
+    @property
+    def oom(self) -> list[Candidate]:
+        return [d.candidate for d in self.history if d.result["status"] == "oom"]
+
+    def best(self) -> Done | None:
+        ok = [d for d in self.history if d.ok]
+        return max(ok, key=lambda d: d.tokens_per_s) if ok else None
+
+    # -- predictions ---------------------------------------------------------------------------------
+    def predict(self, c: Candidate, update_margins: bool = True) -> Prediction:
+        v = self.vars(c)
+        dev = self.fits["device"].predict(v) if self.fits else None
+        host = self.fits["host"].predict(v) if self.fits else None
+        t = self.fits["throughput"].predict(v) if self.fits else None
+        tps = c.batch * self._new_tokens_per_row() / t if t and t > 0 else None
+        hw = self.spec.hardware
+        over = []
+        if dev is not None and hw.device_memory_limit and dev * (1 + self.margins["device"]) > hw.device_memory_limit:
+            over.append("device")
+        if host is not None and hw.host_memory_limit and host * (1 + self.margins["host"]) > hw.host_memory_limit:
+            over.append("host")
+        if any(c.dominates(o) or c == o for o in self.oom):
+            over.append("measured-oom")
+        return Prediction(dev, host, t, tps, fits=not over, over=over)
+
+    def _new_tokens_per_row(self) -> int:
+        w = self.spec.workload
+        return w.seq_len if w.mode == "train" else w.new_tokens
+
+    def uncertainty(self) -> float:
+        """Relative error to allow a throughput prediction: leave-one-out, or 10% before there is one."""
+        loo = self.fits.get("throughput").loo_rel_error if self.fits else None
+        return 0.10 if loo is None else max(loo, 0.01)
+
+    def binding_limit(self, c: Candidate) -> str:
+        """Which limit stops the next larger config (one knob one step up) from fitting."""
+        up = [o for o in self.space.candidates if o.dominates(c) and
+              sum((o.b > c.b, o.batch > c.batch, o.k > c.k)) == 1]
+        if not up:
+            return "search-space"
+        over = {r for o in up for r in self.predict(o).over}
+        over = {"device" if r == "measured-oom" else r for r in over}
+        return "+".join(sorted(over)) if over else "none"

@@ -1,0 +1,157 @@
+"""Search strategies behind one interface, chosen by name: oneshot (the default), grid, random, tpe.
+
+Every strategy runs through Optuna: each trial is an Optuna trial in the job's study. The baselines let
+Optuna's samplers choose; oneshot chooses itself (from its fitted models) and enqueues its choice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import optuna
+
+from sltune.tuning.fit import FEATURES
+from sltune.tuning.space import Candidate
+from sltune.tuning.state import SearchState
+
+
+@dataclass
+class Proposal:
+    candidate: Candidate | None     # None: let the Optuna sampler choose
+    role: str
+
+
+@dataclass
+class Stop:
+    reason: str
+
+
+class Strategy:
+    name = "base"
+
+    def __init__(self, state: SearchState, seed: int):
+        self.state = state
+        self.seed = seed
+
+    def sampler(self) -> optuna.samplers.BaseSampler:
+        return optuna.samplers.RandomSampler(seed=self.seed)
+
+    def propose(self) -> Proposal | Stop:
+        if self.state.tried >= set(self.state.space.candidates):
+            return Stop("every candidate has been tried")
+        return Proposal(None, self.name)
+
+
+class RandomStrategy(Strategy):
+    name = "random"
+
+
+class TPEStrategy(Strategy):
+    name = "tpe"
+
+    def sampler(self) -> optuna.samplers.BaseSampler:
+        return optuna.samplers.TPESampler(seed=self.seed, n_startup_trials=5)
+
+
+class GridStrategy(Strategy):
+    """Exhaustive: every candidate once (combinations that are not candidates are pruned unrun)."""
+
+    name = "grid"
+
+    def sampler(self) -> optuna.samplers.BaseSampler:
+        return optuna.samplers.GridSampler(self.state.space.grid(), seed=self.seed)
+
+    def propose(self) -> Proposal | Stop:
+        untried = [c for c in self.state.space.candidates if c not in self.state.tried]
+        if not untried:
+            return Stop("every candidate has been tried")
+        return Proposal(untried[0], "grid")   # in order, so an interrupted grid resumes where it stopped
+
+
+class OneShotStrategy(Strategy):
+    """A few probes make the resource and throughput fits well-posed; then only configs predicted to
+    fit, on the frontier of the largest feasible ones, best predicted throughput first, until no untried
+    one can beat the best measured by more than 2% (allowing for the model's leave-one-out error)."""
+
+    name = "oneshot"
+    GAIN = 0.02
+
+    def probes(self) -> list[Candidate]:
+        space = self.state.space
+        bs, ks = space.b_values, space.k_values
+        b_lo, b_mid = bs[0], bs[len(bs) // 2]
+        k_lo, k_hi = ks[0], ks[-1]
+        if space.by_batch:
+            batch = min(bb for bb in space.batch_values if any(bb % b == 0 for b in (b_lo, b_mid)))
+            pairs = [(b, batch // b) for b in (b_lo, b_mid) if batch % b == 0]
+            plan = [Candidate(b, n, k) for b, n in pairs for k in (k_lo, k_hi)]
+        else:
+            n_lo, n_mid = space.n_values[0], space.n_values[len(space.n_values) // 2]
+            plan = [Candidate(b, n_lo, k) for b in (b_lo, b_mid) for k in (k_lo, k_hi)]
+            plan += [Candidate(b_lo, n_mid, k) for k in (k_lo, k_hi)]
+        return [c for c in dict.fromkeys(plan) if c in set(space.candidates)]
+
+    def propose(self) -> Proposal | Stop:
+        st = self.state
+        tried = st.tried
+        for c in self.probes():
+            if c not in tried and st.predict(c).fits:
+                return Proposal(c, "probe")
+        if not st.fits or not all(f.well_posed for f in st.fits.values() if f.features):
+            extra = self._rank_probe()
+            if extra is not None:
+                return Proposal(extra, "probe")
+        options = self.frontier()
+        if not options:
+            return Stop("no untried config is predicted to fit and to be faster")
+        preds = {c: st.predict(c).tokens_per_s or 0.0 for c in options}
+        best = st.best()
+        top = max(options, key=lambda c: (preds[c], c.batch, c.b))
+        if best is not None and preds[top] * (1 + st.uncertainty()) <= best.tokens_per_s * (1 + self.GAIN):
+            return Stop(f"no untried config can beat the best ({best.tokens_per_s:.1f} tokens/s) by more than "
+                        f"{self.GAIN:.0%} by the throughput model")
+        return Proposal(top, "frontier")
+
+    def frontier(self) -> list[Candidate]:
+        """Untried configs predicted to fit that no other fitting config (tried or not) dominates at the
+        same live-block count: throughput rises with b and B, so a dominated config cannot be best."""
+        st = self.state
+        fitting = [c for c in st.space.candidates if st.predict(c).fits and
+                   (c not in st.tried or any(d.ok and d.candidate == c for d in st.history))]
+        out = []
+        for c in fitting:
+            if c in st.tried:
+                continue
+            if not any(o.k == c.k and o.dominates(c) for o in fitting):
+                out.append(c)
+        return out
+
+    def _rank_probe(self) -> Candidate | None:
+        """When probes ran out of memory or were too few to pin a model down: the untried config, predicted
+        to fit, that adds the most rank to the models still underdetermined; the cheapest such one."""
+        st = self.state
+        options = [c for c in st.space.candidates if c not in st.tried and st.predict(c).fits]
+        ok = [st.vars(d.candidate) for d in st.history if d.ok]
+        lacking = [st.features[k] for k, f in st.fits.items() if f.features and not f.well_posed] \
+            or [st.features[k] for k in st.features]
+
+        def gain(c: Candidate) -> int:
+            return sum(_rank(ok + [st.vars(c)], feats) - _rank(ok, feats) for feats in lacking)
+
+        scored = [(gain(c), c) for c in options]
+        scored = [(g, c) for g, c in scored if g > 0]
+        if not scored:
+            return None
+        return min(scored, key=lambda gc: (-gc[0], gc[1].b * gc[1].k, gc[1].batch, gc[1].k))[1]
+
+
+def _rank(rows: list[dict[str, float]], features: list[str]) -> int:
+    if not rows:
+        return 0
+    x = np.array([[FEATURES[f](v) for f in features] for v in rows], dtype=float)
+    return int(np.linalg.matrix_rank(x / np.maximum(np.abs(x).max(axis=0), 1e-300)))
+
+
+STRATEGIES: dict[str, type[Strategy]] = {s.name: s for s in (OneShotStrategy, GridStrategy, RandomStrategy,
+                                                              TPEStrategy)}

@@ -1,0 +1,42 @@
+"""The least-squares models: exact on linear data, honest about error and extrapolation."""
+
+import pytest
+
+from sltune.tuning.fit import LinearFit
+
+
+def rows(fn, points):
+    return [({"k": k, "b": b, "s": 32, "B": b * n, "N": n, "G": 4 // k}, fn(k, b, n)) for k, b, n in points]
+
+
+POINTS = [(k, b, n) for k in (1, 2, 4) for b in (1, 2, 4) for n in (1, 3)]
+
+
+def test_recovers_exact_linear_coefficients():
+    fit = LinearFit.fit("y", ["1", "k", "b*s", "k*b*s", "B*s"],
+                        rows(lambda k, b, n: 1e6 + 2e5 * k + 300 * b * 32 + 50 * k * b * 32 + 7 * b * n * 32, POINTS))
+    assert fit.well_posed and fit.r2 == pytest.approx(1.0)
+    assert fit.coef == pytest.approx([1e6, 2e5, 300, 50, 7], rel=1e-6)
+    assert fit.loo_rel_error < 1e-9
+    assert fit.predict({"k": 3, "b": 3, "s": 32, "B": 9, "N": 3, "G": 2}) == pytest.approx(
+        1e6 + 6e5 + 300 * 96 + 50 * 3 * 96 + 7 * 9 * 32)
+
+
+def test_reports_error_on_noisy_data_and_flags_extrapolation():
+    noisy = rows(lambda k, b, n: (100 + 10 * k + b) * (1.05 if (k + b + n) % 2 else 0.95), POINTS)
+    fit = LinearFit.fit("y", ["1", "k", "b*s"], noisy)
+    assert 0.5 < fit.r2 < 1.0
+    assert fit.loo_rel_error > 0.02
+    assert fit.extrapolated({"k": 8, "b": 2, "s": 32}) == ["k"]
+    assert fit.extrapolated({"k": 2, "b": 2, "s": 32}) == []
+
+
+def test_underdetermined_fit_predicts_nothing():
+    fit = LinearFit.fit("y", ["1", "k", "b*s"], rows(lambda k, b, n: 5.0, [(1, 1, 1), (2, 1, 1)]))
+    assert not fit.well_posed and fit.predict({"k": 1, "b": 1, "s": 32}) is None
+
+
+def test_round_trips_through_a_dict():
+    fit = LinearFit.fit("y", ["1", "k"], rows(lambda k, b, n: 3 + k, POINTS))
+    again = LinearFit.from_dict(fit.to_dict())
+    assert again.predict({"k": 7}) == pytest.approx(10)

@@ -1,0 +1,187 @@
+"""Tuning jobs end to end: real trials in real processes, a real SQLite store, the Optuna study beside it."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import optuna
+import pytest
+import yaml
+
+from sltune import SpeedLoaderConfig
+from sltune.profiling import run_trial
+from sltune.settings import Settings
+from sltune.store import Store
+from sltune.tuning.plan import plan
+from sltune.tuning.result import export_yaml
+from sltune.tuning.runner import trial_spec, tune
+from sltune.tuning.shape import shape_of
+from sltune.tuning.space import Candidate, SearchSpace
+from sltune.tuning.spec import TuningSpec
+from sltune.tuning.state import SearchState
+from sltune.tuning.fit import LinearFit
+
+LIMIT = 4 * 2**20
+SPEC = {
+    "name": "tiny", "model": {"preset": "llama-tiny"}, "workload": {"seq_len": 64},
+    "hardware": {"device_memory_limit": LIMIT},
+    "search": {"sub_batch_size": {"min": 1, "max": 16}, "num_sub_batches": {"min": 1, "max": 8},
+               "num_live_blocks": {"min": 1, "max": 4}, "max_trials": 12, "trial_steps": 1, "profile": False},
+}
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    data = tmp_path_factory.mktemp("oneshot")
+    db = f"sqlite:///{data / 'jobs.db'}"
+    calls = []
+    result = tune(SPEC, db, progress=calls.append, settings=Settings(data_dir=data))
+    return {"result": result, "db": db, "calls": calls, "spec": TuningSpec.parse(SPEC), "dir": data}
+
+
+def test_oneshot_finds_a_config_that_fits_in_a_fraction_of_the_space(job):
+    r = job["result"]
+    assert r["status"] == "succeeded", r["error"]
+    assert len(r["trials"]) < r["space_size"] / 4
+    assert r["binding_limit"] == "device"
+    roles = [t["role"] for t in r["trials"]]
+    assert roles[0] == "probe" and "frontier" in roles, r["trials"]
+    c = r["best"]["config"]
+    assert r["best"]["peak_device_bytes"] <= LIMIT
+    # re-run the chosen config under the same limit: it fits
+    again = run_trial(trial_spec(job["spec"], Candidate(c["sub_batch_size"], c["num_sub_batches"],
+                                                        c["num_live_blocks"]), None))
+    assert again.status == "ok" and again.peak_device_bytes <= LIMIT
+    # nothing predicted over the limit was ever run except as a probe
+    for t in r["trials"]:
+        if t["role"] == "frontier":
+            assert t["status"] == "ok", t
+
+
+def test_progress_reports_trials_best_and_time_left(job):
+    calls = job["calls"]
+    done = [c["trials_done"] for c in calls]
+    assert done == sorted(done) and done[-1] == len(job["result"]["trials"])
+    assert calls[-1]["best_tokens_per_s"] == job["result"]["best"]["tokens_per_s"]
+    assert all("time_left_s" in c and c["max_trials"] == 12 for c in calls)
+
+
+def test_fitted_models_predict_held_out_peaks_within_ten_percent(job):
+    spec = job["spec"]
+    shape = shape_of("llama-tiny")
+    state = SearchState(spec, shape, SearchSpace(spec, shape))
+    state.fits = {k: LinearFit.from_dict(v) for k, v in job["result"]["models"].items()}
+    tried = {Candidate(t["config"]["sub_batch_size"], t["config"]["num_sub_batches"], t["config"]["num_live_blocks"])
+             for t in job["result"]["trials"]}
+    held_out = [c for c in state.space.candidates if c not in tried and state.predict(c).fits
+                and not any(f.extrapolated(state.vars(c)) for f in state.fits.values())]
+    assert len(held_out) >= 3
+    picks = [held_out[0], held_out[len(held_out) // 2], held_out[-1]]
+    worst = 0.0
+    for c in picks:
+        measured = run_trial(trial_spec(spec, c, None))
+        assert measured.status == "ok", measured.error
+        pred = state.predict(c)
+        for p, m in ((pred.device, measured.peak_device_bytes), (pred.host, measured.peak_host_bytes)):
+            worst = max(worst, abs(p - m) / m)
+    print(f"worst held-out peak prediction error: {worst:.1%}")
+    assert worst <= 0.10
+
+
+def test_exported_yaml_round_trips_and_trains(job, tmp_path):
+    out = tmp_path / "best.yaml"
+    cli = subprocess.run([sys.executable, "-m", "sltune", "export", job["result"]["job_id"], "--db", job["db"],
+                          "--out", str(out)], capture_output=True, text=True, timeout=120)
+    assert cli.returncode == 0, cli.stderr
+    cfg = SpeedLoaderConfig.from_yaml(out)
+    best = job["result"]["best"]["config"]
+    assert (cfg.sub_batch_size, cfg.num_sub_batches, cfg.num_live_blocks) == (
+        best["sub_batch_size"], best["num_sub_batches"], best["num_live_blocks"])
+    assert cfg.device_memory_limit == LIMIT
+    doc = yaml.safe_load(out.read_text())
+    assert doc["measured"]["tokens_per_s"] == job["result"]["best"]["tokens_per_s"]
+    assert doc["provenance"]["job_id"] == job["result"]["job_id"] and doc["binding_limit"] == "device"
+    assert set(doc["resource_models"]) == {"device", "host", "throughput"}
+    assert SpeedLoaderConfig.from_yaml(out).to_yaml() == cfg.to_yaml()
+    train = subprocess.run([sys.executable, "-m", "sltune", "train", "--config", str(out), "--model", "llama-tiny",
+                            "--seq-len", "64", "--steps", "2", "--json"], capture_output=True, text=True, timeout=300)
+    assert train.returncode == 0, train.stderr
+    assert json.loads(train.stdout)["config"]["num_sub_batches"] == best["num_sub_batches"]
+
+
+def test_plan_predicts_under_other_limits_and_flags_extrapolation(job, tmp_path):
+    path = tmp_path / "best.yaml"
+    export_yaml(job["spec"], job["result"], path)
+    tight = plan(path, device_memory_limit=LIMIT)
+    roomy = plan(path, device_memory_limit="64MiB")
+    assert roomy["fitting"] > tight["fitting"] > 0
+    assert all(c["predicted"]["peak_device_bytes"] * 1.05 <= LIMIT for c in tight["configs"])
+    assert roomy["best"]["predicted"]["tokens_per_s"] >= tight["best"]["predicted"]["tokens_per_s"]
+    measured_b = max(t["config"]["sub_batch_size"] for t in job["result"]["trials"] if t["status"] == "ok")
+    beyond = [c for c in roomy["configs"] if c["config"]["sub_batch_size"] > measured_b]
+    assert beyond and all("b" in c["extrapolated"] for c in beyond)
+    inside = [c for c in tight["configs"] if not c["extrapolated"]]
+    assert inside, "some configs under the tuned limit lie inside the measured range"
+    with pytest.raises(ValueError, match="device_memory_limit .* below"):
+        plan(path, device_memory_limit=1000)
+    cli = subprocess.run([sys.executable, "-m", "sltune", "plan", "--from", str(path), "--device-memory-limit",
+                          "64MiB"], capture_output=True, text=True, timeout=120)
+    assert cli.returncode == 0 and "predicted" in cli.stdout and "confidence" in cli.stdout
+
+
+def test_a_killed_job_resumes_without_rerunning_finished_trials(tmp_path):
+    spec = {**SPEC, "name": "resume", "search": {**SPEC["search"], "strategy": "grid", "max_trials": 50,
+                                                 "sub_batch_size": [1, 2], "num_sub_batches": [1, 2],
+                                                 "num_live_blocks": [1, 4]}}
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    db = f"sqlite:///{tmp_path / 'jobs.db'}"
+    cmd = [sys.executable, "-m", "sltune", "tune", str(path), "--db", db, "--json"]
+    env = {**os.environ, "SLTUNE_DATA_DIR": str(tmp_path / "data")}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True)
+    store = None
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        time.sleep(0.3)
+        if (tmp_path / "jobs.db").exists():
+            store = store or Store(db)
+            jobs = store.jobs()
+            if jobs and sum(t.status == "ok" for t in store.trials(jobs[0].id)) >= 3:
+                break
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(10)
+    job_id = store.jobs()[0].id
+    before = {t.number: (t.config, t.status, t.tokens_per_s) for t in store.trials(job_id) if t.status == "ok"}
+    assert len(before) >= 3
+
+    again = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert again.returncode == 0, again.stderr
+    result = json.loads(again.stdout)
+    assert result["job_id"] == job_id and result["status"] == "succeeded"
+    trials = store.trials(job_id)
+    for number, row in before.items():
+        t = next(t for t in trials if t.number == number)
+        assert (t.config, t.status, t.tokens_per_s) == row            # kept, unchanged
+    finished = [t for t in trials if t.status != "interrupted"]
+    configs = [json.dumps(t.config, sort_keys=True) for t in finished]
+    assert len(configs) == len(set(configs)) == 8                        # each config ran exactly once
+    study = optuna.load_study(study_name=f"sltune-{job_id}", storage=db)
+    assert sum(t.state == optuna.trial.TrialState.COMPLETE for t in study.trials) == 8
+
+
+@pytest.mark.parametrize("strategy", ["random", "tpe"])
+def test_baselines_run_through_optuna_in_the_job_database(strategy, tmp_path):
+    spec = {**SPEC, "name": strategy, "search": {**SPEC["search"], "strategy": strategy, "max_trials": 4}}
+    db = f"sqlite:///{tmp_path / 'jobs.db'}"
+    result = tune(spec, db, settings=Settings(data_dir=tmp_path))
+    assert result["strategy"] == strategy and len(result["trials"]) == 4
+    assert result["status"] in ("succeeded", "failed")
+    study = optuna.load_study(study_name=f"sltune-{result['job_id']}", storage=db)
+    ran = [t for t in study.trials if t.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL)]
+    assert len(ran) == 4
+    assert {tuple(sorted(t.params.items())) for t in ran} == {
+        tuple(sorted({"sub_batch_size": t["config"]["sub_batch_size"], "num_sub_batches": t["config"]["num_sub_batches"],
+                      "num_live_blocks": t["config"]["num_live_blocks"]}.items())) for t in result["trials"]}

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from sltune.cli import profile, train, tune
+from sltune.cli import profile, service, train, tune
 
-COMMANDS = [train, profile, tune]
+COMMANDS = [train, profile, tune, service]
 
 
 def parser() -> argparse.ArgumentParser:

@@ -40,7 +40,7 @@ def run_trial(spec: TrialSpec | dict[str, Any], stop: Callable[[], str | None] |
     """Run one trial in a child process and return what it measured, or why it has no measurement.
 
     `stop` is polled while the trial runs; when it returns a reason the trial is killed and reported as
-    failed with "cancelled: <reason>"."""
+    failed with "stopped: <reason>"."""
     spec = TrialSpec.model_validate(spec) if not isinstance(spec, TrialSpec) else spec
     if spec.world_size > 1:
         from sltune.profiling.distributed import run_distributed_trial
@@ -71,7 +71,7 @@ def _wait(proc, recv, spec: TrialSpec, start: float, stop: Callable[[], str | No
         if stop is not None and time.monotonic() - last_check > 0.5:
             last_check = time.monotonic()
             if why := stop():
-                return {"status": "failed", "error": f"cancelled: {why}"}
+                return {"status": "failed", "error": f"stopped: {why}"}
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             return {"status": "timeout",

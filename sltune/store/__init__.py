@@ -2,6 +2,6 @@
 
 from sltune.store.db import engine_for, normalize_url
 from sltune.store.repo import Store
-from sltune.store.schema import SCHEMA_VERSION, Artifact, Fit, Job, Trial
+from sltune.store.schema import SCHEMA_VERSION, Artifact, Fit, Job, Trial, Worker
 
-__all__ = ["SCHEMA_VERSION", "Artifact", "Fit", "Job", "Store", "Trial", "engine_for", "normalize_url"]
+__all__ = ["SCHEMA_VERSION", "Artifact", "Fit", "Job", "Store", "Trial", "Worker", "engine_for", "normalize_url"]

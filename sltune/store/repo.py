@@ -9,7 +9,7 @@ from typing import Any
 from sqlalchemy import and_, or_, select, update
 
 from sltune.store.db import is_postgres, sessions
-from sltune.store.schema import Artifact, Fit, Job, Trial, now
+from sltune.store.schema import Artifact, Fit, Job, Trial, Worker, now
 
 ACTIVE = ("queued", "running")
 FINISHED = ("succeeded", "failed", "cancelled")
@@ -26,6 +26,7 @@ class Store:
     def create_job(self, name: str, spec: dict[str, Any], spec_hash: str, requirements: dict[str, Any],
                    job_id: str | None = None, status: str = "queued") -> Job:
         job = Job(id=job_id or uuid.uuid4().hex[:12], name=name, spec=spec, spec_hash=spec_hash, status=status,
+                  started_at=now() if status == "running" else None,
                   requirements=requirements, progress={"trials_done": 0, "max_trials": spec["search"]["max_trials"]})
         with self.Session.begin() as s:
             s.add(job)
@@ -50,8 +51,6 @@ class Store:
 
     def set_status(self, job_id: str, status: str, **fields: Any) -> None:
         values: dict[str, Any] = {"status": status, **fields}
-        if status == "running":
-            values.setdefault("started_at", now())
         if status in FINISHED:
             values["finished_at"] = now()
             values["lease_expires_at"] = None
@@ -61,6 +60,12 @@ class Store:
     def update_progress(self, job_id: str, progress: dict[str, Any]) -> None:
         with self.Session.begin() as s:
             s.execute(update(Job).where(Job.id == job_id).values(progress=progress))
+
+    def fail_if_queued(self, job_id: str, error: str) -> bool:
+        with self.Session.begin() as s:
+            res = s.execute(update(Job).where(Job.id == job_id, Job.status == "queued")
+                            .values(status="failed", error=error, finished_at=now()))
+            return res.rowcount == 1
 
     def request_cancel(self, job_id: str) -> Job | None:
         """Queued jobs are cancelled now; a running one is asked to stop (its worker checks)."""
@@ -113,9 +118,27 @@ class Store:
                             .values(heartbeat_at=t, lease_expires_at=t + timedelta(seconds=lease_s)))
             return res.rowcount == 1
 
-    def unrunnable(self, can_run_any) -> list[Job]:
+    def register_worker(self, worker_id: str, capabilities: dict[str, Any]) -> None:
+        with self.Session.begin() as s:
+            row = s.get(Worker, worker_id)
+            if row is None:
+                s.add(Worker(id=worker_id, capabilities=capabilities))
+            else:
+                row.capabilities, row.last_seen = capabilities, now()
+
+    def touch_worker(self, worker_id: str) -> None:
+        with self.Session.begin() as s:
+            s.execute(update(Worker).where(Worker.id == worker_id).values(last_seen=now()))
+
+    def remove_worker(self, worker_id: str) -> None:
+        with self.Session.begin() as s:
+            row = s.get(Worker, worker_id)
+            if row is not None:
+                s.delete(row)
+
+    def live_workers(self, within_s: float) -> list[Worker]:
         with self.Session() as s:
-            return [j for j in s.scalars(select(Job).where(Job.status == "queued")) if not can_run_any(j.requirements)]
+            return list(s.scalars(select(Worker).where(Worker.last_seen >= now() - timedelta(seconds=within_s))))
 
     # -- trials ------------------------------------------------------------------------------------
     def trials(self, job_id: str) -> list[Trial]:

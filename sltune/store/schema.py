@@ -91,6 +91,17 @@ class Fit(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=now)
 
 
+class Worker(Base):
+    """A live worker and what it can run; a queued job no live worker can run says so."""
+
+    __tablename__ = "sltune_workers"
+
+    id: Mapped[str] = mapped_column(String(200), primary_key=True)
+    capabilities: Mapped[dict[str, Any]] = mapped_column(JSON)
+    started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=now)
+    last_seen: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=now)
+
+
 class Artifact(Base):
     """A file under the data directory (a trace, say), referenced by a relative path."""
 

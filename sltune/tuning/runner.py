@@ -30,6 +30,9 @@ optuna.logging.set_verbosity(optuna.logging.WARNING)
 log = logging.getLogger("sltune.tuning")
 
 ProgressFn = Callable[[dict[str, Any]], None]
+# should_stop returns None to go on, "cancelled: ..." to end the job as cancelled, or "released: ..." to
+# hand it back unfinished (a worker shutting down or losing its lease): the trial in flight is killed and
+# marked interrupted either way, so a resumed job runs it again.
 StopFn = Callable[[], str | None]
 MAX_REPEATS = 200   # asks that return an already-tried or invalid config before the sampler is given up on
 
@@ -157,6 +160,11 @@ def run_job(store: Store, job_id: str, *, progress: ProgressFn | None = None, sh
         t0 = time.monotonic()
         result = run_trial(trial_spec(spec, cand, trace), stop=should_stop).model_dump(mode="json")
         trial_seconds.append(time.monotonic() - t0)
+        if should_stop and (why := should_stop()) and result["status"] == "failed":
+            store.interrupt_running_trials(job_id)       # killed mid-way: not a result, run it again later
+            study.tell(ot, state=optuna.trial.TrialState.FAIL)
+            stop_reason = why
+            break
         store.finish_trial(job_id, number, result)
         if trace is not None and trace.exists():
             store.add_artifact(job_id, number, "trace", str(trace.relative_to(artifact_dir)), trace.stat().st_size)
@@ -172,12 +180,13 @@ def run_job(store: Store, job_id: str, *, progress: ProgressFn | None = None, sh
         report(last={"number": number, "config": cand.knobs(), "status": result["status"],
                      "tokens_per_s": result.get("tokens_per_s"), "error": result.get("error")}, phase=proposal.role)
         number += 1
-        if result["status"] == "failed" and result.get("error", "").startswith("cancelled"):
-            stop_reason = result["error"]
-            break
 
-    cancelled = bool(stop_reason and stop_reason.startswith("cancelled"))
     out = job_result(job_id, spec, state, stop_reason, elapsed())
+    if stop_reason and stop_reason.startswith("released"):
+        store.update_progress(job_id, {**store.job(job_id).progress, "phase": "released", "stop_reason": stop_reason})
+        out["status"], out["error"] = "released", None
+        return out
+    cancelled = bool(stop_reason and stop_reason.startswith("cancelled"))
     status = "cancelled" if cancelled else ("succeeded" if out["best"] else "failed")
     error = None if out["best"] or cancelled else ("no config ran successfully: " + _failures(state))
     report(phase="finished")

@@ -1,0 +1,60 @@
+"""The FastAPI application: REST routes, the dashboard pages, and (for `sltune serve`) one worker
+process beside the server."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import subprocess
+import sys
+from typing import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from sltune import __version__
+from sltune.api.routes import router
+from sltune.dashboards.pages import router as dashboard_router
+from sltune.settings import Settings
+from sltune.store import Store
+
+log = logging.getLogger("sltune.api")
+
+
+def create_app(settings: Settings | None = None, embedded_worker: bool = False) -> FastAPI:
+    settings = settings or Settings()
+    url = settings.db_url()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        worker = None
+        if embedded_worker:
+            worker = subprocess.Popen([sys.executable, "-m", "sltune", "worker", "--db", url,
+                                       "--data-dir", str(settings.data_dir)])
+            log.info("embedded worker pid %d", worker.pid)
+        try:
+            yield
+        finally:
+            if worker is not None:
+                worker.terminate()
+                try:
+                    worker.wait(30)
+                except subprocess.TimeoutExpired:
+                    worker.kill()
+
+    app = FastAPI(title="sltune", version=__version__, lifespan=lifespan,
+                  description="SpeedLoader tuning service: POST /tune queues a job; workers run it; "
+                              "GET /jobs/{id}/config.yaml hands the best config to training.")
+    app.state.settings = settings
+    app.state.store = Store(url)
+
+    @app.middleware("http")
+    async def limit_body(request: Request, call_next):
+        size = request.headers.get("content-length")
+        if size is not None and (not size.isdigit() or int(size) > settings.max_request_bytes):
+            return JSONResponse({"detail": f"request body over {settings.max_request_bytes} bytes"}, status_code=413)
+        return await call_next(request)
+
+    app.include_router(router)
+    app.include_router(dashboard_router)
+    return app

@@ -1,0 +1,55 @@
+"""Response shapes of the REST API (the request body of POST /tune is the tuning spec itself)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from pydantic import BaseModel
+
+
+class Accepted(BaseModel):
+    job_id: str
+    status: str
+
+
+class JobSummary(BaseModel):
+    id: str
+    name: str
+    status: str
+    progress: dict[str, Any]
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    best: dict[str, Any] | None = None
+    error: str | None = None
+
+
+class JobDetail(JobSummary):
+    spec: dict[str, Any]
+    worker_id: str | None
+    attempts: int
+    cancel_requested: bool
+    predicted: dict[str, Any] | None = None
+    binding_limit: str | None = None
+    models: dict[str, Any] | None = None
+    stop_reason: str | None = None
+    waiting_for: str | None = None
+
+
+class TrialOut(BaseModel):
+    number: int
+    role: str
+    status: str
+    config: dict[str, Any]
+    predicted: dict[str, Any]
+    result: dict[str, Any] | None
+    started_at: datetime
+    finished_at: datetime | None
+    trace_url: str | None = None
+
+
+class Health(BaseModel):
+    status: str
+    database: str
+    version: str

@@ -1,0 +1,170 @@
+"""`sltune serve`, `worker`, `submit` and `compare`: the service and its CI client."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import json
+import logging
+import signal
+import sys
+from pathlib import Path
+
+from tqdm import tqdm
+
+from sltune.settings import Settings
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    s = sub.add_parser("serve", help="REST API + dashboard + one embedded worker (SQLite by default)")
+    s.add_argument("--host", default=None, help="default 127.0.0.1")
+    s.add_argument("--port", type=int, default=None, help="default 8000")
+    s.add_argument("--db", help="SQLAlchemy URL (default: SQLite in --data-dir)")
+    s.add_argument("--data-dir", help="SQLite file and artifacts (default ./sltune-data or $SLTUNE_DATA_DIR)")
+    s.add_argument("--no-worker", action="store_true", help="serve only; run workers separately")
+    s.set_defaults(run=run_serve)
+
+    w = sub.add_parser("worker", help="one more worker on the same database")
+    w.add_argument("--db", help="SQLAlchemy URL, e.g. postgresql://host/db")
+    w.add_argument("--data-dir")
+    w.set_defaults(run=run_worker)
+
+    c = sub.add_parser("submit", help="post a tuning job to a server (the CI client)")
+    c.add_argument("spec", help="tuning spec YAML")
+    c.add_argument("--server", required=True, help="e.g. http://127.0.0.1:8000")
+    c.add_argument("--wait", action="store_true", help="wait for the job, showing progress")
+    c.add_argument("--out", help="with --wait: write the best config YAML here")
+    c.add_argument("--timeout", type=float, help="with --wait: give up after this many seconds")
+    c.set_defaults(run=run_submit)
+
+    m = sub.add_parser("compare", help="throughput per config of two jobs; non-zero exit on a regression")
+    m.add_argument("job_a", help="the baseline job")
+    m.add_argument("job_b", help="the newer job")
+    m.add_argument("--server", required=True)
+    m.add_argument("--max-regression", default="5%", help="largest allowed drop of the best tokens/s, e.g. 5%%")
+    m.add_argument("--json", action="store_true")
+    m.set_defaults(run=run_compare)
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    overrides = {k: v for k, v in (("db", getattr(args, "db", None)), ("data_dir", getattr(args, "data_dir", None)),
+                                   ("host", getattr(args, "host", None)), ("port", getattr(args, "port", None)))
+                 if v is not None}
+    return Settings(**overrides)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from sltune.api.app import create_app
+
+    settings = _settings(args)
+    if settings.api_token is None and not _loopback(settings.host):
+        raise ValueError(f"refusing to serve on {settings.host} without SLTUNE_API_TOKEN: anyone could submit jobs")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    app = create_app(settings, embedded_worker=not args.no_worker)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info")
+    return 0
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    from sltune.service.worker import Worker
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    worker = Worker(_settings(args))
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: worker.stop.set())
+    worker.run_forever()
+    return 0
+
+
+def run_submit(args: argparse.Namespace) -> int:
+    from sltune.service.client import Client, ServiceError
+    from sltune.tuning.spec import TuningSpec
+
+    spec = TuningSpec.load(args.spec)            # refuse a bad spec here, before the network
+    client = Client(args.server)
+    try:
+        job_id = client.submit(spec.model_dump(mode="json"))
+        print(f"submitted job {job_id} to {args.server}", file=sys.stderr)
+        if not args.wait:
+            print(job_id)
+            return 0
+        bar = tqdm(total=spec.search.max_trials, unit="trial", desc=f"job {job_id}")
+
+        def show(job: dict) -> None:
+            p = job.get("progress") or {}
+            bar.n = p.get("trials_done", 0)
+            best = p.get("best_tokens_per_s")
+            bar.set_postfix(status=job["status"], best=f"{best:,.1f} tok/s" if best else "-",
+                            left=f"{p.get('time_left_s', 0):.0f}s")
+            if job.get("waiting_for") and job["status"] == "queued":
+                bar.set_description(f"job {job_id} waiting for {job['waiting_for']}")
+            bar.refresh()
+
+        job = client.wait(job_id, show, timeout_s=args.timeout)
+        bar.close()
+    except ServiceError as err:
+        print(f"sltune submit: error: {err}", file=sys.stderr)
+        return 2
+    if job["status"] != "succeeded":
+        print(f"job {job_id} {job['status']}: {job.get('error') or job.get('stop_reason')}", file=sys.stderr)
+        return 1
+    best = job["best"]
+    print(f"job {job_id} succeeded: {best['tokens_per_s']:,.1f} tokens/s with {best['config']}", file=sys.stderr)
+    if args.out:
+        Path(args.out).write_text(client.config_yaml(job_id))
+        print(f"wrote {args.out}", file=sys.stderr)
+    print(job_id)
+    return 0
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    from sltune.service.client import Client, ServiceError, compare
+
+    limit = _fraction(args.max_regression)
+    client = Client(args.server)
+    try:
+        result = compare(client.trials(args.job_a), client.trials(args.job_b))
+    except ServiceError as err:
+        print(f"sltune compare: error: {err}", file=sys.stderr)
+        return 2
+    regressed = result["change"] is not None and result["change"] < -limit
+    result["max_regression"] = limit
+    result["regressed"] = regressed
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"{'b':>4} {'N':>4} {'k':>3} {args.job_a:>14} {args.job_b:>14} {'ratio':>7}")
+        for r in result["rows"]:
+            c = r["config"]
+            fa = f"{r['a']:,.1f}" if r["a"] else "-"
+            fb = f"{r['b']:,.1f}" if r["b"] else "-"
+            ratio = f"{r['ratio']:.3f}" if r["ratio"] else "-"
+            print(f"{c['sub_batch_size']:>4} {c['num_sub_batches']:>4} {c['num_live_blocks']:>3} {fa:>14} {fb:>14} "
+                  f"{ratio:>7}")
+        if result["change"] is None:
+            print("no successful trial in one of the jobs: nothing to compare")
+        else:
+            print(f"best: {result['best_a']:,.1f} -> {result['best_b']:,.1f} tokens/s ({result['change']:+.1%}); "
+                  f"allowed drop {limit:.1%}: {'REGRESSION' if regressed else 'ok'}")
+    if result["change"] is None:
+        return 1
+    return 1 if regressed else 0
+
+
+def _fraction(text: str) -> float:
+    t = text.strip()
+    try:
+        return float(t[:-1]) / 100 if t.endswith("%") else float(t)
+    except ValueError:
+        raise ValueError(f"--max-regression {text!r}: write a percentage such as 5% or a fraction such as 0.05") from None

@@ -1,0 +1,90 @@
+"""The CI client: submit a job, wait for it with progress, fetch the config; compare two jobs."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Callable
+
+import httpx
+
+
+class ServiceError(RuntimeError):
+    """The server said no (or could not be reached): the message says why."""
+
+
+class Client:
+    def __init__(self, server: str, token: str | None = None, timeout: float = 30.0):
+        self.server = server.rstrip("/")
+        token = token if token is not None else os.environ.get("SLTUNE_API_TOKEN")
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.http = httpx.Client(base_url=self.server, headers=headers, timeout=timeout)
+
+    def _call(self, method: str, path: str, **kw) -> httpx.Response:
+        try:
+            resp = self.http.request(method, path, **kw)
+        except httpx.HTTPError as err:
+            raise ServiceError(f"cannot reach {self.server}: {err}") from None
+        if resp.status_code >= 400:
+            raise ServiceError(f"{method} {path}: HTTP {resp.status_code}: {_detail(resp)}")
+        return resp
+
+    def submit(self, spec: dict[str, Any]) -> str:
+        return self._call("POST", "/tune", json=spec).json()["job_id"]
+
+    def job(self, job_id: str) -> dict[str, Any]:
+        return self._call("GET", f"/jobs/{job_id}").json()
+
+    def trials(self, job_id: str) -> list[dict[str, Any]]:
+        return self._call("GET", f"/jobs/{job_id}/trials").json()
+
+    def config_yaml(self, job_id: str) -> str:
+        return self._call("GET", f"/jobs/{job_id}/config.yaml").text
+
+    def cancel(self, job_id: str) -> dict[str, Any]:
+        return self._call("POST", f"/jobs/{job_id}/cancel").json()
+
+    def wait(self, job_id: str, on_progress: Callable[[dict[str, Any]], None] | None = None,
+             poll_s: float = 1.0, timeout_s: float | None = None) -> dict[str, Any]:
+        start = time.monotonic()
+        while True:
+            job = self.job(job_id)
+            if on_progress:
+                on_progress(job)
+            if job["status"] in ("succeeded", "failed", "cancelled"):
+                return job
+            if timeout_s is not None and time.monotonic() - start > timeout_s:
+                raise ServiceError(f"job {job_id} still {job['status']} after {timeout_s:g}s"
+                                   + (f" (waiting for {job['waiting_for']})" if job.get("waiting_for") else ""))
+            time.sleep(poll_s)
+
+
+def _detail(resp: httpx.Response) -> str:
+    try:
+        detail = resp.json().get("detail", resp.text)
+    except ValueError:
+        return resp.text[:500]
+    if isinstance(detail, list):
+        return "; ".join(f"{'.'.join(str(p) for p in e.get('loc', []) if p != 'body')}: {e.get('msg')}"
+                         for e in detail)
+    return str(detail)
+
+
+def compare(a_trials: list[dict], b_trials: list[dict]) -> dict[str, Any]:
+    """Throughput per config side by side, and the change between the two jobs' bests."""
+    def best_by_config(trials):
+        out = {}
+        for t in trials:
+            r = t.get("result") or {}
+            if t["status"] == "ok" and r.get("tokens_per_s"):
+                key = (t["config"]["sub_batch_size"], t["config"]["num_sub_batches"], t["config"]["num_live_blocks"])
+                out[key] = max(out.get(key, 0.0), r["tokens_per_s"])
+        return out
+
+    a, b = best_by_config(a_trials), best_by_config(b_trials)
+    rows = [{"config": {"sub_batch_size": k[0], "num_sub_batches": k[1], "num_live_blocks": k[2]},
+             "a": a.get(k), "b": b.get(k), "ratio": (b[k] / a[k]) if k in a and k in b else None}
+            for k in sorted(set(a) | set(b))]
+    best_a, best_b = max(a.values(), default=None), max(b.values(), default=None)
+    change = (best_b - best_a) / best_a if best_a and best_b is not None else None
+    return {"rows": rows, "best_a": best_a, "best_b": best_b, "change": change}

@@ -1,0 +1,104 @@
+"""A worker: claims queued jobs it can run, holds them with a heartbeat, runs them, lets go.
+
+Workers are processes of their own (never the API's event loop); any number of them on any machine that
+reaches the database. A job is claimed atomically (see Store.claim) and held by a lease the heartbeat
+renews; if the worker dies the lease runs out and another worker takes the job over, continuing from
+the trials already stored. Cancelling a job is noticed within half a second, even mid-trial.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from typing import Any
+
+from sltune.service.capabilities import can_run, local_capabilities, why_not
+from sltune.settings import Settings
+from sltune.store import Store
+from sltune.tuning.runner import run_job
+
+log = logging.getLogger("sltune.worker")
+UNRUNNABLE_AFTER_S = 60.0   # a queued job no live worker can run fails after this long, saying why
+
+
+class Worker:
+    def __init__(self, settings: Settings, worker_id: str | None = None, capabilities: dict[str, Any] | None = None):
+        self.settings = settings
+        self.store = Store(settings.db_url())
+        self.id = worker_id or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+        self.caps = capabilities or local_capabilities()
+        self.stop = threading.Event()
+
+    def run_forever(self) -> None:
+        self.store.register_worker(self.id, self.caps)
+        log.info("worker %s ready (%s)", self.id, self.caps)
+        try:
+            while not self.stop.is_set():
+                job = self.store.claim(self.id, lambda req: can_run(self.caps, req), self.settings.lease_seconds)
+                if job is None:
+                    self.store.touch_worker(self.id)
+                    self._fail_unrunnable()
+                    self.stop.wait(self.settings.poll_seconds)
+                    continue
+                self.run(job.id)
+        finally:
+            self.store.remove_worker(self.id)
+
+    def run(self, job_id: str) -> None:
+        lost = threading.Event()
+        done = threading.Event()
+
+        def heartbeat() -> None:
+            while not done.wait(self.settings.heartbeat_seconds):
+                try:
+                    if not self.store.heartbeat(job_id, self.id, self.settings.lease_seconds):
+                        lost.set()
+                        return
+                    self.store.touch_worker(self.id)
+                except Exception:  # noqa: BLE001 - a failed heartbeat is retried; the lease has slack
+                    log.exception("heartbeat for job %s failed", job_id)
+
+        def should_stop() -> str | None:
+            if self.stop.is_set():
+                return "released: the worker is shutting down"
+            if lost.is_set():
+                return "released: this worker lost its lease on the job"
+            if self.store.cancel_requested(job_id):
+                return "cancelled by request"
+            return None
+
+        beat = threading.Thread(target=heartbeat, name=f"heartbeat-{job_id}", daemon=True)
+        beat.start()
+        log.info("worker %s runs job %s", self.id, job_id)
+        try:
+            result = run_job(self.store, job_id, should_stop=should_stop, worker_id=self.id,
+                             artifact_dir=self.settings.artifact_dir())
+            log.info("job %s %s", job_id, result["status"])
+        except Exception as err:  # noqa: BLE001 - the job fails with the reason; the worker goes on
+            log.exception("job %s failed", job_id)
+            if not lost.is_set():
+                self.store.set_status(job_id, "failed", error=f"{type(err).__name__}: {err}")
+        finally:
+            done.set()
+            beat.join()
+            if self.stop.is_set() and not lost.is_set():
+                job = self.store.job(job_id)
+                if job is not None and job.status == "running" and job.worker_id == self.id:
+                    # shutting down mid-job: hand it back now rather than when the lease runs out
+                    self.store.set_status(job_id, "queued", worker_id=None, lease_expires_at=None)
+
+    def _fail_unrunnable(self) -> None:
+        """Queued jobs that no live worker can run fail with the reason instead of waiting forever."""
+        live = self.store.live_workers(within_s=max(3 * self.settings.poll_seconds, self.settings.lease_seconds))
+        if not live:
+            return
+        for job in self.store.jobs(limit=50, status="queued"):
+            age = time.time() - job.created_at.timestamp()
+            if age < UNRUNNABLE_AFTER_S or any(can_run(w.capabilities, job.requirements) for w in live):
+                continue
+            reasons = sorted({why_not(w.capabilities, job.requirements) or "" for w in live})
+            self.store.fail_if_queued(job.id, f"no live worker can run this job: {'; '.join(reasons)}")

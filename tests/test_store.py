@@ -1,0 +1,108 @@
+"""The store behaves the same on SQLite and PostgreSQL: claims are atomic, leases expire, cancels land."""
+
+import threading
+import time
+
+import pytest
+
+from sltune.store import Store
+from sltune.store.db import engine_for
+from tests.conftest import tiny_spec
+
+SPEC = tiny_spec()
+REQ = {"device": "cpu", "device_memory_limit": None, "world_size": 1}
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store(request, tmp_path):
+    if request.param == "sqlite":
+        url = f"sqlite:///{tmp_path / 'store.db'}"
+    else:
+        url = request.getfixturevalue("pg_url")
+    yield Store(url)
+    engine_for.cache_clear()
+
+
+def make_jobs(store, n):
+    return [store.create_job(f"j{i}", SPEC, f"hash{i}", REQ).id for i in range(n)]
+
+
+def test_concurrent_claims_never_share_a_job(store):
+    ids = make_jobs(store, 12)
+    claimed: list[str] = []
+    lock = threading.Lock()
+
+    def worker(name):
+        while True:
+            job = store.claim(name, lambda req: True, lease_s=60)
+            if job is None:
+                return
+            with lock:
+                claimed.append(job.id)
+
+    threads = [threading.Thread(target=worker, args=(f"w{i}",)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(claimed) == sorted(ids)          # every job once, none twice
+
+
+def test_an_expired_lease_is_taken_over_and_the_old_holder_loses_it(store):
+    (job_id,) = make_jobs(store, 1)
+    assert store.claim("a", lambda r: True, lease_s=0.5).id == job_id
+    assert store.claim("b", lambda r: True, lease_s=60) is None          # held
+    time.sleep(0.8)
+    taken = store.claim("b", lambda r: True, lease_s=60)
+    assert taken.id == job_id and taken.worker_id == "b" and taken.attempts == 2
+    assert store.heartbeat(job_id, "a", 60) is False
+    assert store.heartbeat(job_id, "b", 60) is True
+
+
+def test_claims_respect_what_a_worker_can_run(store):
+    store.create_job("gpu", SPEC, "h", {**REQ, "device": "cuda"})
+    assert store.claim("cpu-only", lambda req: req["device"] == "cpu", 60) is None
+
+
+def test_cancel_queued_now_running_by_request(store):
+    a, b = make_jobs(store, 2)
+    store.claim("w", lambda r: True, 60)              # a is running now
+    assert store.request_cancel(b).status == "cancelled"
+    assert store.request_cancel(a).status == "running" and store.cancel_requested(a)
+
+
+def test_trials_fits_and_artifacts_round_trip(store):
+    (job_id,) = make_jobs(store, 1)
+    store.start_trial(job_id, 0, "probe", {"sub_batch_size": 1}, {"fits": True}, 0, "w")
+    assert store.interrupt_running_trials(job_id) == 1
+    store.start_trial(job_id, 1, "probe", {"sub_batch_size": 2}, {}, 1, "w")
+    store.finish_trial(job_id, 1, {"status": "ok", "tokens_per_s": 10.0, "peak_device_bytes": 5})
+    assert [(t.number, t.status) for t in store.trials(job_id)] == [(0, "interrupted"), (1, "ok")]
+    store.save_fit(job_id, "device", 1, {"coef": [1.0]})
+    store.add_artifact(job_id, 1, "trace", "x/trial-1.json", 10)
+    assert store.fits(job_id)[0].payload == {"coef": [1.0]}
+    assert store.artifact(job_id, 1, "trace").path == "x/trial-1.json"
+
+
+def test_two_workers_on_postgres_run_six_jobs_each_exactly_once(pg_url, tmp_path):
+    from tests.conftest import Services, wait_for
+
+    svc = Services(tmp_path, pg_url)
+    try:
+        svc.serve()
+        svc.worker()
+        svc.worker()
+        with svc.client() as c:
+            ids = [c.post("/tune", json=tiny_spec(f"pg{i}", trials=2)).json()["job_id"] for i in range(6)]
+            jobs = [wait_for(c, j, timeout=400) for j in ids]
+            assert all(j["status"] == "succeeded" for j in jobs), jobs
+            assert all(j["attempts"] == 1 for j in jobs)             # claimed once each
+            for j in ids:
+                trials = c.get(f"/jobs/{j}/trials").json()
+                assert len(trials) == 2 and len({str(t["config"]) for t in trials}) == 2
+                assert len({t["result"]["status"] for t in trials}) >= 1
+        store = Store(pg_url)
+        holders = {t.worker_id for j in ids for t in store.trials(j)}
+        assert len(holders) >= 1 and all(h for h in holders)
+    finally:
+        svc.stop()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fastapi import APIRouter, Depends, HTTPException, Request, status
+from fastapi import APIRouter, Depends, HTTPException, Path as PathParam, Query, Request, status
 from fastapi.responses import FileResponse, PlainTextResponse
 from sqlalchemy import text
 
@@ -30,8 +30,9 @@ def post_tune(spec: TuningSpec, request: Request) -> Accepted:
 
 
 @router.get("/jobs", response_model=list[JobSummary])
-def list_jobs(request: Request, status: str | None = None, limit: int = 100) -> list[JobSummary]:
-    return [job_summary(j) for j in store(request).jobs(limit=max(1, min(limit, 1000)), status=status)]
+def list_jobs(request: Request, status: str | None = Query(None, max_length=16),
+              limit: int = Query(100, ge=1, le=1000)) -> list[JobSummary]:
+    return [job_summary(j) for j in store(request).jobs(limit=limit, status=status)]
 
 
 @router.get("/jobs/{job_id}", response_model=JobDetail)
@@ -54,7 +55,7 @@ def get_trials(job_id: str, request: Request) -> list[TrialOut]:
 
 @router.get("/jobs/{job_id}/trials/{number}/trace", response_class=FileResponse,
             summary="The trial's Chrome/Perfetto trace (JSON)")
-def get_trace(job_id: str, number: int, request: Request) -> FileResponse:
+def get_trace(job_id: str, request: Request, number: int = PathParam(ge=0, le=1_000_000)) -> FileResponse:
     _job(request, job_id)
     art = store(request).artifact(job_id, number, "trace")
     root = request.app.state.settings.artifact_dir().resolve()

@@ -22,7 +22,7 @@ def parse(**overrides):
     ({"search": {"sub_batch_size": {"min": 8, "max": 2}}}, "search.sub_batch_size: min 8 > max 2; swap them"),
     ({"search": {"num_sub_batches": 4, "effective_batch_size": 16}}, "not both"),
     ({"search": {"strategy": "bayes"}}, "search.strategy"),
-    ({"model": {"preset": "llama-huge"}}, "model.preset 'llama-huge' is unknown"),
+    ({"model": {"preset": "llama-huge"}}, "model.preset: Input should be 'llama-tiny', 'llama-tiny-tied'"),
     ({"model": {"preset": "llama-tiny", "hf_config": {"model_type": "llama"}}}, "exactly one of model.preset"),
     ({"model": {"hf_config": {"model_type": "llama", "auto_map": {"AutoModel": "evil.Model"}}}}, "remote code"),
     ({"model": {"hf_config": {"model_type": "bert"}}}, "'bert' is not supported"),

@@ -105,10 +105,23 @@ def load_config(model: Any):
     return config
 
 
+# Sizes beyond any real model: a config above them is refused before anything is built from it.
+_BOUNDS = {"num_hidden_layers": 1024, "n_layer": 1024, "hidden_size": 65536, "n_embd": 65536,
+           "intermediate_size": 262144, "ffn_dim": 262144, "n_inner": 262144, "vocab_size": 1_048_576,
+           "num_attention_heads": 1024, "n_head": 1024, "num_key_value_heads": 1024,
+           "max_position_embeddings": 1_048_576, "n_positions": 1_048_576, "word_embed_proj_dim": 65536}
+
+
 def _from_dict(data: dict[str, Any], source: str):
     from transformers import AutoConfig
 
     data = dict(data)
+    for key, bound in _BOUNDS.items():
+        value = data.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= bound:
+            raise ValueError(f"{source}: {key} must be an integer from 1 to {bound}, got {value!r}")
     family = data.pop("model_type", None)
     if family is None:
         raise ValueError(f"{source}: no 'model_type'; set it to one of {', '.join(SUPPORTED_FAMILIES)}")
@@ -121,8 +134,8 @@ def _from_dict(data: dict[str, Any], source: str):
             raise ValueError(f"{source}: '{key}' would run remote code; sltune only builds the standard families")
     try:
         return AutoConfig.for_model(family, **data)
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"{source}: transformers rejected the config: {err}") from None
+    except Exception as err:  # noqa: BLE001 - any rejection is the config's fault, reported as such
+        raise ValueError(f"{source}: transformers rejected the config: {type(err).__name__}: {err}") from None
 
 
 def build(model: Any = "llama-tiny", seed: int = 0, dtype: str | torch.dtype = "float32"):

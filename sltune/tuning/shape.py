@@ -6,8 +6,10 @@ features (G = number of groups) and for the lower bounds a limit must clear.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import torch
@@ -41,6 +43,18 @@ class ModelShape:
 
 
 def shape_of(model: Any, dtype: str = "float32") -> ModelShape:
+    """Cached by the model's description: every spec validation asks, and big models take a second."""
+    if isinstance(model, (str, dict)):
+        return _cached(json.dumps(model, sort_keys=True, default=str), dtype)
+    return _build(model, dtype)
+
+
+@lru_cache(maxsize=64)
+def _cached(key: str, dtype: str) -> ModelShape:
+    return _build(json.loads(key), dtype)
+
+
+def _build(model: Any, dtype: str) -> ModelShape:
     from transformers import AutoModelForCausalLM
 
     from sltune.models import load_config

@@ -24,10 +24,16 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+def _preset_names():
+    from sltune.models import PRESETS
+
+    return Literal[tuple(PRESETS)]
+
+
 class ModelSpec(_Strict):
     """A preset name or an inline transformers config.json; never code, never a server-side path."""
 
-    preset: str | None = None
+    preset: _preset_names() | None = None  # type: ignore[valid-type]
     hf_config: dict[str, Any] | None = None
     dtype: DType = "float32"
 
@@ -37,8 +43,6 @@ class ModelSpec(_Strict):
 
         if (self.preset is None) == (self.hf_config is None):
             raise ValueError("give exactly one of model.preset (e.g. llama-tiny) or model.hf_config (a config.json)")
-        if self.preset is not None and self.preset not in PRESETS:
-            raise ValueError(f"model.preset {self.preset!r} is unknown; presets: {', '.join(PRESETS)}")
         if self.hf_config is not None:
             load_config(self.hf_config)    # checks family, refuses auto_map / remote code
         return self
@@ -158,7 +162,7 @@ class Search(_Strict):
 
 
 class TuningSpec(_Strict):
-    name: str = Field("tuning-job", min_length=1, max_length=200)
+    name: str = Field("tuning-job", min_length=1, max_length=200, pattern=r"^[^\x00-\x1f]+$")
     model: ModelSpec
     workload: Workload = Field(default_factory=Workload)
     hardware: Hardware = Field(default_factory=Hardware)
@@ -171,7 +175,12 @@ class TuningSpec(_Strict):
         from sltune.tuning.shape import shape_of
         from sltune.tuning.space import SearchSpace
 
-        shape = shape_of(self.model.source, self.model.dtype)
+        try:
+            shape = shape_of(self.model.source, self.model.dtype)
+        except ValueError:
+            raise
+        except Exception as err:  # noqa: BLE001 - a config transformers cannot build is a bad spec
+            raise ValueError(f"model: transformers could not build this model: {type(err).__name__}: {err}") from None
         mode = self.workload.mode
         hw = self.hardware
         need_dev = shape.min_device_bytes(mode)

@@ -38,11 +38,14 @@ e = html.escape
 
 CSS = """
 body{font-family:system-ui,-apple-system,"Segoe UI",sans-serif;margin:0;color:#222;background:#fafafa}
-header{background:#263238;color:#fff;padding:.6em 1.2em}header a{color:#fff;text-decoration:none;margin-right:1.2em}
-header b{margin-right:1.5em}main{padding:1em 1.5em;max-width:1400px}
-h1{font-size:1.4em;margin:.3em 0}h2{font-size:1.15em;margin:1.4em 0 .4em;border-bottom:1px solid #ddd;padding-bottom:.2em}
-table{border-collapse:collapse;background:#fff;font-size:.92em}th,td{border:1px solid #ddd;padding:.3em .6em;text-align:left}
-th{background:#eceff1}td{white-space:nowrap}td.wrap{white-space:normal}td.num{text-align:right;font-variant-numeric:tabular-nums}
+header{background:#263238;color:#fff;padding:.6em 1.2em}
+header a{color:#fff;text-decoration:none;margin-right:1.2em}header b{margin-right:1.5em}
+main{padding:1em 1.5em;max-width:1400px}h1{font-size:1.4em;margin:.3em 0}
+h2{font-size:1.15em;margin:1.4em 0 .4em;border-bottom:1px solid #ddd;padding-bottom:.2em}
+table{border-collapse:collapse;background:#fff;font-size:.92em}
+th,td{border:1px solid #ddd;padding:.3em .6em;text-align:left}th{background:#eceff1}td{white-space:nowrap}
+td.wrap{white-space:normal;max-width:28em;overflow-wrap:anywhere}
+td.num{text-align:right;font-variant-numeric:tabular-nums}
 .status{display:inline-block;padding:.05em .5em;border-radius:.8em;color:#fff;font-size:.85em}
 .s-succeeded,.s-ok{background:#2e7d32}.s-running{background:#1565c0}.s-queued{background:#6d4c41}
 .s-failed,.s-oom,.s-timeout{background:#c62828}.s-cancelled,.s-interrupted{background:#757575}
@@ -175,7 +178,7 @@ def job_list(request: Request, status: str | None = None, limit: int = 200) -> H
         if j.status == "succeeded":
             links.append(f"<a href='/jobs/{qid}/config.yaml'>config.yaml</a>")
         rows.append(
-            f"<tr><td><a href='/dashboard/jobs/{qid}'><code>{e(j.id)}</code></a></td><td>{e(j.name)}</td>"
+            f"<tr><td><a href='/dashboard/jobs/{qid}'><code>{e(j.id)}</code></a></td><td class='wrap'>{e(j.name)}</td>"
             f"<td>{_badge(j.status)}</td><td>{bar}{int(done)}/{int(total)}"
             f"{' · ' + e(str(p.get('phase'))) if j.status == 'running' and p.get('phase') else ''}</td>"
             f"<td class='num'>{_num(best_tps)}</td><td>{_knobs(best_cfg) if best_cfg else '-'}</td>"
@@ -198,8 +201,8 @@ def _compare_form(jobs, a: str | None = None, b: str | None = None, max_regressi
         return "".join(f"<option value='{e(j.id)}'{' selected' if j.id == selected else ''}>"
                        f"{e(j.id)} · {e(j.name)} · {e(j.status)}</option>" for j in jobs)
     return ("<h2>Compare two jobs</h2><form method='get' action='/dashboard/compare'>"
-            f"baseline A <select name='a'>{options(a)}</select> newer B <select name='b'>"
-            f"{options(b or (jobs[0].id if jobs else None))}</select> allowed drop "
+            f"baseline A <select name='a'>{options(a or (jobs[1].id if len(jobs) > 1 else None))}</select> newer B "
+            f"<select name='b'>{options(b or (jobs[0].id if jobs else None))}</select> allowed drop "
             f"<input name='max_regression' value='{e(max_regression)}' size='5'> "
             "<button type='submit'>compare</button></form>")
 
@@ -274,8 +277,10 @@ def _job_summary(job, detail: dict[str, Any], spec: dict[str, Any], progress: di
         ("progress", f"{int(progress.get('trials_done') or 0)}/{int(progress.get('max_trials') or 0)} trials"
                      + (f", phase {e(str(progress.get('phase')))}" if progress.get("phase") else "")
                      + (f", {_num(progress.get('elapsed_s'), '.0f')}s elapsed" if progress.get("elapsed_s") else "")
-                     + (f", about {_num(progress.get('time_left_s'), '.0f')}s left" if job.status == "running" else "")),
-        ("created / started / finished (UTC)", f"{_ts(job.created_at)} / {_ts(job.started_at)} / {_ts(job.finished_at)}"),
+                     + (f", about {_num(progress.get('time_left_s'), '.0f')}s left"
+                        if job.status == "running" else "")),
+        ("created / started / finished (UTC)",
+         f"{_ts(job.created_at)} / {_ts(job.started_at)} / {_ts(job.finished_at)}"),
     ]
     stop = detail.get("stop_reason") or progress.get("stop_reason")
     if stop:
@@ -297,7 +302,8 @@ def _best_section(job, best: dict[str, Any] | None, result: dict[str, Any], prog
         if so_far and job.status in ACTIVE:
             return (f"<p>Best so far: {_knobs(so_far)} at {_num(progress.get('best_tokens_per_s'))} tokens/s "
                     "(the config file is ready once the job has succeeded).</p>")
-        return "<p class='note'>No best config" + (" yet." if job.status in ACTIVE else ": no trial ran successfully.") + "</p>"
+        why = " yet." if job.status in ACTIVE else ": no trial ran successfully."
+        return f"<p class='note'>No best config{why}</p>"
     c = best.get("config") or {}
     pred = result.get("predicted") or {}
     rows = [("sub_batch_size (b)", e(str(c.get("sub_batch_size"))), ""),
@@ -333,7 +339,8 @@ def _trials_table(trials: list[dict[str, Any]], best_number: int | None) -> str:
         rows.append(
             f"<tr><td>{e(str(t.get('number')))}{star}</td><td>{e(str(t.get('role') or '-'))}</td>"
             f"<td>{_badge(t.get('status'))}</td><td>{_knobs(t.get('config'))}</td>"
-            f"<td class='num'>{_num(r.get('tokens_per_s'))}</td><td class='num'>{_bytes(r.get('peak_device_bytes'))}</td>"
+            f"<td class='num'>{_num(r.get('tokens_per_s'))}</td>"
+            f"<td class='num'>{_bytes(r.get('peak_device_bytes'))}</td>"
             f"<td class='num'>{_bytes(r.get('peak_host_bytes'))}</td>"
             f"<td class='num'>{_duration(t.get('started_at'), t.get('finished_at'))}</td><td>{trace}</td>"
             f"<td class='wrap'>{e(str(r.get('error') or ''))}</td></tr>")
@@ -381,7 +388,8 @@ def compare_page(request: Request, a: str | None = None, b: str | None = None,
     label_a, label_b = f"A: {e(job_a.name)} ({e(job_a.id)})", f"B: {e(job_b.name)} ({e(job_b.id)})"
     summary = ("<table><tr><th></th><th>job</th><th>status</th><th>best tokens/s</th></tr>"
                + "".join(f"<tr><th>{k}</th><td><a href='/dashboard/jobs/{_q(j.id)}'>{e(j.name)} "
-                         f"<code>{e(j.id)}</code></a></td><td>{_badge(j.status)}</td><td class='num'>{_num(v)}</td></tr>"
+                         f"<code>{e(j.id)}</code></a></td><td>{_badge(j.status)}</td>"
+                         f"<td class='num'>{_num(v)}</td></tr>"
                          for k, j, v in (("A (baseline)", job_a, cmp["best_a"]), ("B (newer)", job_b, cmp["best_b"])))
                + "</table>")
     floor = 1.0 - limit

@@ -1,0 +1,397 @@
+"""Plotly figure builders: pure functions from a job's data to figures (no database, no web).
+
+A *trial* here is a dict as `GET /jobs/{id}/trials` returns it: number, role, status, config
+(sub_batch_size, num_sub_batches, num_live_blocks, ...), result (the TrialResult or None while it
+runs), predicted (what the fitted models said before it ran), started_at, finished_at. Every key may
+be missing or None (a running or failed job has partial data): builders skip what they cannot draw
+and return None when nothing is left, so the page can say "no data yet" instead of failing.
+
+Strings from users (job names) are HTML-escaped by the caller before they reach a figure: Plotly
+renders a small subset of HTML in labels.
+"""
+
+from __future__ import annotations
+
+import math
+from datetime import datetime, timezone
+from typing import Any, Iterable
+
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+# the TrialResult breakdown keys, in drawing order, with their labels and fixed colours
+BREAKDOWN = {"compute": "compute", "memcpy": "memcpy", "cpu": "CPU", "all_gather": "all-gather",
+             "reduce_scatter": "reduce-scatter", "other": "other"}
+BREAKDOWN_COLORS = {"compute": "#4c78a8", "memcpy": "#f58518", "cpu": "#54a24b", "all_gather": "#b279a2",
+                    "reduce_scatter": "#e45756", "other": "#bab0ac"}
+STATUS_COLORS = {"ok": "#2ca02c", "oom": "#d62728", "failed": "#7f7f7f", "timeout": "#ff7f0e",
+                 "running": "#1f77b4", "interrupted": "#bcbd22"}
+LIVE_BLOCK_COLORS = ["#4c78a8", "#f58518", "#54a24b", "#b279a2", "#e45756", "#72b7b2", "#eeca3b", "#9d755d"]
+PIE_LIMIT = 12
+MIB = 1024 * 1024
+FONT = dict(family="system-ui, -apple-system, Segoe UI, sans-serif", size=12)
+
+
+# -- small accessors that tolerate missing data ----------------------------------------------------
+def knobs(trial: dict[str, Any]) -> tuple[int | None, int | None, int | None]:
+    c = trial.get("config") or (trial.get("result") or {}).get("config") or {}
+    return c.get("sub_batch_size"), c.get("num_sub_batches"), c.get("num_live_blocks")
+
+
+def config_label(trial_or_config: dict[str, Any]) -> str:
+    """"b=2 N=4 k=1" for a trial or a config dict."""
+    c = trial_or_config.get("config") if isinstance(trial_or_config.get("config"), dict) else trial_or_config
+    return (f"b={c.get('sub_batch_size', '?')} N={c.get('num_sub_batches', '?')} "
+            f"k={c.get('num_live_blocks', '?')}")
+
+
+def tokens_per_s(trial: dict[str, Any]) -> float | None:
+    r = trial.get("result") or {}
+    v = r.get("tokens_per_s", trial.get("tokens_per_s"))
+    return float(v) if isinstance(v, (int, float)) and math.isfinite(v) else None
+
+
+def status_of(trial: dict[str, Any]) -> str:
+    return str(trial.get("status") or (trial.get("result") or {}).get("status") or "running")
+
+
+def breakdown_of(trial: dict[str, Any]) -> dict[str, float] | None:
+    b = (trial.get("result") or {}).get("breakdown")
+    if not isinstance(b, dict):
+        return None
+    values = {k: float(b.get(k) or 0.0) for k in BREAKDOWN}
+    return values if sum(values.values()) > 0 else None
+
+
+def _hover_config(trial: dict[str, Any]) -> str:
+    b, n, k = knobs(trial)
+    return f"trial #{trial.get('number', '?')} ({trial.get('role') or '?'})<br>b={b} N={n} k={k}"
+
+
+def _mib(v: Any) -> float | None:
+    return float(v) / MIB if isinstance(v, (int, float)) and v > 0 else None
+
+
+def _fmt_bytes(v: float | None) -> str:
+    if v is None:
+        return "-"
+    for unit, size in (("GiB", 1024 ** 3), ("MiB", MIB), ("KiB", 1024)):
+        if v >= size:
+            return f"{v / size:.1f} {unit}"
+    return f"{v:.0f} B"
+
+
+def _base_layout(fig: go.Figure, title: str, height: int) -> go.Figure:
+    fig.update_layout(title=dict(text=title, x=0.01, xanchor="left"), height=height, font=FONT,
+                      template="plotly_white", margin=dict(l=60, r=30, t=70, b=50))
+    return fig
+
+
+# -- time breakdown ---------------------------------------------------------------------------------
+def pie_trials(trials: Iterable[dict[str, Any]], limit: int = PIE_LIMIT) -> tuple[list[dict[str, Any]], int]:
+    """The ok trials that have a breakdown, fastest first, at most `limit`; and how many there were."""
+    eligible = [t for t in trials if status_of(t) == "ok" and breakdown_of(t) is not None]
+    eligible.sort(key=lambda t: (-(tokens_per_s(t) or 0.0), t.get("number") or 0))
+    return eligible[:limit], len(eligible)
+
+
+def breakdown_pies(trials: Iterable[dict[str, Any]], limit: int = PIE_LIMIT, cols: int = 4) -> go.Figure | None:
+    """One pie per ok trial with a breakdown (the fastest `limit`): compute, memcpy, CPU, all-gather,
+    reduce-scatter, other, as fractions of the profiled step."""
+    shown, _total = pie_trials(trials, limit)
+    if not shown:
+        return None
+    cols = max(1, min(cols, len(shown)))
+    rows = math.ceil(len(shown) / cols)
+    titles = [f"#{t.get('number')} {config_label(t)}<br>{(tokens_per_s(t) or 0):,.0f} tok/s" for t in shown]
+    fig = make_subplots(rows=rows, cols=cols, specs=[[{"type": "domain"}] * cols for _ in range(rows)],
+                        subplot_titles=titles, vertical_spacing=0.12 / rows + 0.04)
+    for i, t in enumerate(shown):
+        b = breakdown_of(t)
+        fig.add_trace(go.Pie(labels=list(BREAKDOWN.values()), values=[b[k] for k in BREAKDOWN],
+                             marker=dict(colors=[BREAKDOWN_COLORS[k] for k in BREAKDOWN]), sort=False,
+                             direction="clockwise", textinfo="percent", textposition="inside",
+                             name=f"trial #{t.get('number')}", hole=0.3,
+                             hovertemplate="%{label}: %{percent}<extra>trial #" + str(t.get("number")) + "</extra>"),
+                      row=i // cols + 1, col=i % cols + 1)
+    fig.update_annotations(font_size=11)
+    fig.update_layout(legend=dict(orientation="h", y=-0.02, yanchor="top", x=0.5, xanchor="center"),
+                      uniformtext=dict(minsize=9, mode="hide"))
+    return _base_layout(fig, "Time breakdown of the profiled step", 130 + 250 * rows)
+
+
+# -- throughput against the knobs -------------------------------------------------------------------
+def throughput_figure(trials: Iterable[dict[str, Any]], best_number: int | None = None,
+                      max_facets: int = 8) -> go.Figure | None:
+    """tokens/s against sub_batch_size, one panel per num_sub_batches, coloured by num_live_blocks;
+    oom / failed / timeout trials as crosses on the zero line."""
+    trials = [t for t in trials if all(v is not None for v in knobs(t)) and status_of(t) != "running"]
+    if not trials:
+        return None
+    ns = sorted({knobs(t)[1] for t in trials})
+    ks = sorted({knobs(t)[2] for t in trials})
+    bs = sorted({knobs(t)[0] for t in trials})
+    facet = len(ns) <= max_facets
+    panels = ns if facet else [None]
+    cols = min(len(panels), 4)
+    rows = math.ceil(len(panels) / cols)
+    titles = [f"num_sub_batches N={n}" for n in panels] if facet else ["marker size: num_sub_batches"]
+    fig = make_subplots(rows=rows, cols=cols, shared_yaxes=True, subplot_titles=titles,
+                        horizontal_spacing=0.04, vertical_spacing=0.18 if rows > 1 else 0.1)
+    seen_legend: set[str] = set()
+
+    def place(n: int | None) -> tuple[int, int]:
+        i = panels.index(n) if facet else 0
+        return i // cols + 1, i % cols + 1
+
+    for n in panels:
+        row, col = place(n)
+        in_panel = [t for t in trials if not facet or knobs(t)[1] == n]
+        for ci, k in enumerate(ks):
+            pts = sorted((t for t in in_panel if knobs(t)[2] == k and status_of(t) == "ok" and tokens_per_s(t)),
+                         key=lambda t: knobs(t)[0])
+            if not pts:
+                continue
+            name = f"num_live_blocks k={k}"
+            fig.add_trace(go.Scatter(
+                x=[knobs(t)[0] for t in pts], y=[tokens_per_s(t) for t in pts], mode="markers+lines",
+                name=name, legendgroup=name, showlegend=name not in seen_legend,
+                line=dict(color=LIVE_BLOCK_COLORS[ci % len(LIVE_BLOCK_COLORS)], width=1, dash="dot"),
+                marker=dict(color=LIVE_BLOCK_COLORS[ci % len(LIVE_BLOCK_COLORS)], line=dict(width=1, color="white"),
+                            size=[(18 if t.get("number") == best_number else 11) if facet
+                                  else 7 + 3 * math.log2(max(1, knobs(t)[1])) for t in pts],
+                            symbol=["star" if t.get("number") == best_number else "circle" for t in pts]),
+                text=[_hover_config(t) for t in pts],
+                hovertemplate="%{text}<br>%{y:,.1f} tokens/s<extra></extra>"), row=row, col=col)
+            seen_legend.add(name)
+        for status in ("oom", "failed", "timeout", "interrupted"):
+            bad = [t for t in in_panel if status_of(t) == status]
+            if not bad:
+                continue
+            fig.add_trace(go.Scatter(
+                x=[knobs(t)[0] for t in bad], y=[0.0] * len(bad), mode="markers", name=status,
+                legendgroup=status, showlegend=status not in seen_legend,
+                marker=dict(symbol="x", size=12, color=STATUS_COLORS.get(status, "#444")),
+                text=[_hover_config(t) + "<br>" + _short((t.get("result") or {}).get("error")) for t in bad],
+                hovertemplate="%{text}<extra>" + status + "</extra>"), row=row, col=col)
+            seen_legend.add(status)
+    fig.update_xaxes(type="log", tickvals=bs, ticktext=[str(b) for b in bs], title_text="sub_batch_size b",
+                     title_standoff=4)
+    fig.update_yaxes(rangemode="tozero")
+    fig.update_yaxes(title_text="tokens/s", col=1)
+    return _base_layout(fig, "Throughput against the knobs", 150 + 300 * rows)
+
+
+def _short(text: Any, n: int = 160) -> str:
+    s = str(text or "")
+    return s if len(s) <= n else s[: n - 1] + "…"
+
+
+# -- measured peaks against the fitted models -------------------------------------------------------
+def _g_by_k(models: dict[str, Any]) -> dict[float, float]:
+    out = {}
+    for m in models.values():
+        for r in (m or {}).get("residuals") or []:
+            v = r.get("vars") or {}
+            if "k" in v and "G" in v:
+                out[v["k"]] = v["G"]
+    return out
+
+
+def _model_predict(model: dict[str, Any] | None, trial: dict[str, Any], g_by_k: dict[float, float],
+                   s: float | None) -> float | None:
+    """What the job's final fit predicts for a trial that is not among its residuals (an oom, say)."""
+    from sltune.tuning.fit import FEATURES
+
+    if not model or not model.get("coef") or len(model["coef"]) != len(model.get("features") or []):
+        return None
+    b, n, k = knobs(trial)
+    if None in (b, n, k) or k not in g_by_k or s is None:
+        return None
+    v = {"b": b, "N": n, "k": k, "B": b * n, "s": s, "G": g_by_k[k]}
+    try:
+        return float(sum(c * FEATURES[f](v) for c, f in zip(model["coef"], model["features"])))
+    except (KeyError, TypeError):
+        return None
+
+
+def peaks_figure(models: dict[str, Any] | None, trials: Iterable[dict[str, Any]],
+                 limits: dict[str, int | None] | None = None) -> go.Figure | None:
+    """Measured device and host peaks against what the fitted models predict, with each limit drawn.
+
+    Filled circles: the job's (final or latest) fit on the trials it was fitted to (its residuals).
+    Crosses: trials the fit did not use (oom ones), predicted by the same fit. Open diamonds: what the
+    models predicted for a trial before it ran (the trial's `predicted`), where there was a prediction."""
+    models = models or {}
+    limits = limits or {}
+    trials = list(trials)
+    by_knobs = {knobs(t): t for t in trials}
+    g_by_k = _g_by_k(models)
+    s_values = {r.get("vars", {}).get("s") for m in models.values() for r in (m or {}).get("residuals") or []}
+    s = next(iter(s_values)) if len(s_values) == 1 else None
+    fig = make_subplots(rows=1, cols=2, subplot_titles=["device peak", "host peak"], horizontal_spacing=0.1)
+    drawn = False
+    in_legend: set[str] = set()
+
+    def legend(group: str) -> bool:
+        first = group not in in_legend
+        in_legend.add(group)
+        return first
+
+    for col, kind in ((1, "device"), (2, "host")):
+        key = f"peak_{kind}_bytes"
+        model = models.get(kind) or {}
+        fit_x, fit_y, fit_text = [], [], []
+        used = set()
+        for r in model.get("residuals") or []:
+            v = r.get("vars") or {}
+            kn = (v.get("b"), v.get("N"), v.get("k"))
+            x, y = _mib(r.get("predicted")), _mib(r.get("measured"))
+            if x is None or y is None:
+                continue
+            used.add(kn)
+            t = by_knobs.get(kn, {"config": {"sub_batch_size": kn[0], "num_sub_batches": kn[1],
+                                             "num_live_blocks": kn[2]}})
+            fit_x.append(x)
+            fit_y.append(y)
+            rel = r.get("rel_error")
+            fit_text.append(_hover_config(t) + (f"<br>error {rel:+.1%}" if isinstance(rel, (int, float)) else ""))
+        other_x, other_y, other_text, prior_x, prior_y, prior_text = [], [], [], [], [], []
+        for t in trials:
+            measured = _mib((t.get("result") or {}).get(key, t.get(key)))
+            if measured is None:
+                continue
+            if knobs(t) not in used:
+                x = _mib(_model_predict(model, t, g_by_k, s))
+                if x is not None:
+                    other_x.append(x)
+                    other_y.append(measured)
+                    other_text.append(_hover_config(t) + f"<br>{status_of(t)}")
+            before = _mib((t.get("predicted") or {}).get(key))
+            if before is not None:
+                prior_x.append(before)
+                prior_y.append(measured)
+                prior_text.append(_hover_config(t) + f"<br>{status_of(t)}")
+        if fit_x:
+            fig.add_trace(go.Scatter(x=fit_x, y=fit_y, mode="markers", name="trials the fit used",
+                                     legendgroup="fit", showlegend=legend("fit"), text=fit_text,
+                                     marker=dict(size=9, color="#4c78a8"),
+                                     hovertemplate="%{text}<br>predicted %{x:.2f} MiB<br>measured %{y:.2f} MiB"
+                                                   "<extra></extra>"), row=1, col=col)
+        if other_x:
+            fig.add_trace(go.Scatter(x=other_x, y=other_y, mode="markers", name="other trials (oom)",
+                                     legendgroup="other", showlegend=legend("other"), text=other_text,
+                                     marker=dict(size=11, symbol="x", color="#d62728"),
+                                     hovertemplate="%{text}<br>predicted %{x:.2f} MiB<br>measured %{y:.2f} MiB"
+                                                   "<extra></extra>"), row=1, col=col)
+        if prior_x:
+            fig.add_trace(go.Scatter(x=prior_x, y=prior_y, mode="markers", name="predicted before the trial ran",
+                                     legendgroup="prior", showlegend=legend("prior"), text=prior_text,
+                                     marker=dict(size=10, symbol="diamond-open", color="#f58518", line=dict(width=2)),
+                                     hovertemplate="%{text}<br>predicted %{x:.2f} MiB<br>measured %{y:.2f} MiB"
+                                                   "<extra></extra>"), row=1, col=col)
+        xs, ys = fit_x + other_x + prior_x, fit_y + other_y + prior_y
+        if not xs:
+            continue
+        drawn = True
+        limit = _mib(limits.get(kind))
+        lo = min(xs + ys) * 0.8
+        hi = max(xs + ys + ([limit] if limit else [])) * 1.25
+        fig.add_trace(go.Scatter(x=[lo, hi], y=[lo, hi], mode="lines", name="measured = predicted",
+                                 legendgroup="diag", showlegend=legend("diag"), hoverinfo="skip",
+                                 line=dict(color="#999", dash="dash", width=1)), row=1, col=col)
+        if limit:
+            fig.add_trace(go.Scatter(x=[lo, hi], y=[limit, limit], mode="lines", name="memory limit",
+                                     legendgroup="limit", showlegend=legend("limit"),
+                                     line=dict(color="#d62728", width=2),
+                                     hovertemplate=f"{kind} limit {_fmt_bytes(limits[kind])}<extra></extra>"),
+                          row=1, col=col)
+            fig.add_annotation(x=math.log10(lo), y=math.log10(limit), xref=f"x{col if col > 1 else ''}",
+                               yref=f"y{col if col > 1 else ''}", text=f"{kind} limit {_fmt_bytes(limits[kind])}",
+                               showarrow=False, xanchor="left", yanchor="bottom", font=dict(color="#d62728", size=11))
+        fig.update_xaxes(type="log", range=[math.log10(lo), math.log10(hi)], title_text="predicted (MiB)",
+                         row=1, col=col)
+        fig.update_yaxes(type="log", range=[math.log10(lo), math.log10(hi)], title_text="measured (MiB)",
+                         row=1, col=col)
+    if not drawn:
+        return None
+    fig.update_layout(legend=dict(orientation="h", y=-0.22, x=0))
+    return _base_layout(fig, "Measured peaks against the fitted models", 470)
+
+
+# -- timeline ---------------------------------------------------------------------------------------
+def _utc(v: Any) -> datetime | None:
+    if isinstance(v, str):
+        try:
+            v = datetime.fromisoformat(v.replace("Z", "+00:00"))
+        except ValueError:
+            return None
+    if not isinstance(v, datetime):
+        return None
+    if v.tzinfo is not None:
+        v = v.astimezone(timezone.utc).replace(tzinfo=None)
+    return v
+
+
+def timeline_figure(trials: Iterable[dict[str, Any]], now: datetime | None = None) -> go.Figure | None:
+    """Each trial's start to finish (a running one: to now), coloured by status, labelled with its role."""
+    now = _utc(now) or datetime.now(timezone.utc).replace(tzinfo=None)
+    rows = []
+    for t in trials:
+        start = _utc(t.get("started_at"))
+        if start is None:
+            continue
+        end = _utc(t.get("finished_at")) or (now if status_of(t) == "running" else start)
+        rows.append((t, start, max(end, start)))
+    if not rows:
+        return None
+    rows.sort(key=lambda r: (r[1], r[0].get("number") or 0))
+    labels = [f"#{t.get('number')} {t.get('role') or ''}".strip() for t, _, _ in rows]
+    fig = go.Figure()
+    for status in sorted({status_of(t) for t, _, _ in rows}, key=lambda s: list(STATUS_COLORS).index(s)
+                         if s in STATUS_COLORS else 99):
+        sel = [(lab, t, a, b) for lab, (t, a, b) in zip(labels, rows) if status_of(t) == status]
+        fig.add_trace(go.Bar(
+            y=[lab for lab, *_ in sel], base=[a.isoformat() for _, _, a, _ in sel],
+            x=[max((b - a).total_seconds() * 1000.0, 1.0) for *_, a, b in sel], orientation="h", name=status,
+            marker=dict(color=STATUS_COLORS.get(status, "#444")),
+            text=[f"{(b - a).total_seconds():.1f}s" for *_, a, b in sel], textposition="inside",
+            customdata=[[_hover_config(t), f"{(b - a).total_seconds():.1f}",
+                         f"{tokens_per_s(t):,.1f} tokens/s" if tokens_per_s(t) else status_of(t)]
+                        for _, t, a, b in sel],
+            hovertemplate="%{customdata[0]}<br>%{customdata[1]} s<br>%{customdata[2]}<extra></extra>"))
+    fig.update_xaxes(type="date", title_text="time (UTC)")
+    fig.update_yaxes(categoryorder="array", categoryarray=labels, autorange="reversed")
+    fig.update_layout(barmode="overlay", bargap=0.25, legend=dict(title_text="status"))
+    return _base_layout(fig, "Trial timeline", 140 + 26 * len(rows))
+
+
+# -- comparison of two jobs -------------------------------------------------------------------------
+def compare_figure(cmp: dict[str, Any], label_a: str = "A", label_b: str = "B",
+                   max_regression: float | None = None) -> go.Figure | None:
+    """Best tokens/s per config of two jobs side by side (grouped bars), and the change B/A - 1 per config
+    with the allowed drop drawn: `cmp` is what sltune.service.client.compare returns."""
+    rows = (cmp or {}).get("rows") or []
+    if not rows:
+        return None
+    labels = [config_label(r["config"]) for r in rows]
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, row_heights=[0.65, 0.35], vertical_spacing=0.1,
+                        subplot_titles=["best tokens/s per config", "change B vs A per config"])
+    for key, name, color in (("a", label_a, "#4c78a8"), ("b", label_b, "#f58518")):
+        fig.add_trace(go.Bar(x=labels, y=[r.get(key) for r in rows], name=name, marker_color=color,
+                             hovertemplate="%{x}<br>%{y:,.1f} tokens/s<extra>" + name + "</extra>"), row=1, col=1)
+    changes = [(r["ratio"] - 1.0) if isinstance(r.get("ratio"), (int, float)) else None for r in rows]
+    colors = ["#d62728" if (c is not None and max_regression is not None and c < -max_regression) else "#54a24b"
+              for c in changes]
+    fig.add_trace(go.Bar(x=labels, y=changes, name="change", marker_color=colors, showlegend=False,
+                         hovertemplate="%{x}<br>B vs A %{y:+.1%}<extra></extra>"), row=2, col=1)
+    fig.add_hline(y=0.0, line=dict(color="#555", width=1), row=2, col=1)
+    if max_regression is not None:
+        fig.add_hline(y=-max_regression, line=dict(color="#d62728", dash="dash", width=1), row=2, col=1,
+                      annotation_text=f"allowed drop {max_regression:.0%}", annotation_position="bottom right",
+                      annotation_font=dict(color="#d62728", size=11))
+    fig.update_layout(barmode="group", legend=dict(orientation="h", y=-0.12, x=0))
+    fig.update_yaxes(title_text="tokens/s", row=1, col=1)
+    spread = max([abs(c) for c in changes if c is not None] + [max_regression or 0.0, 0.05]) * 1.3
+    fig.update_yaxes(title_text="B / A − 1", tickformat="+.0%", range=[-spread, spread], row=2, col=1)
+    return _base_layout(fig, "Throughput per config, side by side", 560)

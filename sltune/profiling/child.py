@@ -92,4 +92,35 @@ def run(spec: TrialSpec) -> dict[str, Any]:
 
 
 def _run_generate(spec: TrialSpec, cfg, model) -> dict[str, Any]:
-    raise NotImplementedError("generation trials need SpeedLoaderEngine.generate (issue #7)")
+    """Generation throughput: spec.rows random prompts of prompt_len tokens, new_tokens each per call.
+
+    End-of-sequence stopping is off so every call generates the same number of tokens."""
+    from sltune.data import batches
+    from sltune.profiling.breakdown import profile_call
+    from sltune.runtime.engine import SpeedLoaderEngine
+
+    engine = SpeedLoaderEngine(model, cfg, optimizer=None)
+    prompts = batches(spec.rows, spec.prompt_len, model.config.vocab_size, seed=spec.seed)
+
+    def call(ids):
+        engine.generate(ids, max_new_tokens=spec.new_tokens, eos_token_id=[])
+        return engine.last_generation
+
+    warm = [call(next(prompts)) for _ in range(spec.warmup_steps)]   # the first call measures device memory
+    peaks = [s.peak_device_bytes for s in warm if s.peak_device_bytes is not None]
+    timed = [call(next(prompts)) for _ in range(spec.steps)]
+    seconds = sum(s.seconds for s in timed)
+    result: dict[str, Any] = {
+        "status": "ok",
+        "tokens_per_s": sum(s.new_tokens for s in timed) / seconds,
+        "step_seconds": seconds / len(timed),
+        "peak_device_bytes": max(peaks) if peaks else None,
+        "peak_host_bytes": host_peak_bytes(),
+        "io": timed[-1].io.as_dict(),
+    }
+    if spec.profile:
+        ids = next(prompts)
+        bd = profile_call(lambda: call(ids), trace_path=spec.trace_path)
+        result.update(breakdown=bd.fractions, breakdown_seconds=bd.seconds, top_ops=bd.top_ops,
+                      profiled_step_seconds=bd.wall_seconds, trace_path=spec.trace_path)
+    return result

@@ -25,6 +25,10 @@ A = (G+1)*b*s*hidden*itemsize: one sub-batch's activations at the G+1 group edge
     resident     nothing
 
 `expected_io()` computes these; the tests hold the counters to them.
+
+`generate()` runs the same inversion for decoding (sltune.runtime.generate): per step each unit loads once
+and every sub-batch passes through it with its own KV cache, kept in host memory by the SpeedLoader schedule
+(sltune.runtime.kvcache).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -40,10 +44,14 @@ from torch import nn
 from sltune.config import SpeedLoaderConfig
 from sltune.runtime.activations import DeviceActivations, HostActivations
 from sltune.runtime.family import CausalLM, LayerCall
+from sltune.runtime.kvcache import DeviceKV, HostKV
 from sltune.runtime.memory import DeviceMemory, monitor_for
 from sltune.runtime.params import BufferPool, ParamStore, ParamUnit
 from sltune.runtime.regions import region, step_region
 from sltune.runtime.transfer import Copier, IOCounters
+
+if TYPE_CHECKING:
+    from sltune.runtime.generate import GenerationStats
 
 IGNORE_INDEX = -100
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -105,6 +113,9 @@ class SpeedLoaderEngine:
         self.params = ParamStore(self.units, self.dtype, self.copier, self.pool, resident=resident)
         self.acts = HostActivations(self.copier, self.memory) if config.schedule == "speedloader" \
             else DeviceActivations()
+        self.kv = HostKV(self.copier, self.pool, self.memory) if config.schedule == "speedloader" \
+            else DeviceKV(self.memory, self.device)
+        self.last_generation: "GenerationStats | None" = None
         self.optimizer: torch.optim.Optimizer | None = None
         if optimizer is not None:
             trainable = [p for p in _unique(model.parameters()) if p.requires_grad]
@@ -262,6 +273,54 @@ class SpeedLoaderEngine:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    # -- generation --------------------------------------------------------------------------------
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                 max_new_tokens: int = 16, do_sample: bool = False, temperature: float = 1.0,
+                 top_k: int | None = None, generator: torch.Generator | None = None,
+                 eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None) -> torch.Tensor:
+        """Prompts [b*N, s] (left-padded, attention_mask 1 on real tokens) -> LongTensor [b*N, s + new].
+
+        Greedy unless do_sample (temperature, then top_k, drawn from `generator`). Like transformers'
+        generate, a row that produces eos_token_id (default: the model's generation config; [] never stops)
+        continues with pad_token_id, and generation ends early once every row has. Each block of
+        sub_batch_size rows is a sub-batch with its own KV cache; `last_generation` holds the call's stats.
+        """
+        from sltune.runtime import generate as generation   # imports transformers' cache classes: on first use
+
+        ids, mask = self._check_prompt(input_ids, attention_mask, max_new_tokens)
+        _check_sampling(do_sample, temperature, top_k, generator)
+        eos, pad = self._special_tokens(eos_token_id, pad_token_id)
+        choose = generation.chooser(do_sample, temperature, top_k, generator)
+        shape = ("generate", *ids.shape, max_new_tokens)
+        mode = self.config.memory_tracking
+        track = mode == "always" or (mode == "first" and shape not in self._measured)
+        try:
+            with step_region(), self.memory.tracking(track):
+                tokens, stats = generation.generate(self, ids, mask, max_new_tokens, choose, eos, pad)
+        except BaseException:
+            self._recover()
+            raise
+        if track or self.device.type == "cuda":
+            self._measured[shape] = self.memory.peak
+        stats.peak_device_bytes = self._measured.get(shape)
+        self.last_generation = stats
+        return tokens
+
+    def _special_tokens(self, eos_token_id, pad_token_id) -> tuple[list[int], int | None]:
+        """eos and pad ids as transformers' generate resolves them: the generation config's by default, pad
+        falling back to the first eos."""
+        gen_cfg = getattr(self.model, "generation_config", None)
+        eos = eos_token_id if eos_token_id is not None else getattr(gen_cfg, "eos_token_id", None)
+        eos = [] if eos is None else [int(eos)] if isinstance(eos, int) else [int(e) for e in eos]
+        pad = pad_token_id if pad_token_id is not None else getattr(gen_cfg, "pad_token_id", None)
+        if pad is None and eos:
+            pad = eos[0]
+        vocab = self.lm.config.vocab_size
+        for name, value in [("eos_token_id", e) for e in eos] + [("pad_token_id", pad)]:
+            if value is not None and not 0 <= value < vocab:
+                raise ValueError(f"{name} {value} is not a token id in [0, {vocab})")
+        return eos, pad
+
     # -- inputs ------------------------------------------------------------------------------------
     def _check_batch(self, input_ids, labels, attention_mask):
         cfg = self.config
@@ -293,6 +352,48 @@ class SpeedLoaderEngine:
         dev = self.device
         return (input_ids.to(dev, torch.long), labels.to(dev, torch.long),
                 None if attention_mask is None else attention_mask.to(dev))
+
+    def _check_prompt(self, input_ids, attention_mask, max_new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prompt ids and a 0/1 mask (all ones if None) on the device, left padding checked."""
+        cfg = self.config
+        rows = cfg.sub_batch_size * cfg.num_sub_batches
+        if not torch.is_tensor(input_ids) or input_ids.dim() != 2 or input_ids.is_floating_point():
+            raise ValueError("input_ids must be a 2-D LongTensor [rows, prompt_len]")
+        if input_ids.shape[0] != rows:
+            raise ValueError(
+                f"input_ids has {input_ids.shape[0]} rows but sub_batch_size*num_sub_batches = "
+                f"{cfg.sub_batch_size}*{cfg.num_sub_batches} = {rows}; pass {rows} rows or change num_sub_batches"
+            )
+        if input_ids.shape[1] < 1:
+            raise ValueError("input_ids needs at least 1 prompt token per row")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+        total = input_ids.shape[1] + max_new_tokens
+        max_pos = getattr(self.lm.config, "max_position_embeddings", None)
+        if max_pos is not None and total > max_pos:
+            raise ValueError(f"prompt_len + max_new_tokens = {total} exceeds the model's max_position_embeddings "
+                             f"{max_pos}; shorten the prompt or lower max_new_tokens")
+        vocab = self.lm.config.vocab_size
+        if int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab:
+            raise ValueError(f"input_ids must be token ids in [0, {vocab}); got values in "
+                             f"[{int(input_ids.min())}, {int(input_ids.max())}]")
+        if attention_mask is None:
+            mask = torch.ones(input_ids.shape, dtype=torch.long)
+        else:
+            if not torch.is_tensor(attention_mask) or attention_mask.shape != input_ids.shape:
+                got = tuple(attention_mask.shape) if torch.is_tensor(attention_mask) else type(attention_mask).__name__
+                raise ValueError(f"attention_mask {got} must be a tensor shaped like input_ids "
+                                 f"{tuple(input_ids.shape)}")
+            mask = attention_mask.long()
+            if not bool(((mask == 0) | (mask == 1)).all()):
+                raise ValueError("attention_mask must hold 0 (padding) and 1 (token) only")
+            if not bool(mask[:, -1].all()):
+                raise ValueError("attention_mask: every row's last prompt position must be a token; pad prompts on "
+                                 "the left (tokenizer.padding_side = 'left')")
+            if not bool((mask[:, 1:] >= mask[:, :-1]).all()):
+                raise ValueError("attention_mask has padding after a token; pad prompts on the left only "
+                                 "(tokenizer.padding_side = 'left')")
+        return input_ids.to(self.device, torch.long), mask.to(self.device)
 
     # -- results -----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -392,3 +493,16 @@ def _unique(params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
     for p in params:
         seen.setdefault(id(p), p)
     return list(seen.values())
+
+
+def _check_sampling(do_sample: bool, temperature: float, top_k: int | None,
+                    generator: torch.Generator | None) -> None:
+    if not do_sample:
+        return
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0 when do_sample=True, got {temperature}; use do_sample=False "
+                         "for greedy decoding")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise ValueError(f"generator must be a torch.Generator, got {type(generator).__name__}")

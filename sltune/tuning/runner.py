@@ -89,8 +89,17 @@ def run_job(store: Store, job_id: str, *, progress: ProgressFn | None = None, sh
     study = optuna.create_study(study_name=f"sltune-{job_id}", storage=optuna_storage(store.url),
                                 direction="maximize", load_if_exists=True,
                                 sampler=STRATEGIES[spec.search.strategy](state, spec.search.seed).sampler())
+    # Optuna trials left running by a dead process. The store is the record: a trial it holds as
+    # finished (killed between writing the row and telling Optuna) is told its result now.
+    by_number = {t.optuna_number: t for t in finished if t.optuna_number is not None}
     for stale in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
-        study.tell(stale.number, state=optuna.trial.TrialState.FAIL)
+        row = by_number.get(stale.number)
+        if row is not None and row.status == "ok":
+            study.tell(stale.number, row.tokens_per_s)
+        elif row is not None and row.status == "oom":
+            study.tell(stale.number, 0.0)
+        else:
+            study.tell(stale.number, state=optuna.trial.TrialState.FAIL)
     strategy = STRATEGIES[spec.search.strategy](state, spec.search.seed)
 
     search = spec.search

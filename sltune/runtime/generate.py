@@ -1,0 +1,293 @@
+"""Sub-batched generation: the SpeedLoader loop inversion applied to decoding.
+
+Every step (the prefill, then one per new token) walks the units once, embedding, groups of live blocks,
+head, and runs every sub-batch through each unit while it is loaded:
+
+    for step:                          # prefill, then one token per step
+        for unit in embed, groups, head:
+            load unit once             # parameters: once per step, however many sub-batches
+            for i in sub-batches:      # the next sub-batch's KV block and input load while i computes
+                run i through the unit with its own KV cache; write back its new keys and values
+        pick the next tokens of all rows (greedy, or sampled with the caller's generator)
+
+"canonical" runs the whole pass once per sub-batch instead (every sub-batch loads every unit each step,
+its caches on the device); "resident" keeps parameters and caches on the device. All three run the same
+arithmetic and produce the same tokens.
+
+The model's own forward prepares each step, as in training: the prologue runs the library's base model with
+the layers replaced by recorders, given what transformers' generate would pass (the full-length attention
+mask, position ids from its cumulative sum so left padding works, a Cache, use_cache=True); the Cache is a
+SlotCache per sub-batch, so the recorded per-layer arguments point at it and its update() writes into the
+block bound for the group being run. As in generate, a mask without any padding is passed as None, so the
+library picks the same mask and attention kernels and the tokens match transformers' exactly.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
+
+from sltune.runtime.family import LayerCall
+from sltune.runtime.kvcache import KVShape
+from sltune.runtime.regions import region
+from sltune.runtime.transfer import IOCounters
+
+if TYPE_CHECKING:
+    from sltune.runtime.engine import SpeedLoaderEngine
+
+Chooser = Callable[[torch.Tensor], torch.Tensor]
+
+
+def layer_windows(config) -> list[int | None]:
+    """Per layer: its sliding window, or None for full attention, as transformers' DynamicCache decides."""
+    windows = []
+    for j, layer in enumerate(DynamicCache(config=config.get_text_config(decoder=True)).layers):
+        if isinstance(layer, DynamicSlidingWindowLayer):
+            windows.append(layer.sliding_window)
+        elif type(layer) is DynamicLayer:
+            windows.append(None)
+        else:
+            raise ValueError(f"layer {j} needs a {type(layer).__name__} cache; sltune generation supports full and "
+                             "sliding-window attention layers only")
+    return windows
+
+
+def kv_dims(config) -> tuple[int, int]:
+    """(key/value heads, head dim) of the attention layers, from the config's standard fields."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return kv_heads, head_dim
+
+
+class _SlotLayer(CacheLayerMixin):
+    """One model layer's view of a SlotCache; sizes as DynamicLayer / DynamicSlidingWindowLayer report them."""
+
+    is_compileable = False
+
+    def __init__(self, cache: "SlotCache", index: int, sliding_window: int | None):
+        super().__init__()
+        self.cache = cache
+        self.index = index
+        self.sliding_window = sliding_window
+        self.is_sliding = sliding_window is not None
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Nothing to initialise: the storage is the bound block."""
+
+    def first_visible(self, past: int) -> int:
+        """The first position this layer attends to: a sliding layer keeps the last window-1 past positions."""
+        return 0 if self.sliding_window is None else max(past - self.sliding_window + 1, 0)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        return self.cache.write(self.index, self.first_visible(self.cache.past), key_states, value_states)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        past = self.cache.past
+        start = self.first_visible(past)
+        return past - start + query_length, start
+
+    def get_seq_length(self) -> int:
+        return self.cache.past
+
+    def get_max_length(self) -> int:
+        return -1 if self.sliding_window is None else self.sliding_window
+
+
+class SlotCache(Cache):
+    """The Cache one sub-batch passes to the model; its layers write into the block bound for the current group."""
+
+    def __init__(self, windows: list[int | None]):
+        super().__init__(layers=[_SlotLayer(self, j, w) for j, w in enumerate(windows)])
+        self.past = 0                       # positions already cached (equal for every layer and sub-batch)
+        self._block: torch.Tensor | None = None
+        self._first = 0
+
+    def bind(self, block: torch.Tensor, first_layer: int) -> None:
+        """Point layers first_layer.. at this block [T, 2, k, b, heads, head_dim] for the next run_layers."""
+        self._block = block
+        self._first = first_layer
+
+    def unbind(self) -> None:
+        self._block = None
+
+    def write(self, layer: int, start: int, keys: torch.Tensor, values: torch.Tensor):
+        """Store the new positions of one layer; return its keys and values from `start` on."""
+        if self._block is None:
+            raise RuntimeError(f"layer {layer} wrote to a KV cache with no block bound; bind() before run_layers")
+        slot = layer - self._first
+        end = self.past + keys.shape[-2]
+        b, heads, _, dim = keys.shape
+        if not 0 <= slot < self._block.shape[2] or end > self._block.shape[0] \
+                or tuple(self._block.shape[3:]) != (b, heads, dim):
+            raise RuntimeError(f"layer {layer}: keys {tuple(keys.shape)} at positions {self.past}:{end} do not fit "
+                               f"the bound block {tuple(self._block.shape)} (first layer {self._first})")
+        new = self._block[self.past:end]
+        new[:, 0, slot].copy_(keys.permute(2, 0, 1, 3))
+        new[:, 1, slot].copy_(values.permute(2, 0, 1, 3))
+        seen = self._block[start:end]
+        return seen[:, 0, slot].permute(1, 2, 0, 3), seen[:, 1, slot].permute(1, 2, 0, 3)
+
+    def first_visible(self, first_layer: int, last_layer: int) -> int:
+        """The earliest position any of these layers attends to at the next step."""
+        return min(self.layers[j].first_visible(self.past) for j in range(first_layer, last_layer))
+
+
+@dataclass
+class GenerationStats:
+    """What one generate call did: tokens, time, and bytes moved, in total and per forward step."""
+
+    new_tokens: int                                       # generated tokens over all rows
+    seconds: float
+    io: IOCounters
+    step_io: list[IOCounters] = field(default_factory=list)   # [0] is the prefill, then one per decode step
+    peak_device_bytes: int | None = None
+
+
+@dataclass
+class _Rows:
+    """One sub-batch in one step: its rows' inputs and the layer arguments its prologue recorded."""
+
+    index: int
+    ids: torch.Tensor
+    mask: torch.Tensor | None
+    positions: torch.Tensor
+    cache: SlotCache
+    calls: list[LayerCall] = field(default_factory=list)
+
+
+def chooser(do_sample: bool, temperature: float, top_k: int | None,
+            generator: torch.Generator | None) -> Chooser:
+    """Next tokens from float32 logits [rows, vocab]: argmax, or a draw after temperature and top-k (the order
+    transformers applies them); draws come from `generator` so a seed reproduces them."""
+    if not do_sample:
+        return lambda logits: logits.argmax(dim=-1)
+
+    def sample(logits: torch.Tensor) -> torch.Tensor:
+        scores = logits / temperature
+        if top_k is not None and top_k < scores.shape[-1]:
+            kth = torch.topk(scores, top_k).values[..., -1:]
+            scores = scores.masked_fill(scores < kth, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        where = generator.device if generator is not None else probs.device
+        drawn = torch.multinomial(probs.to(where), 1, generator=generator).squeeze(1)
+        return drawn.to(logits.device)
+
+    return sample
+
+
+def generate(engine: "SpeedLoaderEngine", ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int,
+             choose: Chooser, eos: list[int], pad: int | None) -> tuple[torch.Tensor, GenerationStats]:
+    """Prompt ids [b*N, s] (left-padded, mask 1 on real tokens) -> [b*N, s + new]; stops early only when every
+    row has produced one of `eos` (later tokens of a finished row are `pad`), like transformers."""
+    cfg, lm = engine.config, engine.lm
+    b, n = cfg.sub_batch_size, cfg.num_sub_batches
+    rows, s = ids.shape
+    capacity = s + max_new_tokens
+    start = time.perf_counter()
+    before = engine.io.copy()
+
+    # as transformers' generate: positions count real tokens (padding at 0), new tokens continue from the last;
+    # a mask without padding is dropped, new tokens are attended to by every row
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    positions = torch.cat([positions, positions[:, -1:] + torch.arange(1, max_new_tokens + 1, device=ids.device)], 1)
+    full_mask = None if bool(mask.all()) else torch.cat([mask, mask.new_ones(rows, max_new_tokens)], 1)
+
+    windows = layer_windows(lm.config)
+    kv_heads, head_dim = kv_dims(lm.config)
+    shape = KVShape(tuple(g.last - g.first for g in engine.groups), n, b, kv_heads, head_dim, capacity, engine.dtype)
+    caches = [SlotCache(windows) for _ in range(n)]
+    engine.kv.prepare(shape)
+    tokens = ids
+    step_in = ids
+    unfinished = torch.ones(rows, dtype=torch.bool, device=ids.device)
+    eos_t = torch.tensor(eos, dtype=torch.long, device=ids.device)
+    step_io: list[IOCounters] = []
+    try:
+        with torch.no_grad():
+            for _ in range(max_new_tokens):
+                step_start = engine.io.copy()
+                past, q = caches[0].past, step_in.shape[1]
+                subs = [_Rows(i, step_in[i * b:(i + 1) * b],
+                              None if full_mask is None else full_mask[i * b:(i + 1) * b, :past + q],
+                              positions[i * b:(i + 1) * b, past:past + q], caches[i]) for i in range(n)]
+                if cfg.schedule == "canonical":
+                    logits = torch.cat([_step(engine, [sb]) for sb in subs])
+                else:
+                    logits = _step(engine, subs)
+                for c in caches:
+                    c.past += q
+                with region("compute", "sample"):
+                    nxt = choose(logits)
+                    if eos:
+                        nxt = torch.where(unfinished, nxt, torch.full_like(nxt, pad))
+                        unfinished &= ~torch.isin(nxt, eos_t)
+                    tokens = torch.cat([tokens, nxt[:, None]], dim=1)
+                step_io.append(engine.io - step_start)
+                if eos and not bool(unfinished.any()):
+                    break
+                step_in = nxt[:, None]
+        engine.copier.synchronize()
+    finally:
+        engine.kv.close_all()
+        for c in caches:
+            c.unbind()
+    stats = GenerationStats(new_tokens=rows * (tokens.shape[1] - s), seconds=time.perf_counter() - start,
+                            io=engine.io - before, step_io=step_io)
+    return tokens, stats
+
+
+def _step(engine: "SpeedLoaderEngine", subs: list[_Rows]) -> torch.Tensor:
+    """One forward step of these sub-batches through every unit, each unit loaded once: last-position logits."""
+    store, acts, kv, lm = engine.params, engine.acts, engine.kv, engine.lm
+    b, q = subs[0].ids.shape
+    past = subs[0].cache.past
+    edges = len(engine.groups) + 1
+    acts.prepare(edges, len(subs), (b, q, lm.config.hidden_size), engine.dtype)
+    units = [engine.embed, *(g.unit for g in engine.groups), engine.head]
+    detail = "prefill" if past == 0 else "decode"
+    logits: list[torch.Tensor] = []
+    store.activate(engine.tied)
+    for u, unit in enumerate(units):
+        store.activate(unit)
+        if u + 1 < len(units):
+            store.prefetch(units[u + 1])
+        if unit is engine.embed:
+            for j, sb in enumerate(subs):
+                with region("compute", f"embed_{detail}"):
+                    hidden, sb.calls = lm.prologue(sb.ids, sb.mask, past_key_values=sb.cache,
+                                                   position_ids=sb.positions, use_cache=True)
+                acts.put(0, j, hidden)
+        elif unit is engine.head:
+            for j, _ in enumerate(subs):
+                x = acts.fetch(edges - 1, j).wait()
+                with region("compute", f"head_{detail}"):
+                    logits.append(lm.logits(x[:, -1:])[:, -1].to(torch.float32))
+        else:
+            g = u - 1
+            group = engine.groups[g]
+            start = subs[0].cache.first_visible(group.first, group.last)
+
+            def load(j: int):
+                return acts.fetch(g, j), kv.load(g, subs[j].index, start, past)
+
+            nxt = load(0)
+            for j, sb in enumerate(subs):
+                x, block = nxt
+                if j + 1 < len(subs):
+                    nxt = load(j + 1)
+                block = block.wait()
+                sb.cache.bind(block, group.first)
+                with region("compute", f"layers_{detail}"):
+                    y = lm.run_layers(group.first, group.last, x.wait(), sb.calls)
+                sb.cache.unbind()
+                kv.store(g, sb.index, block, past, q)
+                acts.put(g + 1, j, y)
+        store.release(unit)
+    store.release(engine.tied)
+    return torch.cat(logits)

@@ -1,0 +1,180 @@
+"""Generation: the same tokens as transformers' own generate, on every family and schedule, with the
+parameter and KV traffic the SpeedLoader schedule promises."""
+
+from functools import cache
+
+import pytest
+import torch
+
+from sltune import SpeedLoaderConfig, SpeedLoaderEngine
+from sltune.models import build
+from sltune.profiling import run_trial
+
+PRESETS = ["llama-tiny", "llama-tiny-tied", "mistral-tiny", "qwen2-tiny", "gpt2-tiny", "opt-tiny"]
+SCHEDULES = ["speedloader", "canonical", "resident"]
+K = {"speedloader": 3, "canonical": 1, "resident": 2}   # 3 of 4 layers: groups of unequal size
+B, N = 2, 2
+PROMPT, NEW = 10, 10          # 20 positions: past the sliding window (16) of mistral-tiny and qwen2-tiny
+PAD = 0                       # gpt2-tiny has no pad token; transformers needs one for finished rows
+
+
+def prompts(rows: int = B * N, length: int = PROMPT, padded: bool = True, seed: int = 0):
+    """Random prompts; padded: left padding of unequal length (one row unpadded), pad ids under the mask."""
+    ids = torch.randint(3, 512, (rows, length), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones_like(ids)
+    if padded:
+        for r in range(rows):
+            mask[r, :(3 * r) % (length - 1)] = 0
+        ids = ids.masked_fill(mask == 0, PAD)
+    return ids, mask
+
+
+def engine(preset: str, schedule: str = "speedloader", b: int = B, n: int = N, k: int = 1,
+           tracking: str = "never") -> SpeedLoaderEngine:
+    """tracking="never" by default: measuring device memory costs ~25 us per op, and only one test needs it."""
+    cfg = SpeedLoaderConfig(sub_batch_size=b, num_sub_batches=n, num_live_blocks=k, schedule=schedule,
+                            memory_tracking=tracking)
+    return SpeedLoaderEngine(build(preset), cfg, optimizer=None)
+
+
+@cache
+def reference(preset: str, padded: bool, length: int = PROMPT, new: int = NEW, eos: int | None = None) -> torch.Tensor:
+    ids, mask = prompts(length=length, padded=padded)
+    kw = {} if eos is None else {"eos_token_id": eos}
+    return build(preset).generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
+                                  pad_token_id=PAD, **kw)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("preset", PRESETS)
+def test_greedy_tokens_equal_transformers_with_left_padding(preset, schedule):
+    ids, mask = prompts(padded=True)
+    out = engine(preset, schedule, k=K[schedule]).generate(ids, attention_mask=mask, max_new_tokens=NEW,
+                                                             pad_token_id=PAD)
+    expected = reference(preset, padded=True)
+    assert out.dtype == torch.long and out.shape == expected.shape
+    assert torch.equal(out, expected), f"{preset}/{schedule}:\n{out[:, PROMPT:]}\n{expected[:, PROMPT:]}"
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("preset", PRESETS)
+def test_greedy_tokens_equal_transformers_with_equal_length_prompts(preset, schedule):
+    ids, _ = prompts(padded=False)
+    out = engine(preset, schedule, k=K[schedule]).generate(ids, max_new_tokens=NEW, pad_token_id=PAD)
+    assert torch.equal(out, reference(preset, padded=False))
+    assert torch.equal(out[:, :PROMPT], ids)
+
+
+@pytest.mark.parametrize("preset", ["mistral-tiny", "qwen2-tiny"])
+def test_prompt_longer_than_the_sliding_window(preset):
+    ids, mask = prompts(length=20, padded=True)
+    out = engine(preset, n=N, k=1).generate(ids, attention_mask=mask, max_new_tokens=6, pad_token_id=PAD)
+    assert torch.equal(out, reference(preset, padded=True, length=20, new=6))
+
+
+def test_rows_that_reach_eos_continue_with_pad_as_in_transformers():
+    ids, mask = prompts(padded=True)
+    greedy = reference("llama-tiny", padded=True)
+    eos = int(greedy[1, PROMPT + 2])          # row 1 ends after its third new token
+    out = engine("llama-tiny", n=N).generate(ids, attention_mask=mask, max_new_tokens=NEW, eos_token_id=eos,
+                                             pad_token_id=PAD)
+    assert torch.equal(out, reference("llama-tiny", padded=True, eos=eos))
+    assert (out[1, PROMPT + 3:] == PAD).all()
+
+
+def test_seeded_sampling_is_reproducible_and_the_same_on_every_schedule():
+    ids, mask = prompts(padded=True)
+
+    def sample(schedule: str, seed: int) -> torch.Tensor:
+        return engine("qwen2-tiny", schedule, k=K[schedule]).generate(
+            ids, attention_mask=mask, max_new_tokens=NEW, do_sample=True, temperature=0.8, top_k=40,
+            generator=torch.Generator().manual_seed(seed), eos_token_id=[])
+
+    first = sample("speedloader", 7)
+    assert torch.equal(first, sample("speedloader", 7))
+    assert torch.equal(first, sample("canonical", 7)) and torch.equal(first, sample("resident", 7))
+    assert not torch.equal(first, sample("speedloader", 8))
+    top1 = engine("qwen2-tiny").generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=True, top_k=1,
+                                        generator=torch.Generator().manual_seed(0), pad_token_id=PAD)
+    assert torch.equal(top1, reference("qwen2-tiny", padded=True))   # top_k=1 leaves only the argmax
+
+
+def kv_bytes_per_position(eng: SpeedLoaderEngine, rows: int) -> int:
+    """Keys and values of one position of every layer and row, float32."""
+    cfg = eng.lm.config
+    return rows * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 4
+
+
+def decode_io(preset: str, schedule: str, n: int, k: int = 1, new: int = 4, tracking: str = "never"):
+    eng = engine(preset, schedule, b=1, n=n, k=k, tracking=tracking)
+    ids, mask = prompts(rows=n, padded=False)
+    eng.generate(ids, max_new_tokens=new, eos_token_id=[])
+    return eng, eng.last_generation
+
+
+@pytest.mark.parametrize("preset,k", [("llama-tiny", 1), ("llama-tiny-tied", 3), ("opt-tiny", 2)])
+def test_parameter_loads_per_decode_step_do_not_grow_with_n(preset, k):
+    eng, one = decode_io(preset, "speedloader", n=1, k=k)
+    _, four = decode_io(preset, "speedloader", n=4, k=k)
+    assert len(one.step_io) == len(four.step_io) == 4
+    for step in range(1, 4):
+        assert one.step_io[step].param_load_bytes == four.step_io[step].param_load_bytes == eng.param_bytes
+    _, canon1 = decode_io(preset, "canonical", n=1, k=k)
+    _, canon4 = decode_io(preset, "canonical", n=4, k=k)
+    assert canon4.step_io[2].param_load_bytes == 4 * canon1.step_io[2].param_load_bytes == 4 * eng.param_bytes
+    assert canon4.io.kv_load_bytes == canon4.io.kv_offload_bytes == 0
+
+
+def test_kv_traffic_follows_the_host_cache_layout():
+    """Each decode step loads every past position once and writes one new position, per layer and row."""
+    n, new = 4, 4
+    eng, stats = decode_io("llama-tiny", "speedloader", n=n, k=3, new=new, tracking="first")
+    per_position = kv_bytes_per_position(eng, rows=n)
+    assert stats.step_io[0].kv_load_bytes == 0
+    assert stats.step_io[0].kv_offload_bytes == PROMPT * per_position
+    for step in range(1, new):
+        assert stats.step_io[step].kv_load_bytes == (PROMPT + step - 1) * per_position
+        assert stats.step_io[step].kv_offload_bytes == per_position
+        assert stats.step_io[step].act_offload_bytes == stats.step_io[step].act_load_bytes > 0
+    _, resident = decode_io("llama-tiny", "resident", n=n, k=3, new=new, tracking="first")
+    assert resident.io.kv_load_bytes == resident.io.param_load_bytes == 0
+    assert stats.peak_device_bytes < resident.peak_device_bytes
+
+
+def test_sliding_window_layers_load_only_the_window():
+    n, new = 2, 12                       # past reaches 10 + 11 = 21 > window 16
+    eng, stats = decode_io("mistral-tiny", "speedloader", n=n, new=new)
+    window = eng.lm.config.sliding_window
+    loaded = [io.kv_load_bytes for io in stats.step_io[1:]]
+    assert loaded == [min(PROMPT + step - 1, window - 1) * kv_bytes_per_position(eng, rows=n) for step in range(1, new)]
+
+
+def test_wrong_row_count_and_bad_prompts_are_clear_errors():
+    eng = engine("llama-tiny", b=2, n=2)
+    with pytest.raises(ValueError, match=r"input_ids has 3 rows but sub_batch_size\*num_sub_batches = 2\*2 = 4"):
+        eng.generate(torch.randint(3, 512, (3, 5)))
+    ids = torch.randint(3, 512, (4, 5))
+    right_padded = torch.ones_like(ids)
+    right_padded[0, -2:] = 0
+    with pytest.raises(ValueError, match="pad prompts on the left"):
+        eng.generate(ids, attention_mask=right_padded)
+    with pytest.raises(ValueError, match="max_position_embeddings 512"):
+        eng.generate(ids, max_new_tokens=510)
+    with pytest.raises(ValueError, match="max_new_tokens must be an int >= 1"):
+        eng.generate(ids, max_new_tokens=0)
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        eng.generate(ids, do_sample=True, temperature=0.0)
+    with pytest.raises(ValueError, match="optimizer=None and can only generate"):
+        eng.train_step(ids)
+
+
+def test_generation_trial_reports_throughput_traffic_and_breakdown():
+    result = run_trial({"model": "llama-tiny", "mode": "generate", "sub_batch_size": 2, "num_sub_batches": 2,
+                        "prompt_len": 8, "new_tokens": 4, "steps": 1, "timeout_s": 120})
+    assert result.status == "ok", result.error
+    assert result.tokens_per_s > 0 and result.step_seconds > 0
+    assert result.config.seq_len == 12
+    assert result.io.param_load_bytes > 0 and result.io.kv_load_bytes > 0 and result.io.kv_offload_bytes > 0
+    assert result.peak_device_bytes > 0
+    assert sum(result.breakdown.model_dump().values()) == pytest.approx(1.0, abs=1e-9)
+    assert result.breakdown.compute > 0 and result.breakdown.memcpy > 0

@@ -30,6 +30,7 @@ class SpeedLoaderConfig(BaseModel):
     device: str = "cpu"
     dtype: DType = "float32"
     device_memory_limit: int | None = Field(None, description="bytes, or a string such as '2GiB'")
+    world_size: int | None = Field(None, ge=1, description="ranks the config was tuned for; None: any")
     memory_tracking: Literal["first", "always", "never"] = Field(
         "first", description="CPU only: measure device allocations on the first step of each batch shape, "
         "on every step, or never (then device_memory_limit cannot be enforced)")

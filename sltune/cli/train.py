@@ -39,16 +39,19 @@ def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args, base)
     if args.steps < 1 or args.seq_len < 2:
         raise ValueError("--steps must be >= 1 and --seq-len >= 2")
+    rank, world = _join_torchrun(cfg)
     model = build(args.model, seed=args.seed)
     model.train()
     engine = SpeedLoaderEngine(model, cfg, optimizer=lambda ps: torch.optim.AdamW(ps, lr=args.lr))
     tokens = load_tokens(args.data) if args.data else None
-    data = batches(cfg.effective_batch_size, args.seq_len, model.config.vocab_size, tokens, seed=args.seed)
+    data = batches(cfg.effective_batch_size, args.seq_len, model.config.vocab_size, tokens, seed=args.seed + rank)
+    quiet = args.json or rank != 0
 
     results = []
     start = time.perf_counter()
     bar = tqdm(range(args.steps), desc=f"train {args.model} ({cfg.schedule} b={cfg.sub_batch_size} "
-               f"N={cfg.num_sub_batches} k={cfg.num_live_blocks})", unit="step", disable=args.json)
+               f"N={cfg.num_sub_batches} k={cfg.num_live_blocks}" + (f" x{world} ranks" if world > 1 else "") + ")",
+               unit="step", disable=quiet)
     for _ in bar:
         res = engine.train_step(next(data))
         results.append(res)
@@ -56,21 +59,46 @@ def run(args: argparse.Namespace) -> int:
     wall = time.perf_counter() - start
     timed = results[1:] or results   # the first step warms up (and measures device memory)
     summary = {
-        "model": args.model, "config": cfg.to_dict(), "steps": len(results),
+        "model": args.model, "config": cfg.to_dict(), "steps": len(results), "world_size": world,
         "first_loss": results[0].loss, "final_loss": results[-1].loss,
         "tokens_per_s": sum(r.tokens for r in timed) / sum(r.seconds for r in timed),
         "wall_seconds": wall, "peak_device_bytes": results[0].peak_device_bytes,
         "io_per_step": results[-1].io.as_dict(),
     }
+    state = engine.state_dict() if args.save else None      # a collective when sharded: every rank calls it
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+    if rank != 0:
+        return 0
     if args.save:
-        torch.save(engine.state_dict(), args.save)
+        torch.save(state, args.save)
     if args.json:
         print(json.dumps(summary))
     else:
         io = results[-1].io
+        ranks = f" on each of {world} ranks" if world > 1 else ""
         print(f"trained {len(results)} steps in {wall:.1f}s: loss {summary['first_loss']:.4f} -> "
-              f"{summary['final_loss']:.4f}, {summary['tokens_per_s']:,.0f} tokens/s")
+              f"{summary['final_loss']:.4f}, {summary['tokens_per_s']:,.0f} tokens/s{ranks}")
         print(f"per step: params loaded {format_bytes(io.param_load_bytes)}, grads offloaded "
               f"{format_bytes(io.grad_offload_bytes)}, activations {format_bytes(io.act_offload_bytes)} out / "
               f"{format_bytes(io.act_load_bytes)} in; device peak {format_bytes(summary['peak_device_bytes'])}")
     return 0
+
+
+def _join_torchrun(cfg: SpeedLoaderConfig) -> tuple[int, int]:
+    """Under torchrun (WORLD_SIZE > 1 in the environment) join the process group: the engine then shards
+    parameters over the ranks, each of which trains on its own rows."""
+    import os
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return 0, 1
+    import torch.distributed as dist
+
+    backend = "nccl" if cfg.device.startswith("cuda") else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend)
+    return dist.get_rank(), world

@@ -6,6 +6,7 @@ crash or a kill leaves the parent to explain the silence.
 
 from __future__ import annotations
 
+import os
 import resource
 import sys
 import time
@@ -17,18 +18,42 @@ import torch
 from sltune.profiling.schema import TrialSpec
 
 
-def main(spec_data: dict[str, Any], conn) -> None:
-    """Entry point in the child process: run the trial, send one result dict, exit."""
+def main(spec_data: dict[str, Any], conn, rank: int = 0, world: int = 1, port: int | None = None) -> None:
+    """Entry point in a trial process: run the trial (as one rank of `world`), send one result dict, exit."""
     spec = TrialSpec.model_validate(spec_data)
     try:
-        result = run(spec)
+        if world > 1:
+            _join(spec, rank, world, port)
+        result = run(spec, rank)
+        if world > 1:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
     except BaseException as err:  # noqa: BLE001 - everything is reported, nothing escapes silently
         result = describe_failure(err)
     result.setdefault("config", spec.knobs())
+    result["rank"] = rank
     try:
         conn.send(result)
     finally:
         conn.close()
+
+
+def _join(spec: TrialSpec, rank: int, world: int, port: int) -> None:
+    """Join the trial's process group: gloo on the CPU, NCCL on CUDA (one GPU per rank)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    backend = "gloo"
+    if spec.device.startswith("cuda"):
+        backend = "nccl"
+        torch.cuda.set_device(rank)
+    else:   # the ranks share this machine's cores; oversubscribed OpenMP threads spin and crawl
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group(backend, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=max(30.0, spec.timeout_s)))
 
 
 def describe_failure(err: BaseException) -> dict[str, Any]:
@@ -50,7 +75,7 @@ def host_peak_bytes() -> int:
     return peak if sys.platform == "darwin" else peak * 1024
 
 
-def run(spec: TrialSpec) -> dict[str, Any]:
+def run(spec: TrialSpec, rank: int = 0) -> dict[str, Any]:
     from sltune.config import SpeedLoaderConfig
     from sltune.data import batches
     from sltune.models import build
@@ -66,7 +91,7 @@ def run(spec: TrialSpec) -> dict[str, Any]:
         return _run_generate(spec, cfg, model)
     model.train()
     engine = SpeedLoaderEngine(model, cfg, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-5))
-    data = batches(spec.rows, spec.seq_len, model.config.vocab_size, seed=spec.seed)
+    data = batches(spec.rows, spec.seq_len, model.config.vocab_size, seed=spec.seed + rank)   # each rank its own rows
 
     peak_device = None
     for _ in range(spec.warmup_steps):
@@ -85,9 +110,10 @@ def run(spec: TrialSpec) -> dict[str, Any]:
     }
     if spec.profile:
         batch = next(data)
-        bd = profile_call(lambda: engine.train_step(batch), trace_path=spec.trace_path)
+        trace = spec.trace_path if rank == 0 else None        # every rank profiles (collectives match)
+        bd = profile_call(lambda: engine.train_step(batch), trace_path=trace)
         result.update(breakdown=bd.fractions, breakdown_seconds=bd.seconds, top_ops=bd.top_ops,
-                      profiled_step_seconds=bd.wall_seconds, trace_path=spec.trace_path)
+                      profiled_step_seconds=bd.wall_seconds, trace_path=trace)
     return result
 
 

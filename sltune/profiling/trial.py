@@ -1,10 +1,11 @@
-"""run_trial: one configuration, measured in a process of its own, always answered.
+"""run_trial: one configuration, measured in processes of its own, always answered.
 
 Trials fork from a server process that has already imported torch and transformers (multiprocessing's
 forkserver with a preload), so each starts in well under a second yet shares no memory, allocator state
-or threads with the caller or with other trials. The parent waits with a wall-clock deadline and
-watches the child's resident memory; a timeout, a kill, a crash or a memory overrun becomes a
-TrialResult with a reason, never a hang or an exception in the caller.
+or threads with the caller or with other trials. A trial with world_size W is W such processes joined by
+torch.distributed (gloo on the CPU, NCCL on CUDA). The parent waits with a wall-clock deadline and
+watches every process's resident memory; a timeout, a kill, a crash, a memory overrun or one rank dying
+becomes a TrialResult with a reason, never a hang or an exception in the caller.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
+import socket
 import time
 from typing import Any, Callable
 
@@ -23,6 +25,7 @@ from sltune.sizes import format_bytes
 # transformers imports model code lazily; preloading it here saves each trial seconds
 _PRELOAD = ["sltune.profiling.preload"]
 _CONTEXT: mp.context.BaseContext | None = None
+StopFn = Callable[[], str | None]
 
 
 def _context() -> mp.context.BaseContext:
@@ -36,78 +39,136 @@ def _context() -> mp.context.BaseContext:
     return _CONTEXT
 
 
-def run_trial(spec: TrialSpec | dict[str, Any], stop: Callable[[], str | None] | None = None) -> TrialResult:
-    """Run one trial in a child process and return what it measured, or why it has no measurement.
+def run_trial(spec: TrialSpec | dict[str, Any], stop: StopFn | None = None) -> TrialResult:
+    """Run one trial in child processes and return what it measured, or why it has no measurement.
 
     `stop` is polled while the trial runs; when it returns a reason the trial is killed and reported as
     failed with "stopped: <reason>"."""
     spec = TrialSpec.model_validate(spec) if not isinstance(spec, TrialSpec) else spec
-    if spec.world_size > 1:
-        from sltune.profiling.distributed import run_distributed_trial
-
-        return run_distributed_trial(spec, stop)
     from sltune.profiling import child
 
     ctx = _context()
-    recv, send = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=child.main, args=(spec.model_dump(), send), daemon=True)
+    world = spec.world_size
+    port = _free_port() if world > 1 else None
+    ranks = []
     start = time.monotonic()
-    proc.start()
-    send.close()
-    outcome = _wait(proc, recv, spec, start, stop)
-    _stop(proc)
-    recv.close()
+    for rank in range(world):
+        recv, send = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=child.main, args=(spec.model_dump(), send, rank, world, port), daemon=True)
+        proc.start()
+        send.close()
+        ranks.append((proc, recv))
+    outcome = _wait(ranks, spec, start, stop)
+    for proc, recv in ranks:
+        _stop(proc)
+        recv.close()
     outcome.setdefault("config", spec.knobs())
     outcome["wall_seconds"] = time.monotonic() - start
     outcome.pop("traceback", None)
+    outcome.pop("rank", None)
     return TrialResult.model_validate(outcome)
 
 
-def _wait(proc, recv, spec: TrialSpec, start: float, stop: Callable[[], str | None] | None) -> dict[str, Any]:
+def _wait(ranks, spec: TrialSpec, start: float, stop: StopFn | None) -> dict[str, Any]:
+    """Every rank's result merged, or the first reason there is none."""
     deadline = start + spec.timeout_s
-    watcher = _Watcher(proc.pid)
+    watchers = [_Watcher(proc.pid) for proc, _ in ranks]
+    results: dict[int, dict[str, Any]] = {}
     last_check = 0.0
     while True:
+        for r, (proc, recv) in enumerate(ranks):
+            if r in results:
+                continue
+            got = _poll(recv, 0.05 / len(ranks))
+            if got is not None:
+                results[r] = got
+                if got["status"] != "ok":
+                    return _from_rank(got, r, ranks)
+            elif not proc.is_alive():
+                got = _poll(recv, 0)
+                if got is not None:
+                    results[r] = got
+                    if got["status"] != "ok":
+                        return _from_rank(got, r, ranks)
+                    continue
+                who = "the trial process" if len(ranks) == 1 else f"rank {r} of {len(ranks)}"
+                return {"status": "failed", "error": _death(who, proc.exitcode)}
+        if len(results) == len(ranks):
+            return merge([results[r] for r in range(len(ranks))])
         if stop is not None and time.monotonic() - last_check > 0.5:
             last_check = time.monotonic()
             if why := stop():
                 return {"status": "failed", "error": f"stopped: {why}"}
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
+        if time.monotonic() >= deadline:
             return {"status": "timeout",
                     "error": f"no result within timeout_s={spec.timeout_s:g}s; the trial was stopped. Use fewer "
                              "steps or a smaller config, or raise timeout_s"}
-        try:
-            if recv.poll(min(0.05, remaining)):
-                return recv.recv()
-        except (EOFError, OSError):
-            pass  # the child closed the pipe without a result: it died
-        if not proc.is_alive():
-            try:
-                if recv.poll(0):
-                    return recv.recv()
-            except (EOFError, OSError):
-                pass
-            return {"status": "failed", "error": _death(proc.exitcode)}
         if spec.host_memory_limit is not None:
-            rss = watcher.rss()
-            if rss > spec.host_memory_limit:
-                return {"status": "oom", "peak_host_bytes": rss,
-                        "error": f"host memory limit exceeded: the trial's resident memory reached "
-                                 f"{format_bytes(rss)} ({rss} bytes) against host_memory_limit "
-                                 f"{format_bytes(spec.host_memory_limit)}; lower num_sub_batches or sub_batch_size"}
+            for r, w in enumerate(watchers):
+                rss = w.rss()
+                if rss > spec.host_memory_limit:
+                    who = "the trial's" if len(ranks) == 1 else f"rank {r}'s"
+                    return {"status": "oom", "peak_host_bytes": rss,
+                            "error": f"host memory limit exceeded: {who} resident memory reached "
+                                     f"{format_bytes(rss)} ({rss} bytes) against host_memory_limit "
+                                     f"{format_bytes(spec.host_memory_limit)}; lower num_sub_batches or sub_batch_size"}
 
 
-def _death(code: int | None) -> str:
+def _poll(recv, timeout: float) -> dict[str, Any] | None:
+    try:
+        if recv.poll(timeout):
+            return recv.recv()
+    except (EOFError, OSError):
+        pass  # closed without a result: the process died
+    return None
+
+
+def _from_rank(result: dict[str, Any], rank: int, ranks) -> dict[str, Any]:
+    """A rank's failure; when a peer died, the peer's death is the cause and this rank's error (a broken
+    connection, typically) the consequence, so give both in that order."""
+    world = len(ranks)
+    if world == 1:
+        return result
+    error = f"rank {rank} of {world}: {result.get('error')}"
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline:
+        dead = [(r, p.exitcode) for r, (p, _) in enumerate(ranks) if r != rank and p.exitcode not in (None, 0)]
+        if dead:
+            r, code = dead[0]
+            return {**result, "status": "failed",
+                    "error": f"{_death(f'rank {r} of {world}', code)}; then {error}"}
+        if all(p.exitcode is not None for r, (p, _) in enumerate(ranks) if r != rank):
+            break
+        time.sleep(0.05)
+    return {**result, "error": error}
+
+
+def merge(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One result for all ranks: the slowest rank's throughput, the largest peaks, every rank's figures;
+    the breakdown and trace are rank 0's (every rank runs the same schedule)."""
+    if len(results) == 1:
+        return results[0]
+    out = dict(results[0])
+    out["tokens_per_s"] = min(r["tokens_per_s"] for r in results)
+    out["step_seconds"] = max(r["step_seconds"] for r in results)
+    for key in ("peak_device_bytes", "peak_host_bytes"):
+        values = [r.get(key) for r in results if r.get(key) is not None]
+        out[key] = max(values) if values else None
+    out["ranks"] = [{"rank": i, **{k: r.get(k) for k in ("tokens_per_s", "step_seconds", "peak_device_bytes",
+                                                             "peak_host_bytes")}} for i, r in enumerate(results)]
+    return out
+
+
+def _death(who: str, code: int | None) -> str:
     if code is not None and code < 0:
         sig = signal.Signals(-code).name
         hint = " (killed: the host may have run out of memory)" if sig == "SIGKILL" else ""
-        return f"the trial process died from {sig}{hint} before reporting a result"
+        return f"{who} died from {sig}{hint} before reporting a result"
     hint = ""
     if code == 1:
         hint = (" (if run_trial was called from a script, guard the script's top level with "
                 "`if __name__ == '__main__':`: multiprocessing imports the main module in the trial process)")
-    return f"the trial process exited with code {code} before reporting a result{hint}"
+    return f"{who} exited with code {code} before reporting a result{hint}"
 
 
 def _stop(proc) -> None:
@@ -119,8 +180,14 @@ def _stop(proc) -> None:
     proc.join(5)
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 class _Watcher:
-    """Resident memory of the trial process and any processes it started."""
+    """Resident memory of a trial process and any processes it started."""
 
     def __init__(self, pid: int):
         try:

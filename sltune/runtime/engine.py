@@ -24,6 +24,10 @@ A = (G+1)*b*s*hidden*itemsize: one sub-batch's activations at the G+1 group edge
     canonical    N times speedloader's param_load and grad_offload at N=1; no activation traffic
     resident     nothing
 
+Sharded over W ranks (torch.distributed initialised), P_u above is this rank's shard of unit u, and the
+collectives see whole (padded) units: allgather = the same count of loads times the unit's bytes,
+reduce_scatter = the unit's bytes once per gradient offload. Each rank runs its own b*N rows.
+
 `expected_io()` computes these; the tests hold the counters to them.
 
 `generate()` runs the same inversion for decoding (sltune.runtime.generate): per step each unit loads once
@@ -39,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from sltune.config import SpeedLoaderConfig
@@ -48,6 +53,7 @@ from sltune.runtime.kvcache import DeviceKV, HostKV
 from sltune.runtime.memory import DeviceMemory, monitor_for
 from sltune.runtime.params import BufferPool, ParamStore, ParamUnit
 from sltune.runtime.regions import region, step_region
+from sltune.runtime.sharding import ShardedParamStore
 from sltune.runtime.transfer import Copier, IOCounters
 
 if TYPE_CHECKING:
@@ -98,6 +104,13 @@ class SpeedLoaderEngine:
                 and self.device.type != "cuda":
             raise ValueError("device_memory_limit needs memory_tracking 'first' or 'always' on the CPU")
 
+        self.world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        if config.world_size is not None and config.world_size != self.world:
+            raise ValueError(f"the config was made for world_size {config.world_size} but this process group has "
+                             f"{self.world} ranks; launch {config.world_size} ranks or set world_size: null")
+        if self.world > 1 and config.schedule == "resident":
+            raise ValueError("the resident schedule keeps every parameter on every device; with torch.distributed "
+                             "use schedule 'speedloader' or 'canonical'")
         self.lm = CausalLM(model)
         self.model = model
         model.to(dtype=self.dtype)
@@ -110,7 +123,10 @@ class SpeedLoaderEngine:
         self.pool = BufferPool(self.device, self.memory)
         self._build_units()
         resident = config.schedule == "resident"
-        self.params = ParamStore(self.units, self.dtype, self.copier, self.pool, resident=resident)
+        if self.world > 1:
+            self.params = ShardedParamStore(self.units, self.dtype, self.copier, self.pool)
+        else:
+            self.params = ParamStore(self.units, self.dtype, self.copier, self.pool, resident=resident)
         self.acts = HostActivations(self.copier, self.memory) if config.schedule == "speedloader" \
             else DeviceActivations()
         self.kv = HostKV(self.copier, self.pool, self.memory) if config.schedule == "speedloader" \
@@ -118,7 +134,9 @@ class SpeedLoaderEngine:
         self.last_generation: "GenerationStats | None" = None
         self.optimizer: torch.optim.Optimizer | None = None
         if optimizer is not None:
-            trainable = [p for p in _unique(model.parameters()) if p.requires_grad]
+            # sharded: this rank's flat shard of each unit (same update for element-wise optimizers)
+            trainable = self.params.shard_params if self.world > 1 else \
+                [p for p in _unique(model.parameters()) if p.requires_grad]
             opt = optimizer(trainable)
             if not isinstance(opt, torch.optim.Optimizer):
                 raise TypeError(f"optimizer factory returned {type(opt).__name__}, not a torch.optim.Optimizer")
@@ -166,7 +184,10 @@ class SpeedLoaderEngine:
 
     def _train(self, ids: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor | None) -> float:
         b, n = self.config.sub_batch_size, self.config.num_sub_batches
-        num_items = int((labels[:, 1:] != IGNORE_INDEX).sum())
+        num_items = (labels[:, 1:] != IGNORE_INDEX).sum()
+        if self.world > 1:     # the loss is the mean over the union of every rank's batch
+            dist.all_reduce(num_items)
+        num_items = int(num_items)
         subs = [_SubBatch(ids[i * b:(i + 1) * b], labels[i * b:(i + 1) * b],
                           None if mask is None else mask[i * b:(i + 1) * b]) for i in range(n)]
         self._rng = _RngStash(self.device, enabled=self.model.training)
@@ -180,6 +201,8 @@ class SpeedLoaderEngine:
         with self.memory.paused() if host_side else contextlib.nullcontext(), \
                 region("cpu" if host_side else "compute", "optimizer"):
             self.optimizer.step()
+        if self.world > 1:
+            dist.all_reduce(loss)
         return float(loss)
 
     def _pass(self, subs: list[_SubBatch], num_items: int, accumulate: bool) -> torch.Tensor:
@@ -287,6 +310,8 @@ class SpeedLoaderEngine:
         """
         from sltune.runtime import generate as generation   # imports transformers' cache classes: on first use
 
+        if self.world > 1:
+            raise ValueError("generation runs in one process; call generate outside torch.distributed")
         ids, mask = self._check_prompt(input_ids, attention_mask, max_new_tokens)
         _check_sampling(do_sample, temperature, top_k, generator)
         eos, pad = self._special_tokens(eos_token_id, pad_token_id)
@@ -397,8 +422,14 @@ class SpeedLoaderEngine:
 
     # -- results -----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The current parameters (and buffers) under the model's own names."""
-        return self.model.state_dict()
+        """The current parameters (and buffers) under the model's own names; sharded, the full parameters
+        gathered on every rank (a collective: call it on all ranks)."""
+        if self.world == 1:
+            return self.model.state_dict()
+        full = self.params.full_state()
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        return {name: (full[id(params[name])] if name in params else value.detach().cpu())
+                for name, value in self.model.state_dict().items()}
 
     def expected_io(self, seq_len: int) -> IOCounters:
         """The traffic one train_step should move, from the formulas in this module's docstring."""
@@ -406,16 +437,22 @@ class SpeedLoaderEngine:
         n, b = cfg.num_sub_batches, cfg.sub_batch_size
         if cfg.schedule == "resident":
             return IOCounters()
-        loads = sum(2 * u.nbytes for u in [self.embed, *(g.unit for g in self.groups)]) \
-            + self.head.nbytes + self.tied.nbytes
-        grads = sum(u.grad_nbytes for u in self.units)
-        if cfg.schedule == "canonical":
-            return IOCounters(param_load_bytes=n * loads, grad_offload_bytes=n * grads)
         itemsize = torch.empty((), dtype=self.dtype).element_size()
+        times = {id(u): 2 for u in [self.embed, *(g.unit for g in self.groups)]}   # head, tied: once
+        loads = sum(times.get(id(u), 1) * u.nbytes for u in self.units)
+        grads = sum(u.grad_nbytes for u in self.units)
+        gathered = scattered = 0
+        if self.world > 1:   # sharded: the loads above are this rank's shards; collectives see whole units
+            gathered = sum(times.get(id(u), 1) * u.padded * itemsize for u in self.units if u.host is not None)
+            scattered = sum(u.padded * itemsize for u in self.units if u.has_grads)
+        if cfg.schedule == "canonical":
+            return IOCounters(param_load_bytes=n * loads, grad_offload_bytes=n * grads,
+                              allgather_bytes=n * gathered, reduce_scatter_bytes=n * scattered)
         edge = b * seq_len * self.lm.config.hidden_size * itemsize
         act = (len(self.groups) + 1) * edge
-        return IOCounters(param_load_bytes=loads, grad_offload_bytes=grads,
-                          act_offload_bytes=2 * n * act, act_load_bytes=3 * n * act - n * edge)
+        return IOCounters(param_load_bytes=loads, grad_offload_bytes=grads, allgather_bytes=gathered,
+                          reduce_scatter_bytes=scattered, act_offload_bytes=2 * n * act,
+                          act_load_bytes=3 * n * act - n * edge)
 
     @property
     def param_bytes(self) -> int:

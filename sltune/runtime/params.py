@@ -31,14 +31,27 @@ class ParamUnit:
     dev: torch.Tensor | None = None             # the live device copy
     dev_grad: torch.Tensor | None = None
     pending: Pending | None = None
+    shapes: list[torch.Size] = field(default_factory=list)   # recorded: sharded parameters are emptied
+    # sharded units (sltune.runtime.sharding): this rank's slice of the flat buffer
+    shard: int = 0
+    padded: int = 0
+    trainable_here: int = 0
+    has_grads: bool = False
+    shard_param: nn.Parameter | None = None
+
+    def __post_init__(self) -> None:
+        self.record_shapes()
+
+    def record_shapes(self) -> None:
+        self.shapes = [p.shape for p in self.params]
 
     @property
     def numel(self) -> int:
-        return sum(p.numel() for p in self.params)
+        return sum(s.numel() for s in self.shapes)
 
     @property
     def grad_numel(self) -> int:
-        return sum(p.numel() for p in self.params if p.requires_grad)
+        return sum(s.numel() for s, p in zip(self.shapes, self.params) if p.requires_grad)
 
     @property
     def nbytes(self) -> int:
@@ -49,8 +62,8 @@ class ParamUnit:
         return self.host_grad.numel() * self.host_grad.element_size() if self.host_grad is not None else 0
 
     def _views(self, flat: torch.Tensor, offsets) -> list[torch.Tensor | None]:
-        return [None if off is None else flat[off:off + p.numel()].view(p.shape)
-                for p, off in zip(self.params, offsets)]
+        return [None if off is None else flat[off:off + shape.numel()].view(shape)
+                for shape, off in zip(self.shapes, offsets)]
 
 
 class BufferPool:

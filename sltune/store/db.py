@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from functools import lru_cache
+from pathlib import Path
 
-from sqlalchemy import Engine, create_engine, event, inspect, select
+from sqlalchemy import Engine, create_engine, event, inspect, make_url, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from sltune.store.schema import SCHEMA_VERSION, Base, SchemaVersion
@@ -21,6 +22,9 @@ def normalize_url(url: str) -> str:
 def engine_for(url: str) -> Engine:
     url = normalize_url(url)
     if url.startswith("sqlite"):
+        path = make_url(url).database
+        if path and path != ":memory:":
+            Path(path).parent.mkdir(parents=True, exist_ok=True)    # a new data directory is fine
         engine = create_engine(url, connect_args={"timeout": 30, "check_same_thread": False})
 
         @event.listens_for(engine, "connect")

@@ -45,7 +45,8 @@ def best_config(spec: TuningSpec, result: dict[str, Any]) -> SpeedLoaderConfig:
     return SpeedLoaderConfig(sub_batch_size=c["sub_batch_size"], num_sub_batches=c["num_sub_batches"],
                              num_live_blocks=c["num_live_blocks"], schedule=c["schedule"],
                              device=spec.hardware.device, dtype=spec.model.dtype,
-                             device_memory_limit=spec.hardware.device_memory_limit)
+                             device_memory_limit=spec.hardware.device_memory_limit,
+                             world_size=spec.hardware.world_size)
 
 
 def export_yaml(spec: TuningSpec, result: dict[str, Any], path: str | Path | None = None) -> str:

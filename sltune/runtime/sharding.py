@@ -1,0 +1,150 @@
+"""Parameters sharded across torch.distributed ranks: each rank keeps 1/W of every unit in host memory.
+
+Loading a unit copies this rank's shard to the device and all-gathers the full unit there; its
+gradients, accumulated on the device over all sub-batches, are reduce-scattered once, and each rank
+offloads and steps only its shard (with only its shard of the optimizer state). gloo on the CPU,
+NCCL on CUDA: the same calls.
+
+Each unit is flattened with its trainable parameters first, so the trainable part of any shard is a
+prefix of it: the optimizer steps flat shard parameters, which for element-wise optimizers such as
+AdamW or SGD is the same update as on the unflattened parameters.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from sltune.runtime.params import BufferPool, ParamStore, ParamUnit
+from sltune.runtime.regions import region
+from sltune.runtime.transfer import Copier, Pending
+
+# torch 2.13 renamed the tensor collectives (*_single); older releases have only the old names
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class ShardedParamStore(ParamStore):
+    """The ParamStore interface over sharded units; the model's parameters hold no data between loads."""
+
+    def __init__(self, units: list[ParamUnit], dtype: torch.dtype, copier: Copier, pool: BufferPool):
+        self.units = units
+        self.copier = copier
+        self.pool = pool
+        self.resident = False
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.shard_params: list[nn.Parameter] = []
+        device = copier.device
+        for unit in units:
+            if not unit.params:
+                continue
+            unit.params.sort(key=lambda p: not p.requires_grad)      # trainable first (a stable sort)
+            unit.record_shapes()
+            numel, trainable = unit.numel, unit.grad_numel
+            shard = -(-numel // self.world)                           # ceil
+            full = torch.zeros(shard * self.world, dtype=dtype, device=device)
+            off = 0
+            unit.offsets, unit.grad_offsets = [], []
+            for p in unit.params:
+                full[off:off + p.numel()].copy_(p.data.reshape(-1).to(device))
+                unit.offsets.append(off)
+                unit.grad_offsets.append(off if p.requires_grad else None)
+                off += p.numel()
+            dist.broadcast(full, src=0)                               # every rank starts from rank 0's weights
+            lo = self.rank * shard
+            unit.shard = shard
+            unit.padded = shard * self.world
+            unit.trainable_here = max(0, min(shard, trainable - lo))
+            unit.host = copier.host_empty(shard, dtype)
+            unit.host.copy_(full[lo:lo + shard].cpu())
+            del full
+            if unit.trainable_here:
+                unit.host_grad = copier.host_empty(unit.trainable_here, dtype).zero_()
+                param = nn.Parameter(unit.host[:unit.trainable_here])
+                param.grad = unit.host_grad
+                unit.shard_param = param
+                self.shard_params.append(param)
+            else:
+                unit.host_grad = None
+                unit.shard_param = None
+            unit.has_grads = trainable > 0
+            self._empty(unit)
+
+    @staticmethod
+    def _empty(unit: ParamUnit) -> None:
+        """Between loads the model's parameters hold nothing: the data lives in the shards."""
+        for p in unit.params:
+            p.grad = None
+            p.data = torch.empty(0, dtype=p.dtype)
+
+    # -- loading -----------------------------------------------------------------------------------
+    def prefetch(self, unit: ParamUnit | None) -> None:
+        if unit is None or unit.host is None or unit.dev is not None or unit.pending:
+            return
+        full = self.pool.acquire(unit.padded, unit.host.dtype)
+        mine = full[self.rank * unit.shard:(self.rank + 1) * unit.shard]
+        self.copier.to_device(unit.host, "param_load_bytes", out=mine).wait()
+        self.copier.counters.allgather_bytes += full.numel() * full.element_size()
+        with region("all_gather", unit.name):
+            _all_gather(full, mine.clone())
+        unit.pending = Pending(full)
+
+    def activate(self, unit: ParamUnit) -> None:
+        if unit.host is None or unit.dev is not None:
+            return
+        self.prefetch(unit)
+        unit.dev = unit.pending.wait()
+        unit.pending = None
+        self._point(unit, unit.dev, None)
+
+    def release(self, unit: ParamUnit) -> None:
+        if unit.host is None:
+            return
+        self._empty(unit)
+        for attr in ("dev", "dev_grad"):
+            buf = getattr(unit, attr)
+            if buf is not None:
+                self.pool.release(buf)
+                setattr(unit, attr, None)
+        if unit.pending is not None:
+            self.pool.release(unit.pending.tensor)
+            unit.pending = None
+
+    # -- gradients ---------------------------------------------------------------------------------
+    def begin_grads(self, unit: ParamUnit) -> None:
+        if unit.host is None or not unit.has_grads:
+            return
+        unit.dev_grad = self.pool.acquire(unit.padded, unit.host.dtype).zero_()
+        for p, g in zip(unit.params, unit._views(unit.dev_grad, unit.grad_offsets)):
+            p.grad = g
+
+    def offload_grads(self, unit: ParamUnit, accumulate: bool) -> None:
+        """Sum the unit's gradients over ranks into this rank's shard, then offload that shard."""
+        if unit.dev_grad is None:
+            return
+        mine = torch.empty(unit.shard, dtype=unit.dev_grad.dtype, device=unit.dev_grad.device)
+        self.copier.counters.reduce_scatter_bytes += unit.dev_grad.numel() * unit.dev_grad.element_size()
+        with region("reduce_scatter", unit.name):
+            _reduce_scatter(mine, unit.dev_grad)
+        if unit.trainable_here:
+            self.copier.to_host(mine[:unit.trainable_here], unit.host_grad, "grad_offload_bytes",
+                                accumulate=accumulate)
+
+    def zero_resident_grads(self) -> None:
+        pass
+
+    # -- results -----------------------------------------------------------------------------------
+    def full_state(self) -> dict[int, torch.Tensor]:
+        """Every parameter, gathered from all shards onto the host of every rank (keyed by id)."""
+        out: dict[int, torch.Tensor] = {}
+        for unit in self.units:
+            if unit.host is None:
+                continue
+            mine = unit.host.to(self.copier.device)
+            full = torch.empty(unit.padded, dtype=mine.dtype, device=mine.device)
+            _all_gather(full, mine)
+            full = full.cpu()
+            for p, view in zip(unit.params, unit._views(full, unit.offsets)):
+                out[id(p)] = view
+        return out

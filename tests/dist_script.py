@@ -1,0 +1,50 @@
+"""Run by tests/test_distributed.py under torchrun: sharded training on each rank's own rows, then the
+full parameters (gathered on every rank) and the byte counters, saved by rank 0."""
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+
+from sltune import SpeedLoaderConfig, SpeedLoaderEngine
+from sltune.models import build
+
+sys.path.insert(0, ".")
+from tests.reference import adamw  # noqa: E402
+
+ROWS_PER_RANK, SEQ = 4, 16
+
+
+def batch(step: int, rank: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randint(3, 512, (ROWS_PER_RANK, SEQ), generator=g)
+
+
+def main(out: str) -> None:
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    report = {"world": world, "runs": {}, "io": {}}
+    for preset, schedule in (("llama-tiny", "speedloader"), ("gpt2-tiny", "canonical")):
+        engine = SpeedLoaderEngine(build(preset), SpeedLoaderConfig(sub_batch_size=2, num_sub_batches=2,
+                                   num_live_blocks=3, schedule=schedule, world_size=world), optimizer=adamw)
+        losses = [engine.train_step(batch(step, rank)).loss for step in range(2)]
+        state = engine.state_dict()                      # every rank gathers
+        if rank == 0:
+            torch.save(state, f"{out}.{preset}.{schedule}.pt")
+        report["runs"][f"{preset}/{schedule}"] = losses
+    for schedule in ("speedloader", "canonical"):
+        for n in (1, 4):
+            engine = SpeedLoaderEngine(build("llama-tiny"), SpeedLoaderConfig(sub_batch_size=1, num_sub_batches=n,
+                                       num_live_blocks=1, schedule=schedule), optimizer=adamw)
+            res = engine.train_step(batch(0, rank)[:n])
+            report["io"][f"{schedule}/{n}"] = {"io": res.io.as_dict(), "expected": engine.expected_io(SEQ).as_dict(),
+                                               "shard_bytes": engine.param_bytes}
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(report, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

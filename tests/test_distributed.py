@@ -1,0 +1,129 @@
+"""SpeedLoader sharded over 2 gloo ranks on the CPU: equal to one process on the union batch, with
+collectives that do not grow with the number of sub-batches."""
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from sltune.models import build
+from sltune.profiling import run_trial
+from sltune.settings import Settings
+from sltune.tuning import tune
+from tests.dist_script import ROWS_PER_RANK, SEQ, batch
+from tests.reference import assert_same_updates, plain_training, snapshot
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def torchrun(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--master-port", str(_port()), *args], capture_output=True, text=True, cwd=ROOT,
+                          timeout=timeout)
+
+
+def _port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dist") / "report.json"
+    r = torchrun("tests/dist_script.py", str(out))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return out, json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("preset,schedule", [("llama-tiny", "speedloader"), ("gpt2-tiny", "canonical")])
+def test_two_ranks_equal_one_process_on_the_concatenated_batch(sharded, preset, schedule):
+    out, report = sharded
+    model = build(preset)
+    union = [torch.cat([batch(step, r) for r in range(report["world"])]) for step in range(2)]
+    ref_model, ref_losses, ref_grads = plain_training(model, union)
+    assert report["runs"][f"{preset}/{schedule}"] == pytest.approx(ref_losses, rel=1e-5)
+    ours = torch.load(f"{out}.{preset}.{schedule}.pt")
+    assert ours.keys() == ref_model.state_dict().keys()
+    assert_same_updates(snapshot(model), ours, snapshot(ref_model), ref_grads, steps=2)
+
+
+def test_collectives_do_not_grow_with_sub_batches_but_canonical_ones_do(sharded):
+    _, report = sharded
+    io = {k: v["io"] for k, v in report["io"].items()}
+    for key, entry in report["io"].items():
+        assert entry["io"] == entry["expected"], key              # the documented formulas, sharded
+    s1, s4 = io["speedloader/1"], io["speedloader/4"]
+    assert s1["allgather_bytes"] == s4["allgather_bytes"] > 0
+    assert s1["reduce_scatter_bytes"] == s4["reduce_scatter_bytes"] > 0
+    assert s1["param_load_bytes"] == s4["param_load_bytes"] <= 2 * report["io"]["speedloader/1"]["shard_bytes"]
+    c1, c4 = io["canonical/1"], io["canonical/4"]
+    assert c4["allgather_bytes"] == 4 * c1["allgather_bytes"]
+    assert c4["reduce_scatter_bytes"] == 4 * c1["reduce_scatter_bytes"]
+    assert s1["allgather_bytes"] == c1["allgather_bytes"]         # at N=1 the schedules coincide
+
+
+def test_torchrun_train_cli(tmp_path):
+    r = torchrun("-m", "sltune", "train", "--model", "llama-tiny", "--seq-len", "16", "--steps", "2",
+                 "--sub-batch-size", "1", "--num-sub-batches", "2", "--json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = [line for line in r.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 1                                         # rank 0 reports
+    summary = json.loads(lines[0])
+    assert summary["world_size"] == 2 and summary["io_per_step"]["allgather_bytes"] > 0
+
+
+def test_a_two_rank_trial_reports_collective_time_and_every_rank():
+    r = run_trial({"model": "llama-tiny", "world_size": 2, "sub_batch_size": 1, "num_sub_batches": 2,
+                   "seq_len": 32, "steps": 1, "timeout_s": 180})
+    assert r.status == "ok", r.error
+    assert r.breakdown.all_gather > 0 and r.breakdown.reduce_scatter > 0
+    assert sum(r.breakdown.model_dump().values()) == pytest.approx(1.0)
+    assert [x["rank"] for x in r.ranks] == [0, 1]
+    assert r.tokens_per_s == min(x["tokens_per_s"] for x in r.ranks)
+    assert r.io.allgather_bytes > 0 and r.config.world_size == 2
+
+
+def test_a_rank_that_dies_fails_the_trial_with_a_reason():
+    box = {}
+    start = time.monotonic()
+    t = threading.Thread(target=lambda: box.update(r=run_trial({"model": "llama-tiny", "world_size": 2,
+                                                                "seq_len": 32, "steps": 10**6, "profile": False,
+                                                                "timeout_s": 120})))
+    t.start()
+    victim = None
+    while victim is None and time.monotonic() - start < 60:
+        servers = [p for p in psutil.Process().children() if "forkserver" in " ".join(p.cmdline())]
+        kids = sorted((c for s in servers for c in s.children()), key=lambda p: p.create_time())
+        victim = kids[-1] if len(kids) >= 2 else None
+        time.sleep(0.2)
+    assert victim is not None
+    time.sleep(3)
+    victim.kill()
+    t.join(60)
+    assert not t.is_alive()
+    r = box["r"]
+    assert r.status == "failed" and "of 2" in r.error and "SIGKILL" in r.error
+    assert time.monotonic() - start < 120
+
+
+def test_the_tuner_accepts_two_ranks(tmp_path):
+    spec = {"name": "two-ranks", "model": {"preset": "llama-tiny"}, "workload": {"seq_len": 32},
+            "hardware": {"world_size": 2},
+            "search": {"sub_batch_size": [1, 2], "num_sub_batches": [1], "num_live_blocks": [2], "max_trials": 2,
+                       "trial_steps": 1, "profile": False}}
+    result = tune(spec, f"sqlite:///{tmp_path / 'jobs.db'}", settings=Settings(data_dir=tmp_path))
+    assert result["status"] == "succeeded", result
+    assert all(t["status"] == "ok" for t in result["trials"])
+    from sltune.tuning.result import best_config
+    from sltune.tuning.spec import TuningSpec
+
+    assert best_config(TuningSpec.parse(spec), result).world_size == 2

@@ -185,3 +185,20 @@ def test_baselines_run_through_optuna_in_the_job_database(strategy, tmp_path):
     assert {tuple(sorted(t.params.items())) for t in ran} == {
         tuple(sorted({"sub_batch_size": t["config"]["sub_batch_size"], "num_sub_batches": t["config"]["num_sub_batches"],
                       "num_live_blocks": t["config"]["num_live_blocks"]}.items())) for t in result["trials"]}
+
+
+def test_a_generation_tuning_job_runs_end_to_end_and_exports_yaml(tmp_path):
+    spec = {"name": "gen", "model": {"preset": "llama-tiny"},
+            "workload": {"mode": "generate", "prompt_len": 16, "new_tokens": 8},
+            "hardware": {"device_memory_limit": "2MiB"},
+            "search": {"sub_batch_size": [1, 2, 4], "num_sub_batches": [1, 2], "num_live_blocks": [1, 2],
+                       "max_trials": 8, "trial_steps": 1, "profile": False}}
+    result = tune(spec, f"sqlite:///{tmp_path / 'jobs.db'}", settings=Settings(data_dir=tmp_path))
+    assert result["status"] == "succeeded", result
+    assert set(result["models"]) == {"device", "host", "throughput"}
+    assert result["models"]["host"]["features"] == ["1", "B*s"]         # the KV cache of every sub-batch
+    path = tmp_path / "best.yaml"
+    export_yaml(TuningSpec.parse(spec), result, path)
+    cfg = SpeedLoaderConfig.from_yaml(path)
+    assert cfg.sub_batch_size == result["best"]["config"]["sub_batch_size"]
+    assert yaml.safe_load(path.read_text())["workload"]["mode"] == "generate"

@@ -64,11 +64,11 @@ def run_tune(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result))
     else:
-        print(describe(result, args.out))
+        print(describe(result, args.out, spec.workload.mode))
     return 0 if result["status"] == "succeeded" else 1
 
 
-def describe(r: dict, out: str | None = None) -> str:
+def describe(r: dict, out: str | None = None, mode: str = "train") -> str:
     lines = [f"job {r['job_id']} {r['status']}: {len(r['trials'])} trials of {r['space_size']} configs "
              f"in {r['wall_seconds']:.0f}s ({r['stop_reason']})"]
     if r.get("error"):
@@ -86,7 +86,9 @@ def describe(r: dict, out: str | None = None) -> str:
         loo = f"{m['loo_rel_error']:.1%}" if m.get("loo_rel_error") is not None else "-"
         lines.append(f"  model {kind}: {m['n']} points, R^2 {r2}, leave-one-out error {loo}")
     if out and r["best"]:
-        lines.append(f"  wrote {out}: train with `sltune train --config {out} --model ...`")
+        use = (f"train with `sltune train --config {out} --model ...`" if mode == "train" else
+               "generate with SpeedLoaderEngine(model, SpeedLoaderConfig.from_yaml(path)).generate(...)")
+        lines.append(f"  wrote {out}: {use}")
     return "\n".join(lines)
 
 

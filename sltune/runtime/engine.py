@@ -347,26 +347,31 @@ class SpeedLoaderEngine:
         return eos, pad
 
     # -- inputs ------------------------------------------------------------------------------------
-    def _check_batch(self, input_ids, labels, attention_mask):
+    def _check_ids(self, input_ids, what: str, extra_tokens: int = 0) -> None:
+        """b*N rows of token ids that fit the model: the checks training and generation share."""
         cfg = self.config
         rows = cfg.sub_batch_size * cfg.num_sub_batches
         if not torch.is_tensor(input_ids) or input_ids.dim() != 2 or input_ids.is_floating_point():
-            raise ValueError("input_ids must be a 2-D LongTensor [rows, seq_len]")
+            raise ValueError(f"input_ids must be a 2-D LongTensor [rows, {what}]")
         if input_ids.shape[0] != rows:
             raise ValueError(
                 f"input_ids has {input_ids.shape[0]} rows but sub_batch_size*num_sub_batches = "
                 f"{cfg.sub_batch_size}*{cfg.num_sub_batches} = {rows}; pass {rows} rows or change num_sub_batches"
             )
-        seq = input_ids.shape[1]
-        if seq < 2:
-            raise ValueError("input_ids needs at least 2 tokens per row to have a next-token loss")
+        total = input_ids.shape[1] + extra_tokens
         max_pos = getattr(self.lm.config, "max_position_embeddings", None)
-        if max_pos is not None and seq > max_pos:
-            raise ValueError(f"seq_len {seq} exceeds the model's max_position_embeddings {max_pos}")
+        if max_pos is not None and total > max_pos:
+            tokens = "prompt_len + max_new_tokens" if extra_tokens else "seq_len"
+            raise ValueError(f"{tokens} = {total} exceeds the model's max_position_embeddings {max_pos}")
         vocab = self.lm.config.vocab_size
-        if int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab:
+        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab):
             raise ValueError(f"input_ids must be token ids in [0, {vocab}); got values in "
                              f"[{int(input_ids.min())}, {int(input_ids.max())}]")
+
+    def _check_batch(self, input_ids, labels, attention_mask):
+        self._check_ids(input_ids, "seq_len")
+        if input_ids.shape[1] < 2:
+            raise ValueError("input_ids needs at least 2 tokens per row to have a next-token loss")
         if labels is None:
             labels = input_ids
         elif labels.shape != input_ids.shape:
@@ -380,28 +385,11 @@ class SpeedLoaderEngine:
 
     def _check_prompt(self, input_ids, attention_mask, max_new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Prompt ids and a 0/1 mask (all ones if None) on the device, left padding checked."""
-        cfg = self.config
-        rows = cfg.sub_batch_size * cfg.num_sub_batches
-        if not torch.is_tensor(input_ids) or input_ids.dim() != 2 or input_ids.is_floating_point():
-            raise ValueError("input_ids must be a 2-D LongTensor [rows, prompt_len]")
-        if input_ids.shape[0] != rows:
-            raise ValueError(
-                f"input_ids has {input_ids.shape[0]} rows but sub_batch_size*num_sub_batches = "
-                f"{cfg.sub_batch_size}*{cfg.num_sub_batches} = {rows}; pass {rows} rows or change num_sub_batches"
-            )
-        if input_ids.shape[1] < 1:
-            raise ValueError("input_ids needs at least 1 prompt token per row")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-        total = input_ids.shape[1] + max_new_tokens
-        max_pos = getattr(self.lm.config, "max_position_embeddings", None)
-        if max_pos is not None and total > max_pos:
-            raise ValueError(f"prompt_len + max_new_tokens = {total} exceeds the model's max_position_embeddings "
-                             f"{max_pos}; shorten the prompt or lower max_new_tokens")
-        vocab = self.lm.config.vocab_size
-        if int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab:
-            raise ValueError(f"input_ids must be token ids in [0, {vocab}); got values in "
-                             f"[{int(input_ids.min())}, {int(input_ids.max())}]")
+        self._check_ids(input_ids, "prompt_len", extra_tokens=max_new_tokens)
+        if input_ids.shape[1] < 1:
+            raise ValueError("input_ids needs at least 1 prompt token per row")
         if attention_mask is None:
             mask = torch.ones(input_ids.shape, dtype=torch.long)
         else:

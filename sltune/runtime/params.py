@@ -158,10 +158,10 @@ class ParamStore:
         self._point(unit, unit.dev, None)
 
     def release(self, unit: ParamUnit) -> None:
-        """Point the parameters back at the host copy and free the device buffers."""
+        """Point the parameters back at their home between loads and free the device buffers."""
         if self.resident or unit.host is None:
             return
-        self._point(unit, unit.host, unit.host_grad)
+        self._home(unit)
         for attr in ("dev", "dev_grad"):
             buf = getattr(unit, attr)
             if buf is not None:
@@ -171,14 +171,19 @@ class ParamStore:
             self.pool.release(unit.pending.tensor)
             unit.pending = None
 
+    def _home(self, unit: ParamUnit) -> None:
+        """Where the parameters point between loads: the host copy and its gradients."""
+        self._point(unit, unit.host, unit.host_grad)
+
     # -- gradients -------------------------------------------------------------------------------
     def begin_grads(self, unit: ParamUnit) -> None:
         """Give the live parameters zeroed device gradient buffers to accumulate into."""
-        if unit.host_grad is None:
-            return
-        if self.resident:
-            return  # gradients live in host_grad (on the device) and are zeroed once per step
-        unit.dev_grad = self.pool.acquire(unit.host_grad.numel(), unit.host_grad.dtype).zero_()
+        if unit.host_grad is None or self.resident:
+            return  # resident: gradients live in host_grad (on the device), zeroed once per step
+        self._device_grads(unit, unit.host_grad.numel())
+
+    def _device_grads(self, unit: ParamUnit, numel: int) -> None:
+        unit.dev_grad = self.pool.acquire(numel, unit.host.dtype).zero_()
         for p, g in zip(unit.params, unit._views(unit.dev_grad, unit.grad_offsets)):
             p.grad = g
 

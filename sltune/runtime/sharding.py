@@ -90,34 +90,14 @@ class ShardedParamStore(ParamStore):
             _all_gather(full, mine.clone())
         unit.pending = Pending(full)
 
-    def activate(self, unit: ParamUnit) -> None:
-        if unit.host is None or unit.dev is not None:
-            return
-        self.prefetch(unit)
-        unit.dev = unit.pending.wait()
-        unit.pending = None
-        self._point(unit, unit.dev, None)
-
-    def release(self, unit: ParamUnit) -> None:
-        if unit.host is None:
-            return
+    def _home(self, unit: ParamUnit) -> None:
         self._empty(unit)
-        for attr in ("dev", "dev_grad"):
-            buf = getattr(unit, attr)
-            if buf is not None:
-                self.pool.release(buf)
-                setattr(unit, attr, None)
-        if unit.pending is not None:
-            self.pool.release(unit.pending.tensor)
-            unit.pending = None
 
     # -- gradients ---------------------------------------------------------------------------------
     def begin_grads(self, unit: ParamUnit) -> None:
-        if unit.host is None or not unit.has_grads:
-            return
-        unit.dev_grad = self.pool.acquire(unit.padded, unit.host.dtype).zero_()
-        for p, g in zip(unit.params, unit._views(unit.dev_grad, unit.grad_offsets)):
-            p.grad = g
+        """Gradients of the whole unit (every rank's share), to be reduce-scattered."""
+        if unit.host is not None and unit.has_grads:
+            self._device_grads(unit, unit.padded)
 
     def offload_grads(self, unit: ParamUnit, accumulate: bool) -> None:
         """Sum the unit's gradients over ranks into this rank's shard, then offload that shard."""
@@ -130,9 +110,6 @@ class ShardedParamStore(ParamStore):
         if unit.trainable_here:
             self.copier.to_host(mine[:unit.trainable_here], unit.host_grad, "grad_offload_bytes",
                                 accumulate=accumulate)
-
-    def zero_resident_grads(self) -> None:
-        pass
 
     # -- results -----------------------------------------------------------------------------------
     def full_state(self) -> dict[int, torch.Tensor]:

@@ -2,10 +2,11 @@
 
 Peak memory is close to linear in the knobs (../shared/design/speedloader.md):
 
-    train    peak_device ~ c0 + c1*k + c2*b*s + c3*k*b*s + c4*B*s (k layers of params+grads, activations
-                                                                   in a group, and the whole batch's token
-                                                                   ids, labels and per-sub-batch layer
-                                                                   arguments, kept on the device all step)
+    train    peak_device ~ c0 + c1*k + c1'*k*[G>1] + c2*b*s + c3*k*b*s + c4*B*s
+                          (the live group's parameters and gradients; the next group, prefetched while
+                          this one computes, when there is one (G>1: k more layers; otherwise only the
+                          small embedding or head, in c0); a group's activations; and the whole batch's
+                          token ids, labels and per-sub-batch layer arguments, on the device all step)
              peak_host   ~ d0 + d1*(G+1)*B*s                      (parameters and AdamW state in d0,
                                                                    boundary activations of every sub-batch)
              step_time   ~ t0 + t1*G + t2*N + t3*N*b*s + t4*N*G    (per step, group, sub-batch, token, and
@@ -32,6 +33,7 @@ from sltune.tuning.space import Candidate
 FEATURES: dict[str, Callable[[dict[str, float]], float]] = {
     "1": lambda v: 1.0,
     "k": lambda v: v["k"],
+    "k*[G>1]": lambda v: v["k"] if v["G"] > 1 else 0.0,
     "G": lambda v: v["G"],
     "N": lambda v: v["N"],
     "b*s": lambda v: v["b"] * v["s"],
@@ -44,13 +46,13 @@ FEATURES: dict[str, Callable[[dict[str, float]], float]] = {
 
 MODELS = {
     "train": {
-        "device": ("peak_device_bytes", ["1", "k", "b*s", "k*b*s", "B*s"]),
+        "device": ("peak_device_bytes", ["1", "k", "k*[G>1]", "b*s", "k*b*s", "B*s"]),
         "host": ("peak_host_bytes", ["1", "(G+1)*B*s"]),
         "throughput": ("step_seconds", ["1", "G", "N", "N*b*s", "N*G"]),
     },
     "generate": {   # s = prompt + new tokens; the host holds every sub-batch's KV cache (B*s), the device
                     # one group's cache for one sub-batch (k*b*s)
-        "device": ("peak_device_bytes", ["1", "k", "b*s", "k*b*s", "B*s"]),
+        "device": ("peak_device_bytes", ["1", "k", "k*[G>1]", "b*s", "k*b*s", "B*s"]),
         "host": ("peak_host_bytes", ["1", "B*s"]),
         "throughput": ("step_seconds", ["1", "G", "N", "N*b*s", "N*G"]),
     },

@@ -9,10 +9,10 @@ import subprocess
 import sys
 from typing import AsyncIterator
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi import FastAPI
 
 from sltune import __version__
+from sltune.api.limits import BodyLimit
 from sltune.api.routes import router
 from sltune.dashboards.pages import router as dashboard_router
 from sltune.settings import Settings
@@ -48,13 +48,7 @@ def create_app(settings: Settings | None = None, embedded_worker: bool = False) 
     app.state.settings = settings
     app.state.store = Store(url)
 
-    @app.middleware("http")
-    async def limit_body(request: Request, call_next):
-        size = request.headers.get("content-length")
-        if size is not None and (not size.isdigit() or int(size) > settings.max_request_bytes):
-            return JSONResponse({"detail": f"request body over {settings.max_request_bytes} bytes"}, status_code=413)
-        return await call_next(request)
-
+    app.add_middleware(BodyLimit, limit=settings.max_request_bytes)
     app.include_router(router)
     app.include_router(dashboard_router)
     return app

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field
+import psutil
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -21,11 +22,24 @@ class Settings(BaseSettings):
     max_trials: int = 200
     max_time_budget_s: float = 24 * 3600
     max_trial_timeout_s: float = 3600
+    max_tokens_per_step: int = Field(1 << 20, description="largest sub_batch_size*num_sub_batches*tokens a "
+                                                            "request may ask a trial to run")
+    trial_host_memory_fraction: float = Field(0.75, gt=0, le=1, description="trials of service jobs without a "
+                                              "host_memory_limit stop at this share of the machine's memory")
     # workers
     lease_seconds: float = 30.0
     heartbeat_seconds: float = 5.0
     poll_seconds: float = 1.0
     jobs_per_worker: int = 1
+
+    @field_validator("api_token")
+    @classmethod
+    def _token(cls, value: str | None) -> str | None:
+        """An empty token is no token: it must never match an empty Authorization header."""
+        return value or None
+
+    def trial_host_limit(self) -> int:
+        return int(psutil.virtual_memory().total * self.trial_host_memory_fraction)
 
     def db_url(self) -> str:
         if self.db:

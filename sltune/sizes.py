@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 _UNITS = {
@@ -17,8 +18,8 @@ def parse_bytes(value: int | float | str, field: str = "size") -> int:
     if isinstance(value, bool):
         raise ValueError(f"{field}: expected a byte size such as 2147483648 or '2GiB', got {value!r}")
     if isinstance(value, (int, float)):
-        if value <= 0:
-            raise ValueError(f"{field}: must be positive, got {value!r}")
+        if not math.isfinite(value) or value < 1:
+            raise ValueError(f"{field}: must be a whole number of bytes >= 1 (or e.g. '2GiB'), got {value!r}")
         return int(value)
     match = _PATTERN.match(str(value))
     unit = match.group(2).lower() if match else None
@@ -28,8 +29,8 @@ def parse_bytes(value: int | float | str, field: str = "size") -> int:
             "such as '512MiB', '2GiB' or '8GB'"
         )
     size = int(float(match.group(1)) * _UNITS[unit])
-    if size <= 0:
-        raise ValueError(f"{field}: must be positive, got {value!r}")
+    if size < 1:
+        raise ValueError(f"{field}: must be at least 1 byte, got {value!r}")
     return size
 
 

@@ -14,6 +14,14 @@ sys.path.insert(0, ".")
 from tests.reference import adamw  # noqa: E402
 
 ROWS_PER_RANK, SEQ = 4, 16
+# a unit only partly trainable, whose trainable prefix lands in one rank's shard only
+PARTLY_FROZEN = "model.layers.0.input_layernorm"
+
+
+def freeze_all_but(model, keep: str):
+    for name, p in model.named_parameters():
+        p.requires_grad_(name.startswith(keep))
+    return model
 
 
 def batch(step: int, rank: int) -> torch.Tensor:
@@ -25,8 +33,9 @@ def main(out: str) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     report = {"world": world, "runs": {}, "io": {}}
-    for preset, schedule in (("llama-tiny", "speedloader"), ("gpt2-tiny", "canonical")):
-        engine = SpeedLoaderEngine(build(preset), SpeedLoaderConfig(sub_batch_size=2, num_sub_batches=2,
+    for preset, schedule in (("llama-tiny", "speedloader"), ("gpt2-tiny", "canonical"), ("frozen", "speedloader")):
+        model = freeze_all_but(build("llama-tiny"), PARTLY_FROZEN) if preset == "frozen" else build(preset)
+        engine = SpeedLoaderEngine(model, SpeedLoaderConfig(sub_batch_size=2, num_sub_batches=2,
                                    num_live_blocks=3, schedule=schedule, world_size=world), optimizer=adamw)
         losses = [engine.train_step(batch(step, rank)).loss for step in range(2)]
         state = engine.state_dict()                      # every rank gathers
@@ -38,8 +47,11 @@ def main(out: str) -> None:
             engine = SpeedLoaderEngine(build("llama-tiny"), SpeedLoaderConfig(sub_batch_size=1, num_sub_batches=n,
                                        num_live_blocks=1, schedule=schedule), optimizer=adamw)
             res = engine.train_step(batch(0, rank)[:n])
-            report["io"][f"{schedule}/{n}"] = {"io": res.io.as_dict(), "expected": engine.expected_io(SEQ).as_dict(),
-                                               "shard_bytes": engine.param_bytes}
+            mine = {"io": res.io.as_dict(), "expected": engine.expected_io(SEQ).as_dict(),
+                    "shard_bytes": engine.param_bytes}
+            every = [None] * world
+            dist.all_gather_object(every, mine)          # every rank's counters, not just rank 0's
+            report["io"][f"{schedule}/{n}"] = every
     if rank == 0:
         with open(out, "w") as f:
             json.dump(report, f)

@@ -39,3 +39,15 @@ def test_bad_sizes_say_how_to_write_them():
 def test_to_yaml_rejects_unknown_sections():
     with pytest.raises(ValueError, match="unknown sections"):
         SpeedLoaderConfig().to_yaml(extra={"x": 1})
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan"), 0.5, 0, -3, "0.1B", "inf GiB"])
+def test_sizes_must_be_whole_positive_bytes(value):
+    with pytest.raises(ValueError, match="device_memory_limit"):
+        SpeedLoaderConfig(device_memory_limit=value)
+
+
+def test_an_empty_api_token_is_no_token():
+    from sltune.settings import Settings
+
+    assert Settings(api_token="").api_token is None

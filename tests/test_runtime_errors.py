@@ -67,8 +67,29 @@ def test_optimizer_factory_must_return_an_optimizer():
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_precision_trains_on_cpu(dtype):
+    # float16 keeps AdamW's state in float16 too (as model.half() would): eps=1e-8 is 0 there, so 1e-4
     eng = SpeedLoaderEngine(build("llama-tiny"), SpeedLoaderConfig(dtype=dtype, sub_batch_size=2,
-                            num_sub_batches=2), optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
-    res = eng.train_step(torch.randint(3, 512, (4, 8)))
-    assert res.loss == pytest.approx(6.2, abs=0.3)
+                            num_sub_batches=2), optimizer=lambda ps: torch.optim.AdamW(ps, lr=3e-3, eps=1e-4))
+    ids = torch.randint(3, 512, (4, 8), generator=torch.Generator().manual_seed(0))
+    losses = [eng.train_step(ids).loss for _ in range(8)]
+    assert losses[-1] < losses[0] - 0.5, losses           # it learns the batch
     assert all(p.dtype == getattr(torch, dtype) for p in eng.model.parameters())
+
+
+def test_an_optimizer_eps_that_vanishes_in_float16_is_flagged():
+    with pytest.warns(UserWarning, match="eps=1e-08 is 0 in float16"):
+        SpeedLoaderEngine(build("llama-tiny"), SpeedLoaderConfig(dtype="float16"),
+                          optimizer=lambda ps: torch.optim.AdamW(ps))
+
+
+def test_labels_and_masks_are_checked():
+    eng = engine(sub_batch_size=1, num_sub_batches=2)
+    ids = torch.randint(3, 512, (2, 8))
+    with pytest.raises(ValueError, match=r"labels must be token ids in \[0, 512\) or -100"):
+        eng.train_step(ids, labels=torch.full_like(ids, 700))
+    with pytest.raises(ValueError, match="every next-token label is -100"):
+        eng.train_step(ids, labels=torch.full_like(ids, -100))
+    with pytest.raises(ValueError, match="attention_mask must hold 0"):
+        eng.train_step(ids, attention_mask=torch.full_like(ids, 2))
+    with pytest.raises(ValueError, match=r"got a 1-D torch.int64 tensor of shape \(8,\)"):
+        eng.train_step(torch.zeros(8, dtype=torch.long))

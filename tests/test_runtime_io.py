@@ -70,3 +70,20 @@ def test_counters_accumulate_on_the_engine():
     a = engine.train_step(ids).io
     b = engine.train_step(ids).io
     assert engine.io == a + b
+
+
+@pytest.mark.parametrize("schedule", ["speedloader", "canonical"])
+@pytest.mark.parametrize("frozen", [["model.embed_tokens"], ["model.embed_tokens", "model.layers.0"],
+                                    ["model.layers.1"]])
+def test_counters_follow_the_phases_actually_run_with_a_frozen_prefix(frozen, schedule):
+    """Fine-tuning the top of a model: no backward (no loads, no copies) below the lowest trainable layer."""
+    model = build("llama-tiny")
+    for name in frozen:
+        model.get_submodule(name).requires_grad_(False)
+    engine = SpeedLoaderEngine(model, SpeedLoaderConfig(sub_batch_size=2, num_sub_batches=3, num_live_blocks=1,
+                               schedule=schedule), optimizer=adamw)
+    io = engine.train_step(torch.randint(3, 512, (6, SEQ))).io
+    assert io == engine.expected_io(SEQ)
+    full, _ = step_io(n=3, schedule=schedule)
+    if frozen[0] == "model.embed_tokens":
+        assert io.param_load_bytes < full.param_load_bytes       # the frozen embedding's backward is skipped

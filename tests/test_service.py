@@ -50,10 +50,13 @@ def test_writes_need_the_token_and_bad_specs_get_field_errors(services):
         assert r.status_code == 422 and "smallest config" in r.text
         r = c.post("/tune", json={**tiny_spec(), "model": {"hf_config": {"model_type": "llama",
                                                                           "auto_map": {"x": "y"}}}})
-        assert r.status_code == 422 and "remote code" in r.text
+        assert r.status_code == 422 and "can load code" in r.text
         r = c.post("/tune", json=tiny_spec(trials=10_000))
         assert r.status_code == 422 and "above this server's limit" in r.text
         r = c.post("/tune", content=b"x" * 300_000, headers={"content-type": "application/json"})
+        assert r.status_code == 413
+        chunks = (b"x" * 10_000 for _ in range(100))                  # chunked: no Content-Length
+        r = anon.post("/tune", content=chunks, headers={"content-type": "application/json"})
         assert r.status_code == 413
         assert c.get("/jobs/nope").status_code == 404
         assert anon.post("/jobs/nope/cancel").status_code == 401

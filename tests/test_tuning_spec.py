@@ -24,7 +24,7 @@ def parse(**overrides):
     ({"search": {"strategy": "bayes"}}, "search.strategy"),
     ({"model": {"preset": "llama-huge"}}, "model.preset: Input should be 'llama-tiny', 'llama-tiny-tied'"),
     ({"model": {"preset": "llama-tiny", "hf_config": {"model_type": "llama"}}}, "exactly one of model.preset"),
-    ({"model": {"hf_config": {"model_type": "llama", "auto_map": {"AutoModel": "evil.Model"}}}}, "remote code"),
+    ({"model": {"hf_config": {"model_type": "llama", "auto_map": {"AutoModel": "evil.Model"}}}}, "can load code"),
     ({"model": {"hf_config": {"model_type": "bert"}}}, "'bert' is not supported"),
     ({"hardware": {"device_memory_limit": "lots"}}, "hardware.device_memory_limit"),
     ({"workload": {"seq_len": 1}}, "workload.seq_len"),

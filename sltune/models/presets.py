@@ -112,6 +112,11 @@ _BOUNDS = {"num_hidden_layers": 1024, "n_layer": 1024, "hidden_size": 65536, "n_
            "max_position_embeddings": 1_048_576, "n_positions": 1_048_576, "word_embed_proj_dim": 65536}
 
 
+# keys through which a config can pull in code, kernels or quantizers from outside transformers itself
+_CODE_KEYS = {"auto_map", "trust_remote_code", "attn_implementation", "quantization_config", "use_kernels",
+              "kernel_config", "custom_pipelines", "name_or_path", "transformers_version"}
+
+
 def _from_dict(data: dict[str, Any], source: str):
     from transformers import AutoConfig
 
@@ -129,9 +134,10 @@ def _from_dict(data: dict[str, Any], source: str):
         raise ValueError(
             f"{source}: model family {family!r} is not supported; supported families: {', '.join(SUPPORTED_FAMILIES)}"
         )
-    for key in ("auto_map", "trust_remote_code"):
-        if key in data:
-            raise ValueError(f"{source}: '{key}' would run remote code; sltune only builds the standard families")
+    for key in data:
+        if key in _CODE_KEYS or key.startswith("_"):
+            raise ValueError(f"{source}: '{key}' is not accepted: it can load code or kernels from outside; "
+                             "sltune builds the standard families with their standard attention")
     try:
         return AutoConfig.for_model(family, **data)
     except Exception as err:  # noqa: BLE001 - any rejection is the config's fault, reported as such

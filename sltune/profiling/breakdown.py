@@ -164,11 +164,11 @@ def _self_times(events, children, out: dict[str, list[float]]) -> None:
 
 
 def _attribute_device(kernels: list[_Event], seconds: dict[str, float]) -> None:
-    """On CUDA the device timeline is the truth: kernels by kind; the host share is what is left."""
-    host = sum(seconds.values())
-    for k in SLICES:
-        seconds[k] = 0.0
-    busy = 0.0
+    """On CUDA the device timeline is the truth. Each slice is the union of its kernels' intervals (streams
+    overlap, so their sum could exceed the wall); host time no kernel covers is cpu. Overlaps between
+    slices are left in, and fractions are normalised by their total."""
+    wall = sum(seconds.values())
+    by_slice: dict[str, list[tuple[int, int]]] = defaultdict(list)
     for e in kernels:
         name = e.name.lower()
         if "memcpy" in name or "memset" in name:
@@ -179,6 +179,20 @@ def _attribute_device(kernels: list[_Event], seconds: dict[str, float]) -> None:
             cat = "reduce_scatter"
         else:
             cat = "compute"
-        seconds[cat] += e.end - e.start
-        busy += e.end - e.start
-    seconds["cpu"] = max(0.0, host - busy)
+        by_slice[cat].append((e.start, e.end))
+    for k in SLICES:
+        seconds[k] = _union(by_slice.get(k, []))
+    busy = _union([iv for ivs in by_slice.values() for iv in ivs])
+    seconds["cpu"] = max(0.0, wall - busy)
+
+
+def _union(intervals: list[tuple[int, int]]) -> float:
+    total, end = 0.0, None
+    for a, b in sorted(intervals):
+        if end is None or a > end:
+            total += b - a
+            end = b
+        elif b > end:
+            total += b - end
+            end = b
+    return total

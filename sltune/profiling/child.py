@@ -60,11 +60,11 @@ def describe_failure(err: BaseException) -> dict[str, Any]:
     from sltune.runtime.memory import DeviceMemoryExceeded
 
     if isinstance(err, DeviceMemoryExceeded):
-        return {"status": "oom", "error": str(err), "peak_device_bytes": err.peak_bytes}
+        return {"status": "oom", "oom_resource": "device", "error": str(err), "peak_device_bytes": err.peak_bytes}
     if isinstance(err, torch.OutOfMemoryError):
-        return {"status": "oom", "error": f"device out of memory: {err}"}
+        return {"status": "oom", "oom_resource": "device", "error": f"device out of memory: {err}"}
     if isinstance(err, MemoryError):
-        return {"status": "oom", "error": "host memory exhausted (MemoryError); lower num_sub_batches or "
+        return {"status": "oom", "oom_resource": "host", "error": "host memory exhausted (MemoryError); lower num_sub_batches or "
                                           "sub_batch_size, or give the trial more host memory"}
     tail = "".join(traceback.format_exception(err)[-3:]).strip()
     return {"status": "failed", "error": f"{type(err).__name__}: {err}", "traceback": tail}

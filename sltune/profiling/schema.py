@@ -88,6 +88,7 @@ class TrialResult(BaseModel):
 
     status: Status
     error: str | None = None
+    oom_resource: Literal["device", "host"] | None = Field(None, description="what ran out, when status is oom")
     config: TrialConfig
     tokens_per_s: float | None = None
     step_seconds: float | None = None

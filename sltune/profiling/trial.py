@@ -92,6 +92,13 @@ def _wait(ranks, spec: TrialSpec, start: float, stop: StopFn | None) -> dict[str
                         return _from_rank(got, r, ranks)
                     continue
                 who = "the trial process" if len(ranks) == 1 else f"rank {r} of {len(ranks)}"
+                peak = max(w.peak for w in watchers)
+                if proc.exitcode == -signal.SIGKILL and peak > 0.5 * psutil.virtual_memory().total:
+                    # the kernel's out-of-memory killer: a host memory overrun, not a crash
+                    return {"status": "oom", "peak_host_bytes": peak, "oom_resource": "host",
+                            "error": f"{who} was killed after its resident memory reached {format_bytes(peak)}, "
+                                     "most of this machine's memory: the host ran out of memory. Lower "
+                                     "num_sub_batches or sub_batch_size, or set host_memory_limit"}
                 return {"status": "failed", "error": _death(who, proc.exitcode)}
         if len(results) == len(ranks):
             return merge([results[r] for r in range(len(ranks))])
@@ -103,15 +110,14 @@ def _wait(ranks, spec: TrialSpec, start: float, stop: StopFn | None) -> dict[str
             return {"status": "timeout",
                     "error": f"no result within timeout_s={spec.timeout_s:g}s; the trial was stopped. Use fewer "
                              "steps or a smaller config, or raise timeout_s"}
-        if spec.host_memory_limit is not None:
-            for r, w in enumerate(watchers):
-                rss = w.rss()
-                if rss > spec.host_memory_limit:
-                    who = "the trial's" if len(ranks) == 1 else f"rank {r}'s"
-                    return {"status": "oom", "peak_host_bytes": rss,
-                            "error": f"host memory limit exceeded: {who} resident memory reached "
-                                     f"{format_bytes(rss)} ({rss} bytes) against host_memory_limit "
-                                     f"{format_bytes(spec.host_memory_limit)}; lower num_sub_batches or sub_batch_size"}
+        for r, w in enumerate(watchers):
+            rss = w.rss()
+            if spec.host_memory_limit is not None and rss > spec.host_memory_limit:
+                who = "the trial's" if len(ranks) == 1 else f"rank {r}'s"
+                return {"status": "oom", "peak_host_bytes": rss, "oom_resource": "host",
+                        "error": f"host memory limit exceeded: {who} resident memory reached "
+                                 f"{format_bytes(rss)} ({rss} bytes) against host_memory_limit "
+                                 f"{format_bytes(spec.host_memory_limit)}; lower num_sub_batches or sub_batch_size"}
 
 
 def _poll(recv, timeout: float) -> dict[str, Any] | None:
@@ -187,9 +193,10 @@ def _free_port() -> int:
 
 
 class _Watcher:
-    """Resident memory of a trial process and any processes it started."""
+    """Resident memory of a trial process and any processes it started, and the most it has been."""
 
     def __init__(self, pid: int):
+        self.peak = 0
         try:
             self.proc = psutil.Process(pid)
         except psutil.Error:
@@ -200,6 +207,8 @@ class _Watcher:
             return 0
         try:
             procs = [self.proc, *self.proc.children(recursive=True)]
-            return sum(p.memory_info().rss for p in procs)
+            rss = sum(p.memory_info().rss for p in procs)
         except psutil.Error:
             return 0
+        self.peak = max(self.peak, rss)
+        return rss

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
@@ -140,6 +141,7 @@ class SpeedLoaderEngine:
             opt = optimizer(trainable)
             if not isinstance(opt, torch.optim.Optimizer):
                 raise TypeError(f"optimizer factory returned {type(opt).__name__}, not a torch.optim.Optimizer")
+            _warn_vanishing_eps(opt, self.dtype)
             self.optimizer = opt
         self._measured: dict[tuple, int] = {}
 
@@ -211,16 +213,7 @@ class SpeedLoaderEngine:
         n, last_edge = len(subs), len(self.groups)
         b, s = subs[0].ids.shape
         acts.prepare(last_edge + 1, n, (b, s, self.lm.config.hidden_size), self.dtype)
-        # backward through a unit is needed while a trainable parameter sits in it or before it
-        trains = [_trainable(self.embed) or _trainable(self.tied)]
-        for g in self.groups:
-            trains.append(trains[-1] or _trainable(g.unit))
-        phases = ([("embed_fwd", self.embed, None)] + [("fwd", g.unit, g) for g in self.groups]
-                  + [("head", self.head, None)] + [("bwd", g.unit, g) for g in reversed(self.groups)]
-                  + [("embed_bwd", self.embed, None)])
-        # a frozen prefix of the model needs no backward (fine-tuning the top layers only)
-        phases = [ph for ph in phases if ph[0] not in ("bwd", "embed_bwd")
-                  or trains[0 if ph[2] is None else self.groups.index(ph[2]) + 1]]
+        trains, phases = self._plan()
         losses = []
         store.activate(self.tied)
         store.begin_grads(self.tied)
@@ -276,6 +269,22 @@ class SpeedLoaderEngine:
         store.offload_grads(self.tied, accumulate)
         store.release(self.tied)
         return torch.stack(losses).sum()
+
+    def _plan(self) -> tuple[list[bool], list[tuple]]:
+        """The phases of a pass, and for each group edge whether a gradient must flow back through it.
+
+        Backward through a unit is needed while a trainable parameter sits in it or before it: a frozen
+        prefix of the model (fine-tuning the top layers) gets no backward, no loads and no copies for it.
+        Sharded, `has_grads` is the same on every rank, so every rank runs the same collectives."""
+        trains = [self.embed.has_grads or self.tied.has_grads]
+        for g in self.groups:
+            trains.append(trains[-1] or g.unit.has_grads)
+        phases = ([("embed_fwd", self.embed, None)] + [("fwd", g.unit, g) for g in self.groups]
+                  + [("head", self.head, None)] + [("bwd", g.unit, g) for g in reversed(self.groups)]
+                  + [("embed_bwd", self.embed, None)])
+        phases = [ph for ph in phases if ph[0] not in ("bwd", "embed_bwd")
+                  or trains[0 if ph[2] is None else self.groups.index(ph[2]) + 1]]
+        return trains, phases
 
     def _each(self, edge: int | None, grad_edge: int | None, n: int) -> Iterator:
         """Sub-batch indices with their inputs fetched one ahead (the next copy overlaps this compute)."""
@@ -352,7 +361,9 @@ class SpeedLoaderEngine:
         cfg = self.config
         rows = cfg.sub_batch_size * cfg.num_sub_batches
         if not torch.is_tensor(input_ids) or input_ids.dim() != 2 or input_ids.is_floating_point():
-            raise ValueError(f"input_ids must be a 2-D LongTensor [rows, {what}]")
+            got = (f"a {input_ids.dim()}-D {input_ids.dtype} tensor of shape {tuple(input_ids.shape)}"
+                   if torch.is_tensor(input_ids) else type(input_ids).__name__)
+            raise ValueError(f"input_ids must be a 2-D LongTensor [rows, {what}], got {got}")
         if input_ids.shape[0] != rows:
             raise ValueError(
                 f"input_ids has {input_ids.shape[0]} rows but sub_batch_size*num_sub_batches = "
@@ -374,11 +385,23 @@ class SpeedLoaderEngine:
             raise ValueError("input_ids needs at least 2 tokens per row to have a next-token loss")
         if labels is None:
             labels = input_ids
-        elif labels.shape != input_ids.shape:
-            raise ValueError(f"labels shape {tuple(labels.shape)} differs from input_ids {tuple(input_ids.shape)}")
-        if attention_mask is not None and attention_mask.shape != input_ids.shape:
-            raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} differs from input_ids "
-                             f"{tuple(input_ids.shape)}")
+        elif not torch.is_tensor(labels) or labels.shape != input_ids.shape:
+            got = tuple(labels.shape) if torch.is_tensor(labels) else type(labels).__name__
+            raise ValueError(f"labels {got} must have input_ids' shape {tuple(input_ids.shape)}")
+        vocab = self.lm.config.vocab_size
+        used = labels[:, 1:][labels[:, 1:] != IGNORE_INDEX]
+        if used.numel() == 0:
+            raise ValueError(f"labels: every next-token label is {IGNORE_INDEX} (ignored), so there is nothing to "
+                             "train on; pass labels with some real token ids")
+        if int(used.min()) < 0 or int(used.max()) >= vocab:
+            raise ValueError(f"labels must be token ids in [0, {vocab}) or {IGNORE_INDEX} (ignored); got values in "
+                             f"[{int(used.min())}, {int(used.max())}]")
+        if attention_mask is not None:
+            if not torch.is_tensor(attention_mask) or attention_mask.shape != input_ids.shape:
+                got = tuple(attention_mask.shape) if torch.is_tensor(attention_mask) else type(attention_mask).__name__
+                raise ValueError(f"attention_mask {got} must have input_ids' shape {tuple(input_ids.shape)}")
+            if not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
+                raise ValueError("attention_mask must hold 0 (padding) and 1 (token) only")
         dev = self.device
         return (input_ids.to(dev, torch.long), labels.to(dev, torch.long),
                 None if attention_mask is None else attention_mask.to(dev))
@@ -420,27 +443,41 @@ class SpeedLoaderEngine:
                 for name, value in self.model.state_dict().items()}
 
     def expected_io(self, seq_len: int) -> IOCounters:
-        """The traffic one train_step should move, from the formulas in this module's docstring."""
+        """The traffic one train_step should move, from the formulas in this module's docstring, walking
+        the same phases a step runs (a frozen prefix skips its backward)."""
         cfg = self.config
         n, b = cfg.num_sub_batches, cfg.sub_batch_size
         if cfg.schedule == "resident":
             return IOCounters()
         itemsize = torch.empty((), dtype=self.dtype).element_size()
-        times = {id(u): 2 for u in [self.embed, *(g.unit for g in self.groups)]}   # head, tied: once
-        loads = sum(times.get(id(u), 1) * u.nbytes for u in self.units)
-        grads = sum(u.grad_nbytes for u in self.units)
+        trains, phases = self._plan()
+        loaded = [unit for _, unit, _ in phases] + [self.tied]                 # tied: once per pass
+        backward = [unit for kind, unit, _ in phases if kind != "embed_fwd" and kind != "fwd"] + [self.tied]
+        loads = sum(u.nbytes for u in loaded)
+        grads = sum(u.grad_nbytes for u in backward)
         gathered = scattered = 0
         if self.world > 1:   # sharded: the loads above are this rank's shards; collectives see whole units
-            gathered = sum(times.get(id(u), 1) * u.padded * itemsize for u in self.units if u.host is not None)
-            scattered = sum(u.padded * itemsize for u in self.units if u.has_grads)
+            gathered = sum(u.padded * itemsize for u in loaded if u.host is not None)
+            scattered = sum(u.padded * itemsize for u in backward if u.host is not None and u.has_grads)
         if cfg.schedule == "canonical":
             return IOCounters(param_load_bytes=n * loads, grad_offload_bytes=n * grads,
                               allgather_bytes=n * gathered, reduce_scatter_bytes=n * scattered)
-        edge = b * seq_len * self.lm.config.hidden_size * itemsize
-        act = (len(self.groups) + 1) * edge
+        # boundary activations per sub-batch, in edges of b*s*hidden values: forward puts every edge and
+        # loads every group's and the head's input; backward loads each group's input and output gradient,
+        # puts its input gradient where one is needed, and the embedding loads its output gradient
+        edges_out = len(self.groups) + 1 + int(trains[len(self.groups)])
+        edges_in = len(self.groups) + 1
+        for kind, _, group in phases:
+            if kind == "bwd":
+                edge = self.groups.index(group)
+                edges_in += 2
+                edges_out += int(trains[edge])
+            elif kind == "embed_bwd":
+                edges_in += 1
+        edge_bytes = b * seq_len * self.lm.config.hidden_size * itemsize
         return IOCounters(param_load_bytes=loads, grad_offload_bytes=grads, allgather_bytes=gathered,
-                          reduce_scatter_bytes=scattered, act_offload_bytes=2 * n * act,
-                          act_load_bytes=3 * n * act - n * edge)
+                          reduce_scatter_bytes=scattered, act_offload_bytes=n * edges_out * edge_bytes,
+                          act_load_bytes=n * edges_in * edge_bytes)
 
     @property
     def param_bytes(self) -> int:
@@ -477,8 +514,15 @@ class _RngStash:
             yield
 
 
-def _trainable(unit: ParamUnit) -> bool:
-    return unit.host_grad is not None
+def _warn_vanishing_eps(opt: torch.optim.Optimizer, dtype: torch.dtype) -> None:
+    """Parameters and optimizer state stay in the engine's dtype (no float32 master copy), so an eps that
+    rounds to 0 there turns zero gradients into 0/0 = NaN, as it would for model.half() in plain PyTorch."""
+    for group in opt.param_groups:
+        eps = group.get("eps")
+        if isinstance(eps, float) and eps > 0 and torch.tensor(eps, dtype=dtype).item() == 0.0:
+            warnings.warn(f"optimizer eps={eps:g} is 0 in {str(dtype).removeprefix('torch.')}: zero gradients will "
+                          "give NaN updates; use eps >= 1e-4 or dtype='bfloat16'", UserWarning, stacklevel=3)
+            return
 
 
 def _check_device(name: str) -> torch.device:

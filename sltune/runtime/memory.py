@@ -72,8 +72,12 @@ class CpuAllocationTracker(DeviceMemory, TorchDispatchMode):
 
     # -- explicit buffers (the runtime's pool) -------------------------------------------------
     def alloc(self, nbytes: int) -> None:
+        """Count an explicit buffer; over the limit nothing is counted and DeviceMemoryExceeded is raised."""
+        if self._counting and self.limit is not None and self.live + nbytes > self.limit:
+            self.peak = max(self.peak, self.live + nbytes)
+            raise DeviceMemoryExceeded(self.live + nbytes, self.limit, self.device)
         self.live += nbytes
-        self._check()
+        self.peak = max(self.peak, self.live)
 
     def free(self, nbytes: int) -> None:
         self.live -= nbytes

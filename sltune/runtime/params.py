@@ -83,7 +83,12 @@ class BufferPool:
         else:
             with self.memory.paused():
                 buf = torch.empty(numel, dtype=dtype, device=self.device)
-        self.memory.alloc(buf.numel() * buf.element_size())
+        try:
+            self.memory.alloc(buf.numel() * buf.element_size())    # may raise DeviceMemoryExceeded
+        except BaseException:
+            if self.cache:
+                self._free.setdefault((numel, dtype), []).append(buf)
+            raise
         return buf
 
     def release(self, buf: torch.Tensor) -> None:
@@ -124,6 +129,7 @@ class ParamStore:
                     unit.grad_offsets.append(None)
             for p, view in zip(unit.params, unit._views(unit.host, unit.offsets)):
                 view.copy_(p.data)
+            unit.has_grads = goff > 0
             if goff:
                 unit.host_grad = (torch.zeros(goff, dtype=dtype, device=device) if resident
                                   else copier.host_empty(goff, dtype).zero_())

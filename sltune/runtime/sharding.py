@@ -59,7 +59,10 @@ class ShardedParamStore(ParamStore):
             unit.host = copier.host_empty(shard, dtype)
             unit.host.copy_(full[lo:lo + shard].cpu())
             del full
-            if unit.trainable_here:
+            unit.has_grads = trainable > 0
+            if unit.has_grads:
+                # a shard parameter on every rank, empty where the trainable prefix ends before this shard:
+                # every rank then builds the same optimizer, whatever its share
                 unit.host_grad = copier.host_empty(unit.trainable_here, dtype).zero_()
                 param = nn.Parameter(unit.host[:unit.trainable_here])
                 param.grad = unit.host_grad
@@ -68,7 +71,6 @@ class ShardedParamStore(ParamStore):
             else:
                 unit.host_grad = None
                 unit.shard_param = None
-            unit.has_grads = trainable > 0
             self._empty(unit)
 
     @staticmethod

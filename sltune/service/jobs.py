@@ -10,6 +10,8 @@ from sltune.service.capabilities import can_run, why_not
 from sltune.settings import Settings
 from sltune.store import Job, Store
 from sltune.tuning.runner import requirements
+from sltune.tuning.shape import shape_of
+from sltune.tuning.space import SearchSpace
 from sltune.tuning.spec import TuningSpec
 
 
@@ -23,6 +25,13 @@ def check_bounds(spec: TuningSpec, settings: Settings) -> list[dict[str, Any]]:
         if value > bound:
             errors.append({"loc": ["body", "search", field], "type": "server_bound",
                            "msg": f"{value:g} is above this server's limit of {bound:g}; ask for at most {bound:g}"})
+    biggest = max(c.batch for c in SearchSpace(spec, shape_of(spec.model.source, spec.model.dtype)).candidates)
+    tokens = biggest * spec.workload.tokens_per_row
+    if tokens > settings.max_tokens_per_step:
+        errors.append({"loc": ["body", "search"], "type": "server_bound",
+                       "msg": f"the largest config runs {tokens} tokens per step (sub_batch_size*num_sub_batches*"
+                              f"tokens per row), above this server's limit of {settings.max_tokens_per_step}; "
+                              "lower the largest batch or the sequence length"})
     return errors
 
 
@@ -44,10 +53,7 @@ def job_detail(store: Store, job: Job, settings: Settings) -> dict[str, Any]:
     result = job.result or {}
     models = result.get("models")
     if models is None:
-        fits = {}
-        for f in store.fits(job.id):
-            fits[f.kind] = f.payload        # the newest fit of each kind, while the job runs
-        models = fits or None
+        models = store.latest_fits(job.id) or None       # while the job runs
     return {**job_summary(job), "spec": job.spec, "worker_id": job.worker_id, "attempts": job.attempts,
             "cancel_requested": job.cancel_requested, "predicted": result.get("predicted"),
             "binding_limit": result.get("binding_limit"), "models": models,

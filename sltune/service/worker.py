@@ -16,6 +16,8 @@ import time
 import uuid
 from typing import Any
 
+import psutil
+
 from sltune.service.capabilities import can_run, local_capabilities, why_not
 from sltune.settings import Settings
 from sltune.store import Store
@@ -29,26 +31,52 @@ class Worker:
     def __init__(self, settings: Settings, worker_id: str | None = None, capabilities: dict[str, Any] | None = None):
         self.settings = settings
         self.store = Store(settings.db_url())
-        self.id = worker_id or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+        self.id = worker_id or self.default_id()
         self.caps = capabilities or local_capabilities()
         self.stop = threading.Event()
+
+    @staticmethod
+    def default_id() -> str:
+        return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+
+    @staticmethod
+    def is_dead_here(worker_id: str | None) -> bool:
+        """A holder id naming this host and a process that no longer exists: its lease is moot."""
+        if not worker_id:
+            return False
+        parts = worker_id.removeprefix("cli:").split(":")
+        if len(parts) != 3 or parts[0] != socket.gethostname() or not parts[1].isdigit():
+            return False
+        return not psutil.pid_exists(int(parts[1]))
 
     def run_forever(self) -> None:
         self.store.register_worker(self.id, self.caps)
         log.info("worker %s ready (%s)", self.id, self.caps)
+        backoff = self.settings.poll_seconds
         try:
             while not self.stop.is_set():
-                job = self.store.claim(self.id, lambda req: can_run(self.caps, req), self.settings.lease_seconds)
-                if job is None:
-                    self.store.touch_worker(self.id)
-                    self._fail_unrunnable()
-                    self.stop.wait(self.settings.poll_seconds)
+                try:
+                    job = self.store.claim(self.id, lambda req: can_run(self.caps, req), self.settings.lease_seconds)
+                    if job is None:
+                        self.store.touch_worker(self.id)
+                        self._fail_unrunnable()
+                        self.stop.wait(self.settings.poll_seconds)
+                        continue
+                    backoff = self.settings.poll_seconds
+                except Exception:  # noqa: BLE001 - a database hiccup must not end the worker
+                    log.exception("worker %s: the store is unreachable; retrying in %.1fs", self.id, backoff)
+                    self.stop.wait(backoff)
+                    backoff = min(backoff * 2, 30.0)
                     continue
                 self.run(job.id)
         finally:
-            self.store.remove_worker(self.id)
+            try:
+                self.store.remove_worker(self.id)
+            except Exception:  # noqa: BLE001 - shutting down anyway
+                log.exception("worker %s could not deregister", self.id)
 
-    def run(self, job_id: str) -> None:
+    def run(self, job_id: str, progress=None, reraise: bool = False) -> dict[str, Any] | None:
+        """Run a job this worker holds (claimed), renewing its lease until it is done or let go."""
         lost = threading.Event()
         done = threading.Event()
 
@@ -74,14 +102,17 @@ class Worker:
         beat = threading.Thread(target=heartbeat, name=f"heartbeat-{job_id}", daemon=True)
         beat.start()
         log.info("worker %s runs job %s", self.id, job_id)
+        result = None
         try:
-            result = run_job(self.store, job_id, should_stop=should_stop, worker_id=self.id,
-                             artifact_dir=self.settings.artifact_dir())
+            result = run_job(self.store, job_id, progress=progress, should_stop=should_stop, worker_id=self.id,
+                             artifact_dir=self.settings.artifact_dir(),
+                             default_host_limit=self.settings.trial_host_limit())
             log.info("job %s %s", job_id, result["status"])
         except Exception as err:  # noqa: BLE001 - the job fails with the reason; the worker goes on
             log.exception("job %s failed", job_id)
-            if not lost.is_set():
-                self.store.set_status(job_id, "failed", error=f"{type(err).__name__}: {err}")
+            self.store.set_status(job_id, "failed", holder=self.id, error=f"{type(err).__name__}: {err}")
+            if reraise:
+                raise
         finally:
             done.set()
             beat.join()
@@ -89,7 +120,8 @@ class Worker:
                 job = self.store.job(job_id)
                 if job is not None and job.status == "running" and job.worker_id == self.id:
                     # shutting down mid-job: hand it back now rather than when the lease runs out
-                    self.store.set_status(job_id, "queued", worker_id=None, lease_expires_at=None)
+                    self.store.set_status(job_id, "queued", holder=self.id, worker_id=None, lease_expires_at=None)
+        return result
 
     def _fail_unrunnable(self) -> None:
         """Queued jobs that no live worker can run fail with the reason instead of waiting forever."""
@@ -97,7 +129,7 @@ class Worker:
         if not live:
             return
         for job in self.store.jobs(limit=50, status="queued"):
-            age = time.time() - job.created_at.timestamp()
+            age = time.time() - job.created_at.timestamp()       # created_at is UTC (UTCDateTime)
             if age < UNRUNNABLE_AFTER_S or any(can_run(w.capabilities, job.requirements) for w in live):
                 continue
             reasons = sorted({why_not(w.capabilities, job.requirements) or "" for w in live})

@@ -6,7 +6,7 @@ import uuid
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import and_, or_, select, update
+from sqlalchemy import and_, func, or_, select, update
 
 from sltune.store.db import is_postgres, sessions
 from sltune.store.schema import Artifact, Fit, Job, Trial, Worker, now
@@ -49,17 +49,23 @@ class Store:
             return s.scalars(select(Job).where(Job.spec_hash == spec_hash, Job.status.in_(ACTIVE))
                              .order_by(Job.created_at.desc()).limit(1)).first()
 
-    def set_status(self, job_id: str, status: str, **fields: Any) -> None:
+    def set_status(self, job_id: str, status: str, holder: str | None = None, **fields: Any) -> bool:
+        """Set a job's status; with holder, only while that worker holds it (a fenced write)."""
         values: dict[str, Any] = {"status": status, **fields}
         if status in FINISHED:
             values["finished_at"] = now()
             values["lease_expires_at"] = None
         with self.Session.begin() as s:
-            s.execute(update(Job).where(Job.id == job_id).values(**values))
+            return s.execute(update(Job).where(Job.id == job_id, *self._held(holder)).values(**values)).rowcount == 1
 
-    def update_progress(self, job_id: str, progress: dict[str, Any]) -> None:
+    def update_progress(self, job_id: str, progress: dict[str, Any], holder: str | None = None) -> bool:
         with self.Session.begin() as s:
-            s.execute(update(Job).where(Job.id == job_id).values(progress=progress))
+            return s.execute(update(Job).where(Job.id == job_id, *self._held(holder))
+                             .values(progress=progress)).rowcount == 1
+
+    @staticmethod
+    def _held(worker_id: str | None) -> tuple:
+        return () if worker_id is None else (Job.worker_id == worker_id, Job.status == "running")
 
     def fail_if_queued(self, job_id: str, error: str) -> bool:
         with self.Session.begin() as s:
@@ -94,10 +100,10 @@ class Store:
         claimable = or_(Job.status == "queued",
                         and_(Job.status == "running", Job.lease_expires_at < t))
         with self.Session.begin() as s:
-            q = select(Job).where(claimable).order_by(Job.created_at)
+            q = select(Job).where(claimable).order_by(Job.created_at, Job.id)
             if is_postgres(self.url):
                 q = q.with_for_update(skip_locked=True)
-            for job in s.scalars(q.limit(50)):
+            for job in s.scalars(q):       # streamed: jobs this worker cannot run do not hide later ones
                 if not can_run(job.requirements):
                     continue
                 res = s.execute(
@@ -109,6 +115,34 @@ class Store:
                 if res.rowcount == 1:
                     return s.get(Job, job.id, populate_existing=True)
         return None
+
+    def claim_job(self, job_id: str, worker_id: str, lease_s: float) -> bool:
+        """Take this one job if it is queued, or running with no live lease; False if someone holds it."""
+        t = now()
+        free = or_(Job.status == "queued", and_(Job.status == "running",
+                                                or_(Job.lease_expires_at.is_(None), Job.lease_expires_at < t)))
+        with self.Session.begin() as s:
+            res = s.execute(update(Job).where(Job.id == job_id, free).values(
+                status="running", worker_id=worker_id, lease_expires_at=t + timedelta(seconds=lease_s),
+                heartbeat_at=t, attempts=Job.attempts + 1, started_at=func.coalesce(Job.started_at, t)))
+            return res.rowcount == 1
+
+    def take_over(self, job_id: str, dead: str, worker_id: str, lease_s: float) -> bool:
+        """Take a running job from a holder known to be dead (its lease has not run out yet)."""
+        t = now()
+        with self.Session.begin() as s:
+            res = s.execute(update(Job).where(Job.id == job_id, Job.status == "running", Job.worker_id == dead)
+                            .values(worker_id=worker_id, lease_expires_at=t + timedelta(seconds=lease_s),
+                                    heartbeat_at=t, attempts=Job.attempts + 1))
+            return res.rowcount == 1
+
+    def owns(self, job_id: str, worker_id: str | None) -> bool:
+        """Does this worker still hold the job? (None: no fencing, the caller is the only runner.)"""
+        if worker_id is None:
+            return True
+        with self.Session() as s:
+            return s.scalar(select(Job.id).where(Job.id == job_id, Job.worker_id == worker_id,
+                                                 Job.status == "running")) is not None
 
     def heartbeat(self, job_id: str, worker_id: str, lease_s: float) -> bool:
         """Extend the lease; False if this worker no longer holds the job."""
@@ -150,22 +184,33 @@ class Store:
             return s.scalars(select(Trial).where(Trial.job_id == job_id, Trial.number == number)).first()
 
     def start_trial(self, job_id: str, number: int, role: str, config: dict[str, Any], predicted: dict[str, Any],
-                    optuna_number: int | None, worker_id: str | None) -> None:
+                    optuna_number: int | None, worker_id: str | None) -> bool:
+        """Record a trial as running; False (nothing written) if worker_id no longer holds the job."""
         with self.Session.begin() as s:
+            if worker_id is not None:
+                held = s.scalar(select(Job.id).where(Job.id == job_id, *self._held(worker_id)).with_for_update())
+                if held is None:
+                    return False
             s.add(Trial(job_id=job_id, number=number, role=role, config=config, status="running",
                         predicted=predicted, optuna_number=optuna_number, worker_id=worker_id))
+            return True
 
-    def finish_trial(self, job_id: str, number: int, result: dict[str, Any]) -> None:
+    def finish_trial(self, job_id: str, number: int, result: dict[str, Any], worker_id: str | None = None) -> bool:
+        """Record a trial's result; with worker_id, only while that worker still holds the job."""
+        fence = () if worker_id is None else (
+            Trial.worker_id == worker_id,
+            select(Job.id).where(Job.id == job_id, *self._held(worker_id)).exists())
         with self.Session.begin() as s:
-            s.execute(update(Trial).where(Trial.job_id == job_id, Trial.number == number).values(
+            return s.execute(update(Trial).where(Trial.job_id == job_id, Trial.number == number, *fence).values(
                 status=result["status"], result=result, tokens_per_s=result.get("tokens_per_s"),
                 peak_device_bytes=result.get("peak_device_bytes"), peak_host_bytes=result.get("peak_host_bytes"),
-                finished_at=now()))
+                finished_at=now())).rowcount == 1
 
-    def interrupt_running_trials(self, job_id: str) -> int:
-        """Trials left 'running' by a dead process: they never finished and will be run again."""
+    def interrupt_running_trials(self, job_id: str, worker_id: str | None = None) -> int:
+        """Trials left 'running' (by a dead process, or this worker's, when given): run again later."""
+        only = () if worker_id is None else (Trial.worker_id == worker_id,)
         with self.Session.begin() as s:
-            res = s.execute(update(Trial).where(Trial.job_id == job_id, Trial.status == "running")
+            res = s.execute(update(Trial).where(Trial.job_id == job_id, Trial.status == "running", *only)
                             .values(status="interrupted", finished_at=now()))
             return res.rowcount
 
@@ -177,6 +222,12 @@ class Store:
     def fits(self, job_id: str) -> list[Fit]:
         with self.Session() as s:
             return list(s.scalars(select(Fit).where(Fit.job_id == job_id).order_by(Fit.id)))
+
+    def latest_fits(self, job_id: str) -> dict[str, dict[str, Any]]:
+        """The newest fit of each kind (one row each, however many refits there were)."""
+        newest = select(func.max(Fit.id)).where(Fit.job_id == job_id).group_by(Fit.kind)
+        with self.Session() as s:
+            return {f.kind: f.payload for f in s.scalars(select(Fit).where(Fit.id.in_(newest)))}
 
     def add_artifact(self, job_id: str, trial_number: int | None, kind: str, path: str, nbytes: int) -> None:
         with self.Session.begin() as s:

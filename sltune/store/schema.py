@@ -10,7 +10,8 @@ from __future__ import annotations
 from datetime import datetime, timezone
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, Boolean, DateTime, Float, ForeignKey, Integer, String, Text, UniqueConstraint
+from sqlalchemy import (JSON, BigInteger, Boolean, DateTime, Float, ForeignKey, Integer, String, Text,
+                        TypeDecorator, UniqueConstraint)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
 SCHEMA_VERSION = 1
@@ -18,6 +19,24 @@ SCHEMA_VERSION = 1
 
 def now() -> datetime:
     return datetime.now(timezone.utc)
+
+
+class UTCDateTime(TypeDecorator):
+    """Timestamps in UTC on every database: SQLite hands back naive datetimes, which would otherwise be
+    read as local time."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value, dialect):
+        if value is not None and value.tzinfo is None:
+            value = value.replace(tzinfo=timezone.utc)
+        return value
+
+    def process_result_value(self, value, dialect):
+        if value is not None and value.tzinfo is None:
+            value = value.replace(tzinfo=timezone.utc)
+        return value
 
 
 class Base(DeclarativeBase):
@@ -43,13 +62,13 @@ class Job(Base):
     # what a worker must offer to run it: device kind, device memory, world size
     requirements: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     worker_id: Mapped[str | None] = mapped_column(String(200), nullable=True)
-    lease_expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
-    heartbeat_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    lease_expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    heartbeat_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
     cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
     attempts: Mapped[int] = mapped_column(Integer, default=0)
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=now)
-    started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
-    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=now)
+    started_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
 
     trials: Mapped[list["Trial"]] = relationship(back_populates="job", order_by="Trial.number",
                                                  cascade="all, delete-orphan")
@@ -72,8 +91,8 @@ class Trial(Base):
     peak_host_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     predicted: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     worker_id: Mapped[str | None] = mapped_column(String(200), nullable=True)
-    started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=now)
-    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    started_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=now)
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
 
     job: Mapped[Job] = relationship(back_populates="trials")
 
@@ -88,7 +107,7 @@ class Fit(Base):
     kind: Mapped[str] = mapped_column(String(32))              # device, host, throughput
     n_trials: Mapped[int] = mapped_column(Integer)
     payload: Mapped[dict[str, Any]] = mapped_column(JSON)
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=now)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=now)
 
 
 class Worker(Base):
@@ -98,8 +117,8 @@ class Worker(Base):
 
     id: Mapped[str] = mapped_column(String(200), primary_key=True)
     capabilities: Mapped[dict[str, Any]] = mapped_column(JSON)
-    started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=now)
-    last_seen: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=now)
+    started_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=now)
+    last_seen: Mapped[datetime] = mapped_column(UTCDateTime(), default=now)
 
 
 class Artifact(Base):
@@ -113,4 +132,4 @@ class Artifact(Base):
     kind: Mapped[str] = mapped_column(String(32))
     path: Mapped[str] = mapped_column(String(500))
     bytes: Mapped[int] = mapped_column(BigInteger, default=0)
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=now)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=now)

@@ -39,7 +39,11 @@ MAX_REPEATS = 200   # asks that return an already-tried or invalid config before
 
 def tune(spec: TuningSpec | dict[str, Any] | str | Path, db: str | None = None, *, strategy: str | None = None,
          job_id: str | None = None, progress: ProgressFn | None = None, settings: Settings | None = None) -> dict[str, Any]:
-    """A whole tuning job in this process: create it (or resume the unfinished one with the same spec)."""
+    """A whole tuning job in this process: create it (or resume the unfinished one with the same spec).
+
+    The process holds the job as a worker would: claimed atomically, with a lease its heartbeat renews, so
+    a server worker on the same database never runs it at the same time, and takes it over if this
+    process dies."""
     settings = settings or Settings()
     if isinstance(spec, (str, Path)):
         spec = TuningSpec.load(spec)
@@ -48,12 +52,32 @@ def tune(spec: TuningSpec | dict[str, Any] | str | Path, db: str | None = None, 
     if strategy is not None:
         spec = TuningSpec.model_validate({**spec.model_dump(), "search": {**spec.search.model_dump(),
                                                                           "strategy": strategy}})
-    store = Store(db or settings.db_url())
+    if db:
+        settings = settings.model_copy(update={"db": db})
+    store = Store(settings.db_url())
     job = store.job(job_id) if job_id else store.resumable(spec.digest())
     if job is None:
         job = store.create_job(spec.name, spec.model_dump(mode="json"), spec.digest(), requirements(spec),
-                               job_id=job_id, status="running")
-    return run_job(store, job.id, progress=progress, artifact_dir=settings.artifact_dir())
+                               job_id=job_id)
+    from sltune.service.worker import Worker
+
+    worker = Worker(settings, worker_id=f"cli:{Worker.default_id()}")
+    held = store.job(job.id)
+    claimed = store.claim_job(job.id, worker.id, settings.lease_seconds) or (
+        Worker.is_dead_here(held.worker_id) and store.take_over(job.id, held.worker_id, worker.id,
+                                                                settings.lease_seconds))
+    if not claimed:
+        held = store.job(job.id)
+        raise ValueError(f"job {job.id} is {held.status}"
+                         + (f" on {held.worker_id} (lease until {held.lease_expires_at:%H:%M:%S} UTC); wait for it, "
+                            f"cancel it, or give this run another --job-id" if held.status == "running" else ""))
+    try:
+        return worker.run(job.id, progress=progress, reraise=True)
+    except KeyboardInterrupt:
+        # interrupted here: hand the job back at once (queued), for a re-run or a server worker to resume
+        store.interrupt_running_trials(job.id, worker.id)
+        store.set_status(job.id, "queued", holder=worker.id, worker_id=None, lease_expires_at=None)
+        raise
 
 
 def requirements(spec: TuningSpec) -> dict[str, Any]:
@@ -69,7 +93,11 @@ def optuna_storage(url: str) -> optuna.storages.RDBStorage:
 
 
 def run_job(store: Store, job_id: str, *, progress: ProgressFn | None = None, should_stop: StopFn | None = None,
-            worker_id: str | None = None, artifact_dir: Path | None = None) -> dict[str, Any]:
+            worker_id: str | None = None, artifact_dir: Path | None = None,
+            default_host_limit: int | None = None) -> dict[str, Any]:
+    """Run (or resume) a job. With worker_id every write is fenced: a runner that lost the job writes
+    nothing more. default_host_limit caps trials whose spec sets no host_memory_limit, so no trial can
+    take the machine (and the server beside it) down."""
     job = store.job(job_id)
     if job is None:
         raise ValueError(f"no job {job_id!r} in {store.url}")
@@ -77,12 +105,13 @@ def run_job(store: Store, job_id: str, *, progress: ProgressFn | None = None, sh
     shape = shape_of(spec.model.source, spec.model.dtype)
     space = SearchSpace(spec, shape)
     state = SearchState(spec, shape, space)
-    store.set_status(job_id, "running")
-    store.interrupt_running_trials(job_id)
+    if worker_id is None:
+        store.set_status(job_id, "running")
+    store.interrupt_running_trials(job_id)          # left running by a previous holder that died
     finished = [t for t in store.trials(job_id) if t.status not in ("running", "interrupted")]
-    for t in finished:
-        state.history.append(Done(t.number, Candidate(t.config["sub_batch_size"], t.config["num_sub_batches"],
-                                                      t.config["num_live_blocks"]), t.role, t.result))
+    for t in finished:   # replayed in order: margins widened by past out-of-memory trials come back too
+        state.add(Done(t.number, Candidate(t.config["sub_batch_size"], t.config["num_sub_batches"],
+                                           t.config["num_live_blocks"]), t.role, t.result))
     state.refit()
     number = max((t.number for t in store.trials(job_id)), default=-1) + 1
 
@@ -123,7 +152,7 @@ def run_job(store: Store, job_id: str, *, progress: ProgressFn | None = None, sh
                    "time_left_s": max(0.0, round(left, 1)), "phase": phase, "stop_reason": stop_reason,
                    "best_tokens_per_s": best.tokens_per_s if best else None,
                    "best_config": best.candidate.knobs() if best else None, "last_trial": last}
-        store.update_progress(job_id, payload)
+        store.update_progress(job_id, payload, holder=worker_id)
         if progress:
             progress(payload)
 
@@ -163,18 +192,25 @@ def run_job(store: Store, job_id: str, *, progress: ProgressFn | None = None, sh
         if search.profile and artifact_dir is not None:
             trace = Path(artifact_dir) / job_id / f"trial-{number}.json"
             trace.parent.mkdir(parents=True, exist_ok=True)
-        store.start_trial(job_id, number, proposal.role, {**cand.knobs(), "schedule": search.schedule},
-                          pred.to_dict(), ot.number, worker_id)
+        if not store.start_trial(job_id, number, proposal.role, {**cand.knobs(), "schedule": search.schedule},
+                                 pred.to_dict(), ot.number, worker_id):
+            study.tell(ot, state=optuna.trial.TrialState.FAIL)
+            stop_reason = "released: another worker holds the job now"
+            break
         report(last={"number": number, "config": cand.knobs(), "status": "running"}, phase=proposal.role)
         t0 = time.monotonic()
-        result = run_trial(trial_spec(spec, cand, trace), stop=should_stop).model_dump(mode="json")
+        result = run_trial(trial_spec(spec, cand, trace, default_host_limit),
+                           stop=should_stop).model_dump(mode="json")
         trial_seconds.append(time.monotonic() - t0)
         if should_stop and (why := should_stop()) and result["status"] == "failed":
-            store.interrupt_running_trials(job_id)       # killed mid-way: not a result, run it again later
+            store.interrupt_running_trials(job_id, worker_id)   # killed mid-way: not a result, run it again
             study.tell(ot, state=optuna.trial.TrialState.FAIL)
             stop_reason = why
             break
-        store.finish_trial(job_id, number, result)
+        if not store.finish_trial(job_id, number, result, worker_id=worker_id):
+            study.tell(ot, state=optuna.trial.TrialState.FAIL)      # fenced: the job has a new holder
+            stop_reason = "released: another worker holds the job now"
+            break
         if trace is not None and trace.exists():
             store.add_artifact(job_id, number, "trace", str(trace.relative_to(artifact_dir)), trace.stat().st_size)
         if result["status"] == "ok":
@@ -192,14 +228,15 @@ def run_job(store: Store, job_id: str, *, progress: ProgressFn | None = None, sh
 
     out = job_result(job_id, spec, state, stop_reason, elapsed())
     if stop_reason and stop_reason.startswith("released"):
-        store.update_progress(job_id, {**store.job(job_id).progress, "phase": "released", "stop_reason": stop_reason})
+        store.update_progress(job_id, {**store.job(job_id).progress, "phase": "released", "stop_reason": stop_reason},
+                              holder=worker_id)
         out["status"], out["error"] = "released", None
         return out
     cancelled = bool(stop_reason and stop_reason.startswith("cancelled"))
     status = "cancelled" if cancelled else ("succeeded" if out["best"] else "failed")
     error = None if out["best"] or cancelled else ("no config ran successfully: " + _failures(state))
     report(phase="finished")
-    store.set_status(job_id, status, result=out, error=error)
+    store.set_status(job_id, status, holder=worker_id, result=out, error=error)
     out["status"] = status
     out["error"] = error
     return out
@@ -210,11 +247,12 @@ def _failures(state: SearchState) -> str:
     return "; ".join(errs) or "no trial ran"
 
 
-def trial_spec(spec: TuningSpec, c: Candidate, trace: Path | None) -> TrialSpec:
+def trial_spec(spec: TuningSpec, c: Candidate, trace: Path | None, default_host_limit: int | None = None) -> TrialSpec:
     w, hw, s = spec.workload, spec.hardware, spec.search
     return TrialSpec(model=spec.model.source, dtype=spec.model.dtype, sub_batch_size=c.b, num_sub_batches=c.n,
                      num_live_blocks=c.k, schedule=s.schedule, mode=w.mode, seq_len=w.seq_len,
                      prompt_len=w.prompt_len, new_tokens=w.new_tokens, world_size=hw.world_size, device=hw.device,
-                     device_memory_limit=hw.device_memory_limit, host_memory_limit=hw.host_memory_limit,
+                     device_memory_limit=hw.device_memory_limit,
+                     host_memory_limit=hw.host_memory_limit or default_host_limit,
                      steps=s.trial_steps, profile=s.profile, trace_path=str(trace) if trace else None,
                      timeout_s=s.trial_timeout_s, seed=s.seed)

@@ -27,6 +27,7 @@ class ModelShape:
     head_bytes: int         # final norm + head (without tied weights)
     tied_bytes: int
     param_bytes: int        # every parameter once
+    max_positions: int | None = None
 
     def groups(self, k: int) -> int:
         return math.ceil(self.layers / k)
@@ -79,4 +80,5 @@ def _build(model: Any, dtype: str) -> ModelShape:
         head_bytes=nbytes(p for p in head if id(p) not in tied),
         tied_bytes=nbytes(p for p in prologue if id(p) in tied),
         param_bytes=nbytes(every.values()),
+        max_positions=getattr(config, "max_position_embeddings", None),
     )

@@ -87,6 +87,18 @@ class SearchSpace:
             c = Candidate(b, int(params["num_sub_batches"]), k)
         return c if c in set(self.candidates) else None
 
+    def neighbours_up(self, c: Candidate) -> list[Candidate]:
+        """Candidates one step up along one of the knobs as the spec names them (b, N or B, k)."""
+        params = self.params(c)
+        out = []
+        for name, dist in self.distributions().items():
+            larger = [v for v in dist.choices if v > params[name]]
+            if larger:
+                other = self.candidate({**params, name: min(larger)})
+                if other is not None:
+                    out.append(other)
+        return out
+
     def describe(self) -> dict[str, Any]:
         """What best.yaml records so `sltune plan` can rebuild the space."""
         out = {"sub_batch_size": self.b_values, "num_live_blocks": self.k_values}

@@ -67,7 +67,7 @@ class Workload(_Strict):
 
 
 class Hardware(_Strict):
-    device: str = "cpu"
+    device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d{1,2})?)$", description="cpu, cuda or cuda:N")
     device_memory_limit: int | None = None
     host_memory_limit: int | None = None
     world_size: int = Field(1, ge=1)
@@ -104,6 +104,10 @@ class Range(_Strict):
         return sorted(out)
 
 
+MAX_KNOB_VALUES = 64
+MAX_CANDIDATES = 20_000
+
+
 def _knob(value: Any) -> Any:
     """One clear message per knob, not one per member of the union."""
     if isinstance(value, Range):
@@ -116,6 +120,8 @@ def _knob(value: Any) -> Any:
     if isinstance(value, int) and not isinstance(value, bool):
         return value
     if isinstance(value, list) and value and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        if len(value) > MAX_KNOB_VALUES:
+            raise ValueError(f"at most {MAX_KNOB_VALUES} values per knob, got {len(value)}; use {{min, max}}")
         return value
     raise ValueError(f"expected an integer, a list of integers or {{min: ..., max: ...}}, got {value!r}")
 
@@ -198,6 +204,23 @@ class TuningSpec(_Strict):
                 "raise it to at least that")
         if hw.world_size > 1 and self.workload.mode == "generate":
             raise ValueError("hardware.world_size > 1 is for training; generation runs on one process")
+        if hw.world_size > 1 and self.search.schedule == "resident":
+            raise ValueError("search.schedule 'resident' keeps every parameter on every rank; with "
+                             "hardware.world_size > 1 use 'speedloader' or 'canonical'")
+        max_pos = shape.max_positions
+        tokens = self.workload.tokens_per_row
+        if max_pos is not None and tokens > max_pos:
+            what = "workload.seq_len" if mode == "train" else "workload.prompt_len + workload.new_tokens"
+            raise ValueError(f"{what} = {tokens} exceeds the model's max_position_embeddings {max_pos}; "
+                             "shorten it")
+        search = self.search
+        size = 1
+        for knob in (search.sub_batch_size, search.num_live_blocks,
+                     search.num_sub_batches or search.effective_batch_size):
+            size *= len(knob_values(knob, "knob"))
+        if size > MAX_CANDIDATES:
+            raise ValueError(f"the search space has {size} combinations, more than {MAX_CANDIDATES}; narrow the "
+                             "search.* ranges or lists")
         if not SearchSpace(self, shape).candidates:
             raise ValueError("the search space is empty: no sub_batch_size divides any effective_batch_size; "
                              "widen search.sub_batch_size or search.effective_batch_size")

@@ -99,8 +99,16 @@ class SearchState:
         return {d.candidate for d in self.history}
 
     @property
-    def oom(self) -> list[Candidate]:
-        return [d.candidate for d in self.history if d.result["status"] == "oom"]
+    def oom(self) -> list[tuple[Candidate, str]]:
+        """Configs that ran out of memory, with what ran out ("device" unless a trial said "host")."""
+        return [(d.candidate, d.result.get("oom_resource") or "device")
+                for d in self.history if d.result["status"] == "oom"]
+
+    def _needs_more(self, c: Candidate, o: Candidate, resource: str) -> bool:
+        """Would c need at least as much of `resource` as o, which ran out of it?"""
+        if resource == "host":   # host peaks grow with B and with (G+1)*B; more live blocks mean fewer groups
+            return c.batch >= o.batch and (self.shape.groups(c.k) + 1) * c.batch >= (self.shape.groups(o.k) + 1) * o.batch
+        return c == o or c.dominates(o)
 
     def best(self) -> Done | None:
         ok = [d for d in self.history if d.ok]
@@ -119,8 +127,9 @@ class SearchState:
             over.append("device")
         if host is not None and hw.host_memory_limit and host * (1 + self.margins["host"]) > hw.host_memory_limit:
             over.append("host")
-        if any(c.dominates(o) or c == o for o in self.oom):
-            over.append("measured-oom")
+        for o, resource in self.oom:
+            if resource not in over and self._needs_more(c, o, resource):
+                over.append(resource)           # measured: a config needing no less already ran out
         return Prediction(dev, host, t, tps, fits=not over, over=over)
 
     def _new_tokens_per_row(self) -> int:
@@ -133,11 +142,9 @@ class SearchState:
         return 0.10 if loo is None else max(loo, 0.01)
 
     def binding_limit(self, c: Candidate) -> str:
-        """Which limit stops the next larger config (one knob one step up) from fitting."""
-        up = [o for o in self.space.candidates if o.dominates(c) and
-              sum((o.b > c.b, o.batch > c.batch, o.k > c.k)) == 1]
+        """Which limit stops the next larger configs (one of the space's knobs one step up) from fitting."""
+        up = self.space.neighbours_up(c)
         if not up:
             return "search-space"
         over = {r for o in up for r in self.predict(o).over}
-        over = {"device" if r == "measured-oom" else r for r in over}
         return "+".join(sorted(over)) if over else "none"

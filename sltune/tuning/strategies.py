@@ -78,19 +78,20 @@ class OneShotStrategy(Strategy):
     GAIN = 0.02
 
     def probes(self) -> list[Candidate]:
-        space = self.state.space
-        bs, ks = space.b_values, space.k_values
+        """Cheap configs at the corners of (b, k), and at a larger N: enough to pin every model down."""
+        cands = self.state.space.candidates
+        bs, ks = sorted({c.b for c in cands}), sorted({c.k for c in cands})
         b_lo, b_mid = bs[0], bs[len(bs) // 2]
-        k_lo, k_hi = ks[0], ks[-1]
-        if space.by_batch:
-            batch = min(bb for bb in space.batch_values if any(bb % b == 0 for b in (b_lo, b_mid)))
-            pairs = [(b, batch // b) for b in (b_lo, b_mid) if batch % b == 0]
-            plan = [Candidate(b, n, k) for b, n in pairs for k in (k_lo, k_hi)]
-        else:
-            n_lo, n_mid = space.n_values[0], space.n_values[len(space.n_values) // 2]
-            plan = [Candidate(b, n_lo, k) for b in (b_lo, b_mid) for k in (k_lo, k_hi)]
-            plan += [Candidate(b_lo, n_mid, k) for k in (k_lo, k_hi)]
-        return [c for c in dict.fromkeys(plan) if c in set(space.candidates)]
+
+        def cheapest(b: int, k: int, at_least: int = 0) -> Candidate | None:
+            fits = [c for c in cands if c.b == b and c.k == k and c.n >= at_least]
+            return min(fits, key=lambda c: c.batch, default=None)
+
+        plan = [cheapest(b, k) for b in (b_lo, b_mid) for k in (ks[0], ks[-1])]
+        if not self.state.space.by_batch:
+            ns = sorted({c.n for c in cands if c.b == b_lo})
+            plan += [cheapest(b_lo, k, at_least=ns[len(ns) // 2]) for k in (ks[0], ks[-1])]
+        return [c for c in dict.fromkeys(plan) if c is not None]
 
     def propose(self) -> Proposal | Stop:
         st = self.state

@@ -22,6 +22,10 @@ log = logging.getLogger("sltune.api")
 
 
 def create_app(settings: Settings | None = None, embedded_worker: bool = False) -> FastAPI:
+    # spec validation builds models on the meta device from request threads; transformers' lazy imports
+    # are not thread-safe, so load them once here
+    import sltune.profiling.preload  # noqa: F401
+
     settings = settings or Settings()
     url = settings.db_url()
 

@@ -30,7 +30,7 @@ class Settings(BaseSettings):
     lease_seconds: float = 30.0
     heartbeat_seconds: float = 5.0
     poll_seconds: float = 1.0
-    jobs_per_worker: int = 1
+    jobs_per_worker: int = Field(1, ge=1, le=64, description="jobs one worker runs at once")
 
     @field_validator("api_token")
     @classmethod

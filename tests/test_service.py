@@ -152,3 +152,21 @@ def test_compare_gate_flags_a_regression():
     r = compare(trials({1: 100.0, 2: 200.0}), trials({1: 100.0, 2: 180.0}))
     assert r["change"] == pytest.approx(-0.10)
     assert [row["ratio"] for row in r["rows"]] == [pytest.approx(1.0), pytest.approx(0.9)]
+
+
+def test_a_worker_runs_as_many_jobs_at_once_as_configured(services):
+    services.env["SLTUNE_JOBS_PER_WORKER"] = "2"
+    services.serve()
+    services.worker()
+    with services.client() as c:
+        ids = [c.post("/tune", json=tiny_spec(f"par{i}", trials=3, trial_steps=20)).json()["job_id"]
+               for i in range(2)]
+        both = False
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not both:
+            both = all(c.get(f"/jobs/{j}").json()["status"] == "running" for j in ids)
+            time.sleep(0.2)
+        assert both, "the two jobs never ran at the same time"
+        assert {c.get(f"/jobs/{j}").json()["worker_id"] for j in ids} == {c.get(f"/jobs/{ids[0]}").json()["worker_id"]}
+        for j in ids:
+            assert wait_for(c, j)["status"] == "succeeded"

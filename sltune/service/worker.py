@@ -50,30 +50,46 @@ class Worker:
         return not psutil.pid_exists(int(parts[1]))
 
     def run_forever(self) -> None:
+        """Claim and run jobs until stopped: settings.jobs_per_worker at a time (default 1, since trials
+        running side by side on the same cores disturb each other's throughput figures)."""
+        # transformers imports its model code lazily and not thread-safely: load it once, here, before any
+        # job thread builds a model
+        import sltune.profiling.preload  # noqa: F401
+
         self.store.register_worker(self.id, self.caps)
-        log.info("worker %s ready (%s)", self.id, self.caps)
-        backoff = self.settings.poll_seconds
+        log.info("worker %s ready (%s), %d job(s) at a time", self.id, self.caps, self.settings.jobs_per_worker)
+        extra = [threading.Thread(target=self._loop, name=f"jobs-{i}", daemon=True)
+                 for i in range(1, self.settings.jobs_per_worker)]
+        for t in extra:
+            t.start()
         try:
-            while not self.stop.is_set():
-                try:
-                    job = self.store.claim(self.id, lambda req: can_run(self.caps, req), self.settings.lease_seconds)
-                    if job is None:
-                        self.store.touch_worker(self.id)
-                        self._fail_unrunnable()
-                        self.stop.wait(self.settings.poll_seconds)
-                        continue
-                    backoff = self.settings.poll_seconds
-                except Exception:  # noqa: BLE001 - a database hiccup must not end the worker
-                    log.exception("worker %s: the store is unreachable; retrying in %.1fs", self.id, backoff)
-                    self.stop.wait(backoff)
-                    backoff = min(backoff * 2, 30.0)
-                    continue
-                self.run(job.id)
+            self._loop()
         finally:
+            self.stop.set()
+            for t in extra:
+                t.join()
             try:
                 self.store.remove_worker(self.id)
             except Exception:  # noqa: BLE001 - shutting down anyway
                 log.exception("worker %s could not deregister", self.id)
+
+    def _loop(self) -> None:
+        backoff = self.settings.poll_seconds
+        while not self.stop.is_set():
+            try:
+                job = self.store.claim(self.id, lambda req: can_run(self.caps, req), self.settings.lease_seconds)
+                if job is None:
+                    self.store.touch_worker(self.id)
+                    self._fail_unrunnable()
+                    self.stop.wait(self.settings.poll_seconds)
+                    continue
+                backoff = self.settings.poll_seconds
+            except Exception:  # noqa: BLE001 - a database hiccup must not end the worker
+                log.exception("worker %s: the store is unreachable; retrying in %.1fs", self.id, backoff)
+                self.stop.wait(backoff)
+                backoff = min(backoff * 2, 30.0)
+                continue
+            self.run(job.id)
 
     def run(self, job_id: str, progress=None, reraise: bool = False) -> dict[str, Any] | None:
         """Run a job this worker holds (claimed), renewing its lease until it is done or let go."""

@@ -8,6 +8,7 @@ a trial that was running is marked interrupted and run again, nothing finished r
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -86,10 +87,24 @@ def requirements(spec: TuningSpec) -> dict[str, Any]:
     return {"device": hw.device_kind, "device_memory_limit": hw.device_memory_limit, "world_size": hw.world_size}
 
 
+_STORAGES: dict[str, optuna.storages.RDBStorage] = {}
+_STORAGE_LOCK = threading.Lock()
+
+
 def optuna_storage(url: str) -> optuna.storages.RDBStorage:
+    """One Optuna storage per database and process. Creating it creates Optuna's tables, which two job
+    threads (or two processes on a new database) must not do at once: a lock here, one retry across
+    processes."""
     url = normalize_url(url)
-    kwargs = {"connect_args": {"timeout": 30}} if url.startswith("sqlite") else {"pool_pre_ping": True}
-    return optuna.storages.RDBStorage(url, engine_kwargs=kwargs)
+    with _STORAGE_LOCK:
+        if url not in _STORAGES:
+            kwargs = {"connect_args": {"timeout": 30}} if url.startswith("sqlite") else {"pool_pre_ping": True}
+            try:
+                _STORAGES[url] = optuna.storages.RDBStorage(url, engine_kwargs=kwargs)
+            except Exception:  # noqa: BLE001 - another process created the tables first; they exist now
+                time.sleep(1.0)
+                _STORAGES[url] = optuna.storages.RDBStorage(url, engine_kwargs=kwargs)
+        return _STORAGES[url]
 
 
 def run_job(store: Store, job_id: str, *, progress: ProgressFn | None = None, should_stop: StopFn | None = None,

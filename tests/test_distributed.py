@@ -17,6 +17,7 @@ from sltune.profiling import run_trial
 from sltune.settings import Settings
 from sltune.tuning import tune
 from tests.dist_script import PARTLY_FROZEN, SEQ, batch, freeze_all_but
+from tests.conftest import free_port
 from tests.reference import assert_same_updates, plain_training, snapshot
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,16 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def torchrun(*args, timeout=300):
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                           "--master-port", str(_port()), *args], capture_output=True, text=True, cwd=ROOT,
+                           "--master-port", str(free_port()), *args], capture_output=True, text=True, cwd=ROOT,
                           timeout=timeout)
-
-
-def _port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

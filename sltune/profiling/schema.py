@@ -7,6 +7,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from sltune.config import DType, Schedule
+from sltune.runtime.transfer import IOCounters
 from sltune.sizes import parse_bytes
 
 Status = Literal["ok", "oom", "failed", "timeout"]
@@ -72,17 +73,6 @@ class BreakdownFractions(BaseModel):
     other: float = 0.0
 
 
-class IOBytes(BaseModel):
-    param_load_bytes: int = 0
-    grad_offload_bytes: int = 0
-    act_offload_bytes: int = 0
-    act_load_bytes: int = 0
-    allgather_bytes: int = 0
-    reduce_scatter_bytes: int = 0
-    kv_load_bytes: int = 0
-    kv_offload_bytes: int = 0
-
-
 class TrialResult(BaseModel):
     """The design's TrialResult, plus the raw seconds behind the fractions and the top operators."""
 
@@ -95,7 +85,7 @@ class TrialResult(BaseModel):
     peak_device_bytes: int | None = None
     peak_host_bytes: int | None = None
     breakdown: BreakdownFractions | None = None
-    io: IOBytes = Field(default_factory=IOBytes)
+    io: IOCounters = Field(default_factory=IOCounters)
     breakdown_seconds: dict[str, float] | None = None
     top_ops: list[dict[str, Any]] = Field(default_factory=list)
     profiled_step_seconds: float | None = None

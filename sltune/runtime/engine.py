@@ -41,7 +41,7 @@ import contextlib
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -49,7 +49,7 @@ from torch import nn
 
 from sltune.config import SpeedLoaderConfig
 from sltune.runtime.activations import DeviceActivations, HostActivations
-from sltune.runtime.family import CausalLM, LayerCall
+from sltune.runtime.family import CausalLM, LayerCall, unique_params
 from sltune.runtime.kvcache import DeviceKV, HostKV
 from sltune.runtime.memory import DeviceMemory, monitor_for
 from sltune.runtime.params import BufferPool, ParamStore, ParamUnit
@@ -137,7 +137,7 @@ class SpeedLoaderEngine:
         if optimizer is not None:
             # sharded: this rank's flat shard of each unit (same update for element-wise optimizers)
             trainable = self.params.shard_params if self.world > 1 else \
-                [p for p in _unique(model.parameters()) if p.requires_grad]
+                [p for p in unique_params(model.parameters()) if p.requires_grad]
             opt = optimizer(trainable)
             if not isinstance(opt, torch.optim.Optimizer):
                 raise TypeError(f"optimizer factory returned {type(opt).__name__}, not a torch.optim.Optimizer")
@@ -556,12 +556,6 @@ def _move_buffers(model: nn.Module, device: torch.device) -> None:
             if buf is not None:
                 module._buffers[name] = buf.to(device)
 
-
-def _unique(params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
-    seen: dict[int, nn.Parameter] = {}
-    for p in params:
-        seen.setdefault(id(p), p)
-    return list(seen.values())
 
 
 def _check_sampling(do_sample: bool, temperature: float, top_k: int | None,

@@ -75,12 +75,12 @@ class CausalLM:
     def param_groups(self) -> tuple[list[nn.Parameter], list[list[nn.Parameter]], list[nn.Parameter]]:
         """(prologue params, each layer's params, final norm + head params); a tied weight is in the first
         and the last list."""
-        layer_params = [_unique(layer.parameters()) for layer in self.layers]
+        layer_params = [unique_params(layer.parameters()) for layer in self.layers]
         in_layers = {id(p) for ps in layer_params for p in ps}
         in_final = {id(p) for m in self.final for p in m.parameters()}
-        head = _unique(p for m in [*self.final, self.lm_head] for p in m.parameters())
+        head = unique_params(p for m in [*self.final, self.lm_head] for p in m.parameters())
         # a weight tied between embedding and head is in both lists; the engine gives it its own unit
-        prologue = [p for p in _unique(self.base.parameters()) if id(p) not in in_layers | in_final]
+        prologue = [p for p in unique_params(self.base.parameters()) if id(p) not in in_layers | in_final]
         in_final |= {id(p) for p in head}
         covered = in_layers | in_final | {id(p) for p in prologue}
         stray = [n for n, p in self.model.named_parameters(remove_duplicate=False) if id(p) not in covered]
@@ -151,7 +151,8 @@ class CausalLM:
                                         num_items_in_batch=num_items)
 
 
-def _unique(params) -> list[nn.Parameter]:
+def unique_params(params) -> list[nn.Parameter]:
+    """Each parameter once, in order."""
     seen: dict[int, nn.Parameter] = {}
     for p in params:
         seen.setdefault(id(p), p)

@@ -127,7 +127,8 @@ def run_job(store: Store, job_id: str, *, progress: ProgressFn | None = None, sh
     for t in finished:   # replayed in order: margins widened by past out-of-memory trials come back too
         state.add(Done(t.number, Candidate(t.config["sub_batch_size"], t.config["num_sub_batches"],
                                            t.config["num_live_blocks"]), t.role, t.result))
-    state.refit()
+    if not finished:
+        state.refit()           # fits (empty) exist before the first proposal
     number = max((t.number for t in store.trials(job_id)), default=-1) + 1
 
     study = optuna.create_study(study_name=f"sltune-{job_id}", storage=optuna_storage(store.url),

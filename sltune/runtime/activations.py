@@ -41,10 +41,6 @@ class HostActivations:
     def drop(self, edge: int, i: int) -> None:
         """Nothing to free: the slot is reused."""
 
-    @property
-    def nbytes(self) -> int:
-        return 0 if self.buffer is None else self.buffer.numel() * self.buffer.element_size()
-
     def clear(self) -> None:
         self._written.clear()
 
@@ -66,8 +62,6 @@ class DeviceActivations:
 
     def drop(self, edge: int, i: int) -> None:
         self._slots.pop((edge, i), None)
-
-    nbytes = 0
 
     def clear(self) -> None:
         self._slots.clear()

@@ -74,9 +74,6 @@ class DeviceKV:
         self.memory.free(self._held)
         self._held = 0
 
-    @property
-    def host_nbytes(self) -> int:
-        return 0
 
 
 class HostKV:
@@ -127,7 +124,3 @@ class HostKV:
         self._staging = []
         self._turn = 0
         self._last_write = None
-
-    @property
-    def host_nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._host)

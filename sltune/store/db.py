@@ -5,7 +5,7 @@ from __future__ import annotations
 from functools import lru_cache
 from pathlib import Path
 
-from sqlalchemy import Engine, create_engine, event, inspect, make_url, select
+from sqlalchemy import Engine, create_engine, event, make_url, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from sltune.store.schema import SCHEMA_VERSION, Base, SchemaVersion
@@ -61,7 +61,3 @@ def sessions(url: str) -> sessionmaker[Session]:
 
 def is_postgres(url: str) -> bool:
     return normalize_url(url).startswith("postgresql")
-
-
-def tables(url: str) -> list[str]:
-    return inspect(engine_for(url)).get_table_names()

@@ -121,7 +121,7 @@ class SpeedLoaderEngine:
         self.io = IOCounters()
         self.memory: DeviceMemory = monitor_for(self.device, config.device_memory_limit)
         self.copier = Copier(self.device, self.io)
-        self.pool = BufferPool(self.device, self.memory)
+        self.pool = BufferPool(self.device, self.memory, self.copier.streams)
         self._build_units()
         resident = config.schedule == "resident"
         if self.world > 1:

@@ -106,8 +106,8 @@ class HostKV:
         buf = self._staging[self._turn]
         self._turn ^= 1
         block = buf[:self.shape.block_numel(g)].view(self.shape.block_shape(g))
-        if past <= start:
-            return Pending(block)
+        if past <= start:   # nothing to load, but compute must not overwrite what a write-back still reads
+            return Pending(block, None if self._last_write is None else self._last_write.event)
         pending = self.copier.to_device(self._host[g][i, start:past], "kv_load_bytes", out=block[start:past],
                                         after=self._last_write)
         return Pending(block, pending.event)

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from sltune.runtime.memory import DeviceMemory
+from sltune.runtime.streams import Event, Streams
 from sltune.runtime.transfer import Copier, Pending
 
 
@@ -70,16 +71,20 @@ class BufferPool:
     """Reuses device buffers by size. On the CPU a fresh large buffer costs page faults on every load,
     so released buffers are kept; on CUDA the caching allocator already does this."""
 
-    def __init__(self, device: torch.device, memory: DeviceMemory):
+    def __init__(self, device: torch.device, memory: DeviceMemory, streams: Streams | None = None):
         self.device = device
         self.memory = memory
+        self.streams = streams
         self.cache = device.type != "cuda"
-        self._free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+        # each free buffer with the events its reuse waits for (a side stream may still be using it)
+        self._free: dict[tuple[int, torch.dtype], list[tuple[torch.Tensor, list[Event]]]] = {}
 
     def acquire(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         free = self._free.get((numel, dtype))
         if free:
-            buf = free.pop()
+            buf, fence = free.pop()
+            for event in fence:
+                event.synchronize()
         else:
             with self.memory.paused():
                 buf = torch.empty(numel, dtype=dtype, device=self.device)
@@ -87,14 +92,15 @@ class BufferPool:
             self.memory.alloc(buf.numel() * buf.element_size())    # may raise DeviceMemoryExceeded
         except BaseException:
             if self.cache:
-                self._free.setdefault((numel, dtype), []).append(buf)
+                self._free.setdefault((numel, dtype), []).append((buf, []))
             raise
         return buf
 
     def release(self, buf: torch.Tensor) -> None:
         self.memory.free(buf.numel() * buf.element_size())
         if self.cache:
-            self._free.setdefault((buf.numel(), buf.dtype), []).append(buf)
+            fence = self.streams.release_fence(buf) if self.streams is not None else []
+            self._free.setdefault((buf.numel(), buf.dtype), []).append((buf, fence))
 
     def clear(self) -> None:
         self._free.clear()

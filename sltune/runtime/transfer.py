@@ -1,8 +1,10 @@
 """Every byte the runtime moves between host and device goes through a Copier, which counts it.
 
 On the CPU a copy is a real memcpy into a separate buffer, done when asked (a "copy ahead" when the
-loop asks early). On CUDA copies run on side streams from pinned buffers; a Pending's wait() makes the
-compute stream wait for it. Both behave the same to the schedules.
+loop asks early). On CUDA copies run on side streams from pinned buffers: parameters on one, activations
+and KV blocks on another (so this unit's inputs never queue behind the next unit's parameters), device to
+host on a third; a Pending's wait() makes the compute stream wait for it. The emulated device
+(sltune.runtime.streams) runs that same stream code on the CPU with copies that complete late.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from dataclasses import asdict, dataclass, fields
 import torch
 
 from sltune.runtime.regions import region
+from sltune.runtime.streams import Event, Streams, streams_for
 
 
 @dataclass
@@ -45,27 +48,30 @@ class Pending:
 
     __slots__ = ("tensor", "event")
 
-    def __init__(self, tensor: torch.Tensor, event=None):
+    def __init__(self, tensor: torch.Tensor, event: Event | None = None):
         self.tensor = tensor
         self.event = event
 
     def wait(self) -> torch.Tensor:
         if self.event is not None:
-            torch.cuda.current_stream(self.tensor.device).wait_event(self.event)
+            self.event.block_compute()
             self.event = None
         return self.tensor
 
 
 class Copier:
-    """Counts and performs host<->device copies; CUDA gets streams, the CPU plain copies."""
+    """Counts and performs host<->device copies: on streams (CUDA's, or the emulated device's), or plain."""
 
-    def __init__(self, device: torch.device, counters: IOCounters):
+    def __init__(self, device: torch.device, counters: IOCounters, streams: Streams | None = None):
         self.device = device
         self.counters = counters
         self.cuda = device.type == "cuda"
-        if self.cuda:
-            self._h2d = torch.cuda.Stream(device)
-            self._d2h = torch.cuda.Stream(device)
+        self.streams = streams if streams is not None else streams_for(device)
+        if self.streams is not None:
+            # parameters on a stream of their own: the next unit's load must not delay this one's inputs
+            self._params = self.streams.stream()
+            self._loads = self.streams.stream()     # activations, their gradients, KV blocks
+            self._d2h = self.streams.stream()
 
     def host_empty(self, numel_or_shape, dtype: torch.dtype) -> torch.Tensor:
         """A host buffer: pinned when a CUDA device will read it."""
@@ -78,53 +84,40 @@ class Copier:
         with region("memcpy", channel):
             if out is None:
                 out = torch.empty(src.shape, dtype=src.dtype, device=self.device)
-            if not self.cuda:
+            if self.streams is None:
                 out.copy_(src)
                 return Pending(out)
-            return self._h2d_copy(src, out, after)
-
-    def _h2d_copy(self, src: torch.Tensor, out: torch.Tensor, after: Pending | None) -> Pending:
-        stream = self._h2d
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        if after is not None and after.event is not None:
-            stream.wait_event(after.event)
-        with torch.cuda.stream(stream):
-            out.copy_(src, non_blocking=True)
-            out.record_stream(stream)
-            event = torch.cuda.Event()
-            event.record(stream)
-        return Pending(out, event)
+            streams = self.streams
+            stream = self._params if channel == "param_load_bytes" else self._loads
+            streams.wait(stream, streams.compute())     # compute may still read what `out` held
+            if after is not None and after.event is not None:
+                streams.wait(stream, after.event)
+            streams.record(out, stream)
+            streams.copy(stream, out, src, device_side=out)
+            return Pending(out, streams.record_event(stream))
 
     def to_host(self, src: torch.Tensor, out: torch.Tensor, channel: str, accumulate: bool = False) -> Pending:
         """Copy (or add, for host-side accumulation) a device tensor into a host buffer."""
         self._count(channel, src)
         with region("memcpy", channel):
-            if not self.cuda:
+            if self.streams is None:
                 out.add_(src) if accumulate else out.copy_(src)
                 return Pending(out)
-            return self._d2h_copy(src, out, accumulate)
-
-    def _d2h_copy(self, src: torch.Tensor, out: torch.Tensor, accumulate: bool) -> Pending:
-        stream = self._d2h
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            src.record_stream(stream)
-            if accumulate:
-                staged = torch.empty_like(out, pin_memory=True)
-                staged.copy_(src, non_blocking=True)
-                stream.synchronize()
-                out.add_(staged)
-            else:
-                out.copy_(src, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(stream)
-        return Pending(out, event)
+            streams, stream = self.streams, self._d2h
+            streams.wait(stream, streams.compute())     # src is written by compute
+            streams.record(src, stream)
+            if not accumulate:
+                streams.copy(stream, out, src, device_side=src)
+                return Pending(out, streams.record_event(stream))
+            staged = self.host_empty(out.shape, out.dtype)
+            streams.copy(stream, staged, src, device_side=src)
+            streams.synchronize(stream)
+            out.add_(staged)
+            return Pending(out)
 
     def synchronize(self) -> None:
-        if self.cuda:
-            self._h2d.synchronize()
-            self._d2h.synchronize()
-            torch.cuda.synchronize(self.device)
+        if self.streams is not None:
+            self.streams.synchronize()
 
     def _count(self, channel: str, t: torch.Tensor) -> None:
         setattr(self.counters, channel, getattr(self.counters, channel) + t.numel() * t.element_size())

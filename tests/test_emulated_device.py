@@ -1,0 +1,103 @@
+"""The CUDA stream logic, run on the CPU by the emulated asynchronous device: copies complete as late as
+the ordering allows, so a missing wait, event or record gives wrong numbers (or a refusal) here, not a
+rare race on the first GPU."""
+
+import pytest
+import torch
+
+from sltune.models import build
+from sltune.runtime.memory import DeviceMemory
+from sltune.runtime.params import BufferPool
+from sltune.runtime.streams import ENV, EmulatedStreams
+from sltune.runtime.transfer import Copier, IOCounters, Pending
+from tests.test_generate import PAD, engine
+from tests.test_runtime_equivalence import batch, check, run_engine
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    monkeypatch.setenv(ENV, "lazy")
+
+
+def copier() -> Copier:
+    return Copier(torch.device("cpu"), IOCounters(), EmulatedStreams())
+
+
+@pytest.mark.parametrize("schedule", ["speedloader", "canonical", "resident"])
+def test_training_is_exact_on_the_emulated_device(emulated, schedule):
+    """4 layers in groups of 3 and 1, three sub-batches."""
+    check(*run_engine("llama-tiny", [batch(6, 12)], schedule=schedule,
+                      sub_batch_size=2, num_sub_batches=3, num_live_blocks=3))
+
+
+def test_training_is_exact_when_copies_finish_at_random_times(monkeypatch):
+    """A delay instead of 'as late as possible': copies run on their threads while compute goes on."""
+    monkeypatch.setenv(ENV, "0.3")
+    check(*run_engine("gpt2-tiny", [batch(4, 12)], sub_batch_size=1, num_sub_batches=4, num_live_blocks=2))
+
+
+def test_a_missing_wait_fails_the_exactness_check(emulated, monkeypatch):
+    """The emulation must be able to fail: a Pending.wait that does not wait gives another training step."""
+    monkeypatch.setattr(Pending, "wait", lambda self: self.tensor)
+    with pytest.raises(AssertionError):
+        check(*run_engine("llama-tiny", [batch(6, 12)], sub_batch_size=2, num_sub_batches=3, num_live_blocks=3))
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 6])
+def test_generation_tokens_are_exact_for_any_number_of_sub_batches(emulated, n):
+    """Finding 1: at prefill nothing is loaded, yet sub-batch j+2's compute reuses the staging buffer that
+    j's write-back still reads; N=3 and N=4 gave wrong tokens before the fix."""
+    ids = torch.randint(3, 512, (n, 10), generator=torch.Generator().manual_seed(n))
+    out = engine("llama-tiny", "speedloader", b=1, n=n, k=1).generate(ids, max_new_tokens=6, pad_token_id=PAD)
+    expected = build("llama-tiny").generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=PAD)
+    assert torch.equal(out, expected), f"rows with wrong tokens: {(out != expected).any(1).tolist()}"
+
+
+def test_a_copy_is_not_done_until_something_waits_for_it():
+    c = copier()
+    src, out = torch.arange(6.0), torch.zeros(6)
+    pending = c.to_device(src, "act_load_bytes", out=out)
+    assert torch.equal(out, torch.zeros(6)) and not pending.event.query()
+    assert torch.equal(pending.wait(), src)
+    host = torch.zeros(6)
+    back = c.to_host(src * 2, host, "act_offload_bytes")
+    assert torch.equal(host, torch.zeros(6))
+    assert torch.equal(back.wait(), src * 2)          # a device->host result waits on the device's stream
+
+
+def test_an_input_load_does_not_queue_behind_the_next_units_parameters():
+    """Finding 3: parameters have a stream of their own, so waiting for an activation does not wait for the
+    next unit's (much larger) parameter copy issued before it."""
+    c = copier()
+    params = c.to_device(torch.ones(1 << 16), "param_load_bytes")
+    act = c.to_device(torch.ones(8), "act_load_bytes")
+    act.wait()
+    assert not params.event.query()
+    kv = c.to_device(torch.ones(8), "kv_load_bytes")
+    kv.wait()
+    assert not params.event.query()
+    params.wait()
+    assert params.event is None and torch.equal(params.tensor, torch.ones(1 << 16))
+
+
+def test_a_device_buffer_used_on_a_stream_without_record_is_refused():
+    streams = EmulatedStreams()
+    side = streams.stream()
+    with pytest.raises(RuntimeError, match="without record"):
+        streams.copy(side, torch.zeros(4), torch.ones(4), device_side=torch.zeros(4))
+
+
+def test_a_released_buffer_is_reused_only_after_the_copy_reading_it_ends():
+    """The pool plays CUDA's caching allocator: a buffer recorded on a stream waits for that stream's work."""
+    c = copier()
+    pool = BufferPool(c.device, DeviceMemory(), c.streams)
+    buf = pool.acquire(4, torch.float32)
+    buf.copy_(torch.arange(4.0))
+    host = torch.zeros(4)
+    c.to_host(buf, host, "grad_offload_bytes")            # still queued
+    pool.release(buf)
+    again = pool.acquire(4, torch.float32)
+    assert again is buf and torch.equal(host, torch.arange(4.0))   # the reuse waited for the write-back
+    again.fill_(7)
+    c.synchronize()
+    assert torch.equal(host, torch.arange(4.0))

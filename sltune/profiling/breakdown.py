@@ -9,8 +9,11 @@ step's thread and walking down from the step's event:
   cpu             host-side regions (the optimizer stepping host parameters), plus the time inside
                   compute regions not spent in an operator (Python, module calls, autograd bookkeeping)
   other           the step's time outside every region (the runtime's own bookkeeping between phases)
-Fractions are of the step's wall time and sum to 1. On CUDA, device kernels are classified by kind
-(memcpy, NCCL all-gather / reduce-scatter, other kernels as compute) and host time is what remains.
+Fractions are of the step's wall time and sum to 1. On CUDA the device timeline decides: kernels within
+the steps are classified by name (host<->device memcpy; NCCL all-gather, reduce-scatter, and its other
+collectives as other; every other kernel, device-to-device copies and memsets included, as compute); the
+runtime's own labels, which Kineto also reports on the device, are left out; step time no kernel covers
+is cpu. Top operators come from every host thread (CUDA runs backward on autograd's device thread).
 
 The events are read from the profiler's raw (Kineto) results: building torch's FunctionEvent tree
 costs seconds for the ~35k events of a small step; nesting them here costs a tenth of that.
@@ -99,21 +102,33 @@ def attribute(events: list[_Event], top: int = 10) -> Breakdown:
                   key=lambda e: (e.start, -e.end))
     children = _nest(host)
     seconds: dict[str, float] = defaultdict(float)
-    self_ns: dict[str, list[float]] = defaultdict(lambda: [0, 0])
-    wall = 0
+    windows = []
     for i, e in enumerate(host):
         if e.name == STEP:
-            wall += e.end - e.start
+            windows.append((e.start, e.end))
             _attribute(host, children, i, None, seconds)
-    _self_times(host, children, self_ns)
-    device = [e for e in events if e.on_device]
+    wall = sum(b - a for a, b in windows)
+    device = [e for e in events if e.on_device and not e.name.startswith("sltune.")]  # not the annotations
     if device:
-        _attribute_device(device, seconds)
+        _attribute_device(device, windows, seconds)
     seconds = {k: max(0.0, seconds.get(k, 0.0)) / 1e9 for k in SLICES}
+    return Breakdown(seconds=seconds, wall_seconds=wall / 1e9, top_ops=_top_ops(events, windows, top))
+
+
+def _top_ops(events: list[_Event], windows: list[tuple[int, int]], top: int) -> list[dict[str, Any]]:
+    """Operators by self time on every host thread during the steps: CUDA runs backward on autograd's
+    device thread, not on the step's."""
+    self_ns: dict[str, list[float]] = defaultdict(lambda: [0, 0])
+    by_thread: dict[int, list[_Event]] = defaultdict(list)
+    for e in events:
+        if not e.on_device and any(a <= e.start and e.end <= b for a, b in windows):
+            by_thread[e.thread].append(e)
+    for evs in by_thread.values():
+        evs.sort(key=lambda e: (e.start, -e.end))
+        _self_times(evs, _nest(evs), self_ns)
     ops = sorted(((n, c, t) for n, (c, t) in self_ns.items() if not n.startswith("sltune.")),
                  key=lambda x: x[2], reverse=True)[:top]
-    return Breakdown(seconds=seconds, wall_seconds=wall / 1e9,
-                     top_ops=[{"name": n, "count": c, "self_seconds": t / 1e9} for n, c, t in ops])
+    return [{"name": n, "count": c, "self_seconds": t / 1e9} for n, c, t in ops]
 
 
 def _nest(events: list[_Event]) -> list[list[int]]:
@@ -163,23 +178,33 @@ def _self_times(events, children, out: dict[str, list[float]]) -> None:
         entry[1] += (e.end - e.start) - inner
 
 
-def _attribute_device(kernels: list[_Event], seconds: dict[str, float]) -> None:
-    """On CUDA the device timeline is the truth. Each slice is the union of its kernels' intervals (streams
-    overlap, so their sum could exceed the wall); host time no kernel covers is cpu. Overlaps between
-    slices are left in, and fractions are normalised by their total."""
-    wall = sum(seconds.values())
+def kernel_slice(name: str) -> str:
+    """The slice of one device kernel by its name. Host<->device copies are memcpy; copies and memsets within
+    the device are the device's own work (compute); NCCL all-gather and reduce-scatter have their slices,
+    its other collectives (the loss all-reduce, the initial broadcast) are other."""
+    n = name.lower()
+    if "nccl" in n:
+        if "allgather" in n or "all_gather" in n:
+            return "all_gather"
+        if "reducescatter" in n or "reduce_scatter" in n:
+            return "reduce_scatter"
+        return "other"
+    if n.startswith("memcpy") and ("htod" in n or "dtoh" in n):
+        return "memcpy"
+    return "compute"
+
+
+def _attribute_device(kernels: list[_Event], windows: list[tuple[int, int]], seconds: dict[str, float]) -> None:
+    """On CUDA the device timeline is the truth. Each slice is the union of its kernels' intervals within the
+    steps (streams overlap, so their sum could exceed the wall); step time no kernel covers is cpu. Overlaps
+    between slices are left in, and fractions are normalised by their total."""
+    wall = sum(b - a for a, b in windows)
     by_slice: dict[str, list[tuple[int, int]]] = defaultdict(list)
     for e in kernels:
-        name = e.name.lower()
-        if "memcpy" in name or "memset" in name:
-            cat = "memcpy"
-        elif "allgather" in name:
-            cat = "all_gather"
-        elif "reducescatter" in name:
-            cat = "reduce_scatter"
-        else:
-            cat = "compute"
-        by_slice[cat].append((e.start, e.end))
+        for a, b in windows:
+            lo, hi = max(e.start, a), min(e.end, b)
+            if lo < hi:
+                by_slice[kernel_slice(e.name)].append((lo, hi))
     for k in SLICES:
         seconds[k] = _union(by_slice.get(k, []))
     busy = _union([iv for ivs in by_slice.values() for iv in ivs])

@@ -49,6 +49,7 @@ from torch import nn
 
 from sltune.config import SpeedLoaderConfig
 from sltune.runtime.activations import DeviceActivations, HostActivations
+from sltune.runtime.device import check_device, check_dtype
 from sltune.runtime.family import CausalLM, LayerCall, unique_params
 from sltune.runtime.kvcache import DeviceKV, HostKV
 from sltune.runtime.memory import DeviceMemory, monitor_for
@@ -98,9 +99,9 @@ class SpeedLoaderEngine:
         if not isinstance(config, SpeedLoaderConfig):
             raise TypeError(f"config must be a SpeedLoaderConfig or a dict, got {type(config).__name__}")
         self.config = config
-        self.device = _check_device(config.device)
+        self.device = check_device(config.device)
         self.dtype = getattr(torch, config.dtype)
-        _check_dtype(self.device, self.dtype)
+        check_dtype(self.device, self.dtype)
         if config.device_memory_limit is not None and config.memory_tracking == "never" \
                 and self.device.type != "cuda":
             raise ValueError("device_memory_limit needs memory_tracking 'first' or 'always' on the CPU")
@@ -523,31 +524,6 @@ def _warn_vanishing_eps(opt: torch.optim.Optimizer, dtype: torch.dtype) -> None:
             warnings.warn(f"optimizer eps={eps:g} is 0 in {str(dtype).removeprefix('torch.')}: zero gradients will "
                           "give NaN updates; use eps >= 1e-4 or dtype='bfloat16'", UserWarning, stacklevel=3)
             return
-
-
-def _check_device(name: str) -> torch.device:
-    device = torch.device(name)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"device {name!r} is not available on this machine (no CUDA); use device='cpu'")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise ValueError(f"device {name!r} does not exist; this machine has {torch.cuda.device_count()} GPUs")
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-    elif device.type != "cpu":
-        raise ValueError(f"device {name!r} is not supported; use 'cpu' or 'cuda[:index]'")
-    return device
-
-
-def _check_dtype(device: torch.device, dtype: torch.dtype) -> None:
-    """Fail early, with the alternatives, if the device cannot compute in this dtype."""
-    if device.type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
-        raise ValueError(f"{device} cannot compute in bfloat16; use dtype='float16' or 'float32'")
-    try:
-        a = torch.ones(4, 4, dtype=dtype, device=device)
-        torch.softmax(a @ a, dim=-1)
-    except RuntimeError as err:
-        raise ValueError(f"{device} cannot compute in {dtype} ({err}); use dtype='float32'") from None
 
 
 def _move_buffers(model: nn.Module, device: torch.device) -> None:

@@ -1,7 +1,7 @@
 """Device memory: measured peaks and the enforced limit, on CUDA and on the CPU.
 
-On CUDA the caching allocator knows what is allocated (max_memory_allocated) and enforces a limit
-(per-process memory fraction). On the CPU the "device" is host memory, so the runtime measures what a
+On CUDA the caching allocator enforces a limit (per-process memory fraction) on the memory it reserves,
+and the peak is read on that same figure (max_memory_reserved). On the CPU the "device" is host memory, so the runtime measures what a
 step allocates itself: a TorchDispatchMode sees every ATen op, counts the storages each op freshly
 allocates (outputs the op's schema does not mark as aliases of its inputs) until they are freed, and
 adds the runtime's own device buffers explicitly. Host-side work (host buffers, the optimizer on host
@@ -13,13 +13,14 @@ the peak is a function of the shapes and the config.
 from __future__ import annotations
 
 import contextlib
+import re
 import weakref
 from typing import Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from sltune.sizes import format_bytes
+from sltune.sizes import format_bytes, parse_bytes
 
 
 class DeviceMemoryExceeded(torch.OutOfMemoryError):
@@ -150,30 +151,53 @@ class CpuAllocationTracker(DeviceMemory, TorchDispatchMode):
         self._check()
 
 
-class CudaMemoryMonitor(DeviceMemory):
-    """The CUDA allocator's own figures; the limit is a per-process memory fraction."""
+class CudaAllocator:
+    """The few facts and controls of torch's CUDA caching allocator the monitor uses (a seam: the CPU tests
+    run the monitor's logic against a model of the allocator)."""
 
-    def __init__(self, device: torch.device, limit: int | None = None):
+    total_memory = staticmethod(lambda device: torch.cuda.get_device_properties(device).total_memory)
+    set_fraction = staticmethod(torch.cuda.set_per_process_memory_fraction)
+    reset_peak = staticmethod(torch.cuda.reset_peak_memory_stats)
+    max_reserved = staticmethod(torch.cuda.max_memory_reserved)
+
+
+class CudaMemoryMonitor(DeviceMemory):
+    """The limit is a per-process memory fraction, which the allocator applies to *reserved* memory (what it
+    holds from the driver, fragmentation and cached blocks included); so the peak is measured on the same
+    figure, max_memory_reserved, and a step that hits the limit reports what was reserved. A limit set back
+    to None gives the whole device back (the fraction is per process and outlives the engine)."""
+
+    def __init__(self, device: torch.device, limit: int | None = None, allocator=CudaAllocator):
         self.device = device
         self.limit = limit
-        if limit is not None:
-            total = torch.cuda.get_device_properties(device).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), device)
+        self.allocator = allocator
+        total = allocator.total_memory(device)
+        allocator.set_fraction(1.0 if limit is None else min(1.0, limit / total), device)
 
     @contextlib.contextmanager
     def tracking(self, active: bool) -> Iterator[None]:
-        torch.cuda.reset_peak_memory_stats(self.device)
+        self.allocator.reset_peak(self.device)
         try:
             yield
-        except torch.cuda.OutOfMemoryError:
-            if self.limit is None:
+        except torch.OutOfMemoryError as err:
+            if self.limit is None or isinstance(err, DeviceMemoryExceeded):
                 raise
-            raise DeviceMemoryExceeded(max(self.limit + 1, torch.cuda.max_memory_allocated(self.device)),
-                                       self.limit, str(self.device)) from None
+            need = oom_need(str(err), self.allocator.max_reserved(self.device))
+            raise DeviceMemoryExceeded(need, self.limit, str(self.device)) from None
         finally:
-            self.peak = torch.cuda.max_memory_allocated(self.device)
+            self.peak = self.allocator.max_reserved(self.device)
         if self.limit is not None and self.peak > self.limit:
             raise DeviceMemoryExceeded(self.peak, self.limit, str(self.device))
+
+
+_REQUEST = re.compile(r"Tried to allocate ([0-9.]+ ?[KMGT]?i?B)")
+
+
+def oom_need(message: str, reserved: int) -> int:
+    """What a step that ran out of CUDA memory needed: what was reserved plus the request that failed (from
+    the allocator's message), the figure the limit applies to."""
+    match = _REQUEST.search(message)
+    return reserved + (parse_bytes(match.group(1)) if match else 0)
 
 
 def monitor_for(device: torch.device, limit: int | None) -> DeviceMemory:

@@ -2,6 +2,8 @@
 the ordering allows, so a missing wait, event or record gives wrong numbers (or a refusal) here, not a
 rare race on the first GPU."""
 
+import json
+
 import pytest
 import torch
 
@@ -10,6 +12,10 @@ from sltune.runtime.memory import DeviceMemory
 from sltune.runtime.params import BufferPool
 from sltune.runtime.streams import ENV, EmulatedStreams
 from sltune.runtime.transfer import Copier, IOCounters, Pending
+from tests.dist_script import batch as dist_batch
+from tests.emulated_dist_script import LATE
+from tests.reference import assert_same_updates, plain_training, snapshot
+from tests.test_distributed import torchrun
 from tests.test_generate import PAD, engine
 from tests.test_runtime_equivalence import batch, check, run_engine
 
@@ -101,3 +107,29 @@ def test_a_released_buffer_is_reused_only_after_the_copy_reading_it_ends():
     again.fill_(7)
     c.synchronize()
     assert torch.equal(host, torch.arange(4.0))
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("emulated") / "report.json"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(ENV, "lazy")
+        r = torchrun("tests/emulated_dist_script.py", str(out))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return out, json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("schedule", ["speedloader", "canonical"])
+def test_two_ranks_are_exact_on_the_emulated_device(two_ranks, schedule):
+    out, report = two_ranks
+    model = build("llama-tiny")
+    ref_model, ref_losses, ref_grads = plain_training(model, [torch.cat([dist_batch(0, r) for r in range(2)])])
+    assert report["runs"][schedule] == pytest.approx(ref_losses, rel=1e-5)
+    assert_same_updates(snapshot(model), torch.load(f"{out}.{schedule}.pt"), snapshot(ref_model), ref_grads, steps=1)
+
+
+def test_the_sharded_prefetch_does_not_wait_for_the_gather(two_ranks):
+    """Finding 4: the prefetch returned only once the all-gather had finished, i.e. once the late rank came."""
+    _, report = two_ranks
+    assert report["gathered"]
+    assert report["issued"] < LATE / 2 < LATE * 0.8 < report["ready"], report

@@ -179,8 +179,8 @@ class ParamStore:
             if buf is not None:
                 self.pool.release(buf)
                 setattr(unit, attr, None)
-        if unit.pending is not None:
-            self.pool.release(unit.pending.tensor)
+        if unit.pending is not None:     # a prefetch never used: its copy or gather must end before reuse
+            self.pool.release(unit.pending.wait())
             unit.pending = None
 
     def _home(self, unit: ParamUnit) -> None:

@@ -1,6 +1,8 @@
 """Parameters sharded across torch.distributed ranks: each rank keeps 1/W of every unit in host memory.
 
-Loading a unit copies this rank's shard to the device and all-gathers the full unit there; its
+Loading a unit copies this rank's shard to the device and all-gathers the full unit there, both
+asynchronous (the all-gather is launched after the copy on the parameter stream, and the unit's activation
+waits on its work handle), so the next unit's gather overlaps this one's compute; its
 gradients, accumulated on the device over all sub-batches, are reduce-scattered once, and each rank
 offloads and steps only its shard (with only its shard of the optimizer state). gloo on the CPU,
 NCCL on CUDA: the same calls.
@@ -18,7 +20,7 @@ from torch import nn
 
 from sltune.runtime.params import BufferPool, ParamStore, ParamUnit
 from sltune.runtime.regions import region
-from sltune.runtime.transfer import Copier, Pending
+from sltune.runtime.transfer import Copier
 
 # torch 2.13 renamed the tensor collectives (*_single); older releases have only the old names
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -86,11 +88,10 @@ class ShardedParamStore(ParamStore):
             return
         full = self.pool.acquire(unit.padded, unit.host.dtype)
         mine = full[self.rank * unit.shard:(self.rank + 1) * unit.shard]
-        self.copier.to_device(unit.host, "param_load_bytes", out=mine).wait()
+        copied = self.copier.to_device(unit.host, "param_load_bytes", out=mine)
         self.copier.counters.allgather_bytes += full.numel() * full.element_size()
-        with region("all_gather", unit.name):
-            _all_gather(full, mine.clone())
-        unit.pending = Pending(full)
+        with region("all_gather", unit.name):   # asynchronous: activate() waits on the work handle
+            unit.pending = self.copier.gather_after(copied, lambda src: _all_gather(full, src, async_op=True), full)
 
     def _home(self, unit: ParamUnit) -> None:
         self._empty(unit)

@@ -19,6 +19,7 @@ milliseconds (each copy may start that long after it is issued). Unset, the CPU 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -43,6 +44,22 @@ class Event:
     def block_compute(self) -> None:
         """Make the compute stream wait for this point (the host does not wait on CUDA)."""
         raise NotImplementedError
+
+
+class WorkEvent(Event):
+    """The end of an asynchronous collective (a torch.distributed Work handle)."""
+
+    def __init__(self, work):
+        self.work = work
+
+    def query(self) -> bool:
+        return self.work.is_completed()
+
+    def synchronize(self) -> None:
+        self.work.wait()
+
+    def block_compute(self) -> None:
+        self.work.wait()      # NCCL: the current stream waits for the collective's; gloo: the host waits
 
 
 class Streams:
@@ -78,6 +95,14 @@ class Streams:
     def release_fence(self, buf: torch.Tensor) -> list[Event]:
         """When a pooled buffer is given back: events its reuse must wait for (CUDA's allocator does this)."""
         return []
+
+    def issue_after(self, stream, after: Event | None) -> contextlib.AbstractContextManager:
+        """Run a collective launched inside this block after `after` (on `stream`). On CUDA the block makes
+        `stream` current, so NCCL's stream waits for it; a host-side collective (gloo) reads memory when it
+        is launched, so the host waits for `after` first."""
+        if after is not None:
+            after.synchronize()
+        return contextlib.nullcontext()
 
 
 class CudaEvent(Event):
@@ -130,6 +155,9 @@ class CudaStreams(Streams):
         else:
             stream.synchronize()
 
+    def issue_after(self, stream, after: Event | None) -> contextlib.AbstractContextManager:
+        return torch.cuda.stream(stream)        # `after` was issued on `stream`: stream order covers it
+
 
 # -- the emulated device -------------------------------------------------------------------------------
 class _EmuStream:
@@ -145,7 +173,8 @@ class _EmuStream:
         self._error: BaseException | None = None
         self._closed = False
         self._cv = threading.Condition()
-        threading.Thread(target=self._run, name=f"sltune-emu-{name}", daemon=True).start()
+        self._thread = threading.Thread(target=self._run, name=f"sltune-emu-{name}", daemon=True)
+        self._thread.start()
 
     def enqueue(self, fn: Callable[[], None]) -> int:
         with self._cv:
@@ -165,10 +194,13 @@ class _EmuStream:
                 raise RuntimeError(f"emulated stream {self.name} failed") from self._error
 
     def close(self) -> None:
+        """Finish the queued work and end the thread (before the interpreter tears torch down)."""
         with self._cv:
             self._closed = True
             self._demand = self.issued
             self._cv.notify_all()
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
 
     def _next(self) -> tuple[int, Callable[[], None]] | None:
         with self._cv:

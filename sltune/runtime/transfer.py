@@ -9,12 +9,14 @@ host on a third; a Pending's wait() makes the compute stream wait for it. The em
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import asdict, dataclass, fields
+from typing import Any, Callable
 
 import torch
 
 from sltune.runtime.regions import region
-from sltune.runtime.streams import Event, Streams, streams_for
+from sltune.runtime.streams import Event, Streams, WorkEvent, streams_for
 
 
 @dataclass
@@ -114,6 +116,15 @@ class Copier:
             streams.synchronize(stream)
             out.add_(staged)
             return Pending(out)
+
+    def gather_after(self, copied: Pending, launch: Callable[[torch.Tensor], Any], out: torch.Tensor) -> Pending:
+        """Launch an asynchronous collective on a parameter copy once it has landed, without blocking compute
+        on CUDA; `launch(src)` returns the Work handle, and the result's wait() waits on it."""
+        order = (contextlib.nullcontext() if self.streams is None
+                 else self.streams.issue_after(self._params, copied.event))
+        with order:
+            work = launch(copied.tensor if self.cuda else copied.tensor.clone())   # gloo: not in place
+        return Pending(out, WorkEvent(work))
 
     def synchronize(self) -> None:
         if self.streams is not None:

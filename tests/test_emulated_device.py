@@ -2,19 +2,23 @@
 the ordering allows, so a missing wait, event or record gives wrong numbers (or a refusal) here, not a
 rare race on the first GPU."""
 
+import gc
 import json
+import math
 
 import pytest
 import torch
 
+from sltune import SpeedLoaderConfig, SpeedLoaderEngine
 from sltune.models import build
+from sltune.runtime.pinned import PAGE
 from sltune.runtime.memory import DeviceMemory
 from sltune.runtime.params import BufferPool
 from sltune.runtime.streams import ENV, EmulatedStreams
 from sltune.runtime.transfer import Copier, IOCounters, Pending
 from tests.dist_script import batch as dist_batch
 from tests.emulated_dist_script import LATE
-from tests.reference import assert_same_updates, plain_training, snapshot
+from tests.reference import adamw, assert_same_updates, plain_training, snapshot
 from tests.test_distributed import torchrun
 from tests.test_generate import PAD, engine
 from tests.test_runtime_equivalence import batch, check, run_engine
@@ -133,3 +137,20 @@ def test_the_sharded_prefetch_does_not_wait_for_the_gather(two_ranks):
     _, report = two_ranks
     assert report["gathered"]
     assert report["issued"] < LATE / 2 < LATE * 0.8 < report["ready"], report
+
+
+def test_host_buffers_are_pinned_at_their_own_size(emulated):
+    """Finding 5: torch's pinned allocator rounds each buffer up to a power of two (up to twice the memory);
+    the runtime pins each buffer's own pages, and counts them."""
+    eng = SpeedLoaderEngine(build("llama-tiny"), SpeedLoaderConfig(sub_batch_size=1, num_sub_batches=3,
+                            num_live_blocks=3, schedule="canonical"), optimizer=adamw)
+    eng.train_step(batch(3, 12))
+    host = eng.copier.host
+    buffers = [t for u in eng.units for t in (u.host, u.host_grad) if t is not None] + list(eng.copier._staging.values())
+    exact = sum(-(-t.numel() * t.element_size() // PAGE) * PAGE for t in buffers)
+    assert host.pinned_bytes == exact == sum(host.pinner.ranges.values())
+    assert exact < 1.01 * sum(t.numel() * t.element_size() for t in buffers)
+    assert sum(2 ** math.ceil(math.log2(t.numel() * t.element_size())) for t in buffers) > 1.2 * exact
+    del eng, buffers
+    gc.collect()
+    assert host.pinned_bytes == 0 and host.pinner.ranges == {}      # unpinned with the last view

@@ -1,7 +1,7 @@
 """Every byte the runtime moves between host and device goes through a Copier, which counts it.
 
 On the CPU a copy is a real memcpy into a separate buffer, done when asked (a "copy ahead" when the
-loop asks early). On CUDA copies run on side streams from pinned buffers: parameters on one, activations
+loop asks early). On CUDA copies run on side streams from pinned buffers (pinned at their own size, sltune.runtime.pinned): parameters on one, activations
 and KV blocks on another (so this unit's inputs never queue behind the next unit's parameters), device to
 host on a third; a Pending's wait() makes the compute stream wait for it. The emulated device
 (sltune.runtime.streams) runs that same stream code on the CPU with copies that complete late.
@@ -16,7 +16,8 @@ from typing import Any, Callable
 import torch
 
 from sltune.runtime.regions import region
-from sltune.runtime.streams import Event, Streams, WorkEvent, streams_for
+from sltune.runtime.pinned import CudaPinner, EmulatedPinner, HostMemory
+from sltune.runtime.streams import EmulatedStreams, Event, Streams, WorkEvent, streams_for
 
 
 @dataclass
@@ -74,10 +75,13 @@ class Copier:
             self._params = self.streams.stream()
             self._loads = self.streams.stream()     # activations, their gradients, KV blocks
             self._d2h = self.streams.stream()
+        pinner = CudaPinner() if self.cuda else EmulatedPinner() if isinstance(self.streams, EmulatedStreams) else None
+        self.host = HostMemory(pinner)
+        self._staging: dict[tuple[tuple[int, ...], torch.dtype], torch.Tensor] = {}
 
     def host_empty(self, numel_or_shape, dtype: torch.dtype) -> torch.Tensor:
-        """A host buffer: pinned when a CUDA device will read it."""
-        return torch.empty(numel_or_shape, dtype=dtype, pin_memory=self.cuda)
+        """A host buffer: pinned (at its own size) when a device copies from and to it asynchronously."""
+        return self.host.empty(numel_or_shape, dtype)
 
     def to_device(self, src: torch.Tensor, channel: str, out: torch.Tensor | None = None,
                   after: Pending | None = None) -> Pending:
@@ -111,7 +115,10 @@ class Copier:
             if not accumulate:
                 streams.copy(stream, out, src, device_side=src)
                 return Pending(out, streams.record_event(stream))
-            staged = self.host_empty(out.shape, out.dtype)
+            key = (tuple(out.shape), out.dtype)
+            staged = self._staging.get(key)
+            if staged is None:                          # pinning costs a system call: once per shape
+                staged = self._staging[key] = self.host_empty(out.shape, out.dtype)
             streams.copy(stream, staged, src, device_side=src)
             streams.synchronize(stream)
             out.add_(staged)

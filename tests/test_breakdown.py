@@ -68,3 +68,10 @@ def test_top_ops_include_the_backward_on_autograds_thread():
     assert round(ops["aten::mm"]["self_seconds"] * 1e9) == 260 + 60
     assert round(ops["autograd::engine::evaluate_function: MmBackward0"]["self_seconds"] * 1e9) == 110 - 60
     assert not any(name.startswith("sltune.") for name in ops)
+
+
+def test_the_share_of_copy_time_hidden_under_compute():
+    """Copies 250-350 and 400-450 (150 ns); compute kernels cover 250-300 of them: a third is hidden."""
+    assert attribute(EVENTS).copy_hidden == pytest.approx(50 / 150)
+    assert attribute([e for e in EVENTS if not e.name.startswith("Memcpy")]).copy_hidden is None
+    assert attribute([e for e in EVENTS if not e.on_device]).copy_hidden is None     # the CPU: no device timeline

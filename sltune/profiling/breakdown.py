@@ -40,6 +40,7 @@ class Breakdown:
     seconds: dict[str, float]                   # raw seconds per slice
     wall_seconds: float                         # the profiled step's wall time
     top_ops: list[dict[str, Any]] = field(default_factory=list)
+    copy_hidden: float | None = None            # CUDA: share of host<->device copy time under compute kernels
 
     @property
     def fractions(self) -> dict[str, float]:
@@ -109,10 +110,10 @@ def attribute(events: list[_Event], top: int = 10) -> Breakdown:
             _attribute(host, children, i, None, seconds)
     wall = sum(b - a for a, b in windows)
     device = [e for e in events if e.on_device and not e.name.startswith("sltune.")]  # not the annotations
-    if device:
-        _attribute_device(device, windows, seconds)
+    hidden = _attribute_device(device, windows, seconds) if device else None
     seconds = {k: max(0.0, seconds.get(k, 0.0)) / 1e9 for k in SLICES}
-    return Breakdown(seconds=seconds, wall_seconds=wall / 1e9, top_ops=_top_ops(events, windows, top))
+    return Breakdown(seconds=seconds, wall_seconds=wall / 1e9, top_ops=_top_ops(events, windows, top),
+                     copy_hidden=hidden)
 
 
 def _top_ops(events: list[_Event], windows: list[tuple[int, int]], top: int) -> list[dict[str, Any]]:
@@ -194,10 +195,12 @@ def kernel_slice(name: str) -> str:
     return "compute"
 
 
-def _attribute_device(kernels: list[_Event], windows: list[tuple[int, int]], seconds: dict[str, float]) -> None:
+def _attribute_device(kernels: list[_Event], windows: list[tuple[int, int]],
+                      seconds: dict[str, float]) -> float | None:
     """On CUDA the device timeline is the truth. Each slice is the union of its kernels' intervals within the
     steps (streams overlap, so their sum could exceed the wall); step time no kernel covers is cpu. Overlaps
-    between slices are left in, and fractions are normalised by their total."""
+    between slices are left in, and fractions are normalised by their total. Returns the share of copy time
+    that compute kernels hide (None without copies): the overlap SpeedLoader's prefetch is for."""
     wall = sum(b - a for a, b in windows)
     by_slice: dict[str, list[tuple[int, int]]] = defaultdict(list)
     for e in kernels:
@@ -209,6 +212,11 @@ def _attribute_device(kernels: list[_Event], windows: list[tuple[int, int]], sec
         seconds[k] = _union(by_slice.get(k, []))
     busy = _union([iv for ivs in by_slice.values() for iv in ivs])
     seconds["cpu"] = max(0.0, wall - busy)
+    copies, compute = by_slice.get("memcpy", []), by_slice.get("compute", [])
+    if not copies:
+        return None
+    # |copies and compute| = |copies| + |compute| - |copies or compute|
+    return (seconds["memcpy"] + seconds["compute"] - _union(copies + compute)) / seconds["memcpy"]
 
 
 def _union(intervals: list[tuple[int, int]]) -> float:

@@ -53,13 +53,17 @@ def test_a_missing_wait_fails_the_exactness_check(emulated, monkeypatch):
         check(*run_engine("llama-tiny", [batch(6, 12)], sub_batch_size=2, num_sub_batches=3, num_live_blocks=3))
 
 
-@pytest.mark.parametrize("n", [2, 3, 4, 6])
-def test_generation_tokens_are_exact_for_any_number_of_sub_batches(emulated, n):
+@pytest.mark.parametrize("preset,schedule,n,prompt", [
+    ("llama-tiny", "speedloader", 3, 10), ("llama-tiny", "speedloader", 4, 10), ("llama-tiny", "speedloader", 6, 10),
+    ("llama-tiny", "canonical", 3, 10),
+    ("mistral-tiny", "speedloader", 3, 20),     # past its sliding window: partial block loads
+])
+def test_generation_tokens_are_exact_for_any_number_of_sub_batches(emulated, preset, schedule, n, prompt):
     """Finding 1: at prefill nothing is loaded, yet sub-batch j+2's compute reuses the staging buffer that
-    j's write-back still reads; N=3 and N=4 gave wrong tokens before the fix."""
-    ids = torch.randint(3, 512, (n, 10), generator=torch.Generator().manual_seed(n))
-    out = engine("llama-tiny", "speedloader", b=1, n=n, k=1).generate(ids, max_new_tokens=6, pad_token_id=PAD)
-    expected = build("llama-tiny").generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=PAD)
+    j's write-back still reads; N=3 and N=4 gave wrong tokens before the fix (N=2, the other tests' N, not)."""
+    ids = torch.randint(3, 512, (n, prompt), generator=torch.Generator().manual_seed(n))
+    out = engine(preset, schedule, b=1, n=n, k=1).generate(ids, max_new_tokens=6, pad_token_id=PAD)
+    expected = build(preset).generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=PAD)
     assert torch.equal(out, expected), f"rows with wrong tokens: {(out != expected).any(1).tolist()}"
 
 

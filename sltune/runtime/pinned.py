@@ -19,6 +19,8 @@ import weakref
 import torch
 
 PAGE = 4096
+IN_PLACE_FROM = 1 << 20     # smaller buffers (per-layer saved tensors, say) come from torch's pinned allocator:
+                            # its rounding costs under 1 MiB each, a system call per buffer would cost more
 
 
 class CudaPinner:
@@ -53,7 +55,7 @@ class EmulatedPinner:
 
 
 class HostMemory:
-    """Allocates host buffers, pinned at their page-rounded size when a pinner is given."""
+    """Allocates host buffers, pinned at their page-rounded size when a pinner is given (from 1 MiB on)."""
 
     def __init__(self, pinner: CudaPinner | EmulatedPinner | None = None):
         self.pinner = pinner
@@ -63,9 +65,9 @@ class HostMemory:
 
     def empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
         shape = (shape,) if isinstance(shape, int) else tuple(shape)
-        if self.pinner is None:
-            return torch.empty(shape, dtype=dtype)
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        if self.pinner is None or nbytes < IN_PLACE_FROM:
+            return torch.empty(shape, dtype=dtype, pin_memory=isinstance(self.pinner, CudaPinner))
         span = max(PAGE, -(-nbytes // PAGE) * PAGE)             # whole pages of its own
         raw = torch.empty(span + PAGE, dtype=torch.uint8)
         start = (-raw.data_ptr()) % PAGE

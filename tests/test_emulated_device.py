@@ -11,10 +11,11 @@ import torch
 
 from sltune import SpeedLoaderConfig, SpeedLoaderEngine
 from sltune.models import build
-from sltune.runtime.pinned import IN_PLACE_FROM, PAGE
+from sltune.runtime.emulated import EmulatedStreams
 from sltune.runtime.memory import DeviceMemory
 from sltune.runtime.params import BufferPool
-from sltune.runtime.streams import ENV, EmulatedStreams
+from sltune.runtime.pinned import IN_PLACE_FROM, PAGE
+from sltune.runtime.streams import ENV
 from sltune.runtime.transfer import Copier, IOCounters, Pending
 from tests.dist_script import batch as dist_batch
 from tests.emulated_dist_script import LATE
@@ -152,7 +153,8 @@ def test_host_buffers_are_pinned_at_their_own_size(emulated):
                             schedule="canonical"), optimizer=adamw)
     eng.train_step(batch(2, 8))
     host = eng.copier.host
-    buffers = [t for u in eng.units for t in (u.host, u.host_grad) if t is not None] + list(eng.copier._staging.values())
+    buffers = [t for u in eng.units for t in (u.host, u.host_grad) if t is not None]
+    buffers += list(eng.copier._staging.values())
     large = [t.numel() * t.element_size() for t in buffers if t.numel() * t.element_size() >= IN_PLACE_FROM]
     assert len(large) >= 5
     exact = sum(-(-n // PAGE) * PAGE for n in large)

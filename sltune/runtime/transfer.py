@@ -1,9 +1,10 @@
 """Every byte the runtime moves between host and device goes through a Copier, which counts it.
 
 On the CPU a copy is a real memcpy into a separate buffer, done when asked (a "copy ahead" when the
-loop asks early). On CUDA copies run on side streams from pinned buffers (pinned at their own size, sltune.runtime.pinned): parameters on one, activations
-and KV blocks on another (so this unit's inputs never queue behind the next unit's parameters), device to
-host on a third; a Pending's wait() makes the compute stream wait for it. The emulated device
+loop asks early). On CUDA copies run on side streams from pinned buffers (pinned at their own size,
+sltune.runtime.pinned): parameters on one, activations and KV blocks on another (so this unit's inputs
+never queue behind the next unit's parameters), device to host on a third; a Pending's wait() makes the
+compute stream wait for it. The emulated device
 (sltune.runtime.streams) runs that same stream code on the CPU with copies that complete late.
 """
 
@@ -15,9 +16,10 @@ from typing import Any, Callable
 
 import torch
 
-from sltune.runtime.regions import region
+from sltune.runtime.emulated import EmulatedStreams
 from sltune.runtime.pinned import CudaPinner, EmulatedPinner, HostMemory
-from sltune.runtime.streams import EmulatedStreams, Event, Streams, WorkEvent, streams_for
+from sltune.runtime.regions import region
+from sltune.runtime.streams import Event, Streams, WorkEvent, streams_for
 
 
 @dataclass

@@ -5,6 +5,7 @@ rare race on the first GPU."""
 import gc
 import json
 import math
+from typing import get_args
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ from tests.dist_script import batch as dist_batch
 from tests.emulated_dist_script import LATE
 from tests.reference import adamw, assert_same_updates, plain_training, snapshot
 from tests.test_distributed import torchrun
-from tests.test_generate import PAD, engine
+from tests.test_generate import PAD
 from tests.test_runtime_equivalence import batch, check, run_engine
 
 
@@ -34,11 +35,18 @@ def copier() -> Copier:
     return Copier(torch.device("cpu"), IOCounters(), EmulatedStreams())
 
 
+def knob_values(name: str) -> list[dict]:
+    """Every value of a config knob other branches are adding (activations, kv_cache), once it exists."""
+    field = SpeedLoaderConfig.model_fields.get(name)
+    return [{}] if field is None else [{name: v} for v in get_args(field.annotation)]
+
+
+@pytest.mark.parametrize("extra", knob_values("activations"), ids=str)
 @pytest.mark.parametrize("schedule", ["speedloader", "canonical", "resident"])
-def test_training_is_exact_on_the_emulated_device(emulated, schedule):
+def test_training_is_exact_on_the_emulated_device(emulated, schedule, extra):
     """4 layers in groups of 3 and 1, three sub-batches."""
     check(*run_engine("llama-tiny", [batch(6, 12)], schedule=schedule,
-                      sub_batch_size=2, num_sub_batches=3, num_live_blocks=3))
+                      sub_batch_size=2, num_sub_batches=3, num_live_blocks=3, **extra))
 
 
 def test_training_is_exact_when_copies_finish_at_random_times(monkeypatch):
@@ -59,11 +67,14 @@ def test_a_missing_wait_fails_the_exactness_check(emulated, monkeypatch):
     ("llama-tiny", "canonical", 3, 10),
     ("mistral-tiny", "speedloader", 3, 20),     # past its sliding window: partial block loads
 ])
-def test_generation_tokens_are_exact_for_any_number_of_sub_batches(emulated, preset, schedule, n, prompt):
+@pytest.mark.parametrize("extra", knob_values("kv_cache"), ids=str)
+def test_generation_tokens_are_exact_for_any_number_of_sub_batches(emulated, preset, schedule, n, prompt, extra):
     """Finding 1: at prefill nothing is loaded, yet sub-batch j+2's compute reuses the staging buffer that
     j's write-back still reads; N=3 and N=4 gave wrong tokens before the fix (N=2, the other tests' N, not)."""
     ids = torch.randint(3, 512, (n, prompt), generator=torch.Generator().manual_seed(n))
-    out = engine(preset, schedule, b=1, n=n, k=1).generate(ids, max_new_tokens=6, pad_token_id=PAD)
+    cfg = SpeedLoaderConfig(sub_batch_size=1, num_sub_batches=n, num_live_blocks=1, schedule=schedule,
+                            memory_tracking="never", **extra)
+    out = SpeedLoaderEngine(build(preset), cfg).generate(ids, max_new_tokens=6, pad_token_id=PAD)
     expected = build(preset).generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=PAD)
     assert torch.equal(out, expected), f"rows with wrong tokens: {(out != expected).any(1).tolist()}"
 

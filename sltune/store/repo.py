@@ -24,8 +24,9 @@ class Store:
 
     # -- jobs --------------------------------------------------------------------------------------
     def create_job(self, name: str, spec: dict[str, Any], spec_hash: str, requirements: dict[str, Any],
-                   job_id: str | None = None, status: str = "queued") -> Job:
+                   job_id: str | None = None, status: str = "queued", limits: dict[str, Any] | None = None) -> Job:
         job = Job(id=job_id or uuid.uuid4().hex[:12], name=name, spec=spec, spec_hash=spec_hash, status=status,
+                  limits=limits,
                   started_at=now() if status == "running" else None,
                   requirements=requirements, progress={"trials_done": 0, "max_trials": spec["search"]["max_trials"]})
         with self.Session.begin() as s:
@@ -232,6 +233,12 @@ class Store:
     def add_artifact(self, job_id: str, trial_number: int | None, kind: str, path: str, nbytes: int) -> None:
         with self.Session.begin() as s:
             s.add(Artifact(job_id=job_id, trial_number=trial_number, kind=kind, path=path, bytes=nbytes))
+
+    def traced_trials(self, job_id: str) -> set[int]:
+        """Numbers of the job's trials that have a trace, in one query."""
+        with self.Session() as s:
+            return set(s.scalars(select(Artifact.trial_number).where(Artifact.job_id == job_id,
+                                                                     Artifact.kind == "trace")))
 
     def artifact(self, job_id: str, trial_number: int, kind: str) -> Artifact | None:
         with self.Session() as s:

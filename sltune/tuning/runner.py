@@ -111,8 +111,8 @@ def run_job(store: Store, job_id: str, *, progress: ProgressFn | None = None, sh
             worker_id: str | None = None, artifact_dir: Path | None = None,
             default_host_limit: int | None = None) -> dict[str, Any]:
     """Run (or resume) a job. With worker_id every write is fenced: a runner that lost the job writes
-    nothing more. default_host_limit caps trials whose spec sets no host_memory_limit, so no trial can
-    take the machine (and the server beside it) down."""
+    nothing more. default_host_limit is this worker's ceiling on a trial's host memory, whatever the spec
+    says, so no trial can take the machine (and the server beside it) down."""
     job = store.job(job_id)
     if job is None:
         raise ValueError(f"no job {job_id!r} in {store.url}")
@@ -269,6 +269,7 @@ def trial_spec(spec: TuningSpec, c: Candidate, trace: Path | None, default_host_
                      num_live_blocks=c.k, schedule=s.schedule, mode=w.mode, seq_len=w.seq_len,
                      prompt_len=w.prompt_len, new_tokens=w.new_tokens, world_size=hw.world_size, device=hw.device,
                      device_memory_limit=hw.device_memory_limit,
-                     host_memory_limit=hw.host_memory_limit or default_host_limit,
+                     host_memory_limit=min((x for x in (hw.host_memory_limit, default_host_limit) if x),
+                                           default=None),
                      steps=s.trial_steps, profile=s.profile, trace_path=str(trace) if trace else None,
                      timeout_s=s.trial_timeout_s, seed=s.seed)

@@ -84,10 +84,10 @@ def run_worker(args: argparse.Namespace) -> int:
     worker = Worker(_settings(args))
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: worker.stop.set())
-    if args.exit_with_parent:      # `sltune serve` died (even by kill -9): stop as if asked to
+    if args.exit_with_parent:      # `sltune serve` died (kill -9, say): go too, as a killed worker would
         from sltune.profiling.lifeline import die_with_parent
 
-        die_with_parent(signal.SIGTERM)
+        die_with_parent()
     worker.run_forever()
     return 0
 

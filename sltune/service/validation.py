@@ -20,6 +20,7 @@ from typing import Any
 from pebble import ProcessExpired, ProcessPool
 from pydantic import ValidationError
 
+from sltune.profiling.lifeline import fork_server_dies_with_me
 from sltune.service.ceilings import Refused, admit
 from sltune.settings import Settings
 
@@ -70,7 +71,8 @@ class SpecChecker:
         self.pending = 0
         ctx = mp.get_context("forkserver") if "forkserver" in mp.get_all_start_methods() else mp.get_context("spawn")
         if ctx.get_start_method() == "forkserver":
-            ctx.set_forkserver_preload(["sltune.profiling.preload"])
+            ctx.set_forkserver_preload(["sltune.profiling.fork_server"])
+            fork_server_dies_with_me()
         self.pool = ProcessPool(max_workers=settings.spec_check_workers, initializer=_start_worker, context=ctx)
 
     async def check(self, data: Any) -> Verdict:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 from contextlib import contextmanager
 from functools import lru_cache
@@ -19,6 +20,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from sltune.store.migrations.names import BASELINE, VERSION_TABLE
 
 MIGRATIONS = Path(__file__).parent / "migrations"
+logging.getLogger("alembic").setLevel(logging.WARNING)      # not two lines per process start
 
 
 def normalize_url(url: str) -> str:

@@ -37,6 +37,7 @@ def create_app(settings: Settings | None = None, embedded_worker: bool = False) 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.checker = SpecChecker(settings)
+        await app.state.checker.warm_up()
         worker = None
         if embedded_worker:
             worker = subprocess.Popen([sys.executable, "-m", "sltune", "worker", "--db", url,
@@ -78,4 +79,12 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
         components = schema.setdefault("components", {}).setdefault("schemas", {})
         components.update(spec.pop("$defs", {}))
         components["TuningSpec"] = spec
+        for operation in (op for item in schema["paths"].values() for op in item.values()):
+            for code, response in operation.get("responses", {}).items():
+                if code.isdigit() and int(code) >= 400:     # errors are JSON whatever the route's media type
+                    media = next(iter(response.get("content", {}).values()), {})
+                    response["content"] = {"application/json": media}
+        schema["paths"]["/tune"]["post"]["responses"]["202"]["links"] = {"GetJob": {
+            "operationId": schema["paths"]["/jobs/{job_id}"]["get"]["operationId"],
+            "parameters": {"job_id": "$response.body#/job_id"}}}
     return app.openapi_schema

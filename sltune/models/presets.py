@@ -121,6 +121,14 @@ _CODE_KEYS = {"auto_map", "trust_remote_code", "attn_implementation", "quantizat
               "kernel_config", "custom_pipelines", "name_or_path", "transformers_version"}
 
 
+def hf_config_schema() -> dict[str, Any]:
+    """The JSON schema of an inline config as _from_dict checks it, for the API's OpenAPI document."""
+    sizes = {key: {"type": "integer", "minimum": 1, "maximum": bound} for key, bound in _BOUNDS.items()}
+    return {"type": "object", "required": ["model_type"],
+            "properties": {"model_type": {"enum": list(SUPPORTED_FAMILIES)}, **sizes},
+            "propertyNames": {"not": {"anyOf": [{"enum": sorted(_CODE_KEYS)}, {"pattern": "^_"}]}}}
+
+
 def _from_dict(data: dict[str, Any], source: str):
     from transformers import AutoConfig
 
@@ -129,6 +137,8 @@ def _from_dict(data: dict[str, Any], source: str):
         value = data.get(key)
         if value is None:
             continue
+        if isinstance(value, float) and value.is_integer():      # 12.0 is JSON's integer 12 too
+            value = data[key] = int(value)
         if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= bound:
             raise ValueError(f"{source}: {key} must be an integer from 1 to {bound}, got {value!r}")
     family = data.pop("model_type", None)

@@ -76,6 +76,8 @@ class SpecChecker:
         self.pool = ProcessPool(max_workers=settings.spec_check_workers, initializer=_start_worker, context=ctx)
 
     async def check(self, data: Any) -> Verdict:
+        if not isinstance(data, dict):         # no need to queue behind heavy specs for this one
+            return check(data, self.settings)
         key = json.dumps(data, sort_keys=True, separators=(",", ":"))
         if key in self.cache:
             self.cache.move_to_end(key)
@@ -98,6 +100,13 @@ class SpecChecker:
         if len(self.cache) > self.cache_size:
             self.cache.popitem(last=False)
         return verdict
+
+    async def warm_up(self) -> None:
+        """Start the pool's fork server and processes (importing torch and transformers: seconds) before
+        the first request, not during it."""
+        futures = [self.pool.schedule(check, ({"model": {"preset": "llama-tiny"}}, self.settings))
+                   for _ in range(self.settings.spec_check_workers)]
+        await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
 
     def close(self) -> None:
         self.pool.stop()

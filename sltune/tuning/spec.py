@@ -13,11 +13,12 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator,
-                      model_validator)
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, WithJsonSchema,
+                      field_validator, model_validator)
 
 from sltune.config import DType, Schedule
-from sltune.sizes import format_bytes, parse_bytes
+from sltune.models.presets import hf_config_schema
+from sltune.sizes import SIZE_SCHEMA, format_bytes, parse_bytes
 
 
 class _Strict(BaseModel):
@@ -35,7 +36,7 @@ class ModelSpec(_Strict):
 
     model_config = ConfigDict(json_schema_extra={"oneOf": [  # exactly one source, as _one_source checks
         {"required": ["preset"], "properties": {"preset": {"type": "string"}}},
-        {"required": ["hf_config"], "properties": {"hf_config": {"type": "object"}}}]})
+        {"required": ["hf_config"], "properties": {"hf_config": hf_config_schema()}}]})
 
     preset: _preset_names() | None = None  # type: ignore[valid-type]
     hf_config: dict[str, Any] | None = None
@@ -72,8 +73,8 @@ class Workload(_Strict):
 
 class Hardware(_Strict):
     device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d{1,2})?)$", description="cpu, cuda or cuda:N")
-    device_memory_limit: int | None = None
-    host_memory_limit: int | None = None
+    device_memory_limit: Annotated[int | None, WithJsonSchema(SIZE_SCHEMA)] = None
+    host_memory_limit: Annotated[int | None, WithJsonSchema(SIZE_SCHEMA)] = None
     world_size: int = Field(1, ge=1)
 
     @field_validator("device_memory_limit", "host_memory_limit", mode="before")

@@ -42,6 +42,8 @@ class Settings(BaseSettings):
     lease_seconds: float = 30.0
     heartbeat_seconds: float = 5.0
     poll_seconds: float = 1.0
+    forget_workers_after_s: float = Field(600.0, gt=0, description="rows of workers silent this long are "
+                                          "deleted (a live worker touches its row every few seconds)")
     jobs_per_worker: int = Field(1, ge=1, le=64, description="jobs one worker runs at once")
 
     @field_validator("api_token")

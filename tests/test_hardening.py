@@ -119,3 +119,14 @@ def test_healthz_answers_within_200ms_while_6_heavy_specs_are_checked(api):
     # each was checked in full: its shape built, then its host memory found above this server's ceiling
     assert answers == [(422, "hardware:")] * 6, answers
     assert len(latencies) >= 10 and max(latencies) < 0.2, (statistics.median(latencies), max(latencies))
+
+
+@pytest.mark.parametrize("token", ["", "  ", "\n"])
+def test_a_blank_token_is_no_token(token, monkeypatch, capsys):
+    from sltune.cli.main import main
+    from sltune.settings import Settings
+
+    monkeypatch.setenv("SLTUNE_API_TOKEN", token)
+    assert Settings().api_token is None
+    assert main(["serve", "--host", "0.0.0.0", "--port", "1"]) == 2     # refused: no token, not loopback
+    assert "without SLTUNE_API_TOKEN" in capsys.readouterr().err

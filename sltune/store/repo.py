@@ -6,7 +6,7 @@ import uuid
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import and_, func, or_, select, update
+from sqlalchemy import and_, delete, func, or_, select, update
 
 from sltune.store.db import is_postgres, sessions
 from sltune.store.schema import Artifact, Fit, Job, Trial, Worker, now
@@ -170,6 +170,12 @@ class Store:
             row = s.get(Worker, worker_id)
             if row is not None:
                 s.delete(row)
+
+    def prune_workers(self, silent_for_s: float) -> int:
+        """Forget workers not seen for this long (dead ones; a live worker touches its row every poll or
+        heartbeat). Returns how many rows went."""
+        with self.Session.begin() as s:
+            return s.execute(delete(Worker).where(Worker.last_seen < now() - timedelta(seconds=silent_for_s))).rowcount
 
     def live_workers(self, within_s: float) -> list[Worker]:
         with self.Session() as s:

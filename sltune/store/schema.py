@@ -14,7 +14,7 @@ from sqlalchemy import (JSON, BigInteger, Boolean, DateTime, Float, ForeignKey, 
                         TypeDecorator, UniqueConstraint)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
-SCHEMA_VERSION = 2     # the row the newest migration writes
+SCHEMA_VERSION = 2     # the row migrations write; raised only by those sltune 0.1 cannot work with
 
 
 def now() -> datetime:

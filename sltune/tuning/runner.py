@@ -19,7 +19,7 @@ from sltune.profiling import run_trial
 from sltune.profiling.schema import TrialSpec
 from sltune.settings import Settings
 from sltune.store import Store
-from sltune.store.db import normalize_url
+from sltune.store.optuna import optuna_location
 from sltune.tuning.result import job_result
 from sltune.tuning.shape import shape_of
 from sltune.tuning.space import Candidate, SearchSpace
@@ -95,10 +95,9 @@ def optuna_storage(url: str) -> optuna.storages.RDBStorage:
     """One Optuna storage per database and process. Creating it creates Optuna's tables, which two job
     threads (or two processes on a new database) must not do at once: a lock here, one retry across
     processes."""
-    url = normalize_url(url)
+    url, kwargs = optuna_location(url)       # beside the job store, never among its tables
     with _STORAGE_LOCK:
         if url not in _STORAGES:
-            kwargs = {"connect_args": {"timeout": 30}} if url.startswith("sqlite") else {"pool_pre_ping": True}
             try:
                 _STORAGES[url] = optuna.storages.RDBStorage(url, engine_kwargs=kwargs)
             except Exception:  # noqa: BLE001 - another process created the tables first; they exist now

@@ -49,7 +49,7 @@ async def post_tune(request: Request) -> Accepted:
 
 @router.get("/jobs", response_model=list[JobSummary], responses=responses(422))
 def list_jobs(request: Request, status: Status | None = Query(None), limit: int = Query(100, ge=1, le=1000)) -> Any:
-    return [job_summary(j) for j in store(request).jobs(limit=limit, status=status)]
+    return [{**j, "progress": j["progress"] or {}} for j in store(request).job_summaries(limit, status)]
 
 
 @router.get("/jobs/{job_id}", response_model=JobDetail, responses=responses(404, 422))

@@ -20,6 +20,8 @@ class Settings(BaseSettings):
     api_token: str | None = Field(None, description="bearer token every write to the API needs")
     host: str = "127.0.0.1"
     port: int = 8000
+    access_log: bool = Field(False, description="log every request (uvicorn's access log); off, it costs "
+                                                "reads per second")
     # ceilings on what one request may ask for: counts and times above them are refused, memory limits
     # above them are lowered to them (see sltune/service/ceilings.py)
     max_request_bytes: int = 256 * 1024

@@ -129,3 +129,12 @@ def test_rows_of_silent_workers_are_pruned(store):
         s.get(Worker, "dead").last_seen = now() - timedelta(seconds=700)
     assert store.prune_workers(600) == 1
     assert [w.id for w in store.live_workers(within_s=3600)] == ["alive"]
+
+
+def test_the_list_view_reads_only_the_best_of_a_result(store):
+    job = store.create_job("j", SPEC, "h", REQ)
+    best = {"tokens_per_s": 12.5, "config": {"sub_batch_size": 2}}
+    store.set_status(job.id, "succeeded", result={"best": best, "trials": [{"number": 0}] * 50})
+    row = store.job_summaries(limit=10)[0]
+    assert row["id"] == job.id and row["best"] == best and "trials" not in row and "spec" not in row
+    assert store.job_summaries(limit=10, status="queued") == []

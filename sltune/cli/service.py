@@ -64,7 +64,7 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"refusing to serve on {settings.host} without SLTUNE_API_TOKEN: anyone could submit jobs")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     app = create_app(settings, embedded_worker=not args.no_worker)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info")
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info", access_log=settings.access_log)
     return 0
 
 

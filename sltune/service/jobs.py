@@ -19,7 +19,7 @@ def job_summary(job: Job) -> dict[str, Any]:
 def job_detail(store: Store, job: Job, settings: Settings) -> dict[str, Any]:
     result = job.result or {}
     models = result.get("models")
-    if models is None:
+    if models is None and job.status != "queued":
         models = store.latest_fits(job.id) or None       # while the job runs
     return {**job_summary(job), "spec": job.spec, "worker_id": job.worker_id, "attempts": job.attempts,
             "cancel_requested": job.cancel_requested, "limits": job.limits, "predicted": result.get("predicted"),

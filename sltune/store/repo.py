@@ -44,6 +44,17 @@ class Store:
                 q = q.where(Job.status == status)
             return list(s.scalars(q))
 
+    def job_summaries(self, limit: int = 100, status: str | None = None) -> list[dict[str, Any]]:
+        """The newest jobs' list view in one narrow query: no spec, and of the result (which holds every
+        trial) only its best, extracted by the database."""
+        cols = (Job.id, Job.name, Job.status, Job.progress, Job.created_at, Job.started_at, Job.finished_at,
+                Job.result["best"].label("best"), Job.error)
+        q = select(*cols).order_by(Job.created_at.desc()).limit(limit)
+        if status:
+            q = q.where(Job.status == status)
+        with self.Session() as s:
+            return [row._asdict() for row in s.execute(q)]
+
     def resumable(self, spec_hash: str) -> Job | None:
         """The newest unfinished job with this exact spec: a re-run of the same command resumes it."""
         with self.Session() as s:

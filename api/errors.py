@@ -9,7 +9,6 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 
-
 class Problem(BaseModel):
     """A 4xx or 5xx other than 422: what went wrong and what to do."""
 
@@ -29,28 +28,26 @@ class Invalid(BaseModel):
 
 
 class SpecInvalid(Exception):
-    def __init__(self, errors: list[tuple[str, str]], source: str = "body"):
-        self.errors, self.source = errors, source
+    """A POST /tune body the spec checker refused: (field path, message) per mistake."""
+
+    def __init__(self, errors: list[tuple[str, str]]):
+        self.errors = errors
 
 
-def invalid(errors: list[tuple[str, str]], source: str = "body") -> JSONResponse:
-    detail = [{"loc": [source, *where.split(".")] if where else [source],
-               "msg": f"{where}: {msg}" if where else msg, "type": "value_error"} for where, msg in errors]
-    return JSONResponse({"detail": detail}, status_code=422)
+def _entry(source: str, where: list[str], msg: str, kind: str) -> dict:
+    path = ".".join(where)
+    return {"loc": [source, *where], "msg": f"{path}: {msg}" if path else msg, "type": kind}
 
 
 async def on_spec_invalid(request: Request, exc: SpecInvalid) -> JSONResponse:
-    return invalid(exc.errors, exc.source)
+    detail = [_entry("body", where.split(".") if where else [], msg, "value_error") for where, msg in exc.errors]
+    return JSONResponse({"detail": detail}, status_code=422)
 
 
 async def on_request_invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
     """Path and query parameters (the body of POST /tune is checked by SpecChecker)."""
-    detail = []
-    for e in exc.errors():
-        source, *where = [str(p) for p in e["loc"]]
-        path = ".".join(where)
-        msg = e["msg"].removeprefix("Value error, ")
-        detail.append({"loc": [source, *where], "msg": f"{path}: {msg}" if path else msg, "type": e["type"]})
+    detail = [_entry(str(e["loc"][0]), [str(p) for p in e["loc"][1:]], e["msg"].removeprefix("Value error, "),
+                     e["type"]) for e in exc.errors()]
     return JSONResponse({"detail": detail}, status_code=422)
 
 

@@ -130,3 +130,18 @@ def test_a_blank_token_is_no_token(token, monkeypatch, capsys):
     assert Settings().api_token is None
     assert main(["serve", "--host", "0.0.0.0", "--port", "1"]) == 2     # refused: no token, not loopback
     assert "without SLTUNE_API_TOKEN" in capsys.readouterr().err
+
+
+def test_a_worker_holds_each_trial_to_its_own_host_ceiling_whatever_the_stored_spec_says():
+    from sltune.tuning.runner import trial_spec
+    from sltune.tuning.space import Candidate
+    from sltune.tuning.spec import TuningSpec
+
+    def host_limit(asked: str | None, ceiling: int | None) -> int | None:
+        spec = TuningSpec.model_validate({**tiny_spec(), "hardware": {"host_memory_limit": asked}})
+        return trial_spec(spec, Candidate(1, 1, 1), None, default_host_limit=ceiling).host_memory_limit
+
+    assert host_limit("1000TiB", 2**30) == 2**30
+    assert host_limit("512MiB", 2**30) == 2**29
+    assert host_limit(None, 2**30) == 2**30
+    assert host_limit("512MiB", None) == 2**29

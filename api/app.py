@@ -1,5 +1,5 @@
-"""The FastAPI application: REST routes, the dashboard pages, and (for `sltune serve`) one worker
-process beside the server."""
+"""The FastAPI application: REST routes, the dashboard pages, offline API docs, and (for `sltune serve`)
+one worker process beside the server, which dies with it."""
 
 from __future__ import annotations
 
@@ -7,23 +7,28 @@ import contextlib
 import logging
 import subprocess
 import sys
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from fastapi_offline import FastAPIOffline
 
 from sltune import __version__
-from sltune.api.limits import BodyLimit
+from sltune.api.errors import SpecInvalid, on_request_invalid, on_spec_invalid
+from sltune.api.limits import BodyLimit, NoNul
 from sltune.api.routes import router
 from sltune.dashboards.pages import router as dashboard_router
+from sltune.service.validation import SpecChecker
 from sltune.settings import Settings
 from sltune.store import Store
+from sltune.tuning.spec import TuningSpec
 
 log = logging.getLogger("sltune.api")
 
 
 def create_app(settings: Settings | None = None, embedded_worker: bool = False) -> FastAPI:
-    # spec validation builds models on the meta device from request threads; transformers' lazy imports
-    # are not thread-safe, so load them once here
+    # the dashboards build figures from request threads; transformers' lazy imports are not thread-safe,
+    # so load them once here
     import sltune.profiling.preload  # noqa: F401
 
     settings = settings or Settings()
@@ -31,14 +36,17 @@ def create_app(settings: Settings | None = None, embedded_worker: bool = False) 
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        app.state.checker = SpecChecker(settings)
+        await app.state.checker.warm_up()
         worker = None
         if embedded_worker:
             worker = subprocess.Popen([sys.executable, "-m", "sltune", "worker", "--db", url,
-                                       "--data-dir", str(settings.data_dir)])
+                                       "--data-dir", str(settings.data_dir), "--exit-with-parent"])
             log.info("embedded worker pid %d", worker.pid)
         try:
             yield
         finally:
+            app.state.checker.close()
             if worker is not None:
                 worker.terminate()
                 try:
@@ -46,13 +54,37 @@ def create_app(settings: Settings | None = None, embedded_worker: bool = False) 
                 except subprocess.TimeoutExpired:
                     worker.kill()
 
-    app = FastAPI(title="sltune", version=__version__, lifespan=lifespan,
-                  description="SpeedLoader tuning service: POST /tune queues a job; workers run it; "
-                              "GET /jobs/{id}/config.yaml hands the best config to training.")
+    # Swagger UI and ReDoc from files fastapi-offline installs: /docs works without internet access
+    app = FastAPIOffline(title="sltune", version=__version__, lifespan=lifespan,
+                         description="SpeedLoader tuning service: POST /tune queues a job; workers run it; "
+                                     "GET /jobs/{id}/config.yaml hands the best config to training.")
     app.state.settings = settings
     app.state.store = Store(url)
-
+    app.add_exception_handler(SpecInvalid, on_spec_invalid)
+    app.add_exception_handler(RequestValidationError, on_request_invalid)
     app.add_middleware(BodyLimit, limit=settings.max_request_bytes)
+    app.add_middleware(NoNul)
     app.include_router(router)
     app.include_router(dashboard_router)
+    app.openapi = lambda: _openapi(app)
     return app
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's document plus the tuning spec's schema, which POST /tune refers to (it reads its body
+    itself, to check it off the event loop)."""
+    if app.openapi_schema is None:
+        schema = FastAPI.openapi(app)
+        spec = TuningSpec.model_json_schema(ref_template="#/components/schemas/{model}")
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        components.update(spec.pop("$defs", {}))
+        components["TuningSpec"] = spec
+        for operation in (op for item in schema["paths"].values() for op in item.values()):
+            for code, response in operation.get("responses", {}).items():
+                if code.isdigit() and int(code) >= 400:     # errors are JSON whatever the route's media type
+                    media = next(iter(response.get("content", {}).values()), {})
+                    response["content"] = {"application/json": media}
+        schema["paths"]["/tune"]["post"]["responses"]["202"]["links"] = {"GetJob": {
+            "operationId": schema["paths"]["/jobs/{job_id}"]["get"]["operationId"],
+            "parameters": {"job_id": "$response.body#/job_id"}}}
+    return app.openapi_schema

@@ -1,5 +1,7 @@
-"""A request body limit enforced on the bytes as they arrive, so a chunked body (no Content-Length)
-cannot stream more than the server accepts into memory before auth or validation run."""
+"""Checks on the raw request, before any route runs: a body limit enforced on the bytes as they arrive,
+so a chunked body (no Content-Length) cannot stream more than the server accepts into memory before
+auth or validation run; and no NUL byte in the path or query, which no job id or filter contains and
+PostgreSQL refuses in text (a 500 if it got that far)."""
 
 from __future__ import annotations
 
@@ -35,7 +37,29 @@ class BodyLimit:
         await self.app(scope, counted_receive, send)
 
     async def _reject(self, send) -> None:
-        body = json.dumps({"detail": f"request body over {self.limit} bytes"}).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body})
+        await answer(send, 413, {"detail": f"request body over {self.limit} bytes"})
+
+
+class NoNul:
+    """ASGI middleware: a NUL byte in the path is a 404 (no such resource), in the query a 422."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            if "\x00" in scope["path"]:
+                return await answer(send, 404, {"detail": "no such resource: the path holds a NUL byte"})
+            query = scope.get("query_string", b"")
+            if b"%00" in query or b"\x00" in query:
+                return await answer(send, 422, {"detail": [{"loc": ["query"], "type": "value_error",
+                                                            "msg": "query: a NUL byte (%00) is never a valid value; "
+                                                                   "remove it"}]})
+        return await self.app(scope, receive, send)
+
+
+async def answer(send, status: int, payload: dict) -> None:
+    body = json.dumps(payload).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})

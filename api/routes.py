@@ -1,21 +1,30 @@
-"""The REST routes: thin; the work is done by sltune.store and sltune.tuning."""
+"""The REST routes: thin; the work is done by sltune.store, sltune.service and sltune.tuning."""
 
 from __future__ import annotations
 
-from pathlib import Path
+import json
+from typing import Any, Literal
 
-from fastapi import APIRouter, Depends, HTTPException, Path as PathParam, Query, Request, status
+from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request, status
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse, PlainTextResponse
 from sqlalchemy import text
 
 from sltune import __version__
 from sltune.api.auth import require_token
+from sltune.api.errors import SpecInvalid, responses
 from sltune.api.schemas import Accepted, Health, JobDetail, JobSummary, TrialOut
-from sltune.service.jobs import job_detail, job_summary, submit_job
+from sltune.service.jobs import job_detail, job_summary
+from sltune.service.validation import Busy
 from sltune.tuning.result import export_yaml
 from sltune.tuning.spec import TuningSpec
 
 router = APIRouter()
+JobId = Path(min_length=1, max_length=32, description="a job id, as POST /tune returned it")
+Status = Literal["queued", "running", "succeeded", "failed", "cancelled"]
+# POST /tune reads its body itself (checked off the event loop), so its schema is given here
+TUNE_BODY = {"requestBody": {"required": True, "content": {
+    "application/json": {"schema": {"$ref": "#/components/schemas/TuningSpec"}}}}}
 
 
 def store(request: Request):
@@ -23,39 +32,47 @@ def store(request: Request):
 
 
 @router.post("/tune", status_code=status.HTTP_202_ACCEPTED, response_model=Accepted,
-             dependencies=[Depends(require_token)], summary="Queue a tuning job (the body is the tuning spec)")
-def post_tune(spec: TuningSpec, request: Request) -> Accepted:
-    job = submit_job(store(request), spec, request.app.state.settings)
+             dependencies=[Depends(require_token)], openapi_extra=TUNE_BODY,
+             responses=responses(401, 413, 422, 503),
+             summary="Queue a tuning job (the body is the tuning spec)")
+async def post_tune(request: Request) -> Accepted:
+    data = _json(await request.body())
+    try:
+        verdict = await request.app.state.checker.check(data)
+    except Busy as err:
+        raise HTTPException(503, str(err), headers={"Retry-After": "5"}) from None
+    if verdict.errors:
+        raise SpecInvalid(verdict.errors)
+    job = await run_in_threadpool(store(request).create_job, **verdict.job)
     return Accepted(job_id=job.id, status=job.status)
 
 
-@router.get("/jobs", response_model=list[JobSummary])
-def list_jobs(request: Request, status: str | None = Query(None, max_length=16),
-              limit: int = Query(100, ge=1, le=1000)) -> list[JobSummary]:
-    return [job_summary(j) for j in store(request).jobs(limit=limit, status=status)]
+@router.get("/jobs", response_model=list[JobSummary], responses=responses(422))
+def list_jobs(request: Request, status: Status | None = Query(None), limit: int = Query(100, ge=1, le=1000)) -> Any:
+    return [{**j, "progress": j["progress"] or {}} for j in store(request).job_summaries(limit, status)]
 
 
-@router.get("/jobs/{job_id}", response_model=JobDetail)
-def get_job(job_id: str, request: Request) -> JobDetail:
+@router.get("/jobs/{job_id}", response_model=JobDetail, responses=responses(404, 422))
+def get_job(request: Request, job_id: str = JobId) -> Any:
     return job_detail(store(request), _job(request, job_id), request.app.state.settings)
 
 
-@router.get("/jobs/{job_id}/trials", response_model=list[TrialOut])
-def get_trials(job_id: str, request: Request) -> list[TrialOut]:
+@router.get("/jobs/{job_id}/trials", response_model=list[TrialOut], responses=responses(404, 422))
+def get_trials(request: Request, job_id: str = JobId) -> Any:
     _job(request, job_id)
     s = store(request)
-    out = []
-    for t in s.trials(job_id):
-        has_trace = s.artifact(job_id, t.number, "trace") is not None
-        out.append(TrialOut(number=t.number, role=t.role, status=t.status, config=t.config, predicted=t.predicted,
-                            result=t.result, started_at=t.started_at, finished_at=t.finished_at,
-                            trace_url=f"/jobs/{job_id}/trials/{t.number}/trace" if has_trace else None))
-    return out
+    traced = s.traced_trials(job_id)
+    return [TrialOut(number=t.number, role=t.role, status=t.status, config=t.config, predicted=t.predicted,
+                     result=t.result, started_at=t.started_at, finished_at=t.finished_at,
+                     trace_url=f"/jobs/{job_id}/trials/{t.number}/trace" if t.number in traced else None)
+            for t in s.trials(job_id)]
 
 
 @router.get("/jobs/{job_id}/trials/{number}/trace", response_class=FileResponse,
+            responses={200: {"content": {"application/json": {"schema": {"type": "object"}}},
+                             "description": "Chrome trace event format"}, **responses(404, 422)},
             summary="The trial's Chrome/Perfetto trace (JSON)")
-def get_trace(job_id: str, request: Request, number: int = PathParam(ge=0, le=1_000_000)) -> FileResponse:
+def get_trace(request: Request, job_id: str = JobId, number: int = Path(ge=0, le=1_000_000)) -> FileResponse:
     _job(request, job_id)
     art = store(request).artifact(job_id, number, "trace")
     root = request.app.state.settings.artifact_dir().resolve()
@@ -66,31 +83,46 @@ def get_trace(job_id: str, request: Request, number: int = PathParam(ge=0, le=1_
 
 
 @router.get("/jobs/{job_id}/config.yaml", response_class=PlainTextResponse,
+            responses={200: {"content": {"application/yaml": {"schema": {"type": "string"}}},
+                             "description": "the YAML SpeedLoaderConfig.from_yaml reads"},
+                       **responses(404, 409, 422)},
             summary="The best config, as the YAML SpeedLoaderConfig.from_yaml reads")
-def get_config(job_id: str, request: Request) -> PlainTextResponse:
+def get_config(request: Request, job_id: str = JobId) -> PlainTextResponse:
     job = _job(request, job_id)
     if job.status != "succeeded":
         raise HTTPException(409, f"job {job_id} is {job.status}; the config exists once it has succeeded")
-    text_ = export_yaml(TuningSpec.model_validate(job.spec), job.result)
-    return PlainTextResponse(text_, media_type="application/yaml")
+    return PlainTextResponse(export_yaml(TuningSpec.model_validate(job.spec), job.result),
+                             media_type="application/yaml")
 
 
-@router.post("/jobs/{job_id}/cancel", response_model=JobSummary, dependencies=[Depends(require_token)])
-def cancel(job_id: str, request: Request) -> JobSummary:
-    _job(request, job_id)
+@router.post("/jobs/{job_id}/cancel", response_model=JobSummary, dependencies=[Depends(require_token)],
+             responses=responses(401, 404, 413, 422))
+def cancel(request: Request, job_id: str = JobId) -> Any:
     job = store(request).request_cancel(job_id)
+    if job is None:
+        raise HTTPException(404, f"no job {job_id!r}")
     return job_summary(job)
 
 
-@router.get("/healthz", response_model=Health)
+@router.get("/healthz", response_model=Health, responses=responses(503))
 def healthz(request: Request) -> Health:
     try:
         with store(request).Session() as s:
             s.execute(text("SELECT 1"))
-        db = "ok"
     except Exception as err:  # noqa: BLE001 - reported, not raised
         raise HTTPException(503, f"database unreachable: {type(err).__name__}") from None
-    return Health(status="ok", database=db, version=__version__)
+    return Health(status="ok", database="ok", version=__version__)
+
+
+def _json(body: bytes) -> Any:
+    """The body as JSON; NaN and Infinity, which Python's parser would take, are refused like any typo."""
+    def no_constants(name: str) -> Any:
+        raise ValueError(f"{name} is not a JSON number; give a finite number")
+
+    try:
+        return json.loads(body, parse_constant=no_constants)
+    except ValueError as err:       # JSONDecodeError is a ValueError too
+        raise SpecInvalid([("", f"the body is not valid JSON: {err}")]) from None
 
 
 def _job(request: Request, job_id: str):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 
 class Accepted(BaseModel):
@@ -30,6 +30,8 @@ class JobDetail(JobSummary):
     worker_id: str | None
     attempts: int
     cancel_requested: bool
+    limits: dict[str, Any] | None = Field(None, description="per resource limit: requested, applied, and by "
+                                          "whom (request or server ceiling)")
     predicted: dict[str, Any] | None = None
     binding_limit: str | None = None
     models: dict[str, Any] | None = None

@@ -1,40 +1,93 @@
-"""API throughput while a tuning job runs: status reads per second and POST /tune latency.
+"""API throughput and latency with many jobs stored, over HTTP keep-alive.
 
-    python bench/api.py [--seconds 20] [--threads 4] [--posts 50]
+    python bench/api.py [--jobs 400] [--seconds 10] [--clients 8] [--many 32] [--busy] [--db URL]
 
-Starts `sltune serve` (API + embedded worker, SQLite) on a free loopback port, submits a job that keeps
-the worker busy, then measures, against that live server: GET /jobs/{id} reads per second from several
-client threads, and the latency of POST /tune (p50/p99). Everything stays on 127.0.0.1.
+Starts `sltune serve` on a free loopback port (no worker, so queued jobs stay queued and only the API
+is measured; --busy adds the embedded worker running a job, whose trials then compete for the cores),
+fills the store with --jobs jobs through POST /tune (its latency is measured on those requests), then
+measures, each for --seconds: GET /jobs/{id} and GET /jobs from --clients concurrent keep-alive
+connections, and GET /jobs/{id} from --many. Prints reads/s, p50/p99 latency and the server's CPU time
+per request (user + system, its child processes included), which a busy machine distorts far less than
+the rates. Client and server share the machine: on a 2-core box the client's CPU use limits the rates.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
+import random
 import signal
 import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 import httpx
+import psutil
 
 TOKEN = "bench-token"
 
 
-def spec(name: str, trials: int) -> dict:
+def spec(name: str, trials: int = 1) -> dict:
     return {"name": name, "model": {"preset": "llama-tiny"}, "workload": {"seq_len": 64},
             "search": {"strategy": "grid", "max_trials": trials, "trial_steps": 20, "profile": True}}
 
 
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
+
+
+def describe(name: str, lat: list[float], cpu_s: float, seconds: float | None = None) -> str:
+    rate = f"{len(lat) / seconds:8,.1f} req/s, " if seconds else ""
+    return (f"{name:<40} {rate}p50 {statistics.median(lat) * 1e3:6.1f} ms, p99 {pct(lat, 0.99) * 1e3:6.1f} ms, "
+            f"max {max(lat) * 1e3:6.1f} ms; server CPU {cpu_s / len(lat) * 1e3:.2f} ms/request ({len(lat)} requests)")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of the server and its children so far: what a request costs, whatever else the
+    machine is doing (on a shared machine, wall-clock rates mostly measure the neighbours)."""
+    procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    total = 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            pass
+    return total
+
+
+async def load(url: str, paths: list[str], clients: int, seconds: float) -> tuple[list[float], float]:
+    """`clients` connections, each sending its next request as soon as the last one is answered."""
+    lat: list[float] = []
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=30) as c:
+        stop = time.monotonic() + seconds
+
+        async def one() -> None:
+            while time.monotonic() < stop:
+                t = time.perf_counter()
+                r = await c.get(random.choice(paths))
+                lat.append(time.perf_counter() - t)
+                assert r.status_code == 200, r.text
+
+        t0 = time.monotonic()
+        await asyncio.gather(*(one() for _ in range(clients)))
+        return lat, time.monotonic() - t0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--seconds", type=float, default=20.0)
-    ap.add_argument("--threads", type=int, default=4)
-    ap.add_argument("--posts", type=int, default=50)
+    ap.add_argument("--jobs", type=int, default=400)
+    ap.add_argument("--seconds", type=float, default=10.0)
+    ap.add_argument("--clients", type=int, default=8)
+    ap.add_argument("--many", type=int, default=32)
+    ap.add_argument("--busy", action="store_true", help="run a tuning job in the embedded worker meanwhile")
+    ap.add_argument("--db", help="SQLAlchemy URL (default: SQLite in a temporary directory)")
     args = ap.parse_args()
 
     tmp = tempfile.mkdtemp(prefix="sltune-bench-")
@@ -42,55 +95,40 @@ def main() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "SLTUNE_API_TOKEN": TOKEN, "SLTUNE_DATA_DIR": tmp}
-    server = subprocess.Popen([sys.executable, "-m", "sltune", "serve", "--port", str(port)], env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    cmd = [sys.executable, "-m", "sltune", "serve", "--port", str(port)] + ([] if args.busy else ["--no-worker"])
+    cmd += ["--db", args.db] if args.db else []
+    server = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              start_new_session=True)
     url = f"http://127.0.0.1:{port}"
-    headers = {"Authorization": f"Bearer {TOKEN}"}
     try:
-        for _ in range(120):
+        for _ in range(240):
             try:
                 if httpx.get(url + "/healthz", timeout=1).status_code == 200:
                     break
             except httpx.HTTPError:
                 time.sleep(0.25)
-        client = httpx.Client(base_url=url, headers=headers, timeout=30)
-        job = client.post("/tune", json=spec("busy", 30)).json()["job_id"]
-        while client.get(f"/jobs/{job}").json()["status"] != "running":
-            time.sleep(0.2)
-        print(f"server {url}; job {job} running (trials in a child process of the embedded worker)")
-
-        counts = [0] * args.threads
-        stop = time.monotonic() + args.seconds
-
-        def reader(i: int) -> None:
-            with httpx.Client(base_url=url, timeout=30) as c:
-                while time.monotonic() < stop:
-                    assert c.get(f"/jobs/{job}").status_code == 200
-                    counts[i] += 1
-
-        threads = [threading.Thread(target=reader, args=(i,)) for i in range(args.threads)]
-        t0 = time.monotonic()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        elapsed = time.monotonic() - t0
-        print(f"GET /jobs/{{id}}: {sum(counts) / elapsed:,.1f} reads/s from {args.threads} threads "
-              f"over {elapsed:.1f}s")
-
-        lat = []
-        for i in range(args.posts):
-            t = time.perf_counter()
-            r = client.post("/tune", json=spec(f"post-{i}", 1))
-            lat.append(time.perf_counter() - t)
-            assert r.status_code == 202, r.text
-        lat.sort()
-        p99 = lat[min(len(lat) - 1, int(round(0.99 * (len(lat) - 1))))]
-        print(f"POST /tune: p50 {statistics.median(lat) * 1e3:.1f} ms, p99 {p99 * 1e3:.1f} ms "
-              f"over {len(lat)} requests (spec validated, job queued)")
-        status = client.get(f"/jobs/{job}").json()
-        print(f"the busy job meanwhile: {status['status']}, {status['progress'].get('trials_done')} trials done")
-        client.post(f"/jobs/{job}/cancel")
+        with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30) as client:
+            if args.busy:
+                busy = client.post("/tune", json=spec("busy", 30)).json()["job_id"]
+                while client.get(f"/jobs/{busy}").json()["status"] != "running":
+                    time.sleep(0.2)
+            posts, ids = [], []
+            cpu0 = cpu_seconds(server.pid)
+            for i in range(args.jobs):
+                t = time.perf_counter()
+                r = client.post("/tune", json=spec(f"job-{i}"))
+                posts.append(time.perf_counter() - t)
+                assert r.status_code == 202, r.text
+                ids.append(r.json()["job_id"])
+        print(f"server {url}, {'a job running' if args.busy else 'no worker'}, {len(ids)} jobs stored")
+        print(describe("POST /tune (spec checked, queued)", posts, cpu_seconds(server.pid) - cpu0))
+        one = [f"/jobs/{i}" for i in ids]
+        for name, paths, clients in ((f"GET /jobs/{{id}}, {args.clients} clients", one, args.clients),
+                                     (f"GET /jobs (100 of them), {args.clients} clients", ["/jobs"], args.clients),
+                                     (f"GET /jobs/{{id}}, {args.many} clients", one, args.many)):
+            cpu0 = cpu_seconds(server.pid)
+            lat, seconds = asyncio.run(load(url, paths, clients, args.seconds))
+            print(describe(name, lat, cpu_seconds(server.pid) - cpu0, seconds))
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(30)

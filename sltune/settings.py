@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import psutil
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from sltune.sizes import parse_bytes
 
 
 class Settings(BaseSettings):
@@ -17,26 +20,46 @@ class Settings(BaseSettings):
     api_token: str | None = Field(None, description="bearer token every write to the API needs")
     host: str = "127.0.0.1"
     port: int = 8000
-    # bounds on what one request may ask for
+    access_log: bool = Field(False, description="log every request (uvicorn's access log); off, it costs "
+                                                "reads per second")
+    # ceilings on what one request may ask for: counts and times above them are refused, memory limits
+    # above them are lowered to them (see sltune/service/ceilings.py)
     max_request_bytes: int = 256 * 1024
-    max_trials: int = 200
-    max_time_budget_s: float = 24 * 3600
-    max_trial_timeout_s: float = 3600
+    max_trials: int = Field(200, ge=1)
+    max_time_budget_s: float = Field(24 * 3600, gt=0)
+    max_trial_timeout_s: float = Field(3600, gt=0)
+    max_trial_steps: int = Field(1000, ge=1, description="timed steps one trial may run")
+    max_device_memory: int | None = Field(None, description="ceiling on a job's device_memory_limit (bytes or "
+                                                             "e.g. '24GiB'); unset: what the worker's device has")
     max_tokens_per_step: int = Field(1 << 20, description="largest sub_batch_size*num_sub_batches*tokens a "
                                                             "request may ask a trial to run")
-    trial_host_memory_fraction: float = Field(0.75, gt=0, le=1, description="trials of service jobs without a "
-                                              "host_memory_limit stop at this share of the machine's memory")
+    spec_check_workers: int = Field(1, ge=1, le=16, description="processes that check POST /tune bodies")
+    spec_check_timeout_s: float = Field(30.0, gt=0, description="a spec whose check takes longer is refused")
+    spec_check_queue: int = Field(32, ge=1, description="specs waiting to be checked before POST /tune "
+                                                        "answers 503")
+    trial_host_memory_fraction: float = Field(0.75, gt=0, le=1, description="ceiling on a trial's host memory, "
+                                              "as a share of the machine's: jobs asking for more (or naming no "
+                                              "host_memory_limit) get this")
     # workers
     lease_seconds: float = 30.0
     heartbeat_seconds: float = 5.0
     poll_seconds: float = 1.0
+    forget_workers_after_s: float = Field(600.0, gt=0, description="rows of workers silent this long are "
+                                          "deleted (a live worker touches its row every few seconds)")
     jobs_per_worker: int = Field(1, ge=1, le=64, description="jobs one worker runs at once")
 
     @field_validator("api_token")
     @classmethod
     def _token(cls, value: str | None) -> str | None:
-        """An empty token is no token: it must never match an empty Authorization header."""
-        return value or None
+        """A blank token is no token: it must never match an empty Authorization header, nor let the
+        server bind beyond loopback as if writes were protected. A trailing newline (a token read
+        from a file) is not part of it."""
+        return (value or "").strip() or None
+
+    @field_validator("max_device_memory", mode="before")
+    @classmethod
+    def _bytes(cls, value: Any, info) -> int | None:
+        return None if value in (None, "") else parse_bytes(value, f"SLTUNE_{info.field_name.upper()}")
 
     def trial_host_limit(self) -> int:
         return int(psutil.virtual_memory().total * self.trial_host_memory_fraction)

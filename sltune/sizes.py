@@ -11,6 +11,10 @@ _UNITS = {
     "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
 }
 _PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+# what parse_bytes takes, as JSON schema (for the API's OpenAPI document)
+SIZE_SCHEMA = {"anyOf": [{"type": "number", "minimum": 1},
+                         {"type": "string", "pattern": r"^\s*[0-9]*\.?[0-9]+\s*([bB]|[kKmMgGtT]([bB]|[iI][bB])?)?\s*$"},
+                         {"type": "null"}]}
 
 
 def parse_bytes(value: int | float | str, field: str = "size") -> int:

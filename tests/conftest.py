@@ -101,18 +101,16 @@ def pg_server_url():
     return url
 
 
-@pytest.fixture
-def pg_url(pg_server_url):
-    """A fresh database on the PostgreSQL server for one test, dropped afterwards."""
+def _fresh_pg_database(server_url: str):
     import sqlalchemy as sa
 
     from sltune.store.db import normalize_url
 
-    admin = sa.create_engine(normalize_url(pg_server_url), isolation_level="AUTOCOMMIT")
+    admin = sa.create_engine(normalize_url(server_url), isolation_level="AUTOCOMMIT")
     name = f"sltune_t_{uuid.uuid4().hex[:10]}"
     with admin.connect() as c:
         c.execute(sa.text(f'CREATE DATABASE "{name}"'))
-    base = pg_server_url.rsplit("/", 1)[0]
+    base = server_url.rsplit("/", 1)[0]
     yield f"{base}/{name}"
     from sltune.store.db import engine_for
 
@@ -120,6 +118,18 @@ def pg_url(pg_server_url):
     with admin.connect() as c:
         c.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
     admin.dispose()
+
+
+@pytest.fixture
+def pg_url(pg_server_url):
+    """A fresh database on the PostgreSQL server for one test, dropped afterwards."""
+    yield from _fresh_pg_database(pg_server_url)
+
+
+@pytest.fixture(scope="module")
+def pg_module_url(pg_server_url):
+    """A fresh database for one test module (a server shared by its tests), dropped afterwards."""
+    yield from _fresh_pg_database(pg_server_url)
 
 
 def tiny_spec(name: str = "job", trials: int = 3, **search) -> dict:

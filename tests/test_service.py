@@ -56,8 +56,10 @@ def test_writes_need_the_token_and_bad_specs_get_field_errors(services):
         r = c.post("/tune", content=b"x" * 300_000, headers={"content-type": "application/json"})
         assert r.status_code == 413
         chunks = (b"x" * 10_000 for _ in range(100))                  # chunked: no Content-Length
-        r = anon.post("/tune", content=chunks, headers={"content-type": "application/json"})
+        r = c.post("/tune", content=chunks, headers={"content-type": "application/json"})
         assert r.status_code == 413
+        chunks = (b"x" * 10_000 for _ in range(100))                  # without the token: never read
+        assert anon.post("/tune", content=chunks, headers={"content-type": "application/json"}).status_code == 401
         assert c.get("/jobs/nope").status_code == 404
         assert anon.post("/jobs/nope/cancel").status_code == 401
 

@@ -2,6 +2,7 @@
 
 import threading
 import time
+from datetime import timedelta
 
 import pytest
 
@@ -117,3 +118,23 @@ def test_two_workers_on_postgres_run_six_jobs_each_exactly_once(pg_url, tmp_path
         assert len(holders) == 2, holders                         # both workers took jobs
     finally:
         svc.stop()
+
+
+def test_rows_of_silent_workers_are_pruned(store):
+    from sltune.store.schema import Worker, now
+
+    store.register_worker("alive", {})
+    store.register_worker("dead", {})
+    with store.Session.begin() as s:
+        s.get(Worker, "dead").last_seen = now() - timedelta(seconds=700)
+    assert store.prune_workers(600) == 1
+    assert [w.id for w in store.live_workers(within_s=3600)] == ["alive"]
+
+
+def test_the_list_view_reads_only_the_best_of_a_result(store):
+    job = store.create_job("j", SPEC, "h", REQ)
+    best = {"tokens_per_s": 12.5, "config": {"sub_batch_size": 2}}
+    store.set_status(job.id, "succeeded", result={"best": best, "trials": [{"number": 0}] * 50})
+    row = store.job_summaries(limit=10)[0]
+    assert row["id"] == job.id and row["best"] == best and "trials" not in row and "spec" not in row
+    assert store.job_summaries(limit=10, status="queued") == []

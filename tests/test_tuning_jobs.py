@@ -17,7 +17,7 @@ from sltune.settings import Settings
 from sltune.store import Store
 from sltune.tuning.plan import plan
 from sltune.tuning.result import export_yaml
-from sltune.tuning.runner import trial_spec, tune
+from sltune.tuning.runner import optuna_storage, trial_spec, tune
 from sltune.tuning.shape import shape_of
 from sltune.tuning.space import Candidate, SearchSpace
 from sltune.tuning.spec import TuningSpec
@@ -168,7 +168,7 @@ def test_a_killed_job_resumes_without_rerunning_finished_trials(tmp_path):
     finished = [t for t in trials if t.status != "interrupted"]
     configs = [json.dumps(t.config, sort_keys=True) for t in finished]
     assert len(configs) == len(set(configs)) == 8                        # each config ran exactly once
-    study = optuna.load_study(study_name=f"sltune-{job_id}", storage=db)
+    study = optuna.load_study(study_name=f"sltune-{job_id}", storage=optuna_storage(db))
     assert sum(t.state == optuna.trial.TrialState.COMPLETE for t in study.trials) == 8
 
 
@@ -179,7 +179,7 @@ def test_baselines_run_through_optuna_in_the_job_database(strategy, tmp_path):
     result = tune(spec, db, settings=Settings(data_dir=tmp_path))
     assert result["strategy"] == strategy and len(result["trials"]) == 4
     assert result["status"] == "succeeded", result["error"]
-    study = optuna.load_study(study_name=f"sltune-{result['job_id']}", storage=db)
+    study = optuna.load_study(study_name=f"sltune-{result['job_id']}", storage=optuna_storage(db))
     ran = [t for t in study.trials if t.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL)]
     assert len(ran) == 4
     assert {tuple(sorted(t.params.items())) for t in ran} == {

@@ -27,6 +27,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     w = sub.add_parser("worker", help="one more worker on the same database")
     w.add_argument("--db", help="SQLAlchemy URL, e.g. postgresql://host/db")
     w.add_argument("--data-dir")
+    w.add_argument("--exit-with-parent", action="store_true", help=argparse.SUPPRESS)   # serve's own worker
     w.set_defaults(run=run_worker)
 
     c = sub.add_parser("submit", help="post a tuning job to a server (the CI client)")
@@ -63,7 +64,7 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"refusing to serve on {settings.host} without SLTUNE_API_TOKEN: anyone could submit jobs")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     app = create_app(settings, embedded_worker=not args.no_worker)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info")
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info", access_log=settings.access_log)
     return 0
 
 
@@ -83,6 +84,10 @@ def run_worker(args: argparse.Namespace) -> int:
     worker = Worker(_settings(args))
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: worker.stop.set())
+    if args.exit_with_parent:      # `sltune serve` died (kill -9, say): go too, as a killed worker would
+        from sltune.profiling.lifeline import die_with_parent
+
+        die_with_parent()
     worker.run_forever()
     return 0
 

@@ -109,12 +109,24 @@ def load_config(model: Any):
 _BOUNDS = {"num_hidden_layers": 1024, "n_layer": 1024, "hidden_size": 65536, "n_embd": 65536,
            "intermediate_size": 262144, "ffn_dim": 262144, "n_inner": 262144, "vocab_size": 1_048_576,
            "num_attention_heads": 1024, "n_head": 1024, "num_key_value_heads": 1024,
-           "max_position_embeddings": 1_048_576, "n_positions": 1_048_576, "word_embed_proj_dim": 65536}
+           "max_position_embeddings": 1_048_576, "n_positions": 1_048_576, "word_embed_proj_dim": 65536,
+           "head_dim": 65536}
+# ...and together: keys each within their bound can still multiply into any size, so the whole model is
+# bounded too, by its parameters as the config implies them (about 2x the largest open models).
+MAX_PARAMS = 2 * 10**12
 
 
 # keys through which a config can pull in code, kernels or quantizers from outside transformers itself
 _CODE_KEYS = {"auto_map", "trust_remote_code", "attn_implementation", "quantization_config", "use_kernels",
               "kernel_config", "custom_pipelines", "name_or_path", "transformers_version"}
+
+
+def hf_config_schema() -> dict[str, Any]:
+    """The JSON schema of an inline config as _from_dict checks it, for the API's OpenAPI document."""
+    sizes = {key: {"type": "integer", "minimum": 1, "maximum": bound} for key, bound in _BOUNDS.items()}
+    return {"type": "object", "required": ["model_type"],
+            "properties": {"model_type": {"enum": list(SUPPORTED_FAMILIES)}, **sizes},
+            "propertyNames": {"not": {"anyOf": [{"enum": sorted(_CODE_KEYS)}, {"pattern": "^_"}]}}}
 
 
 def _from_dict(data: dict[str, Any], source: str):
@@ -125,6 +137,8 @@ def _from_dict(data: dict[str, Any], source: str):
         value = data.get(key)
         if value is None:
             continue
+        if isinstance(value, float) and value.is_integer():      # 12.0 is JSON's integer 12 too
+            value = data[key] = int(value)
         if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= bound:
             raise ValueError(f"{source}: {key} must be an integer from 1 to {bound}, got {value!r}")
     family = data.pop("model_type", None)
@@ -139,9 +153,30 @@ def _from_dict(data: dict[str, Any], source: str):
             raise ValueError(f"{source}: '{key}' is not accepted: it can load code or kernels from outside; "
                              "sltune builds the standard families with their standard attention")
     try:
-        return AutoConfig.for_model(family, **data)
+        config = AutoConfig.for_model(family, **data)
     except Exception as err:  # noqa: BLE001 - any rejection is the config's fault, reported as such
         raise ValueError(f"{source}: transformers rejected the config: {type(err).__name__}: {err}") from None
+    params = implied_params(config)
+    if params > MAX_PARAMS:
+        raise ValueError(f"{source}: these sizes make a model of about {params:.3g} parameters, more than the "
+                         f"{MAX_PARAMS:.0e} sltune accepts; lower num_hidden_layers, hidden_size, "
+                         "intermediate_size, head_dim or vocab_size")
+    return config
+
+
+def implied_params(config) -> int:
+    """Parameters a config implies, from its sizes alone (nothing built): at least the real count, since
+    it counts gated MLPs, biases and untied embeddings whether the family has them or not."""
+    h = config.hidden_size
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or h // heads
+    inner = (getattr(config, "intermediate_size", None) or getattr(config, "ffn_dim", None)
+             or getattr(config, "n_inner", None) or 4 * h)
+    width = max(h, getattr(config, "word_embed_proj_dim", None) or h)
+    layer = (h + 1) * head_dim * 2 * (heads + kv) + 3 * h * inner + 2 * inner + 4 * h    # + biases, norms
+    positions = (getattr(config, "max_position_embeddings", 0) or 0) if config.model_type in ("gpt2", "opt") else 0
+    return config.num_hidden_layers * layer + 2 * config.vocab_size * width + positions * width
 
 
 def build(model: Any = "llama-tiny", seed: int = 0, dtype: str | torch.dtype = "float32"):

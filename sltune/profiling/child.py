@@ -15,11 +15,13 @@ from typing import Any
 
 import torch
 
+from sltune.profiling.lifeline import exit_when_unread
 from sltune.profiling.schema import TrialSpec
 
 
 def main(spec_data: dict[str, Any], conn, rank: int = 0, world: int = 1, port: int | None = None) -> None:
     """Entry point in a trial process: run the trial (as one rank of `world`), send one result dict, exit."""
+    exit_when_unread(conn)         # the worker that waits for this result died: stop at once
     spec = TrialSpec.model_validate(spec_data)
     try:
         if world > 1:

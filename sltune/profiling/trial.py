@@ -19,11 +19,12 @@ from typing import Any, Callable
 
 import psutil
 
+from sltune.profiling.lifeline import fork_server_dies_with_me
 from sltune.profiling.schema import TrialResult, TrialSpec
 from sltune.sizes import format_bytes
 
 # transformers imports model code lazily; preloading it here saves each trial seconds
-_PRELOAD = ["sltune.profiling.preload"]
+_PRELOAD = ["sltune.profiling.fork_server"]
 _CONTEXT: mp.context.BaseContext | None = None
 StopFn = Callable[[], str | None]
 
@@ -34,6 +35,7 @@ def _context() -> mp.context.BaseContext:
         if "forkserver" in mp.get_all_start_methods():
             _CONTEXT = mp.get_context("forkserver")
             _CONTEXT.set_forkserver_preload(_PRELOAD)
+            fork_server_dies_with_me()
         else:
             _CONTEXT = mp.get_context("spawn")
     return _CONTEXT

@@ -80,6 +80,7 @@ class Worker:
                 job = self.store.claim(self.id, lambda req: can_run(self.caps, req), self.settings.lease_seconds)
                 if job is None:
                     self.store.touch_worker(self.id)
+                    self.store.prune_workers(self.settings.forget_workers_after_s)
                     self._fail_unrunnable()
                     self.stop.wait(self.settings.poll_seconds)
                     continue

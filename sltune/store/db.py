@@ -2,13 +2,25 @@
 
 from __future__ import annotations
 
+import fcntl
+import logging
+import os
+from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
+from typing import Iterator
 
-from sqlalchemy import Engine, create_engine, event, make_url, select
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import Connection, Engine, create_engine, event, inspect, make_url, text
 from sqlalchemy.orm import Session, sessionmaker
 
-from sltune.store.schema import SCHEMA_VERSION, Base, SchemaVersion
+from sltune.store.migrations.names import BASELINE, VERSION_TABLE
+
+MIGRATIONS = Path(__file__).parent / "migrations"
+logging.getLogger("alembic").setLevel(logging.WARNING)      # not two lines per process start
 
 
 def normalize_url(url: str) -> str:
@@ -42,17 +54,54 @@ def engine_for(url: str) -> Engine:
 
 
 def _ensure_schema(engine: Engine) -> None:
-    Base.metadata.create_all(engine)
-    with Session(engine) as session:
-        rows = session.scalars(select(SchemaVersion.version)).all()
-        if not rows:
-            session.add(SchemaVersion(version=SCHEMA_VERSION))
-            session.commit()
-        elif max(rows) != SCHEMA_VERSION:
-            raise RuntimeError(
-                f"the database at {engine.url.render_as_string(hide_password=True)} has sltune schema version "
-                f"{max(rows)}, this sltune uses {SCHEMA_VERSION}; use a matching sltune or a new database"
-            )
+    """Bring the database to the newest migration; a database made by sltune 0.1 (no Alembic) is
+    stamped with the baseline first. Processes starting together take turns (a lock), and a database
+    newer than this sltune is refused with a clear message."""
+    script = ScriptDirectory(str(MIGRATIONS))
+    head = script.get_current_head()
+    with engine.connect() as conn:
+        if _revision(conn) == head:
+            return
+    with _migration_lock(engine) as conn:
+        current = _revision(conn)
+        if current == head:
+            return
+        if current is not None and script.get_revision(current) is None:
+            raise RuntimeError(f"{_where(engine)} was migrated by a newer sltune (revision {current}); "
+                               "use that sltune or a new database")
+        cfg = Config()
+        cfg.set_main_option("script_location", str(MIGRATIONS))
+        cfg.attributes["connection"] = conn
+        if current is None and inspect(conn).has_table("sltune_jobs"):
+            old = conn.execute(text("SELECT max(version) FROM sltune_schema_version")).scalar()
+            if old != 1:
+                raise RuntimeError(f"{_where(engine)} has sltune schema version {old}, which no migration "
+                                   "starts from; use a matching sltune or a new database")
+            command.stamp(cfg, BASELINE)
+        command.upgrade(cfg, "head")
+
+
+def _revision(conn: Connection) -> str | None:
+    return MigrationContext.configure(conn, opts={"version_table": VERSION_TABLE}).get_current_revision()
+
+
+def _where(engine: Engine) -> str:
+    return f"the database at {engine.url.render_as_string(hide_password=True)}"
+
+
+@contextmanager
+def _migration_lock(engine: Engine) -> Iterator[Connection]:
+    """One transaction, held alone: an advisory lock on PostgreSQL, a lock file beside a SQLite file."""
+    if engine.dialect.name == "postgresql":
+        with engine.begin() as conn:
+            conn.execute(text("SELECT pg_advisory_xact_lock(hashtext('sltune-migrate'))"))
+            yield conn
+        return
+    path = engine.url.database
+    with open(f"{path}.lock" if path and path != ":memory:" else os.devnull, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        with engine.begin() as conn:
+            yield conn
 
 
 def sessions(url: str) -> sessionmaker[Session]:

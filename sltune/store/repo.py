@@ -6,7 +6,7 @@ import uuid
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import and_, func, or_, select, update
+from sqlalchemy import and_, delete, func, or_, select, update
 
 from sltune.store.db import is_postgres, sessions
 from sltune.store.schema import Artifact, Fit, Job, Trial, Worker, now
@@ -24,8 +24,9 @@ class Store:
 
     # -- jobs --------------------------------------------------------------------------------------
     def create_job(self, name: str, spec: dict[str, Any], spec_hash: str, requirements: dict[str, Any],
-                   job_id: str | None = None, status: str = "queued") -> Job:
+                   job_id: str | None = None, status: str = "queued", limits: dict[str, Any] | None = None) -> Job:
         job = Job(id=job_id or uuid.uuid4().hex[:12], name=name, spec=spec, spec_hash=spec_hash, status=status,
+                  limits=limits,
                   started_at=now() if status == "running" else None,
                   requirements=requirements, progress={"trials_done": 0, "max_trials": spec["search"]["max_trials"]})
         with self.Session.begin() as s:
@@ -42,6 +43,17 @@ class Store:
             if status:
                 q = q.where(Job.status == status)
             return list(s.scalars(q))
+
+    def job_summaries(self, limit: int = 100, status: str | None = None) -> list[dict[str, Any]]:
+        """The newest jobs' list view in one narrow query: no spec, and of the result (which holds every
+        trial) only its best, extracted by the database."""
+        cols = (Job.id, Job.name, Job.status, Job.progress, Job.created_at, Job.started_at, Job.finished_at,
+                Job.result["best"].label("best"), Job.error)
+        q = select(*cols).order_by(Job.created_at.desc()).limit(limit)
+        if status:
+            q = q.where(Job.status == status)
+        with self.Session() as s:
+            return [row._asdict() for row in s.execute(q)]
 
     def resumable(self, spec_hash: str) -> Job | None:
         """The newest unfinished job with this exact spec: a re-run of the same command resumes it."""
@@ -170,6 +182,12 @@ class Store:
             if row is not None:
                 s.delete(row)
 
+    def prune_workers(self, silent_for_s: float) -> int:
+        """Forget workers not seen for this long (dead ones; a live worker touches its row every poll or
+        heartbeat). Returns how many rows went."""
+        with self.Session.begin() as s:
+            return s.execute(delete(Worker).where(Worker.last_seen < now() - timedelta(seconds=silent_for_s))).rowcount
+
     def live_workers(self, within_s: float) -> list[Worker]:
         with self.Session() as s:
             return list(s.scalars(select(Worker).where(Worker.last_seen >= now() - timedelta(seconds=within_s))))
@@ -232,6 +250,12 @@ class Store:
     def add_artifact(self, job_id: str, trial_number: int | None, kind: str, path: str, nbytes: int) -> None:
         with self.Session.begin() as s:
             s.add(Artifact(job_id=job_id, trial_number=trial_number, kind=kind, path=path, bytes=nbytes))
+
+    def traced_trials(self, job_id: str) -> set[int]:
+        """Numbers of the job's trials that have a trace, in one query."""
+        with self.Session() as s:
+            return set(s.scalars(select(Artifact.trial_number).where(Artifact.job_id == job_id,
+                                                                     Artifact.kind == "trace")))
 
     def artifact(self, job_id: str, trial_number: int, kind: str) -> Artifact | None:
         with self.Session() as s:

@@ -1,8 +1,8 @@
 """The tables: jobs, their trials, fitted models and artifacts (files on disk, referenced here).
 
-Schema versioning is a checked version table, not Alembic: there has been one schema so far, and a
-version row lets every process refuse a database written by another version with a clear message.
-The first real migration brings Alembic in, with this version as its baseline.
+Alembic migrations (sltune/store/migrations/) change the database; these classes must match their
+result. The `sltune_schema_version` row is kept, and raised by migrations that older sltune releases
+cannot use, because those releases check it and refuse rather than write to a newer schema.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from sqlalchemy import (JSON, BigInteger, Boolean, DateTime, Float, ForeignKey, 
                         TypeDecorator, UniqueConstraint)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2     # the row migrations write; raised only by those sltune 0.1 cannot work with
 
 
 def now() -> datetime:
@@ -66,9 +66,11 @@ class Job(Base):
     heartbeat_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
     cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
     attempts: Mapped[int] = mapped_column(Integer, default=0)
-    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=now)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=now, index=True)
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    # per resource limit: what the request asked for, what applies, and whose it is (request or server)
+    limits: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
 
     trials: Mapped[list["Trial"]] = relationship(back_populates="job", order_by="Trial.number",
                                                  cascade="all, delete-orphan")

@@ -19,7 +19,7 @@ from sltune.profiling import run_trial
 from sltune.profiling.schema import TrialSpec
 from sltune.settings import Settings
 from sltune.store import Store
-from sltune.store.db import normalize_url
+from sltune.store.optuna import optuna_location
 from sltune.tuning.result import job_result
 from sltune.tuning.shape import shape_of
 from sltune.tuning.space import Candidate, SearchSpace
@@ -95,10 +95,9 @@ def optuna_storage(url: str) -> optuna.storages.RDBStorage:
     """One Optuna storage per database and process. Creating it creates Optuna's tables, which two job
     threads (or two processes on a new database) must not do at once: a lock here, one retry across
     processes."""
-    url = normalize_url(url)
+    url, kwargs = optuna_location(url)       # beside the job store, never among its tables
     with _STORAGE_LOCK:
         if url not in _STORAGES:
-            kwargs = {"connect_args": {"timeout": 30}} if url.startswith("sqlite") else {"pool_pre_ping": True}
             try:
                 _STORAGES[url] = optuna.storages.RDBStorage(url, engine_kwargs=kwargs)
             except Exception:  # noqa: BLE001 - another process created the tables first; they exist now
@@ -111,8 +110,8 @@ def run_job(store: Store, job_id: str, *, progress: ProgressFn | None = None, sh
             worker_id: str | None = None, artifact_dir: Path | None = None,
             default_host_limit: int | None = None) -> dict[str, Any]:
     """Run (or resume) a job. With worker_id every write is fenced: a runner that lost the job writes
-    nothing more. default_host_limit caps trials whose spec sets no host_memory_limit, so no trial can
-    take the machine (and the server beside it) down."""
+    nothing more. default_host_limit is this worker's ceiling on a trial's host memory, whatever the spec
+    says, so no trial can take the machine (and the server beside it) down."""
     job = store.job(job_id)
     if job is None:
         raise ValueError(f"no job {job_id!r} in {store.url}")
@@ -269,6 +268,7 @@ def trial_spec(spec: TuningSpec, c: Candidate, trace: Path | None, default_host_
                      num_live_blocks=c.k, schedule=s.schedule, mode=w.mode, seq_len=w.seq_len,
                      prompt_len=w.prompt_len, new_tokens=w.new_tokens, world_size=hw.world_size, device=hw.device,
                      device_memory_limit=hw.device_memory_limit,
-                     host_memory_limit=hw.host_memory_limit or default_host_limit,
+                     host_memory_limit=min((x for x in (hw.host_memory_limit, default_host_limit) if x),
+                                           default=None),
                      steps=s.trial_steps, profile=s.profile, trace_path=str(trace) if trace else None,
                      timeout_s=s.trial_timeout_s, seed=s.seed)

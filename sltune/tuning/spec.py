@@ -13,15 +13,16 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator,
-                      model_validator)
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, WithJsonSchema,
+                      field_validator, model_validator)
 
 from sltune.config import DType, Schedule
-from sltune.sizes import format_bytes, parse_bytes
+from sltune.models.presets import hf_config_schema
+from sltune.sizes import SIZE_SCHEMA, format_bytes, parse_bytes
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 def _preset_names():
@@ -32,6 +33,10 @@ def _preset_names():
 
 class ModelSpec(_Strict):
     """A preset name or an inline transformers config.json; never code, never a server-side path."""
+
+    model_config = ConfigDict(json_schema_extra={"oneOf": [  # exactly one source, as _one_source checks
+        {"required": ["preset"], "properties": {"preset": {"type": "string"}}},
+        {"required": ["hf_config"], "properties": {"hf_config": hf_config_schema()}}]})
 
     preset: _preset_names() | None = None  # type: ignore[valid-type]
     hf_config: dict[str, Any] | None = None
@@ -68,8 +73,8 @@ class Workload(_Strict):
 
 class Hardware(_Strict):
     device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d{1,2})?)$", description="cpu, cuda or cuda:N")
-    device_memory_limit: int | None = None
-    host_memory_limit: int | None = None
+    device_memory_limit: Annotated[int | None, WithJsonSchema(SIZE_SCHEMA)] = None
+    host_memory_limit: Annotated[int | None, WithJsonSchema(SIZE_SCHEMA)] = None
     world_size: int = Field(1, ge=1)
 
     @field_validator("device_memory_limit", "host_memory_limit", mode="before")
@@ -146,13 +151,13 @@ class Search(_Strict):
     effective_batch_size: Knob | None = None
     num_live_blocks: Knob = Field(default_factory=lambda: Range(min=1, max=4))
     max_trials: int = Field(20, ge=1)
-    trial_steps: int = Field(2, ge=1, description="timed steps per trial")
+    trial_steps: int = Field(2, ge=1, le=100_000, description="timed steps per trial")
     trial_timeout_s: float = Field(300.0, gt=0)
     time_budget_s: float = Field(600.0, gt=0)
     margin: float = Field(0.05, ge=0.0, lt=1.0, description="predicted peaks within this fraction of a limit "
                                                             "count as over it")
     profile: bool = Field(True, description="profile one step per trial (the breakdown and trace)")
-    seed: int = 0
+    seed: int = Field(0, ge=0, le=2**32 - 1, description="seeds the samplers and the trials' data (numpy's range)")
 
     @model_validator(mode="after")
     def _batch(self) -> "Search":
@@ -251,6 +256,11 @@ class TuningSpec(_Strict):
 
 def describe_errors(err: ValidationError) -> list[str]:
     """'search.sub_batch_size.min: ...' lines, with the fix where pydantic's text lacks one."""
+    return list(dict.fromkeys(f"{where}: {msg}" if where else msg for where, msg in field_errors(err)))
+
+
+def field_errors(err: ValidationError) -> list[tuple[str, str]]:
+    """(field path, message) per error; the message never echoes the input (it may not encode)."""
     out = []
     for e in err.errors():
         loc = [str(p) for p in e["loc"] if not str(p).startswith(("int", "list[", "Range", "function-"))]
@@ -260,5 +270,5 @@ def describe_errors(err: ValidationError) -> list[str]:
             msg = "unknown field; check its spelling against the spec in the README"
         elif e["type"] == "missing":
             msg = "required field is missing"
-        out.append(f"{where}: {msg}" if where else msg)
-    return list(dict.fromkeys(out))
+        out.append((where, msg))
+    return out

@@ -1,0 +1,65 @@
+"""Error answers: every 4xx carries one line per mistake, naming the field and the fix, the same lines
+the CLI prints for a spec; never the offending input (NaN, say, would not even encode as JSON)."""
+
+from __future__ import annotations
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+
+
+class Problem(BaseModel):
+    """A 4xx or 5xx other than 422: what went wrong and what to do."""
+
+    detail: str
+
+
+class FieldError(BaseModel):
+    loc: list[str | int]
+    msg: str
+    type: str
+
+
+class Invalid(BaseModel):
+    """422: one entry per mistake; `msg` is the one-line sentence `sltune tune` prints for it."""
+
+    detail: list[FieldError]
+
+
+class SpecInvalid(Exception):
+    """A POST /tune body the spec checker refused: (field path, message) per mistake."""
+
+    def __init__(self, errors: list[tuple[str, str]]):
+        self.errors = errors
+
+
+def _entry(source: str, where: list[str], msg: str, kind: str) -> dict:
+    path = ".".join(where)
+    return {"loc": [source, *where], "msg": f"{path}: {msg}" if path else msg, "type": kind}
+
+
+async def on_spec_invalid(request: Request, exc: SpecInvalid) -> JSONResponse:
+    detail = [_entry("body", where.split(".") if where else [], msg, "value_error") for where, msg in exc.errors]
+    return JSONResponse({"detail": detail}, status_code=422)
+
+
+async def on_request_invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+    """Path and query parameters (the body of POST /tune is checked by SpecChecker)."""
+    detail = [_entry(str(e["loc"][0]), [str(p) for p in e["loc"][1:]], e["msg"].removeprefix("Value error, "),
+                     e["type"]) for e in exc.errors()]
+    return JSONResponse({"detail": detail}, status_code=422)
+
+
+RESPONSES = {
+    401: {"model": Problem, "description": "missing or wrong bearer token"},
+    404: {"model": Problem, "description": "no such job, trial or trace"},
+    409: {"model": Problem, "description": "the job has not succeeded (yet)"},
+    413: {"model": Problem, "description": "request body over SLTUNE_MAX_REQUEST_BYTES"},
+    422: {"model": Invalid, "description": "a field is invalid; each msg names it and the fix"},
+    503: {"model": Problem, "description": "busy or the database is unreachable; retry later"},
+}
+
+
+def responses(*codes: int) -> dict[int, dict]:
+    return {c: RESPONSES[c] for c in codes}

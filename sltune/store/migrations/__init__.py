@@ -1,0 +1,1 @@
+"""Alembic migrations of sltune's own tables."""

@@ -3,32 +3,49 @@
 One training step, per the SpeedLoader method (../shared/design/speedloader.md), with G groups of
 num_live_blocks layers plus the embedding and the head as units:
 
-    forward    for each unit: load it once, run all N sub-batches through it, offload each output
-    head       per sub-batch: logits, loss and dL/dh in one pass; head gradients stay on the device
-    backward   for each unit in reverse: load it once, per sub-batch recompute from the stored input and
+    forward    the embedding, then each group but the last: load it once, run all N sub-batches through it,
+               offload each output (the next group's input)
+    turnaround the last group and the head, live together: per sub-batch forward, loss and backward at once
+               (no recompute and no boundary round trip for that edge)
+    backward   each group below in reverse: load it once, per sub-batch take its output's gradient and
                backpropagate; gradients accumulate on the device and are offloaded once
+    embedding  its forward kept its autograd graph (token ids, at most a dropout mask): the backward
+               recomputes nothing
     optimizer  the user's optimizer steps the host parameters
 
+How a group's backward gets its forward's intermediates is the `activations` knob:
+    recompute  it re-runs the forward from the group's stored input (dropout replays its RNG state); device
+               memory holds one group's intermediates for one sub-batch
+    offload    the forward ran with autograd and its saved tensors went to host memory (sltune.runtime.saved),
+               loaded back one sub-batch ahead of the backward; parameters among them are re-bound to the
+               unit's reloaded buffer, not copied. Nothing is recomputed; host memory and traffic grow
+
 The "canonical" schedule runs the same pass once per micro-batch (every micro-batch loads every unit,
-gradients offloaded and added on the host each time: ZeRO-Offload's traffic), keeping activations on the
-device. "resident" keeps everything on the device: the no-I/O bound.
+gradients offloaded and added on the host each time: ZeRO-Offload's traffic), keeping activations (and under
+offload the saved tensors) on the device. "resident" keeps everything on the device and runs plain autograd
+through the whole model per sub-batch: the no-I/O, no-recompute bound, whatever `activations` says.
 
-Bytes per step, per channel (P_u: parameter bytes of unit u, G_u: its trainable gradient bytes,
-A = (G+1)*b*s*hidden*itemsize: one sub-batch's activations at the G+1 group edges):
+Bytes per step, per channel (P_u: parameter bytes of unit u, G_u: its trainable gradient bytes, e = b*s*hidden*
+itemsize: one boundary activation of one sub-batch, S: the bytes autograd saves in one sub-batch's forward of
+every group below the last and of the embedding, each tensor once, parameters excluded):
 
-    speedloader  param_load = sum_u 2*P_u - P_head - P_tied   (head and tied weights load once)
+    speedloader  param_load = sum_u 2*P_u - P_last - P_head - P_tied   (the turnaround and tied weights load once)
                  grad_offload = sum_u G_u
-                 act_offload = 2*N*A (activations forward, their gradients backward)
-                 act_load = 3*N*A - N*a, a = A/(G+1): each edge's activation is loaded twice and its
-                            gradient once, except the head's input, whose gradient is made on the device
+        recompute  act_offload = N*(2G)*e: G group inputs forward, G input gradients backward
+                   act_load = N*(3G-1)*e: G inputs forward; each group below the last its input and its
+                              output's gradient; the embedding its output's gradient
+        offload    act_offload = N*(2G)*e + N*S
+                   act_load = N*(2G)*e + N*S: no group loads its input again, every saved tensor comes back once
     canonical    N times speedloader's param_load and grad_offload at N=1; no activation traffic
     resident     nothing
 
+A frozen prefix drops the backward (its loads, its gradient edges) of the units below the lowest trainable one.
 Sharded over W ranks (torch.distributed initialised), P_u above is this rank's shard of unit u, and the
 collectives see whole (padded) units: allgather = the same count of loads times the unit's bytes,
 reduce_scatter = the unit's bytes once per gradient offload. Each rank runs its own b*N rows.
 
-`expected_io()` computes these; the tests hold the counters to them.
+`expected_io()` computes these (S from the step: it depends on the family's code; the tests hold it to what
+plain autograd saves); the tests hold the counters to them.
 
 `generate()` runs the same inversion for decoding (sltune.runtime.generate): per step each unit loads once
 and every sub-batch passes through it with its own KV cache, kept in host memory by the SpeedLoader schedule
@@ -205,7 +222,7 @@ class SpeedLoaderEngine:
         if self.config.schedule == "canonical":
             loss = sum(self._pass([sb], num_items, accumulate=j > 0) for j, sb in enumerate(subs))
         elif self.config.schedule == "resident":
-            self.params.zero_resident_grads()
+            self.params.drop_resident_grads()
             loss = self._resident(subs, num_items)
         else:
             loss = self._pass(subs, num_items, accumulate=False)

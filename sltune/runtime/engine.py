@@ -348,6 +348,7 @@ class SpeedLoaderEngine:
                 self.saved.release((e, i))
                 if gx is not None:
                     self.acts.put(e, i, gx)
+                self.acts.drop(e + 1, i)
             return
         for i, (x, gy) in self._each(e, e + 1, len(subs)):
             x = x.wait().detach().requires_grad_(trains[e])
@@ -357,12 +358,14 @@ class SpeedLoaderEngine:
                 torch.autograd.backward(y, gy)
             if x.grad is not None:
                 self.acts.put(e, i, x.grad)
+            self.acts.drop(e + 1, i)
 
     def _embed_backward(self, subs: list[_SubBatch], graphs: dict) -> None:
         for i, (_, gy) in self._each(None, 0, len(subs), saved="embed"):
             with region("compute", "embed_bwd"):
                 graphs.pop(("embed", i)).backward(gy.wait())
             self.saved.release(("embed", i))
+            self.acts.drop(0, i)
 
     def _plan(self) -> tuple[list[bool], list[tuple]]:
         """The phases of a pass (kind, units live in it, group), and for each group edge whether a gradient

@@ -19,12 +19,12 @@ Peak memory is close to linear in the knobs (../shared/design/speedloader.md):
                                                                    of the same layers: t5 is their difference)
     generate the same with s = prompt+new tokens per row; host ~ e0 + e1*B*s (every sub-batch's KV cache)
 
-G = ceil(layers/k) groups, L layers, B = b*N rows, [off] = 1 under activations: offload. The [off] terms
-vanish from a fit whose space does not sweep activations (a feature constant over the space is dropped). Throughput is tokens per step over step_time, so it rises with
+G = ceil(layers/k) groups, B = b*N rows. Throughput is tokens per step over step_time, so it rises with
 b and N and saturates. Each model reports its coefficients, R^2, residuals, leave-one-out error (how
 far to trust a prediction) and the range of every variable it saw (so extrapolation can be flagged).
 Fits minimise relative error (each row weighted by 1/measured): a 2 ms step and a 2 s step, or a 1 MiB
-and a 1 GiB peak, count alike.
+and a 1 GiB peak, count alike. L is the number of layers and [off] is 1 under activations: offload; the
+[off] terms drop out of a fit whose space does not sweep activations, as any feature constant over it does.
 """
 
 from __future__ import annotations

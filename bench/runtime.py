@@ -1,8 +1,12 @@
-"""Tokens/s of the three schedules side by side, interleaved so machine noise hits them alike.
+"""Tokens/s of a plain PyTorch accumulation loop and sltune's schedules x activations, side by side.
 
-    python bench/runtime.py [--model llama-small] [--b 1] [--seq 32] [--n 8] [--k 1] [--reps 8]
+    python bench/runtime.py [--model llama-small] [--b 1] [--seq 32] [--n 8] [--k 1] [--rounds 5]
 
-Targets on the CPU (issue #2): speedloader >= 0.9x resident and >= 1.2x canonical.
+Every runner starts from the same weights and trains on the same batches in the same order, with AdamW, so
+their losses must agree step by step (checked). Rounds are interleaved (each round runs every runner once,
+the order alternating) so machine noise hits them alike; each figure is the median step time over the rounds
+with its min and max. Targets (issue #11): resident >= 0.97x plain; speedloader offload >= 0.92x and
+recompute >= 0.85x plain at k=1; speedloader's best >= 1.2x canonical.
 """
 
 from __future__ import annotations
@@ -11,59 +15,147 @@ import argparse
 import copy
 import statistics
 import time
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
 from sltune import SpeedLoaderConfig, SpeedLoaderEngine
 from sltune.models import build, param_count
-from sltune.sizes import format_bytes
 
-SCHEDULES = ("resident", "speedloader", "canonical")
+LR = 1e-4
+SLTUNE = [("resident", "recompute"), ("speedloader", "recompute"), ("speedloader", "offload"),
+          ("canonical", "recompute"), ("canonical", "offload")]
 
 
-def main() -> None:
+@dataclass
+class Runner:
+    """One way of training: step(batch) -> loss; the runner's times and losses are recorded."""
+
+    name: str
+    step: Callable[[torch.Tensor], float]
+    seconds: list[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    io: object = None
+
+    def run(self, batch: torch.Tensor, timed: bool) -> None:
+        start = time.perf_counter()
+        loss = self.step(batch)
+        elapsed = time.perf_counter() - start
+        self.losses.append(loss)
+        if timed:
+            self.seconds.append(elapsed)
+
+
+def plain_loop(model: torch.nn.Module, b: int, n: int) -> Runner:
+    """The bound: the model as is, one micro-batch of b rows at a time, gradients accumulated, one step."""
+    model = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+
+    def step(batch: torch.Tensor) -> float:
+        total = 0.0
+        for i in range(n):
+            mb = batch[i * b:(i + 1) * b]
+            loss = model(input_ids=mb, labels=mb).loss / n     # equal token counts: the mean over the batch
+            loss.backward()
+            total += loss.item()
+        opt.step()
+        opt.zero_grad()
+        return total
+    return Runner("plain loop", step)
+
+
+def sltune_runner(model: torch.nn.Module, b: int, n: int, k: int, schedule: str, activations: str) -> Runner:
+    cfg = SpeedLoaderConfig(sub_batch_size=b, num_sub_batches=n, num_live_blocks=k, schedule=schedule,
+                            activations=activations, memory_tracking="never")
+    engine = SpeedLoaderEngine(copy.deepcopy(model), cfg, optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR))
+    name = schedule if schedule == "resident" else f"{schedule}/{activations}"
+    runner = Runner(name, lambda batch: 0.0)
+
+    def step(batch: torch.Tensor) -> float:
+        res = engine.train_step(batch)
+        runner.io = res.io
+        return res.loss
+    runner.step = step
+    return runner
+
+
+def interleave(runners: list[Runner], batches: list[torch.Tensor], rounds: int, warmup: int) -> None:
+    """Warm-up steps, then `rounds` rounds, every runner once per round, the order alternating."""
+    step = 0
+    for r in range(warmup + rounds):
+        order = runners if r % 2 == 0 else runners[::-1]
+        for runner in order:
+            runner.run(batches[step % len(batches)], timed=r >= warmup)
+        step += 1
+
+
+def check_losses(runners: list[Runner], rtol: float = 1e-3) -> None:
+    """Same weights, same batches, same optimizer: every runner's loss, step by step, as the first's."""
+    ref = runners[0]
+    for runner in runners[1:]:
+        for j, (a, b) in enumerate(zip(ref.losses, runner.losses)):
+            if abs(a - b) > rtol * abs(a):
+                raise SystemExit(f"loss mismatch at step {j}: {ref.name} {a:.6f} vs {runner.name} {b:.6f}")
+    print(f"losses agree across all runners (rel {rtol:g}) over {len(ref.losses)} steps: "
+          f"{ref.losses[0]:.4f} -> {ref.losses[-1]:.4f}")
+
+
+def report(runners: list[Runner], tokens: int, ratios: list[tuple[str, str, float]]) -> None:
+    print(f"{'runner':<24} {'tokens/s':>9} {'(min':>8} {'max)':>8} {'median s':>9}  vs plain")
+    med = {r.name: statistics.median(r.seconds) for r in runners}
+    plain = med.get("plain loop")
+    for r in runners:
+        vs = f"{plain / med[r.name]:.3f}x" if plain else ""
+        print(f"{r.name:<24} {tokens / med[r.name]:>9.1f} {tokens / max(r.seconds):>8.1f} {tokens / min(r.seconds):>8.1f} "
+              f"{med[r.name]:>9.3f}  {vs}")
+    for a, b, target in ratios:
+        if a in med and b in med:
+            print(f"{a} / {b} = {med[b] / med[a]:.3f}   (target >= {target})")
+
+
+def setup(argv=None) -> tuple[argparse.Namespace, torch.nn.Module, list[torch.Tensor]]:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="llama-small")
     ap.add_argument("--b", type=int, default=1)
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--k", type=int, default=1)
-    ap.add_argument("--reps", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
-    args = ap.parse_args()
-
+    args = ap.parse_args(argv)
     base = build(args.model, seed=0)
-    rows = args.b * args.n
     gen = torch.Generator().manual_seed(0)
-    batches = [torch.randint(0, base.config.vocab_size, (rows, args.seq), generator=gen) for _ in range(4)]
-    engines = {}
-    for name in SCHEDULES:
-        cfg = SpeedLoaderConfig(sub_batch_size=args.b, num_sub_batches=args.n, num_live_blocks=args.k,
-                                schedule=name, memory_tracking="never")
-        engines[name] = SpeedLoaderEngine(copy.deepcopy(base), cfg,
-                                          optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4))
-    print(f"model {args.model}: {param_count(args.model) / 1e6:.1f}M parameters, b={args.b} s={args.seq} "
-          f"N={args.n} k={args.k}, torch threads {torch.get_num_threads()}")
-    for name, eng in engines.items():
-        for i in range(args.warmup):
-            eng.train_step(batches[i % len(batches)])
-    times = {name: [] for name in SCHEDULES}
-    io = {}
-    for rep in range(args.reps):
-        order = SCHEDULES if rep % 2 == 0 else SCHEDULES[::-1]
-        for name in order:
-            res = engines[name].train_step(batches[rep % len(batches)])
-            times[name].append(res.seconds)
-            io[name] = res.io
-    tps = {name: rows * args.seq / statistics.median(t) for name, t in times.items()}
-    print(f"{'schedule':<12} {'tokens/s':>10} {'median s':>9} {'param load':>11} {'grad offload':>13} {'act out+in':>11}")
-    for name in SCHEDULES:
-        i = io[name]
-        print(f"{name:<12} {tps[name]:>10.1f} {statistics.median(times[name]):>9.3f} "
-              f"{format_bytes(i.param_load_bytes):>11} {format_bytes(i.grad_offload_bytes):>13} "
-              f"{format_bytes(i.act_offload_bytes + i.act_load_bytes):>11}")
-    print(f"speedloader / resident  = {tps['speedloader'] / tps['resident']:.3f}   (target >= 0.9)")
-    print(f"speedloader / canonical = {tps['speedloader'] / tps['canonical']:.3f}   (target >= 1.2)")
+    batches = [torch.randint(0, base.config.vocab_size, (args.b * args.n, args.seq), generator=gen)
+               for _ in range(4)]
+    print(f"model {args.model}: {param_count(args.model) / 1e6:.1f}M parameters, float32, b={args.b} s={args.seq} "
+          f"N={args.n} k={args.k}, AdamW, torch threads {torch.get_num_threads()}, {args.rounds} interleaved rounds")
+    return args, base, batches
+
+
+def sltune_runners(base, args) -> list[Runner]:
+    return [sltune_runner(base, args.b, args.n, args.k, s, a) for s, a in SLTUNE]
+
+
+def best_speedloader(runners: list[Runner]) -> str:
+    sl = [r for r in runners if r.name.startswith("speedloader/")]
+    return min(sl, key=lambda r: statistics.median(r.seconds)).name
+
+
+def main() -> None:
+    args, base, batches = setup()
+    runners = [plain_loop(base, args.b, args.n), *sltune_runners(base, args)]
+    interleave(runners, batches, args.rounds, args.warmup)
+    check_losses(runners)
+    best = best_speedloader(runners)
+    report(runners, args.b * args.n * args.seq,
+           [("resident", "plain loop", 0.97), ("speedloader/offload", "plain loop", 0.92),
+            ("speedloader/recompute", "plain loop", 0.85), (best, "canonical/recompute", 1.2),
+            (best, "canonical/offload", 1.2)])
+    for r in runners:
+        if r.io is not None:
+            print(f"  {r.name:<24} param load {r.io.param_load_bytes / 2**20:8.1f} MiB  activations out+in "
+                  f"{(r.io.act_offload_bytes + r.io.act_load_bytes) / 2**20:8.1f} MiB")
 
 
 if __name__ == "__main__":

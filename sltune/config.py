@@ -12,6 +12,7 @@ from sltune.sizes import parse_bytes
 
 Schedule = Literal["speedloader", "canonical", "resident"]
 DType = Literal["float32", "bfloat16", "float16"]
+Activations = Literal["recompute", "offload"]
 
 # Sections a best-config YAML carries besides the knobs: reports, read by `sltune plan`, ignored here.
 REPORT_SECTIONS = ("effective_batch_size", "workload", "measured", "predicted", "resource_models",
@@ -27,6 +28,11 @@ class SpeedLoaderConfig(BaseModel):
     num_sub_batches: int = Field(1, ge=1, description="sub-batches per optimizer step (N); effective batch b*N")
     num_live_blocks: int = Field(1, ge=1, description="decoder layers loaded on the device at once (k)")
     schedule: Schedule = "speedloader"
+    activations: Activations = Field(
+        "recompute", description="how a group's backward gets its forward's intermediates: 'recompute' runs the "
+        "forward again from the stored group input (device memory: one group, one sub-batch); 'offload' keeps "
+        "autograd's saved tensors of every sub-batch in host memory (no recompute; more host memory and traffic). "
+        "The resident schedule recomputes nothing either way")
     device: str = "cpu"
     dtype: DType = "float32"
     device_memory_limit: int | None = Field(None, description="bytes, or a string such as '2GiB'")

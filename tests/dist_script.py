@@ -16,6 +16,9 @@ from tests.reference import adamw  # noqa: E402
 ROWS_PER_RANK, SEQ = 4, 16
 # a unit only partly trainable, whose trainable prefix lands in one rank's shard only
 PARTLY_FROZEN = "model.layers.0.input_layernorm"
+RUNS = [("llama-tiny", "speedloader", "recompute"), ("gpt2-tiny", "canonical", "recompute"),
+        ("frozen", "speedloader", "recompute"), ("llama-tiny", "speedloader", "offload"),
+        ("gpt2-tiny", "canonical", "offload"), ("frozen", "speedloader", "offload")]
 
 
 def freeze_all_but(model, keep: str):
@@ -33,25 +36,25 @@ def main(out: str) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     report = {"world": world, "runs": {}, "io": {}}
-    for preset, schedule in (("llama-tiny", "speedloader"), ("gpt2-tiny", "canonical"), ("frozen", "speedloader")):
+    for preset, schedule, acts in RUNS:
         model = freeze_all_but(build("llama-tiny"), PARTLY_FROZEN) if preset == "frozen" else build(preset)
-        engine = SpeedLoaderEngine(model, SpeedLoaderConfig(sub_batch_size=2, num_sub_batches=2,
-                                   num_live_blocks=3, schedule=schedule, world_size=world), optimizer=adamw)
+        engine = SpeedLoaderEngine(model, SpeedLoaderConfig(sub_batch_size=2, num_sub_batches=2, num_live_blocks=3,
+                                   schedule=schedule, activations=acts, world_size=world), optimizer=adamw)
         losses = [engine.train_step(batch(step, rank)).loss for step in range(2)]
         state = engine.state_dict()                      # every rank gathers
         if rank == 0:
-            torch.save(state, f"{out}.{preset}.{schedule}.pt")
-        report["runs"][f"{preset}/{schedule}"] = losses
-    for schedule in ("speedloader", "canonical"):
+            torch.save(state, f"{out}.{preset}.{schedule}.{acts}.pt")
+        report["runs"][f"{preset}/{schedule}/{acts}"] = losses
+    for schedule, acts in (("speedloader", "recompute"), ("canonical", "recompute"), ("speedloader", "offload")):
         for n in (1, 4):
             engine = SpeedLoaderEngine(build("llama-tiny"), SpeedLoaderConfig(sub_batch_size=1, num_sub_batches=n,
-                                       num_live_blocks=1, schedule=schedule), optimizer=adamw)
+                                       num_live_blocks=1, schedule=schedule, activations=acts), optimizer=adamw)
             res = engine.train_step(batch(0, rank)[:n])
             mine = {"io": res.io.as_dict(), "expected": engine.expected_io(SEQ).as_dict(),
                     "shard_bytes": engine.param_bytes}
             every = [None] * world
             dist.all_gather_object(every, mine)          # every rank's counters, not just rank 0's
-            report["io"][f"{schedule}/{n}"] = every
+            report["io"][(schedule if acts == "recompute" else f"{schedule}-{acts}") + f"/{n}"] = every
     if rank == 0:
         with open(out, "w") as f:
             json.dump(report, f)

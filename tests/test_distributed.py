@@ -16,7 +16,7 @@ from sltune.models import build
 from sltune.profiling import run_trial
 from sltune.settings import Settings
 from sltune.tuning import tune
-from tests.dist_script import PARTLY_FROZEN, SEQ, batch, freeze_all_but
+from tests.dist_script import PARTLY_FROZEN, RUNS, SEQ, batch, freeze_all_but
 from tests.conftest import free_port
 from tests.reference import assert_same_updates, plain_training, snapshot
 
@@ -37,17 +37,16 @@ def sharded(tmp_path_factory):
     return out, json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("preset,schedule", [("llama-tiny", "speedloader"), ("gpt2-tiny", "canonical"),
-                                            ("frozen", "speedloader")])
-def test_two_ranks_equal_one_process_on_the_concatenated_batch(sharded, preset, schedule):
+@pytest.mark.parametrize("preset,schedule,acts", RUNS)
+def test_two_ranks_equal_one_process_on_the_concatenated_batch(sharded, preset, schedule, acts):
     """'frozen': one unit trainable only in part, its trainable prefix in rank 0's shard alone; every rank
     must still run the same collectives."""
     out, report = sharded
     model = freeze_all_but(build("llama-tiny"), PARTLY_FROZEN) if preset == "frozen" else build(preset)
     union = [torch.cat([batch(step, r) for r in range(report["world"])]) for step in range(2)]
     ref_model, ref_losses, ref_grads = plain_training(model, union)
-    assert report["runs"][f"{preset}/{schedule}"] == pytest.approx(ref_losses, rel=1e-5)
-    ours = torch.load(f"{out}.{preset}.{schedule}.pt")
+    assert report["runs"][f"{preset}/{schedule}/{acts}"] == pytest.approx(ref_losses, rel=1e-5)
+    ours = torch.load(f"{out}.{preset}.{schedule}.{acts}.pt")
     assert ours.keys() == ref_model.state_dict().keys()
     assert_same_updates(snapshot(model), ours, snapshot(ref_model), ref_grads, steps=2)
 

@@ -52,15 +52,29 @@ def test_counters_equal_the_documented_formulas(preset, k, n, schedule):
 
 
 def test_formula_by_hand_for_llama_tiny():
-    """The formulas spelled out once with numbers: 4 layers, k=2, b=2, s=16, N=4, hidden 64, fp32."""
+    """The formulas spelled out once with numbers: 4 layers, k=2 (G=2), b=2, s=16, N=4, hidden 64, fp32.
+    The last group and the head turn around (forward, loss, backward at once), so they load once."""
     io, engine = step_io("llama-tiny", n=4, k=2)
     units = {u.name: u.nbytes for u in engine.units}
-    p_layers = units["layers[0:2]"] + units["layers[2:4]"]
-    assert io.param_load_bytes == 2 * units["embed"] + 2 * p_layers + units["head"]
+    assert io.param_load_bytes == 2 * units["embed"] + 2 * units["layers[0:2]"] + units["layers[2:4]"] + units["head"]
     assert io.grad_offload_bytes == engine.param_bytes            # everything trainable
     edge = 2 * 16 * 64 * 4                                          # b*s*hidden*4 bytes
-    assert io.act_offload_bytes == 4 * 2 * 3 * edge                 # N * 2 * (G+1 edges)
-    assert io.act_load_bytes == 4 * (3 * 3 - 1) * edge
+    # out: 2 group inputs forward, the turnaround's input gradient, group 0's input gradient
+    assert io.act_offload_bytes == 4 * (2 + 1 + 1) * edge
+    # in: 2 group inputs forward, group 0's input and output gradient (recompute), the embedding's gradient
+    assert io.act_load_bytes == 4 * (2 + 2 + 1) * edge
+
+
+def test_offload_by_hand_for_llama_tiny():
+    """activations: offload, same shape: group 0's backward loads no input (nothing is recomputed) but every
+    sub-batch's saved tensors go out and come back once."""
+    engine = SpeedLoaderEngine(build("llama-tiny"), SpeedLoaderConfig(sub_batch_size=2, num_sub_batches=4,
+                               num_live_blocks=2, activations="offload"), optimizer=adamw)
+    io = engine.train_step(torch.randint(3, 512, (8, SEQ), generator=torch.Generator().manual_seed(4))).io
+    edge, saved = 2 * 16 * 64 * 4, engine.saved.packed_bytes
+    assert saved > 4 * 2 * edge                                    # two layers save more than their input each
+    assert io.act_offload_bytes == 4 * (2 + 1 + 1) * edge + saved
+    assert io.act_load_bytes == 4 * (2 + 1 + 1) * edge + saved
 
 
 def test_counters_accumulate_on_the_engine():

@@ -202,3 +202,22 @@ def test_a_generation_tuning_job_runs_end_to_end_and_exports_yaml(tmp_path):
     cfg = SpeedLoaderConfig.from_yaml(path)
     assert cfg.sub_batch_size == result["best"]["config"]["sub_batch_size"]
     assert yaml.safe_load(path.read_text())["workload"]["mode"] == "generate"
+
+
+def test_a_spec_sweeping_activations_runs_both_and_exports_the_winner(tmp_path):
+    """search.activations: [recompute, offload] is a knob like the others: both run as real trials, the fits
+    gain the offload terms, and best.yaml carries the value that won, which the runtime then reads."""
+    spec = {"name": "acts", "model": {"preset": "llama-tiny"}, "workload": {"seq_len": 16},
+            "search": {"strategy": "grid", "sub_batch_size": [2], "num_sub_batches": [1, 2], "num_live_blocks": [1],
+                       "activations": ["recompute", "offload"], "max_trials": 4, "trial_steps": 1,
+                       "profile": False}}
+    result = tune(spec, f"sqlite:///{tmp_path / 'jobs.db'}", settings=Settings(data_dir=tmp_path))
+    assert result["status"] == "succeeded", result
+    assert sorted((t["config"]["activations"], t["config"]["num_sub_batches"]) for t in result["trials"]
+                  if t["status"] == "ok") == [("offload", 1), ("offload", 2), ("recompute", 1), ("recompute", 2)]
+    assert "[off]*(L-k)*B*s" in result["models"]["host"]["features"]
+    assert result["search_space"]["activations"] == ["recompute", "offload"]
+    path = tmp_path / "best.yaml"
+    export_yaml(TuningSpec.parse(spec), result, path)
+    cfg = SpeedLoaderConfig.from_yaml(path)
+    assert cfg.activations == result["best"]["config"]["activations"] == yaml.safe_load(path.read_text())["activations"]

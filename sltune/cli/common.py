@@ -13,6 +13,7 @@ KNOB_FLAGS = {
     "num_sub_batches": ("--num-sub-batches", int, "sub-batches per step (N)"),
     "num_live_blocks": ("--num-live-blocks", int, "layers live on the device at once (k)"),
     "schedule": ("--schedule", str, "speedloader | canonical | resident"),
+    "activations": ("--activations", str, "recompute | offload: how a group's backward gets its activations"),
     "device": ("--device", str, "cpu, cuda, cuda:1, ..."),
     "dtype": ("--dtype", str, "float32 | bfloat16 | float16"),
     "device_memory_limit": ("--device-memory-limit", str, "bytes or e.g. 2GiB"),

@@ -18,6 +18,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-sub-batches", type=int, default=1)
     p.add_argument("--num-live-blocks", type=int, default=1)
     p.add_argument("--schedule", default="speedloader", help="speedloader | canonical | resident")
+    p.add_argument("--activations", default="recompute", choices=["recompute", "offload"],
+                   help="recompute | offload: rerun each group's forward in backward, or keep autograd's saved "
+                        "tensors in host memory")
     p.add_argument("--mode", default="train", help="train | generate")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--prompt-len", type=int, default=32, help="generate: prompt tokens")
@@ -37,7 +40,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     spec = TrialSpec(model=args.model, sub_batch_size=args.sub_batch_size, num_sub_batches=args.num_sub_batches,
-                     num_live_blocks=args.num_live_blocks, schedule=args.schedule, mode=args.mode,
+                     num_live_blocks=args.num_live_blocks, schedule=args.schedule,
+                     activations=args.activations, mode=args.mode,
                      seq_len=args.seq_len, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
                      steps=args.steps, world_size=args.world_size, device=args.device, dtype=args.dtype,
                      device_memory_limit=args.device_memory_limit, host_memory_limit=args.host_memory_limit,
@@ -52,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
 
 def describe(r) -> str:
     c = r.config
-    lines = [f"trial {r.status}: {c.schedule} b={c.sub_batch_size} N={c.num_sub_batches} k={c.num_live_blocks} "
+    lines = [f"trial {r.status}: {c.schedule} ({c.activations}) b={c.sub_batch_size} N={c.num_sub_batches} k={c.num_live_blocks} "
              f"s={c.seq_len} W={c.world_size}"]
     if r.error:
         lines.append(f"  {r.error}")

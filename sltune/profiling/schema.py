@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from sltune.config import DType, Schedule
+from sltune.config import Activations, DType, Schedule
 from sltune.runtime.transfer import IOCounters
 from sltune.sizes import parse_bytes
 
@@ -23,6 +23,7 @@ class TrialSpec(BaseModel):
     num_sub_batches: int = Field(1, ge=1)
     num_live_blocks: int = Field(1, ge=1)
     schedule: Schedule = "speedloader"
+    activations: Activations = "recompute"
     mode: Literal["train", "generate"] = "train"
     seq_len: int = Field(128, ge=2, description="train: tokens per row")
     prompt_len: int = Field(32, ge=1, description="generate: prompt tokens per row")
@@ -51,6 +52,7 @@ class TrialSpec(BaseModel):
     def knobs(self) -> dict[str, Any]:
         return {"sub_batch_size": self.sub_batch_size, "num_sub_batches": self.num_sub_batches,
                 "num_live_blocks": self.num_live_blocks, "schedule": self.schedule,
+                "activations": self.activations,
                 "seq_len": self.seq_len if self.mode == "train" else self.prompt_len + self.new_tokens,
                 "world_size": self.world_size}
 
@@ -60,6 +62,7 @@ class TrialConfig(BaseModel):
     num_sub_batches: int
     num_live_blocks: int
     schedule: Schedule
+    activations: Activations = "recompute"
     seq_len: int
     world_size: int = 1
 

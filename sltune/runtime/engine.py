@@ -3,32 +3,49 @@
 One training step, per the SpeedLoader method (../shared/design/speedloader.md), with G groups of
 num_live_blocks layers plus the embedding and the head as units:
 
-    forward    for each unit: load it once, run all N sub-batches through it, offload each output
-    head       per sub-batch: logits, loss and dL/dh in one pass; head gradients stay on the device
-    backward   for each unit in reverse: load it once, per sub-batch recompute from the stored input and
+    forward    the embedding, then each group but the last: load it once, run all N sub-batches through it,
+               offload each output (the next group's input)
+    turnaround the last group and the head, live together: per sub-batch forward, loss and backward at once
+               (no recompute and no boundary round trip for that edge)
+    backward   each group below in reverse: load it once, per sub-batch take its output's gradient and
                backpropagate; gradients accumulate on the device and are offloaded once
+    embedding  its forward kept its autograd graph (token ids, at most a dropout mask): the backward
+               recomputes nothing
     optimizer  the user's optimizer steps the host parameters
 
+How a group's backward gets its forward's intermediates is the `activations` knob:
+    recompute  it re-runs the forward from the group's stored input (dropout replays its RNG state); device
+               memory holds one group's intermediates for one sub-batch
+    offload    the forward ran with autograd and its saved tensors went to host memory (sltune.runtime.saved),
+               loaded back one sub-batch ahead of the backward; parameters among them are re-bound to the
+               unit's reloaded buffer, not copied. Nothing is recomputed; host memory and traffic grow
+
 The "canonical" schedule runs the same pass once per micro-batch (every micro-batch loads every unit,
-gradients offloaded and added on the host each time: ZeRO-Offload's traffic), keeping activations on the
-device. "resident" keeps everything on the device: the no-I/O bound.
+gradients offloaded and added on the host each time: ZeRO-Offload's traffic), keeping activations (and under
+offload the saved tensors) on the device. "resident" keeps everything on the device and runs plain autograd
+through the whole model per sub-batch: the no-I/O, no-recompute bound, whatever `activations` says.
 
-Bytes per step, per channel (P_u: parameter bytes of unit u, G_u: its trainable gradient bytes,
-A = (G+1)*b*s*hidden*itemsize: one sub-batch's activations at the G+1 group edges):
+Bytes per step, per channel (P_u: parameter bytes of unit u, G_u: its trainable gradient bytes, e = b*s*hidden*
+itemsize: one boundary activation of one sub-batch, S: the bytes autograd saves in one sub-batch's forward of
+every group below the last and of the embedding, each tensor once, parameters excluded):
 
-    speedloader  param_load = sum_u 2*P_u - P_head - P_tied   (head and tied weights load once)
+    speedloader  param_load = sum_u 2*P_u - P_last - P_head - P_tied   (the turnaround and tied weights load once)
                  grad_offload = sum_u G_u
-                 act_offload = 2*N*A (activations forward, their gradients backward)
-                 act_load = 3*N*A - N*a, a = A/(G+1): each edge's activation is loaded twice and its
-                            gradient once, except the head's input, whose gradient is made on the device
+        recompute  act_offload = N*(2G)*e: G group inputs forward, G input gradients backward
+                   act_load = N*(3G-1)*e: G inputs forward; each group below the last its input and its
+                              output's gradient; the embedding its output's gradient
+        offload    act_offload = N*(2G)*e + N*S
+                   act_load = N*(2G)*e + N*S: no group loads its input again, every saved tensor comes back once
     canonical    N times speedloader's param_load and grad_offload at N=1; no activation traffic
     resident     nothing
 
+A frozen prefix drops the backward (its loads, its gradient edges) of the units below the lowest trainable one.
 Sharded over W ranks (torch.distributed initialised), P_u above is this rank's shard of unit u, and the
 collectives see whole (padded) units: allgather = the same count of loads times the unit's bytes,
 reduce_scatter = the unit's bytes once per gradient offload. Each rank runs its own b*N rows.
 
-`expected_io()` computes these; the tests hold the counters to them.
+`expected_io()` computes these (S from the step: it depends on the family's code; the tests hold it to what
+plain autograd saves); the tests hold the counters to them.
 
 `generate()` runs the same inversion for decoding (sltune.runtime.generate): per step each unit loads once
 and every sub-batch passes through it with its own KV cache, kept in host memory by the SpeedLoader schedule
@@ -55,6 +72,7 @@ from sltune.runtime.kvcache import DeviceKV, HostKV
 from sltune.runtime.memory import DeviceMemory, monitor_for
 from sltune.runtime.params import BufferPool, ParamStore, ParamUnit
 from sltune.runtime.regions import region, step_region
+from sltune.runtime.saved import KeptGraph, SavedTensors
 from sltune.runtime.sharding import ShardedParamStore
 from sltune.runtime.transfer import Copier, IOCounters
 
@@ -84,9 +102,13 @@ class _SubBatch:
 
 @dataclass
 class _Group:
+    index: int
     first: int
     last: int
     unit: ParamUnit
+
+
+_BACKWARD = ("turn", "bwd", "embed_bwd")
 
 
 class SpeedLoaderEngine:
@@ -131,6 +153,9 @@ class SpeedLoaderEngine:
             self.params = ParamStore(self.units, self.dtype, self.copier, self.pool, resident=resident)
         self.acts = HostActivations(self.copier, self.memory) if config.schedule == "speedloader" \
             else DeviceActivations()
+        self.saved = SavedTensors(self.copier, self.memory,
+                                  host=config.schedule == "speedloader" and config.activations == "offload")
+        self._anchor = torch.zeros((), device=self.device, requires_grad=True)
         self.kv = HostKV(self.copier, self.pool, self.memory) if config.schedule == "speedloader" \
             else DeviceKV(self.memory, self.device)
         self.last_generation: "GenerationStats | None" = None
@@ -153,7 +178,7 @@ class SpeedLoaderEngine:
         k = self.config.num_live_blocks
         self.embed = ParamUnit("embed", [p for p in prologue if id(p) not in tied_ids])
         self.groups = [
-            _Group(a, min(a + k, len(layers)),
+            _Group(a // k, a, min(a + k, len(layers)),
                    ParamUnit(f"layers[{a}:{min(a + k, len(layers))}]", [p for ps in layers[a:a + k] for p in ps]))
             for a in range(0, len(layers), k)
         ]
@@ -194,10 +219,13 @@ class SpeedLoaderEngine:
         subs = [_SubBatch(ids[i * b:(i + 1) * b], labels[i * b:(i + 1) * b],
                           None if mask is None else mask[i * b:(i + 1) * b]) for i in range(n)]
         self._rng = _RngStash(self.device, enabled=self.model.training)
+        self.saved.start_step()
         if self.config.schedule == "canonical":
             loss = sum(self._pass([sb], num_items, accumulate=j > 0) for j, sb in enumerate(subs))
+        elif self.config.schedule == "resident":
+            self.params.drop_resident_grads()
+            loss = self._resident(subs, num_items)
         else:
-            self.params.zero_resident_grads()
             loss = self._pass(subs, num_items, accumulate=False)
         self.copier.synchronize()
         host_side = self.config.schedule != "resident"
@@ -208,88 +236,162 @@ class SpeedLoaderEngine:
             dist.all_reduce(loss)
         return float(loss)
 
-    def _pass(self, subs: list[_SubBatch], num_items: int, accumulate: bool) -> torch.Tensor:
-        """Forward, head and backward of every unit over these sub-batches; gradients to the host."""
-        store, acts, lm = self.params, self.acts, self.lm
-        n, last_edge = len(subs), len(self.groups)
-        b, s = subs[0].ids.shape
-        acts.prepare(last_edge + 1, n, (b, s, self.lm.config.hidden_size), self.dtype)
-        trains, phases = self._plan()
-        losses = []
-        store.activate(self.tied)
-        store.begin_grads(self.tied)
-        for idx, (kind, unit, group) in enumerate(phases):
-            store.activate(unit)
-            if idx + 1 < len(phases):
-                store.prefetch(phases[idx + 1][1])
-            backward = kind in ("head", "bwd", "embed_bwd")
-            if backward:
-                store.begin_grads(unit)
-            if kind == "embed_fwd":
-                for i, sb in enumerate(subs):
-                    with torch.no_grad(), self._rng.save(("embed", i)), region("compute", kind):
-                        hidden, sb.calls = lm.prologue(sb.ids, sb.mask, use_cache=False)
-                    acts.put(0, i, hidden)
-            elif kind == "fwd":
-                edge = self.groups.index(group)
-                for i, (x, _) in self._each(edge, None, n):
-                    with torch.no_grad(), self._rng.save((edge, i)), region("compute", kind):
-                        y = lm.run_layers(group.first, group.last, x.wait(), subs[i].calls)
-                    acts.put(edge + 1, i, y)
-            elif kind == "head":
-                for i, (x, _) in self._each(last_edge, None, n):
-                    x = x.wait().detach().requires_grad_(trains[last_edge])
-                    with torch.enable_grad(), region("compute", kind):
-                        loss = lm.loss(lm.logits(x), subs[i].labels, num_items)
-                        if loss.requires_grad:
-                            loss.backward()
-                    if x.grad is not None:
-                        acts.put(last_edge, i, x.grad)
-                    losses.append(loss.detach())
-            elif kind == "bwd":
-                edge = self.groups.index(group)
-                for i, (x, gy) in self._each(edge, edge + 1, n):
-                    x = x.wait().detach().requires_grad_(trains[edge])
-                    gy = gy.wait()
-                    with torch.enable_grad(), self._rng.replay((edge, i)), region("compute", kind):
-                        y = lm.run_layers(group.first, group.last, x, subs[i].calls)
-                        torch.autograd.backward(y, gy)
-                    if x.grad is not None:
-                        acts.put(edge, i, x.grad)
-                    acts.drop(edge + 1, i)
-            else:  # embed_bwd
-                for i, (_, gy) in self._each(None, 0, n):
-                    gy = gy.wait()
-                    with torch.enable_grad(), self._rng.replay(("embed", i)), region("compute", kind):
-                        hidden, _ = lm.prologue(subs[i].ids, subs[i].mask, use_cache=False)
-                        torch.autograd.backward(hidden, gy)
-                    acts.drop(0, i)
-            if backward:
-                store.offload_grads(unit, accumulate)
-            store.release(unit)
-        store.offload_grads(self.tied, accumulate)
-        store.release(self.tied)
+    def _resident(self, subs: list[_SubBatch], num_items: int) -> torch.Tensor:
+        """Plain autograd through the whole model per sub-batch: nothing recomputed, nothing copied."""
+        lm, losses = self.lm, []
+        for sb in subs:
+            with torch.enable_grad(), region("compute", "resident"):
+                hidden, calls = lm.prologue(sb.ids, sb.mask, use_cache=False)
+                y = lm.run_layers(0, len(lm.layers), hidden, calls)
+                loss = lm.loss(lm.logits(y), sb.labels, num_items)
+                if loss.requires_grad:
+                    loss.backward()
+            losses.append(loss.detach())
         return torch.stack(losses).sum()
 
-    def _plan(self) -> tuple[list[bool], list[tuple]]:
-        """The phases of a pass, and for each group edge whether a gradient must flow back through it.
+    def _pass(self, subs: list[_SubBatch], num_items: int, accumulate: bool) -> torch.Tensor:
+        """Forward, turnaround and backward of every unit over these sub-batches; gradients to the host."""
+        store = self.params
+        hidden = self.lm.config.hidden_size
+        self.acts.prepare(len(self.groups), len(subs), (*subs[0].ids.shape, hidden), self.dtype)
+        trains, phases = self._plan()
+        graphs: dict = {}            # kept forward graphs, by (unit key, sub-batch), until their backward
+        losses: list[torch.Tensor] = []
+        store.activate(self.tied)
+        store.begin_grads(self.tied)
+        for idx, (kind, units, group) in enumerate(phases):
+            for unit in units:
+                store.activate(unit)
+            if idx + 1 < len(phases):
+                for unit in phases[idx + 1][1]:
+                    store.prefetch(unit)
+            backward = kind in _BACKWARD
+            if backward:
+                for unit in units:
+                    store.begin_grads(unit)
+            if kind == "embed_fwd":
+                self._embed_forward(subs, trains, graphs)
+            elif kind == "fwd":
+                self._group_forward(group, subs, trains, graphs)
+            elif kind == "turn":
+                losses += self._turnaround(group, subs, trains, num_items)
+            elif kind == "bwd":
+                self._group_backward(group, subs, trains, graphs)
+            else:
+                self._embed_backward(subs, graphs)
+            for unit in units:
+                if backward:
+                    store.offload_grads(unit, accumulate)
+                store.release(unit)
+        store.offload_grads(self.tied, accumulate)
+        store.release(self.tied)
+        self.saved.clear()
+        return torch.stack(losses).sum()
 
-        Backward through a unit is needed while a trainable parameter sits in it or before it: a frozen
-        prefix of the model (fine-tuning the top layers) gets no backward, no loads and no copies for it.
-        Sharded, `has_grads` is the same on every rank, so every rank runs the same collectives."""
+    def _embed_forward(self, subs: list[_SubBatch], trains: list[bool], graphs: dict) -> None:
+        """The prologue per sub-batch; its graph is kept (only token ids are saved, or the embedding's
+        dropout mask) so the embedding's backward recomputes nothing."""
+        lm = self.lm
+        for i, sb in enumerate(subs):
+            with region("compute", "embed_fwd"):
+                if trains[0]:
+                    graph = graphs[("embed", i)] = KeptGraph(self._anchor)
+                    with torch.enable_grad(), self.saved.keeping(("embed", i), (self.embed, self.tied)):
+                        hidden, calls = lm.prologue(sb.ids, sb.mask, use_cache=False)
+                        graph.output(hidden)
+                else:
+                    with torch.no_grad():
+                        hidden, calls = lm.prologue(sb.ids, sb.mask, use_cache=False)
+            sb.calls = [LayerCall(*_detached((c.args, c.kwargs))) for c in calls]
+            self.acts.put(0, i, hidden)
+
+    def _group_forward(self, group: "_Group", subs: list[_SubBatch], trains: list[bool], graphs: dict) -> None:
+        """Every sub-batch through a group below the last. `recompute` keeps no graph (the backward runs the
+        forward again); `offload` keeps it, its saved tensors in host memory."""
+        e, lm = group.index, self.lm
+        keep = self.config.activations == "offload" and trains[e + 1]
+        for i, (x, _) in self._each(e, None, len(subs)):
+            x = x.wait()
+            with region("compute", "fwd"):
+                if keep:
+                    graph = graphs[(e, i)] = KeptGraph(self._anchor)
+                    with torch.enable_grad(), self.saved.keeping((e, i), (group.unit,)):
+                        y = lm.run_layers(group.first, group.last, graph.input(x, trains[e]), subs[i].calls)
+                        graph.output(y)
+                else:
+                    with torch.no_grad(), self._rng.save((e, i)):
+                        y = lm.run_layers(group.first, group.last, x, subs[i].calls)
+            self.acts.put(e + 1, i, y)
+
+    def _turnaround(self, group: "_Group", subs: list[_SubBatch], trains: list[bool],
+                    num_items: int) -> list[torch.Tensor]:
+        """The last group and the head, live together: forward, loss and backward per sub-batch at once."""
+        e, lm, losses = group.index, self.lm, []
+        for i, (x, _) in self._each(e, None, len(subs)):
+            x = x.wait().detach().requires_grad_(trains[e])
+            with torch.enable_grad(), region("compute", "turn"):
+                y = lm.run_layers(group.first, group.last, x, subs[i].calls)
+                loss = lm.loss(lm.logits(y), subs[i].labels, num_items)
+                if loss.requires_grad:
+                    loss.backward()
+            if x.grad is not None:
+                self.acts.put(e, i, x.grad)
+            losses.append(loss.detach())
+        return losses
+
+    def _group_backward(self, group: "_Group", subs: list[_SubBatch], trains: list[bool], graphs: dict) -> None:
+        """Per sub-batch: the output's gradient in, the input's gradient out; params grads on the device."""
+        e, lm = group.index, self.lm
+        if self.config.activations == "offload":
+            for i, (_, gy) in self._each(None, e + 1, len(subs), saved=e):
+                with region("compute", "bwd"):
+                    gx = graphs.pop((e, i)).backward(gy.wait())
+                self.saved.release((e, i))
+                if gx is not None:
+                    self.acts.put(e, i, gx)
+                self.acts.drop(e + 1, i)
+            return
+        for i, (x, gy) in self._each(e, e + 1, len(subs)):
+            x = x.wait().detach().requires_grad_(trains[e])
+            gy = gy.wait()
+            with torch.enable_grad(), self._rng.replay((e, i)), region("compute", "bwd"):
+                y = lm.run_layers(group.first, group.last, x, subs[i].calls)
+                torch.autograd.backward(y, gy)
+            if x.grad is not None:
+                self.acts.put(e, i, x.grad)
+            self.acts.drop(e + 1, i)
+
+    def _embed_backward(self, subs: list[_SubBatch], graphs: dict) -> None:
+        for i, (_, gy) in self._each(None, 0, len(subs), saved="embed"):
+            with region("compute", "embed_bwd"):
+                graphs.pop(("embed", i)).backward(gy.wait())
+            self.saved.release(("embed", i))
+            self.acts.drop(0, i)
+
+    def _plan(self) -> tuple[list[bool], list[tuple]]:
+        """The phases of a pass (kind, units live in it, group), and for each group edge whether a gradient
+        must flow back through it.
+
+        The last group and the head form the turnaround: forward, loss and backward at once. Backward
+        through a unit is needed while a trainable parameter sits in it or before it: a frozen prefix of the
+        model (fine-tuning the top layers) gets no backward, no loads and no copies for it. Sharded,
+        `has_grads` is the same on every rank, so every rank runs the same collectives."""
         trains = [self.embed.has_grads or self.tied.has_grads]
         for g in self.groups:
             trains.append(trains[-1] or g.unit.has_grads)
-        phases = ([("embed_fwd", self.embed, None)] + [("fwd", g.unit, g) for g in self.groups]
-                  + [("head", self.head, None)] + [("bwd", g.unit, g) for g in reversed(self.groups)]
-                  + [("embed_bwd", self.embed, None)])
-        phases = [ph for ph in phases if ph[0] not in ("bwd", "embed_bwd")
-                  or trains[0 if ph[2] is None else self.groups.index(ph[2]) + 1]]
+        *body, last = self.groups
+        phases = ([("embed_fwd", (self.embed,), None)] + [("fwd", (g.unit,), g) for g in body]
+                  + [("turn", (last.unit, self.head), last)]
+                  + [("bwd", (g.unit,), g) for g in reversed(body) if trains[g.index + 1]]
+                  + ([("embed_bwd", (self.embed,), None)] if trains[0] else []))
         return trains, phases
 
-    def _each(self, edge: int | None, grad_edge: int | None, n: int) -> Iterator:
-        """Sub-batch indices with their inputs fetched one ahead (the next copy overlaps this compute)."""
+    def _each(self, edge: int | None, grad_edge: int | None, n: int, saved=None) -> Iterator:
+        """Sub-batch indices with their inputs fetched one ahead (the next copy overlaps this compute), and
+        with `saved` (a unit key) that unit's saved tensors for the sub-batch too."""
         def fetch(i):
+            if saved is not None:
+                self.saved.prefetch((saved, i))
             return (None if edge is None else self.acts.fetch(edge, i),
                     None if grad_edge is None else self.acts.fetch(grad_edge, i))
         nxt = fetch(0)
@@ -303,6 +405,7 @@ class SpeedLoaderEngine:
         """After a failed step (out of memory, interrupt): parameters back on the host copy, unchanged."""
         self.params.reset()
         self.acts.clear()
+        self.saved.clear()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -445,15 +548,17 @@ class SpeedLoaderEngine:
 
     def expected_io(self, seq_len: int) -> IOCounters:
         """The traffic one train_step should move, from the formulas in this module's docstring, walking
-        the same phases a step runs (a frozen prefix skips its backward)."""
+        the same phases a step runs (a frozen prefix skips its backward). Under `activations: offload` the
+        saved-tensor term is the bytes autograd saved on the last step (they depend on the family's code;
+        the tests hold them to plain autograd's)."""
         cfg = self.config
         n, b = cfg.num_sub_batches, cfg.sub_batch_size
         if cfg.schedule == "resident":
             return IOCounters()
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         trains, phases = self._plan()
-        loaded = [unit for _, unit, _ in phases] + [self.tied]                 # tied: once per pass
-        backward = [unit for kind, unit, _ in phases if kind != "embed_fwd" and kind != "fwd"] + [self.tied]
+        loaded = [u for _, units, _ in phases for u in units] + [self.tied]      # tied: once per pass
+        backward = [u for kind, units, _ in phases if kind in _BACKWARD for u in units] + [self.tied]
         loads = sum(u.nbytes for u in loaded)
         grads = sum(u.grad_nbytes for u in backward)
         gathered = scattered = 0
@@ -463,22 +568,25 @@ class SpeedLoaderEngine:
         if cfg.schedule == "canonical":
             return IOCounters(param_load_bytes=n * loads, grad_offload_bytes=n * grads,
                               allgather_bytes=n * gathered, reduce_scatter_bytes=n * scattered)
-        # boundary activations per sub-batch, in edges of b*s*hidden values: forward puts every edge and
-        # loads every group's and the head's input; backward loads each group's input and output gradient,
-        # puts its input gradient where one is needed, and the embedding loads its output gradient
-        edges_out = len(self.groups) + 1 + int(trains[len(self.groups)])
-        edges_in = len(self.groups) + 1
+        # boundary activations per sub-batch, in edges of b*s*hidden values: forward puts the G group inputs
+        # and fetches each once; the turnaround puts its input's gradient; each group's backward fetches its
+        # output's gradient (and, recomputing, its input) and puts its input's gradient where one is needed;
+        # the embedding's backward fetches its output's gradient
+        offload = cfg.activations == "offload"
+        edges_out = edges_in = len(self.groups)
         for kind, _, group in phases:
-            if kind == "bwd":
-                edge = self.groups.index(group)
-                edges_in += 2
-                edges_out += int(trains[edge])
+            if kind == "turn":
+                edges_out += int(trains[group.index])
+            elif kind == "bwd":
+                edges_in += 1 if offload else 2
+                edges_out += int(trains[group.index])
             elif kind == "embed_bwd":
                 edges_in += 1
         edge_bytes = b * seq_len * self.lm.config.hidden_size * itemsize
+        saved = self.saved.packed_bytes if offload else 0
         return IOCounters(param_load_bytes=loads, grad_offload_bytes=grads, allgather_bytes=gathered,
-                          reduce_scatter_bytes=scattered, act_offload_bytes=n * edges_out * edge_bytes,
-                          act_load_bytes=n * edges_in * edge_bytes)
+                          reduce_scatter_bytes=scattered, act_offload_bytes=n * edges_out * edge_bytes + saved,
+                          act_load_bytes=n * edges_in * edge_bytes + saved)
 
     @property
     def param_bytes(self) -> int:
@@ -524,6 +632,20 @@ def _warn_vanishing_eps(opt: torch.optim.Optimizer, dtype: torch.dtype) -> None:
             warnings.warn(f"optimizer eps={eps:g} is 0 in {str(dtype).removeprefix('torch.')}: zero gradients will "
                           "give NaN updates; use eps >= 1e-4 or dtype='bfloat16'", UserWarning, stacklevel=3)
             return
+
+
+def _detached(obj):
+    """Layer arguments made with autograd on (the kept prologue) without their graph: the layers' backward
+    must not reach into the prologue's."""
+    if torch.is_tensor(obj):
+        return obj.detach()
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):     # a namedtuple
+        return type(obj)(*(_detached(o) for o in obj))
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_detached(o) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _detached(v) for k, v in obj.items()}
+    return obj
 
 
 def _move_buffers(model: nn.Module, device: torch.device) -> None:

@@ -4,7 +4,9 @@ loaded to the device when a unit is needed and released after.
 The model keeps its own nn.Parameter objects: their .data points into the host buffer between steps and
 into a device buffer while their unit is live, so the user's model computes as written and always holds
 the current weights. Gradients accumulate on the device across sub-batches, in a flat buffer per unit,
-and are offloaded once. In the resident schedule the "host" buffers live on the device and nothing moves.
+and are offloaded once. In the resident schedule the "host" buffers live on the device and nothing moves;
+its gradients are autograd's own, dropped before each step as zero_grad(set_to_none=True) does, so the first
+sub-batch writes them rather than adding to zeros.
 """
 
 from __future__ import annotations
@@ -136,13 +138,12 @@ class ParamStore:
             for p, view in zip(unit.params, unit._views(unit.host, unit.offsets)):
                 view.copy_(p.data)
             unit.has_grads = goff > 0
-            if goff:
-                unit.host_grad = (torch.zeros(goff, dtype=dtype, device=device) if resident
-                                  else copier.host_empty(goff, dtype).zero_())
+            if goff and not resident:
+                unit.host_grad = copier.host_empty(goff, dtype).zero_()
             self._point(unit, unit.host, unit.host_grad)
         if resident:
             for unit in units:
-                pool.memory.alloc(unit.nbytes + unit.grad_nbytes)
+                pool.memory.alloc(unit.nbytes)
 
     @staticmethod
     def _point(unit: ParamUnit, flat: torch.Tensor, grad_flat: torch.Tensor | None) -> None:
@@ -191,7 +192,7 @@ class ParamStore:
     def begin_grads(self, unit: ParamUnit) -> None:
         """Give the live parameters zeroed device gradient buffers to accumulate into."""
         if unit.host_grad is None or self.resident:
-            return  # resident: gradients live in host_grad (on the device), zeroed once per step
+            return  # resident: autograd's gradients, on the device
         self._device_grads(unit, unit.host_grad.numel())
 
     def _device_grads(self, unit: ParamUnit, numel: int) -> None:
@@ -205,11 +206,11 @@ class ParamStore:
             return
         self.copier.to_host(unit.dev_grad, unit.host_grad, "grad_offload_bytes", accumulate=accumulate)
 
-    def zero_resident_grads(self) -> None:
+    def drop_resident_grads(self) -> None:
         if self.resident:
             for unit in self.units:
-                if unit.host_grad is not None:
-                    unit.host_grad.zero_()
+                for p in unit.params:
+                    p.grad = None
 
     def reset(self) -> None:
         """After a failed step: everything back on the host copy, no device buffers held."""

@@ -2,22 +2,29 @@
 
 Peak memory is close to linear in the knobs (../shared/design/speedloader.md):
 
-    train    peak_device ~ c0 + c1*k + c1'*k*[G>1] + c2*b*s + c3*k*b*s + c4*B*s
+    train    peak_device ~ c0 + c1*k + c1'*k*[G>1] + c2*b*s + c3*k*b*s + c4*B*s + c5*[off]*k*b*s
                           (the live group's parameters and gradients; the next group, prefetched while
                           this one computes, when there is one (G>1: k more layers; otherwise only the
                           small embedding or head, in c0); a group's activations; and the whole batch's
-                          token ids, labels and per-sub-batch layer arguments, on the device all step)
-             peak_host   ~ d0 + d1*(G+1)*B*s                      (parameters and AdamW state in d0,
-                                                                   boundary activations of every sub-batch)
+                          token ids, labels and per-sub-batch layer arguments, on the device all step;
+                          under activations: offload, one group's saved tensors loaded back, for this
+                          sub-batch and the next)
+             peak_host   ~ d0 + d1*(G+1)*B*s + d2*[off]*(L-k)*B*s (parameters and AdamW state in d0,
+                                                                   boundary activations of every sub-batch,
+                                                                   offload: saved tensors of every layer below
+                                                                   the turnaround group, every sub-batch)
              step_time   ~ t0 + t1*G + t2*N + t3*N*b*s + t4*N*G    (per step, group, sub-batch, token, and
-                                                                   sub-batch-in-group costs)
+                          + t5*[off]*(L-k)*N*b*s                  sub-batch-in-group costs; offload's copies of
+                                                                   saved tensors in place of recompute's forward
+                                                                   of the same layers: t5 is their difference)
     generate the same with s = prompt+new tokens per row; host ~ e0 + e1*B*s (every sub-batch's KV cache)
 
 G = ceil(layers/k) groups, B = b*N rows. Throughput is tokens per step over step_time, so it rises with
 b and N and saturates. Each model reports its coefficients, R^2, residuals, leave-one-out error (how
 far to trust a prediction) and the range of every variable it saw (so extrapolation can be flagged).
 Fits minimise relative error (each row weighted by 1/measured): a 2 ms step and a 2 s step, or a 1 MiB
-and a 1 GiB peak, count alike.
+and a 1 GiB peak, count alike. L is the number of layers and [off] is 1 under activations: offload; the
+[off] terms drop out of a fit whose space does not sweep activations, as any feature constant over it does.
 """
 
 from __future__ import annotations
@@ -42,13 +49,16 @@ FEATURES: dict[str, Callable[[dict[str, float]], float]] = {
     "(G+1)*B*s": lambda v: (v["G"] + 1) * v["B"] * v["s"],
     "N*b*s": lambda v: v["N"] * v["b"] * v["s"],
     "N*G": lambda v: v["N"] * v["G"],
+    "[off]*k*b*s": lambda v: v["off"] * v["k"] * v["b"] * v["s"],
+    "[off]*(L-k)*B*s": lambda v: v["off"] * max(v["L"] - v["k"], 0) * v["B"] * v["s"],
+    "[off]*(L-k)*N*b*s": lambda v: v["off"] * max(v["L"] - v["k"], 0) * v["N"] * v["b"] * v["s"],
 }
 
 MODELS = {
     "train": {
-        "device": ("peak_device_bytes", ["1", "k", "k*[G>1]", "b*s", "k*b*s", "B*s"]),
-        "host": ("peak_host_bytes", ["1", "(G+1)*B*s"]),
-        "throughput": ("step_seconds", ["1", "G", "N", "N*b*s", "N*G"]),
+        "device": ("peak_device_bytes", ["1", "k", "k*[G>1]", "b*s", "k*b*s", "B*s", "[off]*k*b*s"]),
+        "host": ("peak_host_bytes", ["1", "(G+1)*B*s", "[off]*(L-k)*B*s"]),
+        "throughput": ("step_seconds", ["1", "G", "N", "N*b*s", "N*G", "[off]*(L-k)*N*b*s"]),
     },
     "generate": {   # s = prompt + new tokens; the host holds every sub-batch's KV cache (B*s), the device
                     # one group's cache for one sub-batch (k*b*s)
@@ -61,7 +71,8 @@ MODELS = {
 
 def variables(c: Candidate, shape: ModelShape, tokens_per_row: int) -> dict[str, float]:
     """The quantities the features are made of, for one candidate."""
-    return {"b": c.b, "N": c.n, "k": c.k, "B": c.batch, "s": tokens_per_row, "G": shape.groups(c.k)}
+    return {"b": c.b, "N": c.n, "k": c.k, "B": c.batch, "s": tokens_per_row, "G": shape.groups(c.k),
+            "L": shape.layers, "off": 1.0 if c.a == "offload" else 0.0}
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""The configs a job may try: sub-batch size b, sub-batches N (or effective batch B = b*N), live blocks k."""
+"""The configs a job may try: sub-batch size b, sub-batches N (or effective batch B = b*N), live blocks k, and
+how a group's backward gets its activations (recompute or offload)."""
 
 from __future__ import annotations
 
@@ -19,34 +20,38 @@ class Candidate:
     b: int
     n: int
     k: int
+    a: str = "recompute"       # activations
 
     @property
     def batch(self) -> int:
         return self.b * self.n
 
-    def knobs(self) -> dict[str, int]:
-        return {"sub_batch_size": self.b, "num_sub_batches": self.n, "num_live_blocks": self.k}
+    def knobs(self) -> dict[str, int | str]:
+        return {"sub_batch_size": self.b, "num_sub_batches": self.n, "num_live_blocks": self.k, "activations": self.a}
 
     def dominates(self, other: "Candidate") -> bool:
-        """At least as large in sub-batch, effective batch and live blocks: needs at least as much memory."""
-        return self.b >= other.b and self.batch >= other.batch and self.k >= other.k and self != other
+        """At least as large in sub-batch, effective batch and live blocks, activations kept alike: needs at
+        least as much memory."""
+        return (self.b >= other.b and self.batch >= other.batch and self.k >= other.k and self.a == other.a
+                and self != other)
 
     def __str__(self) -> str:
-        return f"b={self.b} N={self.n} k={self.k}"
+        return f"b={self.b} N={self.n} k={self.k}" + ("" if self.a == "recompute" else f" {self.a}")
 
 
 class SearchSpace:
     """Every valid candidate, and how Optuna names them.
 
     Optuna sees categorical parameters: sub_batch_size and num_live_blocks, plus num_sub_batches or
-    effective_batch_size as the spec gives them (N = B/b when B is the knob). A combination that is not a
-    candidate (b does not divide B) is pruned without running.
+    effective_batch_size as the spec gives them (N = B/b when B is the knob), and activations when the spec
+    sweeps it. A combination that is not a candidate (b does not divide B) is pruned without running.
     """
 
     def __init__(self, spec: "TuningSpec", shape: "ModelShape"):
         s = spec.search
         self.b_values = knob_values(s.sub_batch_size, "sub_batch_size")
         self.k_values = sorted({min(k, shape.layers) for k in knob_values(s.num_live_blocks, "num_live_blocks")})
+        self.a_values = list(s.activations)
         self.by_batch = s.effective_batch_size is not None
         if self.by_batch:
             self.batch_values = knob_values(s.effective_batch_size, "effective_batch_size")
@@ -54,37 +59,46 @@ class SearchSpace:
         else:
             self.n_values = knob_values(s.num_sub_batches, "num_sub_batches")
             pairs = [(b, n) for b in self.b_values for n in self.n_values]
-        self.candidates = sorted({Candidate(b, n, k) for b, n in pairs for k in self.k_values})
+        self.candidates = sorted({Candidate(b, n, k, a) for b, n in pairs for k in self.k_values
+                                  for a in self.a_values})
 
     # -- Optuna ------------------------------------------------------------------------------------
     @property
-    def param_names(self) -> tuple[str, str, str]:
-        return ("sub_batch_size", "effective_batch_size" if self.by_batch else "num_sub_batches", "num_live_blocks")
+    def param_names(self) -> tuple[str, ...]:
+        return ("sub_batch_size", "effective_batch_size" if self.by_batch else "num_sub_batches", "num_live_blocks",
+                *(("activations",) if len(self.a_values) > 1 else ()))
 
     def distributions(self) -> dict[str, optuna.distributions.BaseDistribution]:
         second = self.batch_values if self.by_batch else self.n_values
-        return {
+        out = {
             "sub_batch_size": optuna.distributions.CategoricalDistribution(self.b_values),
             self.param_names[1]: optuna.distributions.CategoricalDistribution(second),
             "num_live_blocks": optuna.distributions.CategoricalDistribution(self.k_values),
         }
+        if len(self.a_values) > 1:
+            out["activations"] = optuna.distributions.CategoricalDistribution(self.a_values)
+        return out
 
     def grid(self) -> dict[str, list[Any]]:
         return {name: list(d.choices) for name, d in self.distributions().items()}
 
-    def params(self, c: Candidate) -> dict[str, int]:
+    def params(self, c: Candidate) -> dict[str, int | str]:
         second = c.batch if self.by_batch else c.n
-        return {"sub_batch_size": c.b, self.param_names[1]: second, "num_live_blocks": c.k}
+        out: dict[str, int | str] = {"sub_batch_size": c.b, self.param_names[1]: second, "num_live_blocks": c.k}
+        if len(self.a_values) > 1:
+            out["activations"] = c.a
+        return out
 
     def candidate(self, params: dict[str, Any]) -> Candidate | None:
         b, k = int(params["sub_batch_size"]), int(params["num_live_blocks"])
+        a = str(params.get("activations", self.a_values[0]))
         if self.by_batch:
             batch = int(params["effective_batch_size"])
             if batch % b:
                 return None
-            c = Candidate(b, batch // b, k)
+            c = Candidate(b, batch // b, k, a)
         else:
-            c = Candidate(b, int(params["num_sub_batches"]), k)
+            c = Candidate(b, int(params["num_sub_batches"]), k, a)
         return c if c in set(self.candidates) else None
 
     def neighbours_up(self, c: Candidate) -> list[Candidate]:
@@ -92,6 +106,8 @@ class SearchSpace:
         params = self.params(c)
         out = []
         for name, dist in self.distributions().items():
+            if name == "activations":       # not an order of memory: recompute and offload trade device for host
+                continue
             larger = [v for v in dist.choices if v > params[name]]
             if larger:
                 other = self.candidate({**params, name: min(larger)})
@@ -101,7 +117,8 @@ class SearchSpace:
 
     def describe(self) -> dict[str, Any]:
         """What best.yaml records so `sltune plan` can rebuild the space."""
-        out = {"sub_batch_size": self.b_values, "num_live_blocks": self.k_values}
+        out: dict[str, Any] = {"sub_batch_size": self.b_values, "num_live_blocks": self.k_values,
+                               "activations": self.a_values}
         if self.by_batch:
             out["effective_batch_size"] = self.batch_values
         else:

@@ -16,7 +16,7 @@ import yaml
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, WithJsonSchema,
                       field_validator, model_validator)
 
-from sltune.config import DType, Schedule
+from sltune.config import Activations, DType, Schedule
 from sltune.models.presets import hf_config_schema
 from sltune.sizes import SIZE_SCHEMA, format_bytes, parse_bytes
 
@@ -150,6 +150,9 @@ class Search(_Strict):
     num_sub_batches: Knob | None = None
     effective_batch_size: Knob | None = None
     num_live_blocks: Knob = Field(default_factory=lambda: Range(min=1, max=4))
+    activations: Annotated[list[Activations], BeforeValidator(lambda v: [v] if isinstance(v, str) else v)] = Field(
+        default_factory=lambda: ["recompute"], min_length=1,
+        description="recompute | offload, or a list of both to sweep (host memory and traffic against FLOPs)")
     max_trials: int = Field(20, ge=1)
     trial_steps: int = Field(2, ge=1, le=100_000, description="timed steps per trial")
     trial_timeout_s: float = Field(300.0, gt=0)
@@ -165,6 +168,7 @@ class Search(_Strict):
             raise ValueError("give search.num_sub_batches or search.effective_batch_size, not both")
         if self.num_sub_batches is None and self.effective_batch_size is None:
             self.num_sub_batches = Range(min=1, max=16)
+        self.activations = list(dict.fromkeys(self.activations))
         for name in ("sub_batch_size", "num_sub_batches", "effective_batch_size", "num_live_blocks"):
             value = getattr(self, name)
             if value is not None:
@@ -219,7 +223,7 @@ class TuningSpec(_Strict):
             raise ValueError(f"{what} = {tokens} exceeds the model's max_position_embeddings {max_pos}; "
                              "shorten it")
         search = self.search
-        size = 1
+        size = len(search.activations)
         for knob in (search.sub_batch_size, search.num_live_blocks,
                      search.num_sub_batches or search.effective_batch_size):
             size *= len(knob_values(knob, "knob"))

@@ -106,7 +106,10 @@ class SearchState:
 
     def _needs_more(self, c: Candidate, o: Candidate, resource: str) -> bool:
         """Would c need at least as much of `resource` as o, which ran out of it?"""
-        if resource == "host":   # host peaks grow with B and with (G+1)*B; more live blocks mean fewer groups
+        if resource == "host":   # host peaks grow with B and with (G+1)*B; more live blocks mean fewer groups;
+            # offload holds every sub-batch's saved tensors on the host on top of recompute's boundary activations
+            if c.a != o.a and c.a != "offload":
+                return False
             return c.batch >= o.batch and (self.shape.groups(c.k) + 1) * c.batch >= (self.shape.groups(o.k) + 1) * o.batch
         return c == o or c.dominates(o)
 

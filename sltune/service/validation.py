@@ -39,7 +39,7 @@ class Busy(RuntimeError):
 
 
 def check(data: Any, settings: Settings) -> Verdict:
-    """The whole admission check of one spec; runs in a pool process (or inline, for the CLI)."""
+    """The whole admission check of one spec (validation, then the ceilings); runs in a pool process."""
     from sltune.tuning.runner import requirements
     from sltune.tuning.spec import TuningSpec, field_errors
 

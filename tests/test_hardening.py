@@ -145,3 +145,13 @@ def test_a_worker_holds_each_trial_to_its_own_host_ceiling_whatever_the_stored_s
     assert host_limit("512MiB", 2**30) == 2**29
     assert host_limit(None, 2**30) == 2**30
     assert host_limit("512MiB", None) == 2**29
+
+
+def test_api_docs_are_served_without_a_cdn(api):
+    with httpx.Client(base_url=api.url, timeout=30) as c:
+        for page, asset in (("/docs", "swagger-ui-bundle.js"), ("/redoc", "redoc.standalone.js")):
+            html = c.get(page).text
+            assert "://" not in html and asset in html, html[:500]      # nothing from another host
+            src = next(part.split('"')[0] for part in html.split('src="')[1:] if asset in part.split('"')[0])
+            js = c.get(src)
+            assert js.status_code == 200 and len(js.content) > 100_000, (src, js.status_code)

@@ -64,9 +64,8 @@ def _detail(resp: httpx.Response) -> str:
         detail = resp.json().get("detail", resp.text)
     except ValueError:
         return resp.text[:500]
-    if isinstance(detail, list):
-        return "; ".join(f"{'.'.join(str(p) for p in e.get('loc', []) if p != 'body')}: {e.get('msg')}"
-                         for e in detail)
+    if isinstance(detail, list):     # each msg already names its field, as the CLI would
+        return "; ".join(str(e.get("msg")) for e in detail)
     return str(detail)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import multiprocessing as mp
+import os
 import signal
 from collections import OrderedDict
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -38,7 +39,7 @@ class Busy(RuntimeError):
 
 
 def check(data: Any, settings: Settings) -> Verdict:
-    """The whole admission check of one spec; runs in a pool process (or inline, for the CLI)."""
+    """The whole admission check of one spec (validation, then the ceilings); runs in a pool process."""
     from sltune.tuning.runner import requirements
     from sltune.tuning.spec import TuningSpec, field_errors
 
@@ -59,6 +60,7 @@ def _start_worker() -> None:
 
     die_with_parent(signal.SIGKILL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)     # Ctrl-C in `sltune serve` is the server's to handle
+    os.nice(10)           # a heavy check yields the CPU to the server answering requests meanwhile
 
 
 class SpecChecker:

@@ -91,14 +91,15 @@ def interleave(runners: list[Runner], batches: list[torch.Tensor], rounds: int, 
 
 
 def check_losses(runners: list[Runner], rtol: float = 1e-3) -> None:
-    """Same weights, same batches, same optimizer: every runner's loss, step by step, as the first's."""
+    """Same weights, same batches, same optimizer: every runner's loss, step by step, as the first's. Prints
+    each runner's largest relative deviation; one beyond rtol is flagged (the timings still print)."""
     ref = runners[0]
+    print(f"losses of {ref.name} over {len(ref.losses)} steps: {ref.losses[0]:.4f} -> {ref.losses[-1]:.4f}; "
+          f"largest relative deviation from it, first step and last step:")
     for runner in runners[1:]:
-        for j, (a, b) in enumerate(zip(ref.losses, runner.losses)):
-            if abs(a - b) > rtol * abs(a):
-                raise SystemExit(f"loss mismatch at step {j}: {ref.name} {a:.6f} vs {runner.name} {b:.6f}")
-    print(f"losses agree across all runners (rel {rtol:g}) over {len(ref.losses)} steps: "
-          f"{ref.losses[0]:.4f} -> {ref.losses[-1]:.4f}")
+        dev = [abs(a - b) / abs(a) for a, b in zip(ref.losses, runner.losses)]
+        flag = "ok" if max(dev) <= rtol else f"DISAGREES beyond {rtol:g}"
+        print(f"  {runner.name:<24} max {max(dev):.1e}  first {dev[0]:.1e}  last {dev[-1]:.1e}  {flag}")
 
 
 def report(runners: list[Runner], tokens: int, ratios: list[tuple[str, str, float]]) -> None:
@@ -142,16 +143,19 @@ def best_speedloader(runners: list[Runner]) -> str:
     return min(sl, key=lambda r: statistics.median(r.seconds)).name
 
 
+def targets(best: str) -> list[tuple[str, str, float]]:
+    """(runner, baseline, target throughput ratio) from issue #11."""
+    return [("resident", "plain loop", 0.97), ("speedloader/offload", "plain loop", 0.92),
+            ("speedloader/recompute", "plain loop", 0.85), (best, "canonical/recompute", 1.2),
+            (best, "canonical/offload", 1.2)]
+
+
 def main() -> None:
     args, base, batches = setup()
     runners = [plain_loop(base, args.b, args.n), *sltune_runners(base, args)]
     interleave(runners, batches, args.rounds, args.warmup)
     check_losses(runners)
-    best = best_speedloader(runners)
-    report(runners, args.b * args.n * args.seq,
-           [("resident", "plain loop", 0.97), ("speedloader/offload", "plain loop", 0.92),
-            ("speedloader/recompute", "plain loop", 0.85), (best, "canonical/recompute", 1.2),
-            (best, "canonical/offload", 1.2)])
+    report(runners, args.b * args.n * args.seq, targets(best_speedloader(runners)))
     for r in runners:
         if r.io is not None:
             print(f"  {r.name:<24} param load {r.io.param_load_bytes / 2**20:8.1f} MiB  activations out+in "

@@ -190,10 +190,12 @@ class ParamStore:
 
     # -- gradients -------------------------------------------------------------------------------
     def begin_grads(self, unit: ParamUnit) -> None:
-        """Give the live parameters zeroed device gradient buffers to accumulate into."""
+        """Let autograd make the live parameters' device gradients: the first sub-batch writes them, later
+        ones add (a zeroed buffer would cost a zeroing pass and an add more per unit and step)."""
         if unit.host_grad is None or self.resident:
             return  # resident: autograd's gradients, on the device
-        self._device_grads(unit, unit.host_grad.numel())
+        for p in unit.params:
+            p.grad = None
 
     def _device_grads(self, unit: ParamUnit, numel: int) -> None:
         unit.dev_grad = self.pool.acquire(numel, unit.host.dtype).zero_()
@@ -202,9 +204,17 @@ class ParamStore:
 
     def offload_grads(self, unit: ParamUnit, accumulate: bool) -> None:
         """Copy (or, for later micro-batches, add) the unit's device gradients into its host gradients."""
-        if self.resident or unit.dev_grad is None:
+        if self.resident or unit.host_grad is None:
             return
-        self.copier.to_host(unit.dev_grad, unit.host_grad, "grad_offload_bytes", accumulate=accumulate)
+        for p, host in zip(unit.params, unit._views(unit.host_grad, unit.grad_offsets)):
+            if host is None:
+                continue
+            if p.grad is None:              # no gradient reached it this pass
+                if not accumulate:
+                    host.zero_()
+                continue
+            self.copier.to_host(p.grad, host, "grad_offload_bytes", accumulate=accumulate)
+            p.grad = None
 
     def drop_resident_grads(self) -> None:
         if self.resident:

@@ -50,7 +50,7 @@ from torch import nn
 from sltune.config import SpeedLoaderConfig
 from sltune.runtime.activations import DeviceActivations, HostActivations
 from sltune.runtime.family import CausalLM, LayerCall, unique_params
-from sltune.runtime.kvcache import DeviceKV, HostKV
+from sltune.runtime.kvcache import kv_store
 from sltune.runtime.memory import DeviceMemory, monitor_for
 from sltune.runtime.params import BufferPool, ParamStore, ParamUnit
 from sltune.runtime.regions import region, step_region
@@ -130,8 +130,7 @@ class SpeedLoaderEngine:
             self.params = ParamStore(self.units, self.dtype, self.copier, self.pool, resident=resident)
         self.acts = HostActivations(self.copier, self.memory) if config.schedule == "speedloader" \
             else DeviceActivations()
-        self.kv = HostKV(self.copier, self.pool, self.memory) if config.schedule == "speedloader" \
-            else DeviceKV(self.memory, self.device)
+        self.kv = kv_store(config.schedule, config.kv_cache, self.copier, self.pool, self.memory)
         self.last_generation: "GenerationStats | None" = None
         self.optimizer: torch.optim.Optimizer | None = None
         if optimizer is not None:

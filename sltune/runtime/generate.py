@@ -32,7 +32,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
 from sltune.runtime.family import LayerCall
-from sltune.runtime.kvcache import KVShape
+from sltune.runtime.kvcache import KVShape, Writer
 from sltune.runtime.regions import region
 from sltune.runtime.transfer import IOCounters
 
@@ -107,11 +107,14 @@ class SlotCache(Cache):
         self.past = 0                       # positions already cached (equal for every layer and sub-batch)
         self._block: torch.Tensor | None = None
         self._first = 0
+        self._write: Writer = lambda dst, src: dst.copy_(src)
 
-    def bind(self, block: torch.Tensor, first_layer: int) -> None:
-        """Point layers first_layer.. at this block [T, 2, k, b, heads, head_dim] for the next run_layers."""
+    def bind(self, block: torch.Tensor, first_layer: int, write: Writer) -> None:
+        """Point layers first_layer.. at this block [T, 2, k, b, heads, head_dim] for the next run_layers;
+        `write` puts new positions into it (a counted copy when the block is in host memory)."""
         self._block = block
         self._first = first_layer
+        self._write = write
 
     def unbind(self) -> None:
         self._block = None
@@ -128,8 +131,8 @@ class SlotCache(Cache):
             raise RuntimeError(f"layer {layer}: keys {tuple(keys.shape)} at positions {self.past}:{end} do not fit "
                                f"the bound block {tuple(self._block.shape)} (first layer {self._first})")
         new = self._block[self.past:end]
-        new[:, 0, slot].copy_(keys.permute(2, 0, 1, 3))
-        new[:, 1, slot].copy_(values.permute(2, 0, 1, 3))
+        self._write(new[:, 0, slot], keys.permute(2, 0, 1, 3))
+        self._write(new[:, 1, slot], values.permute(2, 0, 1, 3))
         seen = self._block[start:end]
         return seen[:, 0, slot].permute(1, 2, 0, 3), seen[:, 1, slot].permute(1, 2, 0, 3)
 
@@ -277,12 +280,13 @@ def _step(engine: "SpeedLoaderEngine", subs: list[_Rows]) -> torch.Tensor:
                 return acts.fetch(g, j), kv.load(g, subs[j].index, start, past)
 
             nxt = load(0)
+            write = kv.writer()
             for j, sb in enumerate(subs):
                 x, block = nxt
                 if j + 1 < len(subs):
                     nxt = load(j + 1)
                 block = block.wait()
-                sb.cache.bind(block, group.first)
+                sb.cache.bind(block, group.first, write)
                 with region("compute", f"layers_{detail}"):
                     y = lm.run_layers(group.first, group.last, x.wait(), sb.calls)
                 sb.cache.unbind()

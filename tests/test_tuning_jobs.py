@@ -187,7 +187,7 @@ def test_baselines_run_through_optuna_in_the_job_database(strategy, tmp_path):
                       "num_live_blocks": t["config"]["num_live_blocks"]}.items())) for t in result["trials"]}
 
 
-def test_a_generation_tuning_job_runs_end_to_end_and_exports_yaml(tmp_path):
+def test_a_generation_tuning_job_sweeps_kv_cache_and_exports_it(tmp_path):
     spec = {"name": "gen", "model": {"preset": "llama-tiny"},
             "workload": {"mode": "generate", "prompt_len": 16, "new_tokens": 8},
             "hardware": {"device_memory_limit": "2MiB"},
@@ -197,8 +197,13 @@ def test_a_generation_tuning_job_runs_end_to_end_and_exports_yaml(tmp_path):
     assert result["status"] == "succeeded", result
     assert set(result["models"]) == {"device", "host", "throughput"}
     assert result["models"]["host"]["features"] == ["1", "B*s"]         # the KV cache of every sub-batch
+    assert result["search_space"]["kv_cache"] == ["host", "device"]
+    ran = {t["config"]["kv_cache"] for t in result["trials"] if t["status"] == "ok"}
+    assert ran == {"host", "device"}, result["trials"]
+    assert "D*B*s" in result["models"]["device"]["features"]              # device-resident caches
     path = tmp_path / "best.yaml"
     export_yaml(TuningSpec.parse(spec), result, path)
     cfg = SpeedLoaderConfig.from_yaml(path)
-    assert cfg.sub_batch_size == result["best"]["config"]["sub_batch_size"]
+    best = result["best"]["config"]
+    assert (cfg.sub_batch_size, cfg.kv_cache) == (best["sub_batch_size"], best["kv_cache"])
     assert yaml.safe_load(path.read_text())["workload"]["mode"] == "generate"

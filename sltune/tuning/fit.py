@@ -11,7 +11,8 @@ Peak memory is close to linear in the knobs (../shared/design/speedloader.md):
                                                                    boundary activations of every sub-batch)
              step_time   ~ t0 + t1*G + t2*N + t3*N*b*s + t4*N*G    (per step, group, sub-batch, token, and
                                                                    sub-batch-in-group costs)
-    generate the same with s = prompt+new tokens per row; host ~ e0 + e1*B*s (every sub-batch's KV cache)
+    generate the same with s = prompt+new tokens per row, plus D*B*s on the device (D = 1 when kv_cache is
+             device: every sub-batch's KV cache); host ~ e0 + e1*B*s (every sub-batch's KV cache)
 
 G = ceil(layers/k) groups, B = b*N rows. Throughput is tokens per step over step_time, so it rises with
 b and N and saturates. Each model reports its coefficients, R^2, residuals, leave-one-out error (how
@@ -42,6 +43,7 @@ FEATURES: dict[str, Callable[[dict[str, float]], float]] = {
     "(G+1)*B*s": lambda v: (v["G"] + 1) * v["B"] * v["s"],
     "N*b*s": lambda v: v["N"] * v["b"] * v["s"],
     "N*G": lambda v: v["N"] * v["G"],
+    "D*B*s": lambda v: v["D"] * v["B"] * v["s"],
 }
 
 MODELS = {
@@ -52,7 +54,7 @@ MODELS = {
     },
     "generate": {   # s = prompt + new tokens; the host holds every sub-batch's KV cache (B*s), the device
                     # one group's cache for one sub-batch (k*b*s)
-        "device": ("peak_device_bytes", ["1", "k", "k*[G>1]", "b*s", "k*b*s", "B*s"]),
+        "device": ("peak_device_bytes", ["1", "k", "k*[G>1]", "b*s", "k*b*s", "B*s", "D*B*s"]),
         "host": ("peak_host_bytes", ["1", "B*s"]),
         "throughput": ("step_seconds", ["1", "G", "N", "N*b*s", "N*G"]),
     },
@@ -61,7 +63,8 @@ MODELS = {
 
 def variables(c: Candidate, shape: ModelShape, tokens_per_row: int) -> dict[str, float]:
     """The quantities the features are made of, for one candidate."""
-    return {"b": c.b, "N": c.n, "k": c.k, "B": c.batch, "s": tokens_per_row, "G": shape.groups(c.k)}
+    return {"b": c.b, "N": c.n, "k": c.k, "B": c.batch, "s": tokens_per_row, "G": shape.groups(c.k),
+            "D": float(c.kv_on_device)}
 
 
 @dataclass

@@ -85,6 +85,15 @@ def test_rows_that_reach_eos_continue_with_pad_as_in_transformers():
     assert (out[1, PROMPT + 3:] == PAD).all()
 
 
+def test_an_eos_outside_the_vocabulary_warns_and_generates_as_transformers_does():
+    ids, mask = prompts(padded=True)
+    eos = 512 + 5                             # llama-tiny's vocabulary is 512: no row can ever produce it
+    with pytest.warns(UserWarning, match=r"eos_token_id 517 is not a token id in \[0, 512\)"):
+        out = engine("llama-tiny").generate(ids, attention_mask=mask, max_new_tokens=NEW, eos_token_id=eos,
+                                            pad_token_id=PAD)
+    assert torch.equal(out, reference("llama-tiny", padded=True, eos=eos))
+
+
 def test_seeded_sampling_is_reproducible_and_the_same_on_every_schedule():
     ids, mask = prompts(padded=True)
 

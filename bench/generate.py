@@ -130,8 +130,9 @@ def main() -> None:
 
     print(f"model {args.model}: {param_count(args.model) / 1e6:.1f}M parameters, {rows} rows (left-padded), prompt "
           f"{args.prompt} + {args.new} new tokens, float32, greedy, torch threads {torch.get_num_threads()}, "
-          f"{args.reps} interleaved rounds")
+          f"{args.reps} interleaved rounds", flush=True)
     outputs = {name: run() for name, run in runs.items()}           # warm-up, and the tokens to compare
+    print("warm-up done", flush=True)
     differ = [name for name, out in outputs.items() if not torch.equal(out, outputs["transformers"])]
     times: dict[str, list[float]] = {name: [] for name in runs}
     names = list(runs)
@@ -140,6 +141,7 @@ def main() -> None:
             start = time.perf_counter()
             runs[name]()
             times[name].append(time.perf_counter() - start)
+        print(f"round {rep + 1}: " + ", ".join(f"{name} {times[name][-1]:.2f}s" for name in names), flush=True)
     tps = {name: rows * args.new / statistics.median(t) for name, t in times.items()}
 
     print(f"{'run':<28} {'tokens/s':>9} {'min':>8} {'max':>8} {'param load/call':>16} {'kv in / out per call':>22}")

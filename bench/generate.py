@@ -27,6 +27,7 @@ import statistics
 import time
 from typing import Callable
 
+import sltune  # noqa: F401  (first: sets OMP_WAIT_POLICY before torch loads; OMP_WAIT_POLICY=ACTIVE to compare)
 import torch
 
 from sltune import SpeedLoaderConfig, SpeedLoaderEngine
@@ -130,7 +131,7 @@ def main() -> None:
 
     print(f"model {args.model}: {param_count(args.model) / 1e6:.1f}M parameters, {rows} rows (left-padded), prompt "
           f"{args.prompt} + {args.new} new tokens, float32, greedy, torch threads {torch.get_num_threads()}, "
-          f"{args.reps} interleaved rounds", flush=True)
+          f"{args.reps} interleaved rounds, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}", flush=True)
     outputs = {name: run() for name, run in runs.items()}           # warm-up, and the tokens to compare
     print("warm-up done", flush=True)
     differ = [name for name, out in outputs.items() if not torch.equal(out, outputs["transformers"])]

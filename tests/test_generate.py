@@ -13,7 +13,7 @@ from sltune.runtime.kvcache import StagedHostKV
 
 PRESETS = ["llama-tiny", "llama-tiny-tied", "mistral-tiny", "qwen2-tiny", "gpt2-tiny", "opt-tiny"]
 SCHEDULES = ["speedloader", "canonical", "resident"]
-PLACEMENTS = [("speedloader", "host"), ("speedloader", "device"), ("canonical", "host"), ("canonical", "device"),
+PLACEMENTS = [("speedloader", "host"), ("speedloader", "device"), ("canonical", "host"),
               ("resident", "device")]     # resident keeps its caches on the device whatever kv_cache says
 K = {"speedloader": 3, "canonical": 1, "resident": 2}   # 3 of 4 layers: groups of unequal size
 B, N = 2, 2

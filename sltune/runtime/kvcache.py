@@ -66,6 +66,8 @@ class KVShape:
 class KVStore(Protocol):
     """What generate asks of a placement: a block to bind for (group, sub-batch), and how to write into it."""
 
+    in_place: bool      # blocks stay where they are between steps (nothing staged): all can be bound at once
+
     def prepare(self, shape: KVShape) -> None: ...
     def load(self, g: int, i: int, start: int, past: int) -> Pending: ...
     def writer(self) -> Writer: ...
@@ -79,6 +81,8 @@ def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 class DeviceKV:
     """Every block on the device for the whole call: new positions are written in place, nothing moves."""
+
+    in_place = True
 
     def __init__(self, memory: DeviceMemory, device: torch.device):
         self.memory = memory
@@ -131,6 +135,8 @@ class HostKV(_HostBlocks):
     """Blocks in host memory, bound as they are: attention reads the past where it lives (CPU delegation)
     and only the new positions are copied in, through the copier that counts them."""
 
+    in_place = True
+
     def prepare(self, shape: KVShape) -> None:
         self._allocate(shape)
 
@@ -150,6 +156,8 @@ class HostKV(_HostBlocks):
 class StagedHostKV(_HostBlocks):
     """Blocks in host memory, the visible past staged on the device per sub-batch; two staging buffers so
     the next sub-batch's block loads while this one computes."""
+
+    in_place = False
 
     def __init__(self, copier: Copier, pool: BufferPool, memory: DeviceMemory):
         super().__init__(copier, memory)

@@ -128,7 +128,7 @@ class SlotCache(Cache):
         self.past = 0                       # positions already cached (equal for every layer and sub-batch)
         self._block: torch.Tensor | None = None
         self._first = 0
-        self._write: Writer = lambda dst, src: dst.copy_(src)
+        self._write: Writer | None = None
 
     def bind(self, block: torch.Tensor, first_layer: int, write: Writer) -> None:
         """Point layers first_layer.. at this block [T, 2, k, b, heads, head_dim] for the next run_layers;

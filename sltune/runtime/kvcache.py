@@ -25,7 +25,7 @@ step adds: the prompt length at the prefill, 1 per decode step):
             N*sum_l (past - first_visible_l)*2*b*kvh*d*e (a sliding layer sees at most window-1 of it).
 
 On the CPU, staging costs a copy of the whole visible past every step, where delegation costs nothing
-more than the new positions (bench/generate.py --compare-kv measures it), so `host` delegates there.
+more than the new positions (bench/generate.py --staged measures it), so `host` delegates there.
 Attention on the host CPU beside a CUDA device is not implemented yet; there `host` stages.
 """
 

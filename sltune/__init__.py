@@ -3,10 +3,19 @@
     from sltune import SpeedLoaderConfig, SpeedLoaderEngine
 """
 
-from sltune.config import SpeedLoaderConfig
-from sltune.runtime.engine import SpeedLoaderEngine, StepResult
-from sltune.runtime.memory import DeviceMemoryExceeded
-from sltune.runtime.transfer import IOCounters
+import os
+
+# OpenMP threads spin while they wait for each other by default. With more runnable threads than cores
+# (a shared machine, or trials beside a server) every small parallel op then waits for a descheduled
+# partner: one decode step's per-sub-batch matmuls ran 10-90x slower (README, "Threads"). Threads that
+# sleep while idle do not fight. libgomp reads this when torch loads, so it only takes effect if torch is
+# not imported yet; an explicit OMP_WAIT_POLICY wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from sltune.config import SpeedLoaderConfig  # noqa: E402
+from sltune.runtime.engine import SpeedLoaderEngine, StepResult  # noqa: E402
+from sltune.runtime.memory import DeviceMemoryExceeded  # noqa: E402
+from sltune.runtime.transfer import IOCounters  # noqa: E402
 
 __version__ = "0.1.0"
 

@@ -13,6 +13,7 @@ from sltune.sizes import parse_bytes
 Schedule = Literal["speedloader", "canonical", "resident"]
 DType = Literal["float32", "bfloat16", "float16"]
 Activations = Literal["recompute", "offload"]
+KVCache = Literal["host", "device"]
 
 # Sections a best-config YAML carries besides the knobs: reports, read by `sltune plan`, ignored here.
 REPORT_SECTIONS = ("effective_batch_size", "workload", "measured", "predicted", "resource_models",
@@ -37,6 +38,9 @@ class SpeedLoaderConfig(BaseModel):
     dtype: DType = "float32"
     device_memory_limit: int | None = Field(None, description="bytes, or a string such as '2GiB'")
     world_size: int | None = Field(None, ge=1, description="ranks the config was tuned for; None: any")
+    kv_cache: KVCache = Field(
+        "host", description="generation: KV caches in host memory (attention over the past where it lives) or on "
+        "the device (no KV traffic, device memory instead); the resident schedule keeps them on the device")
     memory_tracking: Literal["first", "always", "never"] = Field(
         "first", description="CPU only: measure device allocations on the first step of each batch shape, "
         "on every step, or never (then device_memory_limit cannot be enforced)")

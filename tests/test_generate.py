@@ -9,9 +9,12 @@ import torch
 from sltune import SpeedLoaderConfig, SpeedLoaderEngine
 from sltune.models import build
 from sltune.profiling import run_trial
+from sltune.runtime.kvcache import StagedHostKV
 
 PRESETS = ["llama-tiny", "llama-tiny-tied", "mistral-tiny", "qwen2-tiny", "gpt2-tiny", "opt-tiny"]
 SCHEDULES = ["speedloader", "canonical", "resident"]
+PLACEMENTS = [("speedloader", "host"), ("speedloader", "device"), ("canonical", "host"),
+              ("resident", "device")]     # resident keeps its caches on the device whatever kv_cache says
 K = {"speedloader": 3, "canonical": 1, "resident": 2}   # 3 of 4 layers: groups of unequal size
 B, N = 2, 2
 PROMPT, NEW = 10, 10          # 20 positions: past the sliding window (16) of mistral-tiny and qwen2-tiny
@@ -30,10 +33,10 @@ def prompts(rows: int = B * N, length: int = PROMPT, padded: bool = True, seed: 
 
 
 def engine(preset: str, schedule: str = "speedloader", b: int = B, n: int = N, k: int = 1,
-           tracking: str = "never") -> SpeedLoaderEngine:
+           tracking: str = "never", kv_cache: str = "host") -> SpeedLoaderEngine:
     """tracking="never" by default: measuring device memory costs ~25 us per op, and only one test needs it."""
     cfg = SpeedLoaderConfig(sub_batch_size=b, num_sub_batches=n, num_live_blocks=k, schedule=schedule,
-                            memory_tracking=tracking)
+                            memory_tracking=tracking, kv_cache=kv_cache)
     return SpeedLoaderEngine(build(preset), cfg, optimizer=None)
 
 
@@ -45,15 +48,15 @@ def reference(preset: str, padded: bool, length: int = PROMPT, new: int = NEW, e
                                   pad_token_id=PAD, **kw)
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("schedule,kv_cache", PLACEMENTS)
 @pytest.mark.parametrize("preset", PRESETS)
-def test_greedy_tokens_equal_transformers_with_left_padding(preset, schedule):
+def test_greedy_tokens_equal_transformers_with_left_padding(preset, schedule, kv_cache):
     ids, mask = prompts(padded=True)
-    out = engine(preset, schedule, k=K[schedule]).generate(ids, attention_mask=mask, max_new_tokens=NEW,
-                                                             pad_token_id=PAD)
+    out = engine(preset, schedule, k=K[schedule], kv_cache=kv_cache).generate(
+        ids, attention_mask=mask, max_new_tokens=NEW, pad_token_id=PAD)
     expected = reference(preset, padded=True)
     assert out.dtype == torch.long and out.shape == expected.shape
-    assert torch.equal(out, expected), f"{preset}/{schedule}:\n{out[:, PROMPT:]}\n{expected[:, PROMPT:]}"
+    assert torch.equal(out, expected), f"{preset}/{schedule}/{kv_cache}:\n{out[:, PROMPT:]}\n{expected[:, PROMPT:]}"
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
@@ -82,6 +85,15 @@ def test_rows_that_reach_eos_continue_with_pad_as_in_transformers():
     assert (out[1, PROMPT + 3:] == PAD).all()
 
 
+def test_an_eos_outside_the_vocabulary_warns_and_generates_as_transformers_does():
+    ids, mask = prompts(padded=True)
+    eos = 512 + 5                             # llama-tiny's vocabulary is 512: no row can ever produce it
+    with pytest.warns(UserWarning, match=r"eos_token_id 517 is not a token id in \[0, 512\)"):
+        out = engine("llama-tiny").generate(ids, attention_mask=mask, max_new_tokens=NEW, eos_token_id=eos,
+                                            pad_token_id=PAD)
+    assert torch.equal(out, reference("llama-tiny", padded=True, eos=eos))
+
+
 def test_seeded_sampling_is_reproducible_and_the_same_on_every_schedule():
     ids, mask = prompts(padded=True)
 
@@ -100,53 +112,68 @@ def test_seeded_sampling_is_reproducible_and_the_same_on_every_schedule():
 
 
 def kv_bytes_per_position(eng: SpeedLoaderEngine, rows: int) -> int:
-    """Keys and values of one position of every layer and row, float32."""
+    """Keys and values of one position of every layer and row, float32: 2*L*b*N*kvh*d*e."""
     cfg = eng.lm.config
     return rows * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 4
 
 
-def decode_io(preset: str, schedule: str, n: int, k: int = 1, new: int = 4, tracking: str = "never"):
-    eng = engine(preset, schedule, b=1, n=n, k=k, tracking=tracking)
-    ids, mask = prompts(rows=n, padded=False)
-    eng.generate(ids, max_new_tokens=new, eos_token_id=[])
-    return eng, eng.last_generation
+def decode_io(preset: str, schedule: str, n: int, k: int = 1, new: int = 4, tracking: str = "never",
+              kv_cache: str = "host", staged: bool = False):
+    """One generate call of n rows (b=1); staged: the StagedHostKV placement a CUDA device gets for `host`."""
+    eng = engine(preset, schedule, b=1, n=n, k=k, tracking=tracking, kv_cache=kv_cache)
+    if staged:
+        eng.kv = StagedHostKV(eng.copier, eng.pool, eng.memory)
+    ids, _ = prompts(rows=n, padded=False)
+    out = eng.generate(ids, max_new_tokens=new, eos_token_id=[])
+    return eng, eng.last_generation, out
 
 
 @pytest.mark.parametrize("preset,k", [("llama-tiny", 1), ("llama-tiny-tied", 3), ("opt-tiny", 2)])
 def test_parameter_loads_per_decode_step_do_not_grow_with_n(preset, k):
-    eng, one = decode_io(preset, "speedloader", n=1, k=k)
-    _, four = decode_io(preset, "speedloader", n=4, k=k)
+    eng, one, _ = decode_io(preset, "speedloader", n=1, k=k)
+    _, four, _ = decode_io(preset, "speedloader", n=4, k=k)
     assert len(one.step_io) == len(four.step_io) == 4
     for step in range(1, 4):
         assert one.step_io[step].param_load_bytes == four.step_io[step].param_load_bytes == eng.param_bytes
-    _, canon1 = decode_io(preset, "canonical", n=1, k=k)
-    _, canon4 = decode_io(preset, "canonical", n=4, k=k)
+    _, canon1, _ = decode_io(preset, "canonical", n=1, k=k)
+    _, canon4, _ = decode_io(preset, "canonical", n=4, k=k, kv_cache="device")
     assert canon4.step_io[2].param_load_bytes == 4 * canon1.step_io[2].param_load_bytes == 4 * eng.param_bytes
     assert canon4.io.kv_load_bytes == canon4.io.kv_offload_bytes == 0
 
 
-def test_kv_traffic_follows_the_host_cache_layout():
-    """Each decode step loads every past position once and writes one new position, per layer and row."""
+def test_kv_traffic_equals_the_documented_formulas():
+    """host: the new positions go to the host, the past is never re-read (kv_offload = N*q*2*L*b*kvh*d*e,
+    kv_load = 0); device: no KV traffic, the whole cache in device memory instead."""
     n, new = 4, 4
-    eng, stats = decode_io("llama-tiny", "speedloader", n=n, k=3, new=new, tracking="first")
+    eng, host, out = decode_io("llama-tiny", "speedloader", n=n, k=3, new=new, tracking="first")
     per_position = kv_bytes_per_position(eng, rows=n)
-    assert stats.step_io[0].kv_load_bytes == 0
-    assert stats.step_io[0].kv_offload_bytes == PROMPT * per_position
+    assert [io.kv_offload_bytes for io in host.step_io] == [PROMPT * per_position] + [per_position] * (new - 1)
+    assert host.io.kv_load_bytes == 0
     for step in range(1, new):
-        assert stats.step_io[step].kv_load_bytes == (PROMPT + step - 1) * per_position
-        assert stats.step_io[step].kv_offload_bytes == per_position
-        assert stats.step_io[step].act_offload_bytes == stats.step_io[step].act_load_bytes > 0
-    _, resident = decode_io("llama-tiny", "resident", n=n, k=3, new=new, tracking="first")
-    assert resident.io.kv_load_bytes == resident.io.param_load_bytes == 0
-    assert stats.peak_device_bytes < resident.peak_device_bytes
+        assert host.step_io[step].act_offload_bytes == host.step_io[step].act_load_bytes > 0
+    _, device, dev_out = decode_io("llama-tiny", "speedloader", n=n, k=3, new=new, tracking="first",
+                                   kv_cache="device")
+    assert device.io.kv_load_bytes == device.io.kv_offload_bytes == 0
+    assert device.io.param_load_bytes == host.io.param_load_bytes > 0
+    assert device.peak_device_bytes - host.peak_device_bytes == (PROMPT + new) * per_position
+    _, resident, _ = decode_io("llama-tiny", "resident", n=n, k=3, new=new, tracking="first", kv_cache="host")
+    assert resident.io.kv_load_bytes == resident.io.kv_offload_bytes == resident.io.param_load_bytes == 0
+    assert host.peak_device_bytes < device.peak_device_bytes < resident.peak_device_bytes
+    assert torch.equal(out, dev_out)
 
 
-def test_sliding_window_layers_load_only_the_window():
+def test_staged_host_cache_loads_the_visible_past_and_writes_new_positions():
+    """The placement `host` takes beside a CUDA device, run on the CPU: per step the past each layer
+    attends to comes in (a sliding layer's at most window-1 positions) and the new position goes out."""
     n, new = 2, 12                       # past reaches 10 + 11 = 21 > window 16
-    eng, stats = decode_io("mistral-tiny", "speedloader", n=n, new=new)
+    eng, stats, out = decode_io("mistral-tiny", "speedloader", n=n, new=new, staged=True)
     window = eng.lm.config.sliding_window
-    loaded = [io.kv_load_bytes for io in stats.step_io[1:]]
-    assert loaded == [min(PROMPT + step - 1, window - 1) * kv_bytes_per_position(eng, rows=n) for step in range(1, new)]
+    per_position = kv_bytes_per_position(eng, rows=n)
+    loaded = [io.kv_load_bytes for io in stats.step_io]
+    assert loaded == [0] + [min(PROMPT + step - 1, window - 1) * per_position for step in range(1, new)]
+    assert [io.kv_offload_bytes for io in stats.step_io] == [PROMPT * per_position] + [per_position] * (new - 1)
+    _, _, delegated = decode_io("mistral-tiny", "speedloader", n=n, new=new)
+    assert torch.equal(out, delegated)
 
 
 def test_wrong_row_count_and_bad_prompts_are_clear_errors():
@@ -174,7 +201,8 @@ def test_generation_trial_reports_throughput_traffic_and_breakdown():
     assert result.status == "ok", result.error
     assert result.tokens_per_s > 0 and result.step_seconds > 0
     assert result.config.seq_len == 12
-    assert result.io.param_load_bytes > 0 and result.io.kv_load_bytes > 0 and result.io.kv_offload_bytes > 0
+    assert result.config.kv_cache == "host"
+    assert result.io.param_load_bytes > 0 and result.io.kv_offload_bytes > 0 and result.io.kv_load_bytes == 0
     assert result.peak_device_bytes > 0
     assert sum(result.breakdown.model_dump().values()) == pytest.approx(1.0, abs=1e-9)
     assert result.breakdown.compute > 0 and result.breakdown.memcpy > 0

@@ -187,7 +187,7 @@ def test_baselines_run_through_optuna_in_the_job_database(strategy, tmp_path):
                       "num_live_blocks": t["config"]["num_live_blocks"]}.items())) for t in result["trials"]}
 
 
-def test_a_generation_tuning_job_runs_end_to_end_and_exports_yaml(tmp_path):
+def test_a_generation_tuning_job_sweeps_kv_cache_and_exports_it(tmp_path):
     spec = {"name": "gen", "model": {"preset": "llama-tiny"},
             "workload": {"mode": "generate", "prompt_len": 16, "new_tokens": 8},
             "hardware": {"device_memory_limit": "2MiB"},
@@ -197,10 +197,15 @@ def test_a_generation_tuning_job_runs_end_to_end_and_exports_yaml(tmp_path):
     assert result["status"] == "succeeded", result
     assert set(result["models"]) == {"device", "host", "throughput"}
     assert result["models"]["host"]["features"] == ["1", "B*s"]         # the KV cache of every sub-batch
+    assert result["search_space"]["kv_cache"] == ["host", "device"]
+    ran = {t["config"]["kv_cache"] for t in result["trials"] if t["status"] == "ok"}
+    assert ran == {"host", "device"}, result["trials"]
+    assert "D*B*s" in result["models"]["device"]["features"]              # device-resident caches
     path = tmp_path / "best.yaml"
     export_yaml(TuningSpec.parse(spec), result, path)
     cfg = SpeedLoaderConfig.from_yaml(path)
-    assert cfg.sub_batch_size == result["best"]["config"]["sub_batch_size"]
+    best = result["best"]["config"]
+    assert (cfg.sub_batch_size, cfg.kv_cache) == (best["sub_batch_size"], best["kv_cache"])
     assert yaml.safe_load(path.read_text())["workload"]["mode"] == "generate"
 
 
@@ -221,3 +226,16 @@ def test_a_spec_sweeping_activations_runs_both_and_exports_the_winner(tmp_path):
     export_yaml(TuningSpec.parse(spec), result, path)
     cfg = SpeedLoaderConfig.from_yaml(path)
     assert cfg.activations == result["best"]["config"]["activations"] == yaml.safe_load(path.read_text())["activations"]
+
+
+def test_a_generation_job_with_room_picks_one_large_sub_batch(tmp_path):
+    """Every sub-batch reads every weight once per step: at a fixed number of rows and a limit that
+    allows it, the tuner's pick is one sub-batch of all of them."""
+    spec = {"name": "gen-rows", "model": {"preset": "llama-tiny"},
+            "workload": {"mode": "generate", "prompt_len": 8, "new_tokens": 4},
+            "search": {"sub_batch_size": [1, 2, 4, 8], "effective_batch_size": 8, "num_live_blocks": 1,
+                       "kv_cache": "host", "max_trials": 6, "trial_steps": 1, "profile": False}}
+    result = tune(spec, f"sqlite:///{tmp_path / 'jobs.db'}", settings=Settings(data_dir=tmp_path))
+    assert result["status"] == "succeeded", result
+    best = result["best"]["config"]
+    assert (best["sub_batch_size"], best["num_sub_batches"], best["kv_cache"]) == (8, 1, "host"), result["trials"]

@@ -30,10 +30,27 @@ def parse(**overrides):
     ({"workload": {"seq_len": 1}}, "workload.seq_len"),
     ({"search": {"num_live_blocks": "many"}}, "search.num_live_blocks: expected an integer, a list of integers"),
     ({"search": {"sub_batch_size": 3, "effective_batch_size": 16}}, "search space is empty"),
+    ({"search": {"kv_cache": "device"}}, "search.kv_cache places generation's KV caches; remove it or set "
+                                         "workload.mode: generate"),
+    ({"workload": {"mode": "generate"}, "search": {"kv_cache": ["gpu"]}}, "search.kv_cache"),
 ])
 def test_bad_specs_name_the_field(overrides, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("*", r"\*")):
         parse(**overrides)
+
+
+def test_kv_cache_is_swept_in_generation_only():
+    shape = shape_of("llama-tiny")
+    gen = {"workload": {"mode": "generate"}, "search": {"sub_batch_size": 2, "num_sub_batches": 2,
+                                                        "num_live_blocks": 1}}
+    both = SearchSpace(parse(**gen), shape)
+    assert both.candidates == [Candidate(2, 2, 1, kv_cache="device"), Candidate(2, 2, 1, kv_cache="host")]
+    assert both.neighbours_up(Candidate(2, 2, 1, kv_cache="host")) == [Candidate(2, 2, 1, kv_cache="device")]
+    assert Candidate(2, 2, 1, kv_cache="device").dominates(Candidate(2, 2, 1, kv_cache="host"))
+    one = SearchSpace(parse(workload=gen["workload"], search={**gen["search"], "kv_cache": "device"}), shape)
+    assert one.candidates == [Candidate(2, 2, 1, kv_cache="device")] and one.describe()["kv_cache"] == ["device"]
+    train = SearchSpace(parse(search=gen["search"]), shape)
+    assert train.candidates == [Candidate(2, 2, 1)] and "kv_cache" not in train.distributions()
 
 
 def test_a_limit_below_what_the_smallest_config_needs_says_that_minimum():

@@ -17,6 +17,7 @@ KNOB_FLAGS = {
     "device": ("--device", str, "cpu, cuda, cuda:1, ..."),
     "dtype": ("--dtype", str, "float32 | bfloat16 | float16"),
     "device_memory_limit": ("--device-memory-limit", str, "bytes or e.g. 2GiB"),
+    "kv_cache": ("--kv-cache", str, "generation: KV caches in host | device memory"),
 }
 
 

@@ -22,6 +22,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="recompute | offload: rerun each group's forward in backward, or keep autograd's saved "
                         "tensors in host memory")
     p.add_argument("--mode", default="train", help="train | generate")
+    p.add_argument("--kv-cache", default="host", choices=("host", "device"), help="generate: where KV caches live")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--prompt-len", type=int, default=32, help="generate: prompt tokens")
     p.add_argument("--new-tokens", type=int, default=16, help="generate: tokens to generate")
@@ -41,7 +42,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     spec = TrialSpec(model=args.model, sub_batch_size=args.sub_batch_size, num_sub_batches=args.num_sub_batches,
                      num_live_blocks=args.num_live_blocks, schedule=args.schedule,
-                     activations=args.activations, mode=args.mode,
+                     activations=args.activations, mode=args.mode, kv_cache=args.kv_cache,
                      seq_len=args.seq_len, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
                      steps=args.steps, world_size=args.world_size, device=args.device, dtype=args.dtype,
                      device_memory_limit=args.device_memory_limit, host_memory_limit=args.host_memory_limit,
@@ -56,8 +57,8 @@ def run(args: argparse.Namespace) -> int:
 
 def describe(r) -> str:
     c = r.config
-    lines = [f"trial {r.status}: {c.schedule} ({c.activations}) b={c.sub_batch_size} N={c.num_sub_batches} k={c.num_live_blocks} "
-             f"s={c.seq_len} W={c.world_size}"]
+    lines = [f"trial {r.status}: {c.schedule} ({c.activations}) b={c.sub_batch_size} N={c.num_sub_batches} "
+             f"k={c.num_live_blocks} s={c.seq_len} W={c.world_size}" + (f" kv_cache={c.kv_cache}" if c.kv_cache else "")]
     if r.error:
         lines.append(f"  {r.error}")
     if r.tokens_per_s is not None:

@@ -88,7 +88,8 @@ def run(spec: TrialSpec, rank: int = 0) -> dict[str, Any]:
     cfg = SpeedLoaderConfig(sub_batch_size=spec.sub_batch_size, num_sub_batches=spec.num_sub_batches,
                             num_live_blocks=spec.num_live_blocks, schedule=spec.schedule,
                             activations=spec.activations, device=spec.device,
-                            dtype=spec.dtype, device_memory_limit=spec.device_memory_limit)
+                            dtype=spec.dtype, device_memory_limit=spec.device_memory_limit,
+                            kv_cache=spec.kv_cache)
     model = build(spec.model, seed=spec.seed, dtype=spec.dtype)
     if spec.mode == "generate":
         return _run_generate(spec, cfg, model)

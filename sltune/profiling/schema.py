@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from sltune.config import Activations, DType, Schedule
+from sltune.config import Activations, DType, KVCache, Schedule
 from sltune.runtime.transfer import IOCounters
 from sltune.sizes import parse_bytes
 
@@ -25,6 +25,7 @@ class TrialSpec(BaseModel):
     schedule: Schedule = "speedloader"
     activations: Activations = "recompute"
     mode: Literal["train", "generate"] = "train"
+    kv_cache: KVCache = Field("host", description="generate: KV caches in host or device memory")
     seq_len: int = Field(128, ge=2, description="train: tokens per row")
     prompt_len: int = Field(32, ge=1, description="generate: prompt tokens per row")
     new_tokens: int = Field(16, ge=1, description="generate: tokens generated per row")
@@ -54,7 +55,7 @@ class TrialSpec(BaseModel):
                 "num_live_blocks": self.num_live_blocks, "schedule": self.schedule,
                 "activations": self.activations,
                 "seq_len": self.seq_len if self.mode == "train" else self.prompt_len + self.new_tokens,
-                "world_size": self.world_size}
+                "world_size": self.world_size, "kv_cache": self.kv_cache if self.mode == "generate" else None}
 
 
 class TrialConfig(BaseModel):
@@ -65,6 +66,7 @@ class TrialConfig(BaseModel):
     activations: Activations = "recompute"
     seq_len: int
     world_size: int = 1
+    kv_cache: KVCache | None = None     # generation trials only
 
 
 class BreakdownFractions(BaseModel):

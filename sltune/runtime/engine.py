@@ -48,8 +48,8 @@ reduce_scatter = the unit's bytes once per gradient offload. Each rank runs its 
 plain autograd saves); the tests hold the counters to them.
 
 `generate()` runs the same inversion for decoding (sltune.runtime.generate): per step each unit loads once
-and every sub-batch passes through it with its own KV cache, kept in host memory by the SpeedLoader schedule
-(sltune.runtime.kvcache).
+and every sub-batch passes through it with its own KV cache, in host or device memory as kv_cache says
+(sltune.runtime.kvcache). generate.py does not import this module: it names what it uses as generate.Runtime.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ from sltune.config import SpeedLoaderConfig
 from sltune.runtime.activations import DeviceActivations, HostActivations
 from sltune.runtime.device import check_device, check_dtype
 from sltune.runtime.family import CausalLM, LayerCall, unique_params
-from sltune.runtime.kvcache import DeviceKV, HostKV
+from sltune.runtime.kvcache import kv_store
 from sltune.runtime.memory import DeviceMemory, monitor_for
 from sltune.runtime.params import BufferPool, ParamStore, ParamUnit
 from sltune.runtime.regions import region, step_region
@@ -156,8 +156,7 @@ class SpeedLoaderEngine:
         self.saved = SavedTensors(self.copier, self.memory,
                                   host=config.schedule == "speedloader" and config.activations == "offload")
         self._anchor = torch.zeros((), device=self.device, requires_grad=True)
-        self.kv = HostKV(self.copier, self.pool, self.memory) if config.schedule == "speedloader" \
-            else DeviceKV(self.memory, self.device)
+        self.kv = kv_store(config.schedule, config.kv_cache, self.copier, self.pool, self.memory)
         self.last_generation: "GenerationStats | None" = None
         self.optimizer: torch.optim.Optimizer | None = None
         if optimizer is not None:
@@ -426,9 +425,8 @@ class SpeedLoaderEngine:
         if self.world > 1:
             raise ValueError("generation runs in one process; call generate outside torch.distributed")
         ids, mask = self._check_prompt(input_ids, attention_mask, max_new_tokens)
-        _check_sampling(do_sample, temperature, top_k, generator)
-        eos, pad = self._special_tokens(eos_token_id, pad_token_id)
         choose = generation.chooser(do_sample, temperature, top_k, generator)
+        eos, pad = generation.special_tokens(self.model, eos_token_id, pad_token_id)
         shape = ("generate", *ids.shape, max_new_tokens)
         mode = self.config.memory_tracking
         track = mode == "always" or (mode == "first" and shape not in self._measured)
@@ -443,21 +441,6 @@ class SpeedLoaderEngine:
         stats.peak_device_bytes = self._measured.get(shape)
         self.last_generation = stats
         return tokens
-
-    def _special_tokens(self, eos_token_id, pad_token_id) -> tuple[list[int], int | None]:
-        """eos and pad ids as transformers' generate resolves them: the generation config's by default, pad
-        falling back to the first eos."""
-        gen_cfg = getattr(self.model, "generation_config", None)
-        eos = eos_token_id if eos_token_id is not None else getattr(gen_cfg, "eos_token_id", None)
-        eos = [] if eos is None else [int(eos)] if isinstance(eos, int) else [int(e) for e in eos]
-        pad = pad_token_id if pad_token_id is not None else getattr(gen_cfg, "pad_token_id", None)
-        if pad is None and eos:
-            pad = eos[0]
-        vocab = self.lm.config.vocab_size
-        for name, value in [("eos_token_id", e) for e in eos] + [("pad_token_id", pad)]:
-            if value is not None and not 0 <= value < vocab:
-                raise ValueError(f"{name} {value} is not a token id in [0, {vocab})")
-        return eos, pad
 
     # -- inputs ------------------------------------------------------------------------------------
     def _check_ids(self, input_ids, what: str, extra_tokens: int = 0) -> None:
@@ -653,17 +636,3 @@ def _move_buffers(model: nn.Module, device: torch.device) -> None:
         for name, buf in list(module.named_buffers(recurse=False)):
             if buf is not None:
                 module._buffers[name] = buf.to(device)
-
-
-
-def _check_sampling(do_sample: bool, temperature: float, top_k: int | None,
-                    generator: torch.Generator | None) -> None:
-    if not do_sample:
-        return
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0 when do_sample=True, got {temperature}; use do_sample=False "
-                         "for greedy decoding")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-        raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise ValueError(f"generator must be a torch.Generator, got {type(generator).__name__}")

@@ -10,9 +10,10 @@ head, and runs every sub-batch through each unit while it is loaded:
                 run i through the unit with its own KV cache; write back its new keys and values
         pick the next tokens of all rows (greedy, or sampled with the caller's generator)
 
-"canonical" runs the whole pass once per sub-batch instead (every sub-batch loads every unit each step,
-its caches on the device); "resident" keeps parameters and caches on the device. All three run the same
-arithmetic and produce the same tokens.
+"canonical" runs the whole pass once per sub-batch instead (every sub-batch loads every unit each step);
+"resident" keeps parameters and caches on the device. Where the others keep the caches is kv_cache
+(sltune.runtime.kvcache: host memory, attention reading the past where it lives, or the device). All run the
+same arithmetic and produce the same tokens.
 
 The model's own forward prepares each step, as in training: the prologue runs the library's base model with
 the layers replaced by recorders, given what transformers' generate would pass (the full-length attention
@@ -25,21 +26,41 @@ library picks the same mask and attention kernels and the tokens match transform
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Protocol
 
 import torch
+from torch import nn
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
-from sltune.runtime.family import LayerCall
-from sltune.runtime.kvcache import KVShape
+from sltune.config import SpeedLoaderConfig
+from sltune.runtime.activations import DeviceActivations, HostActivations
+from sltune.runtime.family import CausalLM, LayerCall
+from sltune.runtime.kvcache import KVShape, KVStore, Writer
+from sltune.runtime.params import ParamStore, ParamUnit
 from sltune.runtime.regions import region
-from sltune.runtime.transfer import IOCounters
-
-if TYPE_CHECKING:
-    from sltune.runtime.engine import SpeedLoaderEngine
+from sltune.runtime.transfer import Copier, IOCounters
 
 Chooser = Callable[[torch.Tensor], torch.Tensor]
+
+
+class Runtime(Protocol):
+    """What generation uses of the engine (engine.SpeedLoaderEngine), named here so that the engine imports
+    this module and not the other way round."""
+
+    config: SpeedLoaderConfig
+    lm: CausalLM
+    dtype: torch.dtype
+    io: IOCounters
+    copier: Copier
+    params: ParamStore
+    acts: HostActivations | DeviceActivations
+    kv: KVStore
+    groups: list          # engine._Group: first, last, unit
+    embed: ParamUnit
+    head: ParamUnit
+    tied: ParamUnit
 
 
 def layer_windows(config) -> list[int | None]:
@@ -107,11 +128,14 @@ class SlotCache(Cache):
         self.past = 0                       # positions already cached (equal for every layer and sub-batch)
         self._block: torch.Tensor | None = None
         self._first = 0
+        self._write: Writer | None = None
 
-    def bind(self, block: torch.Tensor, first_layer: int) -> None:
-        """Point layers first_layer.. at this block [T, 2, k, b, heads, head_dim] for the next run_layers."""
+    def bind(self, block: torch.Tensor, first_layer: int, write: Writer) -> None:
+        """Point layers first_layer.. at this block [T, 2, k, b, heads, head_dim] for the next run_layers;
+        `write` puts new positions into it (a counted copy when the block is in host memory)."""
         self._block = block
         self._first = first_layer
+        self._write = write
 
     def unbind(self) -> None:
         self._block = None
@@ -128,8 +152,8 @@ class SlotCache(Cache):
             raise RuntimeError(f"layer {layer}: keys {tuple(keys.shape)} at positions {self.past}:{end} do not fit "
                                f"the bound block {tuple(self._block.shape)} (first layer {self._first})")
         new = self._block[self.past:end]
-        new[:, 0, slot].copy_(keys.permute(2, 0, 1, 3))
-        new[:, 1, slot].copy_(values.permute(2, 0, 1, 3))
+        self._write(new[:, 0, slot], keys.permute(2, 0, 1, 3))
+        self._write(new[:, 1, slot], values.permute(2, 0, 1, 3))
         seen = self._block[start:end]
         return seen[:, 0, slot].permute(1, 2, 0, 3), seen[:, 1, slot].permute(1, 2, 0, 3)
 
@@ -161,12 +185,39 @@ class _Rows:
     calls: list[LayerCall] = field(default_factory=list)
 
 
+def special_tokens(model: nn.Module, eos_token_id, pad_token_id) -> tuple[list[int], int | None]:
+    """eos and pad ids as transformers' generate resolves them: the generation config's by default, pad
+    falling back to the first eos. An eos outside the vocabulary can never be produced: like transformers,
+    generate anyway (to max_new_tokens), but say so."""
+    gen_cfg = getattr(model, "generation_config", None)
+    eos = eos_token_id if eos_token_id is not None else getattr(gen_cfg, "eos_token_id", None)
+    eos = [] if eos is None else [int(eos)] if isinstance(eos, int) else [int(e) for e in eos]
+    pad = pad_token_id if pad_token_id is not None else getattr(gen_cfg, "pad_token_id", None)
+    vocab = model.config.vocab_size
+    if pad is not None and not 0 <= pad < vocab:
+        raise ValueError(f"pad_token_id {pad} is not a token id in [0, {vocab})")
+    for e in eos:
+        if not 0 <= e < vocab:
+            warnings.warn(f"eos_token_id {e} is not a token id in [0, {vocab}): no row can stop at it",
+                          UserWarning, stacklevel=3)
+    if pad is None and eos:
+        pad = eos[0]
+    return eos, pad
+
+
 def chooser(do_sample: bool, temperature: float, top_k: int | None,
             generator: torch.Generator | None) -> Chooser:
     """Next tokens from float32 logits [rows, vocab]: argmax, or a draw after temperature and top-k (the order
     transformers applies them); draws come from `generator` so a seed reproduces them."""
     if not do_sample:
         return lambda logits: logits.argmax(dim=-1)
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0 when do_sample=True, got {temperature}; use do_sample=False "
+                         "for greedy decoding")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise ValueError(f"generator must be a torch.Generator, got {type(generator).__name__}")
 
     def sample(logits: torch.Tensor) -> torch.Tensor:
         scores = logits / temperature
@@ -181,7 +232,7 @@ def chooser(do_sample: bool, temperature: float, top_k: int | None,
     return sample
 
 
-def generate(engine: "SpeedLoaderEngine", ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int,
+def generate(engine: Runtime, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int,
              choose: Chooser, eos: list[int], pad: int | None) -> tuple[torch.Tensor, GenerationStats]:
     """Prompt ids [b*N, s] (left-padded, mask 1 on real tokens) -> [b*N, s + new]; stops early only when every
     row has produced one of `eos` (later tokens of a finished row are `pad`), like transformers."""
@@ -242,7 +293,7 @@ def generate(engine: "SpeedLoaderEngine", ids: torch.Tensor, mask: torch.Tensor,
     return tokens, stats
 
 
-def _step(engine: "SpeedLoaderEngine", subs: list[_Rows]) -> torch.Tensor:
+def _step(engine: Runtime, subs: list[_Rows]) -> torch.Tensor:
     """One forward step of these sub-batches through every unit, each unit loaded once: last-position logits."""
     store, acts, kv, lm = engine.params, engine.acts, engine.kv, engine.lm
     b, q = subs[0].ids.shape
@@ -253,9 +304,13 @@ def _step(engine: "SpeedLoaderEngine", subs: list[_Rows]) -> torch.Tensor:
     detail = "prefill" if past == 0 else "decode"
     logits: list[torch.Tensor] = []
     store.activate(engine.tied)
+    # A copy ahead overlaps compute only where copies run beside it (CUDA streams). Where they do not, the
+    # next unit copied before this one computes only pushes this one's weights out of the cache that all N
+    # sub-batches read them from (k=2 of llama-small: two 25 MB groups against a 32 MB L3).
+    ahead = engine.copier.cuda
     for u, unit in enumerate(units):
         store.activate(unit)
-        if u + 1 < len(units):
+        if ahead and u + 1 < len(units):
             store.prefetch(units[u + 1])
         if unit is engine.embed:
             for j, sb in enumerate(subs):
@@ -269,25 +324,50 @@ def _step(engine: "SpeedLoaderEngine", subs: list[_Rows]) -> torch.Tensor:
                 with region("compute", f"head_{detail}"):
                     logits.append(lm.logits(x[:, -1:])[:, -1].to(torch.float32))
         else:
-            g = u - 1
-            group = engine.groups[g]
-            start = subs[0].cache.first_visible(group.first, group.last)
-
-            def load(j: int):
-                return acts.fetch(g, j), kv.load(g, subs[j].index, start, past)
-
-            nxt = load(0)
-            for j, sb in enumerate(subs):
-                x, block = nxt
-                if j + 1 < len(subs):
-                    nxt = load(j + 1)
-                block = block.wait()
-                sb.cache.bind(block, group.first)
-                with region("compute", f"layers_{detail}"):
-                    y = lm.run_layers(group.first, group.last, x.wait(), sb.calls)
-                sb.cache.unbind()
-                kv.store(g, sb.index, block, past, q)
-                acts.put(g + 1, j, y)
+            _run_group(engine, u - 1, subs, past, q, detail)
         store.release(unit)
     store.release(engine.tied)
     return torch.cat(logits)
+
+
+def _run_group(engine: Runtime, g: int, subs: list[_Rows], past: int, q: int, detail: str) -> None:
+    """Every sub-batch through group g, inputs and outputs at its edges in engine.acts.
+
+    Sub-batch by sub-batch, the next one's input and KV block loading while this one computes. A decode step
+    whose caches stay in place (nothing staged) goes layer by layer instead, every sub-batch through one
+    layer before the next: a layer's weights are read by all N sub-batches while they are still in the
+    cache, where sub-batch order reads k layers' weights N times each (k=2 ran slower than k=1 at N>1, the
+    resident schedule too). The held state is N sub-batches' one-position hidden states: b*N*hidden."""
+    acts, kv, lm = engine.acts, engine.kv, engine.lm
+    group = engine.groups[g]
+    start = subs[0].cache.first_visible(group.first, group.last)
+    write = kv.writer()
+    if q == 1 and kv.in_place and group.last - group.first > 1 and len(subs) > 1:
+        xs = [acts.fetch(g, j).wait() for j in range(len(subs))]
+        blocks = [kv.load(g, sb.index, start, past).wait() for sb in subs]
+        for layer in range(group.first, group.last):
+            for j, sb in enumerate(subs):
+                sb.cache.bind(blocks[j], group.first, write)
+                with region("compute", f"layers_{detail}"):
+                    xs[j] = lm.run_layers(layer, layer + 1, xs[j], sb.calls)
+                sb.cache.unbind()
+        for j, sb in enumerate(subs):
+            kv.store(g, sb.index, blocks[j], past, q)
+            acts.put(g + 1, j, xs[j])
+        return
+
+    def load(j: int):
+        return acts.fetch(g, j), kv.load(g, subs[j].index, start, past)
+
+    nxt = load(0)
+    for j, sb in enumerate(subs):
+        x, block = nxt
+        if j + 1 < len(subs):
+            nxt = load(j + 1)
+        block = block.wait()
+        sb.cache.bind(block, group.first, write)
+        with region("compute", f"layers_{detail}"):
+            y = lm.run_layers(group.first, group.last, x.wait(), sb.calls)
+        sb.cache.unbind()
+        kv.store(g, sb.index, block, past, q)
+        acts.put(g + 1, j, y)

@@ -17,7 +17,11 @@ Peak memory is close to linear in the knobs (../shared/design/speedloader.md):
                           + t5*[off]*(L-k)*N*b*s                  sub-batch-in-group costs; offload's copies of
                                                                    saved tensors in place of recompute's forward
                                                                    of the same layers: t5 is their difference)
-    generate the same with s = prompt+new tokens per row; host ~ e0 + e1*B*s (every sub-batch's KV cache)
+    generate the same with s = prompt+new tokens per row, plus D*B*s on the device (D = 1 when kv_cache is
+             device: every sub-batch's KV cache); host ~ e0 + e1*B*s (every sub-batch's KV cache). In the
+             step time, N is the weight reads: a decode step's matmuls on b rows are bound by reading the
+             weights, and every sub-batch reads all of them once per step, so at a fixed B = b*N fewer,
+             larger sub-batches are faster; t3*N*b*s is the per-token work, which B fixes.
 
 G = ceil(layers/k) groups, B = b*N rows. Throughput is tokens per step over step_time, so it rises with
 b and N and saturates. Each model reports its coefficients, R^2, residuals, leave-one-out error (how
@@ -52,6 +56,7 @@ FEATURES: dict[str, Callable[[dict[str, float]], float]] = {
     "[off]*k*b*s": lambda v: v["off"] * v["k"] * v["b"] * v["s"],
     "[off]*(L-k)*B*s": lambda v: v["off"] * max(v["L"] - v["k"], 0) * v["B"] * v["s"],
     "[off]*(L-k)*N*b*s": lambda v: v["off"] * max(v["L"] - v["k"], 0) * v["N"] * v["b"] * v["s"],
+    "D*B*s": lambda v: v["D"] * v["B"] * v["s"],
 }
 
 MODELS = {
@@ -62,7 +67,7 @@ MODELS = {
     },
     "generate": {   # s = prompt + new tokens; the host holds every sub-batch's KV cache (B*s), the device
                     # one group's cache for one sub-batch (k*b*s)
-        "device": ("peak_device_bytes", ["1", "k", "k*[G>1]", "b*s", "k*b*s", "B*s"]),
+        "device": ("peak_device_bytes", ["1", "k", "k*[G>1]", "b*s", "k*b*s", "B*s", "D*B*s"]),
         "host": ("peak_host_bytes", ["1", "B*s"]),
         "throughput": ("step_seconds", ["1", "G", "N", "N*b*s", "N*G"]),
     },
@@ -72,7 +77,7 @@ MODELS = {
 def variables(c: Candidate, shape: ModelShape, tokens_per_row: int) -> dict[str, float]:
     """The quantities the features are made of, for one candidate."""
     return {"b": c.b, "N": c.n, "k": c.k, "B": c.batch, "s": tokens_per_row, "G": shape.groups(c.k),
-            "L": shape.layers, "off": 1.0 if c.a == "offload" else 0.0}
+            "L": shape.layers, "off": 1.0 if c.a == "offload" else 0.0, "D": float(c.kv_on_device)}
 
 
 @dataclass

@@ -45,6 +45,7 @@ def best_config(spec: TuningSpec, result: dict[str, Any]) -> SpeedLoaderConfig:
     return SpeedLoaderConfig(sub_batch_size=c["sub_batch_size"], num_sub_batches=c["num_sub_batches"],
                              num_live_blocks=c["num_live_blocks"], schedule=c["schedule"],
                              activations=c.get("activations", "recompute"),
+                             kv_cache=c.get("kv_cache", "host"),
                              device=spec.hardware.device, dtype=spec.model.dtype,
                              device_memory_limit=spec.hardware.device_memory_limit,
                              world_size=spec.hardware.world_size)

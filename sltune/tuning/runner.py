@@ -124,9 +124,7 @@ def run_job(store: Store, job_id: str, *, progress: ProgressFn | None = None, sh
     store.interrupt_running_trials(job_id)          # left running by a previous holder that died
     finished = [t for t in store.trials(job_id) if t.status not in ("running", "interrupted")]
     for t in finished:   # replayed in order: margins widened by past out-of-memory trials come back too
-        state.add(Done(t.number, Candidate(t.config["sub_batch_size"], t.config["num_sub_batches"],
-                                           t.config["num_live_blocks"], t.config.get("activations", "recompute")),
-                       t.role, t.result))
+        state.add(Done(t.number, Candidate.from_knobs(t.config), t.role, t.result))
     if not finished:
         state.refit()           # fits (empty) exist before the first proposal
     number = max((t.number for t in store.trials(job_id)), default=-1) + 1
@@ -266,7 +264,8 @@ def _failures(state: SearchState) -> str:
 def trial_spec(spec: TuningSpec, c: Candidate, trace: Path | None, default_host_limit: int | None = None) -> TrialSpec:
     w, hw, s = spec.workload, spec.hardware, spec.search
     return TrialSpec(model=spec.model.source, dtype=spec.model.dtype, sub_batch_size=c.b, num_sub_batches=c.n,
-                     num_live_blocks=c.k, schedule=s.schedule, activations=c.a, mode=w.mode, seq_len=w.seq_len,
+                     num_live_blocks=c.k, schedule=s.schedule, activations=c.a, mode=w.mode,
+                     kv_cache=c.kv_cache or "host", seq_len=w.seq_len,
                      prompt_len=w.prompt_len, new_tokens=w.new_tokens, world_size=hw.world_size, device=hw.device,
                      device_memory_limit=hw.device_memory_limit,
                      host_memory_limit=min((x for x in (hw.host_memory_limit, default_host_limit) if x),

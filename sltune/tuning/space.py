@@ -1,5 +1,5 @@
-"""The configs a job may try: sub-batch size b, sub-batches N (or effective batch B = b*N), live blocks k, and
-how a group's backward gets its activations (recompute or offload)."""
+"""The configs a job may try: sub-batch size b, sub-batches N (or effective batch B = b*N), live blocks k, how
+a group's backward gets its activations (recompute or offload), and for generation where the KV caches live."""
 
 from __future__ import annotations
 
@@ -15,36 +15,54 @@ if TYPE_CHECKING:
     from sltune.tuning.spec import TuningSpec
 
 
+KV_ORDER = ("host", "device")     # device KV needs more device memory, and moves nothing
+
+
 @dataclass(frozen=True, order=True)
 class Candidate:
     b: int
     n: int
     k: int
-    a: str = "recompute"       # activations
+    a: str = "recompute"            # activations
+    kv_cache: str | None = None     # generation only: "host" | "device"
+
+    @classmethod
+    def from_knobs(cls, knobs: dict[str, Any]) -> "Candidate":
+        return cls(knobs["sub_batch_size"], knobs["num_sub_batches"], knobs["num_live_blocks"],
+                   knobs.get("activations", "recompute"), knobs.get("kv_cache"))
 
     @property
     def batch(self) -> int:
         return self.b * self.n
 
-    def knobs(self) -> dict[str, int | str]:
-        return {"sub_batch_size": self.b, "num_sub_batches": self.n, "num_live_blocks": self.k, "activations": self.a}
+    @property
+    def kv_on_device(self) -> bool:
+        return self.kv_cache == "device"
+
+    def knobs(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"sub_batch_size": self.b, "num_sub_batches": self.n, "num_live_blocks": self.k,
+                               "activations": self.a}
+        if self.kv_cache is not None:
+            out["kv_cache"] = self.kv_cache
+        return out
 
     def dominates(self, other: "Candidate") -> bool:
-        """At least as large in sub-batch, effective batch and live blocks, activations kept alike: needs at
-        least as much memory."""
-        return (self.b >= other.b and self.batch >= other.batch and self.k >= other.k and self.a == other.a
-                and self != other)
+        """At least as large in sub-batch, effective batch and live blocks, activations kept alike, KV on the
+        device if the other's is: needs at least as much device memory (and, moving less, runs no slower)."""
+        return self.b >= other.b and self.batch >= other.batch and self.k >= other.k and self.a == other.a \
+            and self.kv_on_device >= other.kv_on_device and self != other
 
     def __str__(self) -> str:
-        return f"b={self.b} N={self.n} k={self.k}" + ("" if self.a == "recompute" else f" {self.a}")
+        return (f"b={self.b} N={self.n} k={self.k}" + ("" if self.a == "recompute" else f" {self.a}")
+                + (f" kv_cache={self.kv_cache}" if self.kv_cache else ""))
 
 
 class SearchSpace:
     """Every valid candidate, and how Optuna names them.
 
     Optuna sees categorical parameters: sub_batch_size and num_live_blocks, plus num_sub_batches or
-    effective_batch_size as the spec gives them (N = B/b when B is the knob), and activations when the spec
-    sweeps it. A combination that is not a candidate (b does not divide B) is pruned without running.
+    effective_batch_size as the spec gives them (N = B/b when B is the knob), activations when the spec sweeps
+    it, and kv_cache for generation. A combination that is not a candidate (b does not divide B) is pruned without running.
     """
 
     def __init__(self, spec: "TuningSpec", shape: "ModelShape"):
@@ -59,14 +77,16 @@ class SearchSpace:
         else:
             self.n_values = knob_values(s.num_sub_batches, "num_sub_batches")
             pairs = [(b, n) for b in self.b_values for n in self.n_values]
-        self.candidates = sorted({Candidate(b, n, k, a) for b, n in pairs for k in self.k_values
-                                  for a in self.a_values})
+        self.kv_values = s.kv_cache_values(spec.workload.mode)
+        self.candidates = sorted({Candidate(b, n, k, a, kv) for b, n in pairs for k in self.k_values
+                                  for a in self.a_values for kv in self.kv_values or [None]})
 
     # -- Optuna ------------------------------------------------------------------------------------
     @property
     def param_names(self) -> tuple[str, ...]:
-        return ("sub_batch_size", "effective_batch_size" if self.by_batch else "num_sub_batches", "num_live_blocks",
-                *(("activations",) if len(self.a_values) > 1 else ()))
+        names = ("sub_batch_size", "effective_batch_size" if self.by_batch else "num_sub_batches", "num_live_blocks")
+        return (names + (("activations",) if len(self.a_values) > 1 else ())
+                + (("kv_cache",) if self.kv_values else ()))
 
     def distributions(self) -> dict[str, optuna.distributions.BaseDistribution]:
         second = self.batch_values if self.by_batch else self.n_values
@@ -77,40 +97,46 @@ class SearchSpace:
         }
         if len(self.a_values) > 1:
             out["activations"] = optuna.distributions.CategoricalDistribution(self.a_values)
+        if self.kv_values:
+            out["kv_cache"] = optuna.distributions.CategoricalDistribution(self.kv_values)
         return out
 
     def grid(self) -> dict[str, list[Any]]:
         return {name: list(d.choices) for name, d in self.distributions().items()}
 
-    def params(self, c: Candidate) -> dict[str, int | str]:
+    def params(self, c: Candidate) -> dict[str, Any]:
         second = c.batch if self.by_batch else c.n
-        out: dict[str, int | str] = {"sub_batch_size": c.b, self.param_names[1]: second, "num_live_blocks": c.k}
+        out: dict[str, Any] = {"sub_batch_size": c.b, self.param_names[1]: second, "num_live_blocks": c.k}
         if len(self.a_values) > 1:
             out["activations"] = c.a
+        if self.kv_values:
+            out["kv_cache"] = c.kv_cache
         return out
 
     def candidate(self, params: dict[str, Any]) -> Candidate | None:
         b, k = int(params["sub_batch_size"]), int(params["num_live_blocks"])
         a = str(params.get("activations", self.a_values[0]))
+        kv = params.get("kv_cache") if self.kv_values else None
         if self.by_batch:
             batch = int(params["effective_batch_size"])
             if batch % b:
                 return None
-            c = Candidate(b, batch // b, k, a)
+            c = Candidate(b, batch // b, k, a, kv)
         else:
-            c = Candidate(b, int(params["num_sub_batches"]), k, a)
+            c = Candidate(b, int(params["num_sub_batches"]), k, a, kv)
         return c if c in set(self.candidates) else None
 
     def neighbours_up(self, c: Candidate) -> list[Candidate]:
-        """Candidates one step up along one of the knobs as the spec names them (b, N or B, k)."""
+        """Candidates one step up along one of the knobs as the spec names them (b, N or B, k; host KV -> device)."""
         params = self.params(c)
         out = []
         for name, dist in self.distributions().items():
             if name == "activations":       # not an order of memory: recompute and offload trade device for host
                 continue
-            larger = [v for v in dist.choices if v > params[name]]
+            rank = KV_ORDER.index if name == "kv_cache" else (lambda v: v)
+            larger = [v for v in dist.choices if rank(v) > rank(params[name])]
             if larger:
-                other = self.candidate({**params, name: min(larger)})
+                other = self.candidate({**params, name: min(larger, key=rank)})
                 if other is not None:
                     out.append(other)
         return out
@@ -123,4 +149,6 @@ class SearchSpace:
             out["effective_batch_size"] = self.batch_values
         else:
             out["num_sub_batches"] = self.n_values
+        if self.kv_values:
+            out["kv_cache"] = self.kv_values
         return out

@@ -16,7 +16,7 @@ import yaml
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, WithJsonSchema,
                       field_validator, model_validator)
 
-from sltune.config import Activations, DType, Schedule
+from sltune.config import Activations, DType, KVCache, Schedule
 from sltune.models.presets import hf_config_schema
 from sltune.sizes import SIZE_SCHEMA, format_bytes, parse_bytes
 
@@ -153,6 +153,8 @@ class Search(_Strict):
     activations: Annotated[list[Activations], BeforeValidator(lambda v: [v] if isinstance(v, str) else v)] = Field(
         default_factory=lambda: ["recompute"], min_length=1,
         description="recompute | offload, or a list of both to sweep (host memory and traffic against FLOPs)")
+    kv_cache: KVCache | list[KVCache] | None = Field(
+        None, description="generate: where KV caches may live; default both, host and device")
     max_trials: int = Field(20, ge=1)
     trial_steps: int = Field(2, ge=1, le=100_000, description="timed steps per trial")
     trial_timeout_s: float = Field(300.0, gt=0)
@@ -173,7 +175,16 @@ class Search(_Strict):
             value = getattr(self, name)
             if value is not None:
                 knob_values(value, name)
+        if isinstance(self.kv_cache, list) and not self.kv_cache:
+            raise ValueError("search.kv_cache: give host, device or both, not an empty list")
         return self
+
+    def kv_cache_values(self, mode: str) -> list[str]:
+        """The KV placements to sweep: none in training; in generation the spec's, host then device."""
+        if mode != "generate":
+            return []
+        chosen = [self.kv_cache] if isinstance(self.kv_cache, str) else self.kv_cache or ["host", "device"]
+        return [kv for kv in ("host", "device") if kv in chosen]
 
 
 class TuningSpec(_Strict):
@@ -213,6 +224,8 @@ class TuningSpec(_Strict):
                 "raise it to at least that")
         if hw.world_size > 1 and self.workload.mode == "generate":
             raise ValueError("hardware.world_size > 1 is for training; generation runs on one process")
+        if mode == "train" and self.search.kv_cache is not None:
+            raise ValueError("search.kv_cache places generation's KV caches; remove it or set workload.mode: generate")
         if hw.world_size > 1 and self.search.schedule == "resident":
             raise ValueError("search.schedule 'resident' keeps every parameter on every rank; with "
                              "hardware.world_size > 1 use 'speedloader' or 'canonical'")
@@ -227,6 +240,7 @@ class TuningSpec(_Strict):
         for knob in (search.sub_batch_size, search.num_live_blocks,
                      search.num_sub_batches or search.effective_batch_size):
             size *= len(knob_values(knob, "knob"))
+        size *= max(1, len(search.kv_cache_values(mode)))
         if size > MAX_CANDIDATES:
             raise ValueError(f"the search space has {size} combinations, more than {MAX_CANDIDATES}; narrow the "
                              "search.* ranges or lists")

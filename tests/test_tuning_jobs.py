@@ -29,7 +29,8 @@ SPEC = {
     "name": "tiny", "model": {"preset": "llama-tiny"}, "workload": {"seq_len": 64},
     "hardware": {"device_memory_limit": LIMIT},
     "search": {"sub_batch_size": {"min": 1, "max": 16}, "num_sub_batches": {"min": 1, "max": 8},
-               "num_live_blocks": {"min": 1, "max": 4}, "max_trials": 12, "trial_steps": 1, "profile": False},
+               "num_live_blocks": {"min": 1, "max": 4}, "max_trials": 12, "trial_steps": 1, "trial_min_time_s": 0, "confirm_rounds": 2,
+               "profile": False},
 }
 
 
@@ -192,7 +193,8 @@ def test_a_generation_tuning_job_runs_end_to_end_and_exports_yaml(tmp_path):
             "workload": {"mode": "generate", "prompt_len": 16, "new_tokens": 8},
             "hardware": {"device_memory_limit": "2MiB"},
             "search": {"sub_batch_size": [1, 2, 4], "num_sub_batches": [1, 2], "num_live_blocks": [1, 2],
-                       "max_trials": 8, "trial_steps": 1, "profile": False}}
+                       "max_trials": 8, "trial_steps": 1, "trial_min_time_s": 0, "confirm_rounds": 0,
+                       "profile": False}}
     result = tune(spec, f"sqlite:///{tmp_path / 'jobs.db'}", settings=Settings(data_dir=tmp_path))
     assert result["status"] == "succeeded", result
     assert set(result["models"]) == {"device", "host", "throughput"}

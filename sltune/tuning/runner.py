@@ -270,5 +270,6 @@ def trial_spec(spec: TuningSpec, c: Candidate, trace: Path | None, default_host_
                      prompt_len=w.prompt_len, new_tokens=w.new_tokens, world_size=hw.world_size, device=hw.device,
                      device_memory_limit=hw.device_memory_limit,
                      host_memory_limit=hw.host_memory_limit or default_host_limit,
-                     steps=s.trial_steps, profile=s.profile, trace_path=str(trace) if trace else None,
+                     steps=s.trial_steps, min_time_s=s.trial_min_time_s, max_steps=s.trial_max_steps,
+                     cpu_threads=hw.cpu_threads, profile=s.profile, trace_path=str(trace) if trace else None,
                      timeout_s=s.trial_timeout_s, seed=s.seed)

@@ -31,6 +31,16 @@ class Done:
         return self.result.get("tokens_per_s") or 0.0
 
 
+def rel_sigma(result: dict[str, Any]) -> float:
+    """A trial's relative standard error, from its 95% bootstrap interval (half-width / 1.96 / median); a
+    result without one (older trials, a single step) counts as 5%."""
+    timing = result.get("timing") or {}
+    ci, tps = timing.get("tokens_per_s_ci95"), result.get("tokens_per_s")
+    if not ci or not tps or ci[1] <= ci[0]:
+        return 0.05
+    return (ci[1] - ci[0]) / 2 / 1.96 / tps
+
+
 @dataclass
 class Prediction:
     device: float | None
@@ -83,8 +93,10 @@ class SearchState:
         rows = [(self.vars(d.candidate), d.result) for d in self.history if d.ok]
         self.fits = {}
         for kind, (target, _) in self.models.items():
-            data = [(v, float(r[target])) for v, r in rows if r.get(target) is not None]
-            self.fits[kind] = LinearFit.fit(target, self.features[kind], data)
+            kept = [(v, r) for v, r in rows if r.get(target) is not None]
+            data = [(v, float(r[target])) for v, r in kept]
+            sigma = [rel_sigma(r) for _, r in kept] if kind == "throughput" else None
+            self.fits[kind] = LinearFit.fit(target, self.features[kind], data, rel_sigma=sigma)
 
     def _widen_margin(self, done: Done) -> None:
         """A config predicted to fit ran out of memory: trust the model less by what it missed."""
@@ -137,9 +149,16 @@ class SearchState:
         return w.seq_len if w.mode == "train" else w.new_tokens
 
     def uncertainty(self) -> float:
-        """Relative error to allow a throughput prediction: leave-one-out, or 10% before there is one."""
-        loo = self.fits.get("throughput").loo_rel_error if self.fits else None
+        """Relative error to allow a throughput prediction: the typical (median) leave-one-out error of the
+        robust fit, or 10% before there is one. (The largest is reported too, but it is one point's story:
+        often the trial another process slowed, which the robust fit rightly discounts.)"""
+        loo = self.fits.get("throughput").loo_typical_error if self.fits else None
         return 0.10 if loo is None else max(loo, 0.01)
+
+    def noise(self, d: Done) -> float:
+        """A measurement's relative noise: the half-width of its 95% interval over its median."""
+        lo, hi = (d.result.get("timing") or {}).get("tokens_per_s_ci95") or (d.tokens_per_s, d.tokens_per_s)
+        return (hi - lo) / 2 / d.tokens_per_s if d.tokens_per_s else 0.0
 
     def binding_limit(self, c: Candidate) -> str:
         """Which limit stops the next larger configs (one of the space's knobs one step up) from fitting."""

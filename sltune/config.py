@@ -15,7 +15,7 @@ DType = Literal["float32", "bfloat16", "float16"]
 
 # Sections a best-config YAML carries besides the knobs: reports, read by `sltune plan`, ignored here.
 REPORT_SECTIONS = ("effective_batch_size", "workload", "measured", "predicted", "resource_models",
-                   "limits", "binding_limit", "search_space", "provenance", "trials")
+                   "limits", "binding_limit", "search_space", "provenance", "trials", "confidence")
 
 
 class SpeedLoaderConfig(BaseModel):

@@ -62,6 +62,31 @@ def test_oneshot_finds_a_config_that_fits_in_a_fraction_of_the_space(job):
             assert t["status"] == "ok", t
 
 
+def test_the_confirmation_round_remeasures_the_finalists_interleaved_and_says_how_sure(job):
+    r = job["result"]
+    conf = r["confirmation"]
+    assert conf is not None, r["confidence"]
+    finalists = [f["config"] for f in conf["finalists"]]
+    assert 2 <= len(finalists) <= 3 and conf["rounds"] == 2
+    confirms = [t for t in r["trials"] if t["role"] == "confirm"]
+    assert [t["config"] for t in confirms] == finalists * 2                     # A B C A B C
+    assert all(t["number"] > max(s["number"] for s in r["trials"] if s["role"] != "confirm") for t in confirms)
+    search = [t for t in r["trials"] if t["role"] != "confirm" and t["status"] == "ok"]
+    ranked = sorted(search, key=lambda t: t["tokens_per_s"], reverse=True)
+    assert finalists[:2] == [ranked[0]["config"], ranked[1]["config"]]        # the best and the runner-up
+    assert conf["winner"] in finalists
+    assert {k: r["best"]["config"][k] for k in conf["winner"]} == conf["winner"]
+    lo, hi = conf["ci95"]
+    assert lo <= conf["ratio"] <= hi and conf["ratio"] >= 1.0 - 1e-12
+    w = conf["winner"]
+    assert r["confidence"].startswith(f"b={w['sub_batch_size']} N={w['num_sub_batches']} k={w['num_live_blocks']}: "
+                                      f"{conf['ratio']:.2f}x [{lo:.2f}, {hi:.2f}] the runner-up")
+    store = Store(job["db"])
+    rows = [t for t in store.trials(r["job_id"]) if t.role == "confirm"]
+    assert len(rows) == len(confirms) and all(t.optuna_number is None for t in rows)
+    assert all(t.result["timing"]["steps_s"] for t in rows if t.status == "ok")
+
+
 def test_progress_reports_trials_best_and_time_left(job):
     calls = job["calls"]
     done = [c["trials_done"] for c in calls]
@@ -105,6 +130,7 @@ def test_exported_yaml_round_trips_and_trains(job, tmp_path):
     doc = yaml.safe_load(out.read_text())
     assert doc["measured"]["tokens_per_s"] == job["result"]["best"]["tokens_per_s"]
     assert doc["provenance"]["job_id"] == job["result"]["job_id"] and doc["binding_limit"] == "device"
+    assert doc["confidence"] == job["result"]["confidence"] and "the runner-up" in doc["confidence"]
     assert set(doc["resource_models"]) == {"device", "host", "throughput"}
     assert SpeedLoaderConfig.from_yaml(out).to_yaml() == cfg.to_yaml()
     train = subprocess.run([sys.executable, "-m", "sltune", "train", "--config", str(out), "--model", "llama-tiny",
@@ -134,7 +160,7 @@ def test_plan_predicts_under_other_limits_and_flags_extrapolation(job, tmp_path)
 
 
 def test_a_killed_job_resumes_without_rerunning_finished_trials(tmp_path):
-    spec = {**SPEC, "name": "resume", "search": {**SPEC["search"], "strategy": "grid", "max_trials": 50,
+    spec = {**SPEC, "name": "resume", "search": {**SPEC["search"], "strategy": "grid", "max_trials": 50, "confirm_rounds": 0,
                                                  "sub_batch_size": [1, 2], "num_sub_batches": [1, 2],
                                                  "num_live_blocks": [1, 4]}}
     path = tmp_path / "spec.yaml"
@@ -175,7 +201,8 @@ def test_a_killed_job_resumes_without_rerunning_finished_trials(tmp_path):
 
 @pytest.mark.parametrize("strategy", ["random", "tpe"])
 def test_baselines_run_through_optuna_in_the_job_database(strategy, tmp_path):
-    spec = {**SPEC, "name": strategy, "search": {**SPEC["search"], "strategy": strategy, "max_trials": 4}}
+    spec = {**SPEC, "name": strategy, "search": {**SPEC["search"], "strategy": strategy, "max_trials": 4,
+                                               "confirm_rounds": 0}}
     db = f"sqlite:///{tmp_path / 'jobs.db'}"
     result = tune(spec, db, settings=Settings(data_dir=tmp_path))
     assert result["strategy"] == strategy and len(result["trials"]) == 4

@@ -76,15 +76,20 @@ def describe(r: dict, out: str | None = None, mode: str = "train") -> str:
     if r["best"]:
         b, p = r["best"], r["predicted"] or {}
         c = b["config"]
+        ci = b.get("tokens_per_s_ci95")
+        ci_text = f" [{ci[0]:,.1f}, {ci[1]:,.1f}]" if ci else ""
         lines.append(f"  best: b={c['sub_batch_size']} N={c['num_sub_batches']} k={c['num_live_blocks']} "
-                     f"({c['schedule']}): {b['tokens_per_s']:,.1f} tokens/s measured")
+                     f"({c['schedule']}): {b['tokens_per_s']:,.1f}{ci_text} tokens/s measured")
+        if r.get("confidence"):
+            lines.append(f"  confidence: {r['confidence']}")
         lines.append(f"  peaks: device {format_bytes(b['peak_device_bytes'])} (predicted "
                      f"{format_bytes(p.get('peak_device_bytes'))}), host {format_bytes(b['peak_host_bytes'])} "
                      f"(predicted {format_bytes(p.get('peak_host_bytes'))}); binding limit: {r['binding_limit']}")
     for kind, m in r["models"].items():
         r2 = f"{m['r2']:.3f}" if m.get("r2") is not None else "-"
         loo = f"{m['loo_rel_error']:.1%}" if m.get("loo_rel_error") is not None else "-"
-        lines.append(f"  model {kind}: {m['n']} points, R^2 {r2}, leave-one-out error {loo}")
+        typical = f"{m['loo_typical_error']:.1%}" if m.get("loo_typical_error") is not None else "-"
+        lines.append(f"  model {kind}: {m['n']} points, R^2 {r2}, leave-one-out error {typical} typical, {loo} max")
     if out and r["best"]:
         use = (f"train with `sltune train --config {out} --model ...`" if mode == "train" else
                "generate with SpeedLoaderEngine(model, SpeedLoaderConfig.from_yaml(path)).generate(...)")

@@ -1,0 +1,94 @@
+"""The confirmation round: before a job ends, its best and every config that might be as good are measured
+again, side by side, and the winner is picked by paired ratios.
+
+A search measures each config once, at a different moment: whatever else ran on the machine then is in
+that number. The finalists (the best, every config whose interval overlaps the best's, and always the
+runner-up, so the answer can say by how much it won) are re-measured in rounds, A B C A B C ..., so each
+round sees them under the same conditions. Per round, each finalist's median is divided by the search
+best's; the finalist with the highest median ratio over the rounds wins. Its ratio to the runner-up, with
+a paired bootstrap interval (sltune.profiling.stats), is how sure the pick is.
+"""
+
+from __future__ import annotations
+
+from statistics import median
+from typing import Any
+
+from sltune.profiling.stats import paired_ratio_ci
+from sltune.tuning.space import Candidate
+from sltune.tuning.state import Done, SearchState
+
+MAX_FINALISTS = 3
+
+
+def finalists(state: SearchState) -> list[Candidate]:
+    """The search's best first, then the configs worth re-measuring beside it (at most MAX_FINALISTS)."""
+    ok = sorted((d for d in state.history if d.ok), key=lambda d: d.tokens_per_s, reverse=True)
+    seen: dict[Candidate, Done] = {}
+    for d in ok:
+        seen.setdefault(d.candidate, d)
+    ranked = list(seen.values())
+    if len(ranked) < 2:
+        return [d.candidate for d in ranked]
+    best_lo = _ci(ranked[0])[0]
+    overlapping = [d for d in ranked[2:] if _ci(d)[1] >= best_lo]
+    return [d.candidate for d in ranked[:2] + overlapping][:MAX_FINALISTS]
+
+
+def plan(state: SearchState, rounds: int) -> list[Candidate]:
+    """The interleaved order the confirmation trials run in."""
+    picks = finalists(state)
+    return picks * rounds if len(picks) > 1 else []
+
+
+def verdict(state: SearchState, picks: list[Candidate]) -> dict[str, Any] | None:
+    """The winner, the runner-up and the paired ratio between them, from the confirm trials run so far."""
+    if len(picks) < 2:
+        return None
+    samples: dict[Candidate, list[list[float] | None]] = {c: [] for c in picks}
+    for d in state.confirms:                  # in the order run: round r is the r-th of each finalist
+        if d.candidate in samples:
+            samples[d.candidate].append(tokens_per_step_samples(state, d))
+    rounds = min(len(v) for v in samples.values())
+    paired = [r for r in range(rounds) if all(samples[c][r] for c in picks)]   # rounds every finalist finished
+    if not paired:
+        return None
+    series = {c: [samples[c][r] for r in paired] for c in picks}
+    ref = picks[0]
+    ratios = {c: paired_ratio_ci(series[c], series[ref])[0] if c != ref else 1.0 for c in picks}
+    order = sorted(picks, key=lambda c: ratios[c], reverse=True)
+    winner, runner = order[0], order[1]
+    ratio, (lo, hi) = paired_ratio_ci(series[winner], series[runner])
+    measured = {c: {"config": c.knobs(), "ratio_to_search_best": ratios[c],
+                    "round_medians": [median(s) for s in series[c]]} for c in picks}
+    significant = lo > 1.0
+    statement = (f"{winner}: {ratio:.2f}x [{lo:.2f}, {hi:.2f}] the runner-up ({runner})"
+                 + ("" if significant else "; within noise: either is as good"))
+    return {"winner": winner.knobs(), "runner_up": runner.knobs(), "ratio": ratio, "ci95": [lo, hi],
+            "significant": significant, "rounds": len(paired), "finalists": list(measured.values()),
+            "changed_pick": winner != ref, "statement": statement}
+
+
+def winner_of(state: SearchState, confirmation: dict[str, Any] | None) -> Done | None:
+    """The search trial of the confirmed winner, or the search's best when nothing was confirmed."""
+    best = state.best()
+    if not confirmation:
+        return best
+    w = confirmation["winner"]
+    ok = [d for d in state.history if d.ok and d.candidate.knobs() == w]
+    return max(ok, key=lambda d: d.tokens_per_s) if ok else best
+
+
+def tokens_per_step_samples(state: SearchState, d: Done) -> list[float] | None:
+    """Tokens/s of every timed step of a trial (None if it did not run)."""
+    timing = d.result.get("timing") if d.ok else None
+    if not timing:
+        return [d.tokens_per_s] if d.ok else None
+    tokens = d.candidate.batch * state.new_tokens_per_row()
+    return [tokens / s for s in timing["steps_s"]]
+
+
+def _ci(d: Done) -> tuple[float, float]:
+    ci = (d.result.get("timing") or {}).get("tokens_per_s_ci95")
+    return tuple(ci) if ci else (d.tokens_per_s, d.tokens_per_s)
+

@@ -159,6 +159,33 @@ def test_plan_predicts_under_other_limits_and_flags_extrapolation(job, tmp_path)
     assert cli.returncode == 0 and "predicted" in cli.stdout and "confidence" in cli.stdout
 
 
+def test_plan_lists_what_it_cannot_predict_and_prints_its_errors(job, tmp_path):
+    path = tmp_path / "best.yaml"
+    export_yaml(job["spec"], job["result"], path)
+    roomy = plan(path, device_memory_limit="64MiB")
+    assert roomy["best"]["measured"] is False and "never measured" in roomy["confidence"]["summary"]
+    measured = {(t["config"]["sub_batch_size"], t["config"]["num_sub_batches"], t["config"]["num_live_blocks"])
+                for t in job["result"]["trials"] if t["status"] == "ok"}
+    assert {(c["config"]["sub_batch_size"], c["config"]["num_sub_batches"], c["config"]["num_live_blocks"])
+            for c in roomy["configs"] if c["measured"]} <= measured
+    # a throughput model that predicts negative step times for larger configs: listed, not dropped
+    doc = yaml.safe_load(path.read_text())
+    t = doc["resource_models"]["throughput"]
+    t["coef"] = [0.05] + [0.0] * (len(t["coef"]) - 1)
+    t["coef"][t["features"].index("N")] = -0.02
+    path.write_text(yaml.safe_dump(doc))
+    r = plan(path, device_memory_limit="64MiB")
+    assert r["unpredictable"] and all(u["config"]["num_sub_batches"] >= 4 for u in r["unpredictable"])
+    assert r["fitting"] == len(r["configs"]) + len(r["unpredictable"])
+    assert all("<= 0" in u["reason"] for u in r["unpredictable"])
+    cli = subprocess.run([sys.executable, "-m", "sltune", "plan", "--from", str(path), "--device-memory-limit",
+                          "64MiB"], capture_output=True, text=True, timeout=120)
+    assert cli.returncode == 0, cli.stderr
+    assert "leave-one-out errors of the models: device" in cli.stdout and "typical" in cli.stdout
+    assert f"{len(r['unpredictable'])} fitting configs have no throughput prediction" in cli.stdout
+    assert "predicted step time" in cli.stdout and "[never measured]" in cli.stdout
+
+
 def test_a_killed_job_resumes_without_rerunning_finished_trials(tmp_path):
     spec = {**SPEC, "name": "resume", "search": {**SPEC["search"], "strategy": "grid", "max_trials": 50, "confirm_rounds": 0,
                                                  "sub_batch_size": [1, 2], "num_sub_batches": [1, 2],

@@ -156,10 +156,10 @@ class SearchState:
         loo = self.fits.get("throughput").loo_typical_error if self.fits else None
         return 0.10 if loo is None else max(loo, 0.01)
 
-    def noise(self, d: Done) -> float:
+    @staticmethod
+    def noise(d: Done) -> float:
         """A measurement's relative noise: the half-width of its 95% interval over its median."""
-        lo, hi = (d.result.get("timing") or {}).get("tokens_per_s_ci95") or (d.tokens_per_s, d.tokens_per_s)
-        return (hi - lo) / 2 / d.tokens_per_s if d.tokens_per_s else 0.0
+        return 1.96 * rel_sigma(d.result)
 
     def binding_limit(self, c: Candidate) -> str:
         """Which limit stops the next larger configs (one of the space's knobs one step up) from fitting."""

@@ -31,14 +31,18 @@ class Done:
         return self.result.get("tokens_per_s") or 0.0
 
 
-def rel_sigma(result: dict[str, Any]) -> float:
-    """A trial's relative standard error, from its 95% bootstrap interval (half-width / 1.96 / median); a
-    result without one (older trials, a single step) counts as 5%."""
+def rel_sigma(result: dict[str, Any], believe_unstable: bool = False) -> float:
+    """A trial's relative standard error, from its 95% bootstrap interval (half-width / 1.96 / median). A
+    result without one (older trials, a single step) counts as 5%; one still unstable after its re-measure
+    (another process took cores from it) as at least UNSTABLE_SIGMA: its steps may agree with each other
+    yet all be slow, so a narrow interval must not make it count more."""
     timing = result.get("timing") or {}
     ci, tps = timing.get("tokens_per_s_ci95"), result.get("tokens_per_s")
-    if not ci or not tps or ci[1] <= ci[0]:
-        return 0.05
-    return (ci[1] - ci[0]) / 2 / 1.96 / tps
+    sigma = (ci[1] - ci[0]) / 2 / 1.96 / tps if ci and tps and ci[1] > ci[0] else 0.05
+    return max(sigma, UNSTABLE_SIGMA) if timing.get("unstable") and not believe_unstable else sigma
+
+
+UNSTABLE_SIGMA = 0.10
 
 
 @dataclass
@@ -158,8 +162,9 @@ class SearchState:
 
     @staticmethod
     def noise(d: Done) -> float:
-        """A measurement's relative noise: the half-width of its 95% interval over its median."""
-        return 1.96 * rel_sigma(d.result)
+        """A measurement's relative noise: the half-width of its 95% interval over its median (as measured:
+        an unstable best must not end the search sooner)."""
+        return 1.96 * rel_sigma(d.result, believe_unstable=True)
 
     def binding_limit(self, c: Candidate) -> str:
         """Which limit stops the next larger configs (one of the space's knobs one step up) from fitting."""

@@ -62,29 +62,51 @@ def test_oneshot_finds_a_config_that_fits_in_a_fraction_of_the_space(job):
             assert t["status"] == "ok", t
 
 
-def test_the_confirmation_round_remeasures_the_finalists_interleaved_and_says_how_sure(job):
-    r = job["result"]
+def test_the_confirmation_round_remeasures_the_finalists_interleaved_and_says_how_sure(tmp_path):
+    """A job whose search has measured two configs with overlapping intervals (recorded here, so the overlap
+    is certain) resumes, finds nothing left to search, and re-measures both, interleaved, as real trials."""
+    import numpy as np
+
+    from sltune.tuning.runner import requirements
+
+    spec = TuningSpec.parse({**SPEC, "name": "confirm", "search": {
+        **SPEC["search"], "strategy": "grid", "sub_batch_size": [1, 2], "num_sub_batches": [1],
+        "num_live_blocks": [1], "trial_steps": 2, "confirm_rounds": 2}})
+    db = f"sqlite:///{tmp_path / 'jobs.db'}"
+    store = Store(db)
+    job = store.create_job(spec.name, spec.model_dump(mode="json"), spec.digest(), requirements(spec))
+    rng = np.random.default_rng(0)
+    for number, (b, tps) in enumerate([(1, 1000.0), (2, 1010.0)]):
+        steps = (b * 64 / tps * rng.lognormal(0, 0.05, 20)).tolist()
+        med = float(np.median(steps))
+        config = {"sub_batch_size": b, "num_sub_batches": 1, "num_live_blocks": 1, "schedule": "speedloader"}
+        store.start_trial(job.id, number, "grid", config, {}, None, None)
+        store.finish_trial(job.id, number, {
+            "status": "ok", "config": {**config, "seq_len": 64, "world_size": 1}, "tokens_per_s": b * 64 / med,
+            "step_seconds": med, "peak_device_bytes": 10**6 * b, "peak_host_bytes": 10**8,
+            "timing": {"steps_s": steps, "median_s": med, "tokens_per_s_ci95": [0.9 * tps, 1.1 * tps], "cv": 0.05,
+                       "unstable": False, "interference": {}}})
+    r = tune(spec, db, settings=Settings(data_dir=tmp_path))
+    assert r["job_id"] == job.id and r["status"] == "succeeded", r
     conf = r["confirmation"]
-    assert conf is not None, r["confidence"]
     finalists = [f["config"] for f in conf["finalists"]]
-    assert 2 <= len(finalists) <= 3 and conf["rounds"] == 2
+    assert finalists == [{"sub_batch_size": 2, "num_sub_batches": 1, "num_live_blocks": 1},    # the best first
+                         {"sub_batch_size": 1, "num_sub_batches": 1, "num_live_blocks": 1}]
     confirms = [t for t in r["trials"] if t["role"] == "confirm"]
-    assert [t["config"] for t in confirms] == finalists * 2                     # A B C A B C
-    assert all(t["number"] > max(s["number"] for s in r["trials"] if s["role"] != "confirm") for t in confirms)
-    search = [t for t in r["trials"] if t["role"] != "confirm" and t["status"] == "ok"]
-    ranked = sorted(search, key=lambda t: t["tokens_per_s"], reverse=True)
-    assert finalists[:2] == [ranked[0]["config"], ranked[1]["config"]]        # the best and the runner-up
-    assert conf["winner"] in finalists
-    assert {k: r["best"]["config"][k] for k in conf["winner"]} == conf["winner"]
-    lo, hi = conf["ci95"]
+    assert [t["config"] for t in confirms] == finalists * 2 and conf["rounds"] == 2           # A B A B
+    assert [t["number"] for t in confirms] == [2, 3, 4, 5] and all(t["status"] == "ok" for t in confirms)
+    rows = [t for t in store.trials(job.id) if t.role == "confirm"]
+    assert len(rows) == 4 and all(t.optuna_number is None and t.result["timing"]["steps_s"] for t in rows)
+    w, lo, hi = conf["winner"], *conf["ci95"]
+    assert conf["winner"] in finalists and conf["runner_up"] in finalists and conf["winner"] != conf["runner_up"]
     assert lo <= conf["ratio"] <= hi and conf["ratio"] >= 1.0 - 1e-12
-    w = conf["winner"]
+    assert {k: r["best"]["config"][k] for k in w} == w                                    # the winner is the best
     assert r["confidence"].startswith(f"b={w['sub_batch_size']} N={w['num_sub_batches']} k={w['num_live_blocks']}: "
                                       f"{conf['ratio']:.2f}x [{lo:.2f}, {hi:.2f}] the runner-up")
-    store = Store(job["db"])
-    rows = [t for t in store.trials(r["job_id"]) if t.role == "confirm"]
-    assert len(rows) == len(confirms) and all(t.optuna_number is None for t in rows)
-    assert all(t.result["timing"]["steps_s"] for t in rows if t.status == "ok")
+    # the job's API view and the CLI say the same
+    from sltune.cli.tune import describe
+
+    assert f"confidence: {r['confidence']}" in describe(r)
 
 
 def test_progress_reports_trials_best_and_time_left(job):

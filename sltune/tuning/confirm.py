@@ -2,11 +2,12 @@
 again, side by side, and the winner is picked by paired ratios.
 
 A search measures each config once, at a different moment: whatever else ran on the machine then is in
-that number. The finalists (the best, every config whose interval overlaps the best's, and always the
-runner-up, so the answer can say by how much it won) are re-measured in rounds, A B C A B C ..., so each
-round sees them under the same conditions. Per round, each finalist's median is divided by the search
-best's; the finalist with the highest median ratio over the rounds wins. Its ratio to the runner-up, with
-a paired bootstrap interval (sltune.profiling.stats), is how sure the pick is.
+that number. The finalists (the best and every config whose interval overlaps the best's) are re-measured
+in rounds, A B C A B C ..., so each round sees them under the same conditions. Per round, each
+finalist's median is divided by the search best's; the finalist with the highest median ratio over the
+rounds wins. Its ratio to the runner-up, with a paired bootstrap interval (sltune.profiling.stats), is how
+sure the pick is. When no interval overlaps the best's, nothing is re-run: the best stands, and its ratio
+to the runner-up comes from the search's own trials (an unpaired interval).
 """
 
 from __future__ import annotations
@@ -14,37 +15,49 @@ from __future__ import annotations
 from statistics import median
 from typing import Any
 
-from sltune.profiling.stats import paired_ratio_ci
+from sltune.profiling.stats import paired_ratio_ci, ratio_ci
 from sltune.tuning.space import Candidate
 from sltune.tuning.state import Done, SearchState
 
 MAX_FINALISTS = 3
 
 
-def finalists(state: SearchState) -> list[Candidate]:
-    """The search's best first, then the configs worth re-measuring beside it (at most MAX_FINALISTS)."""
-    ok = sorted((d for d in state.history if d.ok), key=lambda d: d.tokens_per_s, reverse=True)
+def ranked(state: SearchState) -> list[Done]:
+    """Each successfully measured config's best search trial, fastest first."""
     seen: dict[Candidate, Done] = {}
-    for d in ok:
+    for d in sorted((d for d in state.history if d.ok), key=lambda d: d.tokens_per_s, reverse=True):
         seen.setdefault(d.candidate, d)
-    ranked = list(seen.values())
-    if len(ranked) < 2:
-        return [d.candidate for d in ranked]
-    best_lo = _ci(ranked[0])[0]
-    overlapping = [d for d in ranked[2:] if _ci(d)[1] >= best_lo]
-    return [d.candidate for d in ranked[:2] + overlapping][:MAX_FINALISTS]
+    return list(seen.values())
+
+
+def finalists(state: SearchState) -> list[Candidate]:
+    """The search's best first, then every config whose interval overlaps it (at most MAX_FINALISTS)."""
+    order = ranked(state)
+    if not order:
+        return []
+    best_lo = _ci(order[0])[0]
+    return [order[0].candidate] + [d.candidate for d in order[1:] if _ci(d)[1] >= best_lo][:MAX_FINALISTS - 1]
 
 
 def plan(state: SearchState, rounds: int) -> list[Candidate]:
-    """The interleaved order the confirmation trials run in."""
+    """The interleaved order the confirmation trials run in (none when the best stands alone)."""
     picks = finalists(state)
     return picks * rounds if len(picks) > 1 else []
 
 
 def verdict(state: SearchState, picks: list[Candidate]) -> dict[str, Any] | None:
-    """The winner, the runner-up and the paired ratio between them, from the confirm trials run so far."""
-    if len(picks) < 2:
+    """The winner, the runner-up and the ratio between them: paired, from the confirm trials run so far; or,
+    when the best had no rival to re-measure, unpaired from the search's trials."""
+    order = ranked(state)
+    if len(order) < 2:
         return None
+    if len(picks) < 2:
+        best, runner = order[0], order[1]
+        ratio, (lo, hi) = ratio_ci([tokens_per_step_samples(state, best)], [tokens_per_step_samples(state, runner)])
+        how = ("; no other config's interval overlaps it: not re-measured" if state.spec.search.confirm_rounds
+               else "; not re-measured (search.confirm_rounds is 0)")
+        return _answer(best.candidate, runner.candidate, ratio, lo, hi, rounds=0, finalists=[], changed=False,
+                       how=how)
     samples: dict[Candidate, list[list[float] | None]] = {c: [] for c in picks}
     for d in state.confirms:                  # in the order run: round r is the r-th of each finalist
         if d.candidate in samples:
@@ -56,17 +69,23 @@ def verdict(state: SearchState, picks: list[Candidate]) -> dict[str, Any] | None
     series = {c: [samples[c][r] for r in paired] for c in picks}
     ref = picks[0]
     ratios = {c: paired_ratio_ci(series[c], series[ref])[0] if c != ref else 1.0 for c in picks}
-    order = sorted(picks, key=lambda c: ratios[c], reverse=True)
-    winner, runner = order[0], order[1]
+    order_c = sorted(picks, key=lambda c: ratios[c], reverse=True)
+    winner, runner = order_c[0], order_c[1]
     ratio, (lo, hi) = paired_ratio_ci(series[winner], series[runner])
-    measured = {c: {"config": c.knobs(), "ratio_to_search_best": ratios[c],
-                    "round_medians": [median(s) for s in series[c]]} for c in picks}
+    measured = [{"config": c.knobs(), "ratio_to_search_best": ratios[c],
+                 "round_medians": [median(s) for s in series[c]]} for c in picks]
+    return _answer(winner, runner, ratio, lo, hi, rounds=len(paired), finalists=measured, changed=winner != ref,
+                   how="")
+
+
+def _answer(winner: Candidate, runner: Candidate, ratio: float, lo: float, hi: float, *, rounds: int,
+            finalists: list[dict[str, Any]], changed: bool, how: str) -> dict[str, Any]:
     significant = lo > 1.0
     statement = (f"{winner}: {ratio:.2f}x [{lo:.2f}, {hi:.2f}] the runner-up ({runner})"
-                 + ("" if significant else "; within noise: either is as good"))
+                 + ("" if significant else "; within noise: either is as good") + how)
     return {"winner": winner.knobs(), "runner_up": runner.knobs(), "ratio": ratio, "ci95": [lo, hi],
-            "significant": significant, "rounds": len(paired), "finalists": list(measured.values()),
-            "changed_pick": winner != ref, "statement": statement}
+            "significant": significant, "rounds": rounds, "finalists": finalists, "changed_pick": changed,
+            "statement": statement}
 
 
 def winner_of(state: SearchState, confirmation: dict[str, Any] | None) -> Done | None:

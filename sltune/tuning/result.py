@@ -50,8 +50,6 @@ def _unconfirmed(state: SearchState, spec: TuningSpec) -> str | None:
     """Why a result has no confirmed statement."""
     if state.best() is None:
         return None
-    if not spec.search.confirm_rounds:
-        return "not confirmed (search.confirm_rounds is 0): a single measurement per config"
     if len({d.candidate for d in state.history if d.ok}) < 2:
         return "only one config ran successfully: nothing to compare it with"
     return "not confirmed: the confirmation round did not finish"

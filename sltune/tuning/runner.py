@@ -251,8 +251,8 @@ def run_job(store: Store, job_id: str, *, progress: ProgressFn | None = None, sh
         number += 1
 
     confirmation = None
-    if search.confirm_rounds and not (stop_reason or "").startswith(("cancelled", "released")):
-        picks = confirm.finalists(state)
+    if not stop_reason.startswith(("cancelled", "released")):
+        picks = confirm.finalists(state) if search.confirm_rounds else []
         for cand in confirm.plan(state, search.confirm_rounds)[len(state.confirms):]:
             if elapsed() >= search.time_budget_s:
                 stop_reason += f"; confirmation cut short: time_budget_s ({search.time_budget_s:g}s) used up"

@@ -1,6 +1,7 @@
 """Do sltune's answers survive a noisy machine? The issue #10 checks, in one run.
 
-    python bench/noise.py [--parts abcde] [--min-time 2] [--self-compares 10] [--regressions 5] [--repeats 3]
+    python bench/noise.py [--parts abcde] [--min-time 2] [--rounds 5] [--cpu-threads n] [--self-compares 10]
+                          [--regressions 5] [--repeats 3]
 
 (a) `tune` (oneshot) of a 60-config space with a CPU hog running beside it; its pick, re-measured on the
     quiet machine interleaved with the quiet grid's best, should be >= 0.95x of it.
@@ -55,21 +56,30 @@ def hog(on: bool = True):
             proc.wait()
 
 
-def space_spec(name: str, args, strategy: str = "oneshot", cpu_threads: int | None = None, **search) -> dict:
+def _hardware(args, cpu_threads: int | None = None, **limits) -> dict:
+    threads = cpu_threads or args.cpu_threads
+    return {**limits, **({"cpu_threads": threads} if threads else {})}
+
+
+def _search(args, strategy: str) -> dict:
+    return {"strategy": strategy, "max_trials": 100, "trial_min_time_s": args.min_time, "profile": False,
+            "time_budget_s": 7200, "trial_timeout_s": 900}
+
+
+def space_spec(name: str, args, strategy: str = "oneshot", cpu_threads: int | None = None) -> dict:
     """(a)-(d): b x N x k = 5 x 4 x 3 = 60 configs under a device limit that binds."""
     return {"name": name, "model": {"preset": "llama-tiny"}, "workload": {"seq_len": 64},
-            "hardware": {"device_memory_limit": "4MiB", **({"cpu_threads": cpu_threads} if cpu_threads else {})},
-            "search": {"strategy": strategy, "sub_batch_size": [1, 2, 4, 8, 16], "num_sub_batches": [1, 2, 4, 8],
-                       "num_live_blocks": [1, 2, 4], "max_trials": 100, "trial_min_time_s": args.min_time,
-                       "profile": False, "time_budget_s": 7200, **search}}
+            "hardware": _hardware(args, cpu_threads, device_memory_limit="4MiB"),
+            "search": {**_search(args, strategy), "sub_batch_size": [1, 2, 4, 8, 16], "num_sub_batches": [1, 2, 4, 8],
+                       "num_live_blocks": [1, 2, 4]}}
 
 
 def fixed_batch_spec(name: str, args, strategy: str) -> dict:
     """(e): B = 32 rows per step, b in 1..32 (N = 32 / b), k in {1, 2, 4}: 18 configs."""
     return {"name": name, "model": {"preset": "llama-tiny"}, "workload": {"seq_len": 64},
-            "search": {"strategy": strategy, "sub_batch_size": [1, 2, 4, 8, 16, 32], "effective_batch_size": 32,
-                       "num_live_blocks": [1, 2, 4], "max_trials": 100, "trial_min_time_s": args.min_time,
-                       "profile": False, "time_budget_s": 7200}}
+            "hardware": _hardware(args),
+            "search": {**_search(args, strategy), "sub_batch_size": [1, 2, 4, 8, 16, 32], "effective_batch_size": 32,
+                       "num_live_blocks": [1, 2, 4]}}
 
 
 def run_job(spec: dict, root: Path, busy: bool = False) -> dict[str, Any]:
@@ -94,7 +104,7 @@ def label(key: tuple[int, int, int]) -> str:
 def remeasure(entries: dict[str, tuple[dict, tuple[int, int, int]]], rounds: int, min_time: float) -> dict:
     """Each named (spec, config) re-measured `rounds` times on this machine, interleaved, order alternating."""
     specs = {name: trial_spec(TuningSpec.parse(spec), Candidate(*key), None).model_copy(
-        update={"profile": False, "min_time_s": min_time}) for name, (spec, key) in entries.items()}
+        update={"profile": False, "min_time_s": min_time, "timeout_s": 900}) for name, (spec, key) in entries.items()}
     got: dict[str, list[float]] = {name: [] for name in specs}
     names = list(specs)
     for r in range(rounds):
@@ -219,6 +229,7 @@ def main() -> None:
     ap.add_argument("--min-time", type=float, default=2.0, help="search.trial_min_time_s of every job")
     ap.add_argument("--remeasure-time", type=float, default=2.0, help="min_time_s of the bench's re-measurements")
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds of each re-measurement")
+    ap.add_argument("--cpu-threads", type=int, help="hardware.cpu_threads of every job but (c)'s (default: all)")
     ap.add_argument("--self-compares", type=int, default=10)
     ap.add_argument("--regressions", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=3)

@@ -63,7 +63,7 @@ def test_steps_are_calibrated_to_the_minimum_time_and_every_one_is_kept():
     r = _trial(min_time_s=0.4, max_steps=400, remeasure=0)
     t = r.timing
     assert len(t.steps_s) >= 2 and (sum(t.steps_s) >= 0.4 or len(t.steps_s) == 400)
-    assert sum(t.steps_s[:-1]) < 0.4            # stopped as soon as the time was reached
+    assert len(t.steps_s) == 2 or sum(t.steps_s[:-1]) < 0.4     # stopped as soon as the time was reached
     assert t.median_s == pytest.approx(float(np.median(t.steps_s))) and r.step_seconds == t.median_s
     tokens = 32                                 # b=1, N=1, seq_len 32
     assert r.tokens_per_s == pytest.approx(float(np.median([tokens / s for s in t.steps_s])))

@@ -96,6 +96,7 @@ class Timing(BaseModel):
 
     steps_s: list[float]
     median_s: float
+    tokens_per_step: float | None = Field(None, description="tokens each timed step processed")
     tokens_per_s_ci95: tuple[float, float] = Field(description="95% bootstrap interval of the median tokens/s")
     cv: float | None = Field(description="coefficient of variation of the step times")
     unstable: bool

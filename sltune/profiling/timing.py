@@ -17,7 +17,6 @@ from typing import Any, Callable
 
 import numpy as np
 import psutil
-import torch
 
 from sltune.profiling import stats
 
@@ -59,6 +58,8 @@ def _loadavg() -> float | None:
 
 def _other_device_processes() -> int | None:
     """Other processes on this trial's GPU (CUDA with pynvml only); None where it cannot be seen."""
+    import torch
+
     if not torch.cuda.is_available() or not torch.cuda.is_initialized():
         return None
     try:
@@ -90,7 +91,7 @@ def summarize(seconds: list[float], tokens: list[int], interference: dict[str, A
     tps = [t / s for t, s in zip(tokens, seconds)]
     spread = stats.cv(seconds)
     why = unstable_because(spread, interference)
-    return {"steps_s": seconds, "median_s": float(np.median(seconds)),
+    return {"steps_s": seconds, "median_s": float(np.median(seconds)), "tokens_per_step": float(np.median(tokens)),
             "tokens_per_s": float(np.median(tps)), "tokens_per_s_ci95": list(stats.median_ci(tps)),
             "cv": spread, "unstable": bool(why), "unstable_reasons": why, "interference": interference}
 
@@ -99,6 +100,8 @@ def measure(step: Callable[[], tuple[float, int]], steps: int, min_time_s: float
             remeasure: int) -> dict[str, Any]:
     """Run calibrated rounds of `step` (which returns its seconds and tokens); the steadiest round's
     timing, with how many rounds it took."""
+    import torch
+
     rounds = []
     for _ in range(1 + remeasure):
         window = _Window()
@@ -113,3 +116,15 @@ def measure(step: Callable[[], tuple[float, int]], steps: int, min_time_s: float
             break
     best = min(rounds, key=lambda r: (r["unstable"], r["interference"]["others_busy_cores"], r["cv"] or 0.0))
     return {**best, "rounds": len(rounds)}
+
+
+def step_tokens_per_s(result: dict[str, Any]) -> list[float] | None:
+    """Tokens/s of every timed step of an ok TrialResult (as a dict); a result from before step times were
+    kept gives its one figure; None when it has none."""
+    if result.get("status") != "ok" or not result.get("tokens_per_s"):
+        return None
+    timing = result.get("timing") or {}
+    if not timing.get("steps_s"):
+        return [result["tokens_per_s"]]
+    tokens = timing.get("tokens_per_step") or result["tokens_per_s"] * timing["median_s"]
+    return [tokens / s for s in timing["steps_s"]]

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from sltune.profiling.stats import paired_ratio_ci, ratio_ci
+from sltune.profiling.timing import step_tokens_per_s
 
 Key = tuple[int, int, int]
 KNOBS = ("sub_batch_size", "num_sub_batches", "num_live_blocks")
@@ -50,16 +51,8 @@ def from_server(client, job_id: str) -> JobData:
 
 
 def samples(trial: dict[str, Any]) -> list[float] | None:
-    """Tokens/s of every timed step of an ok trial: the median step's tokens (tokens/s x seconds) over each
-    step's seconds; a trial from before step times were kept gives its one figure."""
-    r = trial.get("result") or {}
-    if trial.get("status") != "ok" or not r.get("tokens_per_s"):
-        return None
-    timing = r.get("timing")
-    if not timing or not timing.get("steps_s"):
-        return [r["tokens_per_s"]]
-    tokens = r["tokens_per_s"] * timing["median_s"]
-    return [tokens / s for s in timing["steps_s"]]
+    """Tokens/s of every timed step of an ok trial (as GET /jobs/{id}/trials gives it)."""
+    return step_tokens_per_s({**(trial.get("result") or {}), "status": trial.get("status")})
 
 
 def by_config(job: JobData) -> dict[Key, list[list[float]]]:
@@ -148,7 +141,7 @@ def remeasure(cmp: dict[str, Any], old: JobData, new: JobData, rounds: int = 3,
     for r in range(rounds):
         for side in (("old", "new") if r % 2 == 0 else ("new", "old")):
             result = run(specs[side])
-            s = samples({"status": result["status"], "result": result})
+            s = step_tokens_per_s(result)
             if s is None:
                 raise ValueError(f"re-measuring the {side} best failed: {result.get('status')}: {result.get('error')}")
             got[side].append(s)

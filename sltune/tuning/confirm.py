@@ -16,6 +16,7 @@ from statistics import median
 from typing import Any
 
 from sltune.profiling.stats import paired_ratio_ci, ratio_ci
+from sltune.profiling.timing import step_tokens_per_s
 from sltune.tuning.space import Candidate
 from sltune.tuning.state import Done, SearchState
 
@@ -53,7 +54,7 @@ def verdict(state: SearchState, picks: list[Candidate]) -> dict[str, Any] | None
         return None
     if len(picks) < 2:
         best, runner = order[0], order[1]
-        ratio, (lo, hi) = ratio_ci([tokens_per_step_samples(state, best)], [tokens_per_step_samples(state, runner)])
+        ratio, (lo, hi) = ratio_ci([step_tokens_per_s(best.result)], [step_tokens_per_s(runner.result)])
         how = ("; no other config's interval overlaps it: not re-measured" if state.spec.search.confirm_rounds
                else "; not re-measured (search.confirm_rounds is 0)")
         return _answer(best.candidate, runner.candidate, ratio, lo, hi, rounds=0, finalists=[], changed=False,
@@ -61,7 +62,7 @@ def verdict(state: SearchState, picks: list[Candidate]) -> dict[str, Any] | None
     samples: dict[Candidate, list[list[float] | None]] = {c: [] for c in picks}
     for d in state.confirms:                  # in the order run: round r is the r-th of each finalist
         if d.candidate in samples:
-            samples[d.candidate].append(tokens_per_step_samples(state, d))
+            samples[d.candidate].append(step_tokens_per_s(d.result))
     rounds = min(len(v) for v in samples.values())
     paired = [r for r in range(rounds) if all(samples[c][r] for c in picks)]   # rounds every finalist finished
     if not paired:
@@ -96,15 +97,6 @@ def winner_of(state: SearchState, confirmation: dict[str, Any] | None) -> Done |
     w = confirmation["winner"]
     ok = [d for d in state.history if d.ok and d.candidate.knobs() == w]
     return max(ok, key=lambda d: d.tokens_per_s) if ok else best
-
-
-def tokens_per_step_samples(state: SearchState, d: Done) -> list[float] | None:
-    """Tokens/s of every timed step of a trial (None if it did not run)."""
-    timing = d.result.get("timing") if d.ok else None
-    if not timing:
-        return [d.tokens_per_s] if d.ok else None
-    tokens = d.candidate.batch * state.new_tokens_per_row()
-    return [tokens / s for s in timing["steps_s"]]
 
 
 def _ci(d: Done) -> tuple[float, float]:

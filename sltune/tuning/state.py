@@ -137,7 +137,7 @@ class SearchState:
         dev = self.fits["device"].predict(v) if self.fits else None
         host = self.fits["host"].predict(v) if self.fits else None
         t = self.fits["throughput"].predict(v) if self.fits else None
-        tps = c.batch * self.new_tokens_per_row() / t if t and t > 0 else None
+        tps = c.batch * self._new_tokens_per_row() / t if t and t > 0 else None
         hw = self.spec.hardware
         over = []
         if dev is not None and hw.device_memory_limit and dev * (1 + self.margins["device"]) > hw.device_memory_limit:
@@ -149,7 +149,7 @@ class SearchState:
                 over.append(resource)           # measured: a config needing no less already ran out
         return Prediction(dev, host, t, tps, fits=not over, over=over)
 
-    def new_tokens_per_row(self) -> int:
+    def _new_tokens_per_row(self) -> int:
         w = self.spec.workload
         return w.seq_len if w.mode == "train" else w.new_tokens
 

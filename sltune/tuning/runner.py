@@ -128,7 +128,10 @@ def run_job(store: Store, job_id: str, *, progress: ProgressFn | None = None, sh
     for t in finished:   # replayed in order: margins widened by past out-of-memory trials come back too
         done = Done(t.number, Candidate(t.config["sub_batch_size"], t.config["num_sub_batches"],
                                         t.config["num_live_blocks"]), t.role, t.result)
-        state.confirms.append(done) if t.role == "confirm" else state.add(done)
+        if t.role == "confirm":
+            state.confirms.append(done)         # not search history: they neither refit nor count as tried
+        else:
+            state.add(done)
     if not finished:
         state.refit()           # fits (empty) exist before the first proposal
     number = max((t.number for t in store.trials(job_id)), default=-1) + 1

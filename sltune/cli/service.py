@@ -37,7 +37,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--timeout", type=float, help="with --wait: give up after this many seconds")
     c.set_defaults(run=run_submit)
 
-    m = sub.add_parser("compare", help="the two jobs' bests compared with 95% intervals; exit 1 on a regression",
+    m = sub.add_parser("compare", help="the two jobs' bests compared with 95%% intervals; exit 1 on a regression",
                        description="Flags a regression only when the 95%% interval of new/old best tokens/s lies "
                                    "wholly below 1 - max-regression. Exit codes: 0 no regression (including "
                                    "'within noise'), 1 regression, 2 error.")

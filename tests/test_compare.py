@@ -116,3 +116,10 @@ def test_remeasure_runs_both_bests_here_interleaved(jobs):
     assert r["remeasured"]["rounds"] == 2 and len(r["remeasured"]["new_round_medians"]) == 2
     assert r["remeasured"]["from_jobs"]["verdict"] == "regression"
     assert r["verdict"] != "regression" and r["ci95"][1] > 0.75
+
+
+def test_help_texts_render():
+    for argv in (["--help"], ["compare", "--help"], ["profile", "--help"]):
+        with contextlib.redirect_stdout(io.StringIO()) as out, pytest.raises(SystemExit) as done:
+            main(argv)
+        assert done.value.code == 0 and "usage" in out.getvalue()

@@ -15,6 +15,7 @@ decisive answer when the two jobs ran at different times on a noisy machine.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from statistics import median
 from typing import Any, Callable
 
 from sltune.profiling.stats import paired_ratio_ci, ratio_ci
@@ -65,8 +66,6 @@ def by_config(job: JobData) -> dict[Key, list[list[float]]]:
 
 
 def _median(groups: list[list[float]]) -> float:
-    from statistics import median
-
     return median(x for g in groups for x in g)
 
 
@@ -79,7 +78,8 @@ def best_key(job: JobData, configs: dict[Key, list[list[float]]]) -> Key | None:
     return max(configs, key=lambda k: _median(configs[k]), default=None)
 
 
-def verdict(ratio: float, ci: tuple[float, float], max_regression: float) -> str:
+def verdict(ci: tuple[float, float], max_regression: float) -> str:
+    """What an interval of new/old says, against the allowed drop."""
     lo, hi = ci
     if hi < 1.0 - max_regression:
         return "regression"
@@ -104,7 +104,7 @@ def compare(old: JobData, new: JobData, max_regression: float = 0.05) -> dict[st
         if key in a and key in b:
             row["ratio"], ci = ratio_ci(b[key], a[key])
             row["ci95"] = list(ci)
-            row["verdict"] = verdict(row["ratio"], ci, max_regression)
+            row["verdict"] = verdict(ci, max_regression)
         rows.append(row)
     ka, kb = best_key(old, a), best_key(new, b)
     if ka is None or kb is None:
@@ -118,14 +118,15 @@ def compare(old: JobData, new: JobData, max_regression: float = 0.05) -> dict[st
             "best_a": _median(a[ka]), "best_b": _median(b[kb]),
             "best_config_a": dict(zip(KNOBS, ka)), "best_config_b": dict(zip(KNOBS, kb)),
             "ratio": ratio, "ci95": list(ci), "change": ratio - 1.0,
-            "verdict": verdict(ratio, ci, max_regression), "measured_under_interference": unstable,
+            "verdict": verdict(ci, max_regression), "measured_under_interference": unstable,
             "remeasured": None}
 
 
 def remeasure(cmp: dict[str, Any], old: JobData, new: JobData, rounds: int = 3,
-              run: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> dict[str, Any]:
+              run: Callable[[Any], dict[str, Any]] | None = None) -> dict[str, Any]:
     """Both bests run again here, interleaved (old new, new old, ...), each with its own job's spec (so a
-    difference in, say, hardware.cpu_threads stays); the verdict becomes the paired one."""
+    difference in, say, hardware.cpu_threads stays); the verdict becomes the paired one. `run` takes a
+    TrialSpec and returns a TrialResult dict (run_trial's by default)."""
     from sltune.profiling import run_trial
     from sltune.tuning.runner import trial_spec
     from sltune.tuning.space import Candidate
@@ -147,9 +148,9 @@ def remeasure(cmp: dict[str, Any], old: JobData, new: JobData, rounds: int = 3,
             got[side].append(s)
     ratio, ci = paired_ratio_ci(got["new"], got["old"])
     out = {**cmp, "ratio": ratio, "ci95": list(ci), "change": ratio - 1.0,
-           "verdict": verdict(ratio, ci, cmp["max_regression"]),
-           "remeasured": {"rounds": rounds, "old_round_medians": [_median([g]) for g in got["old"]],
-                          "new_round_medians": [_median([g]) for g in got["new"]],
+           "verdict": verdict(ci, cmp["max_regression"]),
+           "remeasured": {"rounds": rounds, "old_round_medians": [median(g) for g in got["old"]],
+                          "new_round_medians": [median(g) for g in got["new"]],
                           "from_jobs": {"ratio": cmp["ratio"], "ci95": cmp["ci95"], "verdict": cmp["verdict"]}}}
     out["best_a"], out["best_b"] = _median(got["old"]), _median(got["new"])
     return out

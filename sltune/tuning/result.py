@@ -25,7 +25,7 @@ def job_result(job_id: str, spec: TuningSpec, state: SearchState, stop_reason: s
         "margins": state.margins, "space_size": len(state.space.candidates),
         "search_space": state.space.describe(),
         "confirmation": confirmation,
-        "confidence": confirmation["statement"] if confirmation else _unconfirmed(state, spec),
+        "confidence": confirmation["statement"] if confirmation else _unconfirmed(state),
         "trials": [{"number": d.number, "role": d.role, "config": d.candidate.knobs(), "status": d.result["status"],
                     "tokens_per_s": d.result.get("tokens_per_s"),
                     "tokens_per_s_ci95": (d.result.get("timing") or {}).get("tokens_per_s_ci95"),
@@ -46,7 +46,7 @@ def job_result(job_id: str, spec: TuningSpec, state: SearchState, stop_reason: s
     return out
 
 
-def _unconfirmed(state: SearchState, spec: TuningSpec) -> str | None:
+def _unconfirmed(state: SearchState) -> str | None:
     """Why a result has no confirmed statement."""
     if state.best() is None:
         return None

@@ -37,6 +37,10 @@ class JobDetail(JobSummary):
     models: dict[str, Any] | None = None
     stop_reason: str | None = None
     waiting_for: str | None = None
+    confidence: str | None = Field(None, description="how sure the pick is, e.g. 'b=4 N=8 k=2: 1.07x [1.03, 1.11] "
+                                                     "the runner-up (b=4 N=4 k=2)'")
+    confirmation: dict[str, Any] | None = Field(None, description="the confirmation round: finalists, rounds, "
+                                                                  "paired ratio and its 95% interval")
 
 
 class TrialOut(BaseModel):

@@ -370,7 +370,7 @@ def timeline_figure(trials: Iterable[dict[str, Any]], now: datetime | None = Non
 def compare_figure(cmp: dict[str, Any], label_a: str = "A", label_b: str = "B",
                    max_regression: float | None = None) -> go.Figure | None:
     """Best tokens/s per config of two jobs side by side (grouped bars), and the change B/A - 1 per config
-    with the allowed drop drawn: `cmp` is what sltune.service.client.compare returns."""
+    with its 95% interval and the allowed drop drawn: `cmp` is what sltune.tuning.compare.compare returns."""
     rows = (cmp or {}).get("rows") or []
     if not rows:
         return None
@@ -381,9 +381,14 @@ def compare_figure(cmp: dict[str, Any], label_a: str = "A", label_b: str = "B",
         fig.add_trace(go.Bar(x=labels, y=[r.get(key) for r in rows], name=name, marker_color=color,
                              hovertemplate="%{x}<br>%{y:,.1f} tokens/s<extra>" + name + "</extra>"), row=1, col=1)
     changes = [(r["ratio"] - 1.0) if isinstance(r.get("ratio"), (int, float)) else None for r in rows]
-    colors = ["#d62728" if (c is not None and max_regression is not None and c < -max_regression) else "#54a24b"
-              for c in changes]
-    fig.add_trace(go.Bar(x=labels, y=changes, name="change", marker_color=colors, showlegend=False,
+    colors = ["#d62728" if r.get("verdict") == "regression" else "#54a24b" for r in rows]
+    cis = [r.get("ci95") for r in rows]
+    error = None
+    if any(cis):     # the 95% interval of each ratio, as error bars on the change
+        error = dict(type="data", symmetric=False,
+                     array=[(ci[1] - 1.0 - c) if ci and c is not None else 0 for ci, c in zip(cis, changes)],
+                     arrayminus=[(c - (ci[0] - 1.0)) if ci and c is not None else 0 for ci, c in zip(cis, changes)])
+    fig.add_trace(go.Bar(x=labels, y=changes, name="change", marker_color=colors, showlegend=False, error_y=error,
                          hovertemplate="%{x}<br>B vs A %{y:+.1%}<extra></extra>"), row=2, col=1)
     fig.add_hline(y=0.0, line=dict(color="#555", width=1), row=2, col=1)
     if max_regression is not None:

@@ -25,7 +25,7 @@ from fastapi.responses import HTMLResponse, Response
 from sqlalchemy import select
 
 from sltune.dashboards import figures
-from sltune.service.client import compare as compare_trials
+from sltune.tuning import compare as comparing
 from sltune.service.jobs import job_detail
 from sltune.sizes import format_bytes
 from sltune.store.schema import Artifact
@@ -321,6 +321,8 @@ def _best_section(job, best: dict[str, Any] | None, result: dict[str, Any], prog
             f"(config.yaml)</b></a> · train with it: <code>sltune train --config best.yaml ...</code></p>"
             if job.status == "succeeded" else "")
     limit = result.get("binding_limit")
+    if result.get("confidence"):
+        link += f"<p class='confidence'>Confidence: <b>{e(str(result['confidence']))}</b></p>"
     return (f"{link}<p>Trial #{e(str(best.get('trial_number')))}; the limit that stops a larger config: "
             f"<b>{e(str(limit or '-'))}</b> (device {_bytes(hw.get('device_memory_limit'))}, host "
             f"{_bytes(hw.get('host_memory_limit'))}).</p>{table}")
@@ -358,6 +360,10 @@ def _fraction(text: str) -> float | None:
     return v if 0 <= v < 1 else None
 
 
+def _interval(ci) -> str:
+    return f"[{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "-"
+
+
 @router.get("/dashboard/compare", response_class=HTMLResponse)
 def compare_page(request: Request, a: str | None = None, b: str | None = None,
                  max_regression: str = "5%") -> HTMLResponse:
@@ -376,15 +382,22 @@ def compare_page(request: Request, a: str | None = None, b: str | None = None,
     job_a, job_b = store.job(a), store.job(b)
     if job_a is None or job_b is None:
         return _not_found(f"no job {(a if job_a is None else b)!r}")
-    cmp = compare_trials(trial_dicts(store, job_a.id), trial_dicts(store, job_b.id))
-    change = cmp["change"]
-    regressed = change is not None and change < -limit
-    if change is None:
-        verdict = "<span class='bad'>nothing to compare</span>: one of the jobs has no successful trial"
-    elif regressed:
-        verdict = f"<span class='bad'>REGRESSION</span>: the best dropped by {-change:.1%}, more than {limit:.1%}"
+    try:
+        cmp = comparing.compare(comparing.from_store(store, job_a.id), comparing.from_store(store, job_b.id), limit)
+    except ValueError as err:          # unfinished, or no successful trial: nothing to compare (CLI exit 2)
+        cmp, why = {"rows": [], "best_a": None, "best_b": None}, str(err)
+    if cmp.get("verdict") is None:
+        verdict = f"<span class='bad'>nothing to compare</span>: {e(why)}"
     else:
-        verdict = f"<span class='good'>ok</span>: change {change:+.1%}, allowed drop {limit:.1%}"
+        lo, hi = cmp["ci95"]
+        good = cmp["verdict"] != "regression"
+        word = cmp["verdict"] if good else "REGRESSION"
+        verdict = (f"<span class='{'good' if good else 'bad'}'>{word}</span>: best B/A {cmp['ratio']:.3f}x (change {cmp['change']:+.1%}), 95% interval "
+                   f"[{lo:.3f}, {hi:.3f}], allowed drop {limit:.1%}")
+        if cmp["measured_under_interference"]:
+            verdict += (" <span class='note'>(measured under interference: "
+                        + e("; ".join(cmp["measured_under_interference"])) + "; re-measure with <code>--remeasure"
+                        "</code>)</span>")
     label_a, label_b = f"A: {e(job_a.name)} ({e(job_a.id)})", f"B: {e(job_b.name)} ({e(job_b.id)})"
     summary = ("<table><tr><th></th><th>job</th><th>status</th><th>best tokens/s</th></tr>"
                + "".join(f"<tr><th>{k}</th><td><a href='/dashboard/jobs/{_q(j.id)}'>{e(j.name)} "
@@ -392,20 +405,23 @@ def compare_page(request: Request, a: str | None = None, b: str | None = None,
                          f"<td class='num'>{_num(v)}</td></tr>"
                          for k, j, v in (("A (baseline)", job_a, cmp["best_a"]), ("B (newer)", job_b, cmp["best_b"])))
                + "</table>")
-    floor = 1.0 - limit
     rows = "".join(
         f"<tr><td>{_knobs(r['config'])}</td><td class='num'>{_num(r['a'])}</td><td class='num'>{_num(r['b'])}</td>"
-        f"<td class='num{' bad' if r['ratio'] is not None and r['ratio'] < floor else ''}'>{_num(r['ratio'], '.3f')}"
-        "</td></tr>" for r in cmp["rows"])
-    table = ("<table><tr><th>config</th><th>A tokens/s</th><th>B tokens/s</th><th>B / A</th></tr>" + rows
-             + "</table>") if rows else "<p class='note'>Neither job has a successful trial.</p>"
+        f"<td class='num{' bad' if r.get('verdict') == 'regression' else ''}'>{_num(r['ratio'], '.3f')}</td>"
+        f"<td class='num'>{_interval(r.get('ci95'))}</td><td>{e(r.get('verdict') or '-')}</td></tr>"
+        for r in cmp["rows"])
+    table = ("<table><tr><th>config</th><th>A tokens/s</th><th>B tokens/s</th><th>B / A</th><th>95% interval</th>"
+             "<th>verdict</th></tr>" + rows + "</table>") if rows else \
+        "<p class='note'>Neither job has a successful trial.</p>"
     swap = f"/dashboard/compare?{urlencode({'a': job_b.id, 'b': job_a.id, 'max_regression': max_regression})}"
     body = (f"<h1>Compare {e(job_a.name)} → {e(job_b.name)}</h1>{summary}<p>Verdict: {verdict} "
             f"(as <code>sltune compare {e(job_a.id)} {e(job_b.id)} --max-regression {e(max_regression)}</code> "
             f"decides). <a href='{e(swap)}'>swap A and B</a></p>"
             + _fig_html(figures.compare_figure(cmp, label_a, label_b, limit), "No successful trial to compare.")
-            + "<p class='note'>Per config: the best tokens/s each job measured for it; the ratio is B/A, red "
-              "below the allowed drop. The verdict compares the two jobs' best configs.</p>"
+            + "<p class='note'>Per config: the median tokens/s of every step each job timed for it, and the "
+              "ratio B/A with its 95% bootstrap interval. The verdict compares the two jobs' best configs: a "
+              "regression only when the whole interval lies below 1 − the allowed drop; an interval that "
+              "reaches above it is <i>within noise</i>.</p>"
             + table + _compare_form(jobs, job_a.id, job_b.id, max_regression))
     active = job_a.status in ACTIVE or job_b.status in ACTIVE
     return _page("compare", body, plots=True, refresh=15 if active else None)

@@ -17,7 +17,7 @@ KVCache = Literal["host", "device"]
 
 # Sections a best-config YAML carries besides the knobs: reports, read by `sltune plan`, ignored here.
 REPORT_SECTIONS = ("effective_batch_size", "workload", "measured", "predicted", "resource_models",
-                   "limits", "binding_limit", "search_space", "provenance", "trials")
+                   "limits", "binding_limit", "search_space", "provenance", "trials", "confidence")
 
 
 class SpeedLoaderConfig(BaseModel):

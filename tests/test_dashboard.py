@@ -20,7 +20,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from sltune.dashboards import figures
-from sltune.service.client import compare
+from sltune.tuning.compare import JobData, compare
 from sltune.settings import Settings
 from sltune.tuning.fit import MODELS, LinearFit
 from tests.conftest import TOKEN, Proc, free_port, tiny_spec
@@ -162,7 +162,7 @@ def test_compare_figure_puts_both_jobs_side_by_side():
     a = realistic_trials()
     b = [{**t, "result": {**t["result"], "tokens_per_s": t["result"]["tokens_per_s"] * 0.9}}
          if t["result"]["tokens_per_s"] else t for t in a]
-    cmp = compare(a, b)
+    cmp = compare(JobData("a", "succeeded", {}, None, a), JobData("b", "succeeded", {}, None, b))
     fig = figures.compare_figure(cmp, "A: base", "B: new", max_regression=0.05)
     bars = {tr.name: tr for tr in fig.data}
     assert list(bars["A: base"].y) == [r["a"] for r in cmp["rows"]]
@@ -336,7 +336,7 @@ def test_compare_page_shows_both_jobs_side_by_side_and_the_ci_verdict(site):
     assert "1,618.8" in r.text and "1,295.0" in r.text
     _no_cdn(r.text)
     r = client.get("/dashboard/compare", params={"a": ids["slower"], "b": ids["done"]})
-    assert "REGRESSION" not in r.text and ">ok<" in r.text
+    assert "REGRESSION" not in r.text and ">faster<" in r.text
     r = client.get("/dashboard/compare", params={"a": ids["done"], "b": ids["slower"], "max_regression": "25%"})
     assert "REGRESSION" not in r.text
     r = client.get("/dashboard/compare", params={"a": ids["done"], "b": ids["failed"]})

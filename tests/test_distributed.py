@@ -79,7 +79,7 @@ def test_torchrun_train_cli(tmp_path):
 
 def test_a_two_rank_trial_reports_collective_time_and_every_rank():
     r = run_trial({"model": "llama-tiny", "world_size": 2, "sub_batch_size": 1, "num_sub_batches": 2,
-                   "seq_len": 32, "steps": 1, "timeout_s": 180})
+                   "seq_len": 32, "steps": 1, "min_time_s": 0, "timeout_s": 180})
     assert r.status == "ok", r.error
     assert r.breakdown.all_gather > 0 and r.breakdown.reduce_scatter > 0
     assert sum(r.breakdown.model_dump().values()) == pytest.approx(1.0)
@@ -115,7 +115,7 @@ def test_the_tuner_accepts_two_ranks(tmp_path):
     spec = {"name": "two-ranks", "model": {"preset": "llama-tiny"}, "workload": {"seq_len": 32},
             "hardware": {"world_size": 2},
             "search": {"sub_batch_size": [1, 2], "num_sub_batches": [1], "num_live_blocks": [2], "max_trials": 2,
-                       "trial_steps": 1, "profile": False}}
+                       "trial_steps": 1, "trial_min_time_s": 0, "confirm_rounds": 0, "profile": False}}
     result = tune(spec, f"sqlite:///{tmp_path / 'jobs.db'}", settings=Settings(data_dir=tmp_path))
     assert result["status"] == "succeeded", result
     assert all(t["status"] == "ok" for t in result["trials"])

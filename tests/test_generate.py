@@ -197,7 +197,7 @@ def test_wrong_row_count_and_bad_prompts_are_clear_errors():
 
 def test_generation_trial_reports_throughput_traffic_and_breakdown():
     result = run_trial({"model": "llama-tiny", "mode": "generate", "sub_batch_size": 2, "num_sub_batches": 2,
-                        "prompt_len": 8, "new_tokens": 4, "steps": 1, "timeout_s": 120})
+                        "prompt_len": 8, "new_tokens": 4, "steps": 1, "min_time_s": 0, "timeout_s": 120})
     assert result.status == "ok", result.error
     assert result.tokens_per_s > 0 and result.step_seconds > 0
     assert result.config.seq_len == 12

@@ -17,7 +17,7 @@ MID = {"model_type": "llama", "vocab_size": 4096, "hidden_size": 256, "intermedi
 
 
 def trial(**kw) -> TrialResult:
-    spec = dict(model="llama-tiny", seq_len=32, steps=1, timeout_s=120)
+    spec = dict(model="llama-tiny", seq_len=32, steps=1, min_time_s=0, timeout_s=120)
     spec.update(kw)
     return run_trial(spec)
 

@@ -145,14 +145,15 @@ def test_submit_and_compare_cli(services, tmp_path):
 
 
 def test_compare_gate_flags_a_regression():
-    from sltune.service.client import compare
+    from sltune.tuning.compare import JobData, compare
 
-    def trials(tps):
-        return [{"status": "ok", "config": {"sub_batch_size": b, "num_sub_batches": 1, "num_live_blocks": 1},
-                 "result": {"tokens_per_s": t}} for b, t in tps.items()]
+    def job(tps):
+        return JobData("j", "succeeded", {}, None, [
+            {"status": "ok", "config": {"sub_batch_size": b, "num_sub_batches": 1, "num_live_blocks": 1},
+             "result": {"tokens_per_s": t}} for b, t in tps.items()])
 
-    r = compare(trials({1: 100.0, 2: 200.0}), trials({1: 100.0, 2: 180.0}))
-    assert r["change"] == pytest.approx(-0.10)
+    r = compare(job({1: 100.0, 2: 200.0}), job({1: 100.0, 2: 180.0}))
+    assert r["change"] == pytest.approx(-0.10) and r["verdict"] == "regression"
     assert [row["ratio"] for row in r["rows"]] == [pytest.approx(1.0), pytest.approx(0.9)]
 
 

@@ -40,3 +40,34 @@ def test_round_trips_through_a_dict():
     fit = LinearFit.fit("y", ["1", "k"], rows(lambda k, b, n: 3 + k, POINTS))
     again = LinearFit.from_dict(fit.to_dict())
     assert again.predict({"k": 7}) == pytest.approx(10)
+
+
+def test_one_outlier_moves_a_robust_fit_by_less_than_its_noise():
+    """A trial slowed 2.5x by another process, wherever it falls: the precision-weighted robust fit's
+    predictions move by less than the 2% noise of a point; least squares on the same points moves more."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    feats = ["1", "G", "N", "N*b*s"]
+    step = lambda k, b, n: 0.01 + 0.004 * (4 // k) + 0.002 * n + 2e-5 * n * b * 32  # noqa: E731
+    noise = 0.02
+    points = [(1, 1, 1), (4, 1, 1), (1, 4, 1), (4, 4, 1), (1, 1, 4), (4, 1, 4), (2, 2, 2), (1, 4, 4), (4, 4, 4),
+              (2, 4, 2), (2, 1, 4), (4, 2, 2)]
+    clean = [(v, y * rng.lognormal(0, noise)) for v, y in rows(step, points)]
+    sigma = [noise] * len(points)
+    probes = [{"k": k, "b": b, "s": 32, "B": b * n, "N": n, "G": 4 // k} for k, b, n in
+              [(2, 3, 3), (4, 2, 4), (1, 2, 2), (1, 1, 1), (2, 4, 4)]]
+    robust_clean = LinearFit.fit("step_seconds", feats, clean, rel_sigma=sigma)
+    plain_clean = LinearFit.fit("step_seconds", feats, clean)
+    moved, moved_plain = [], []
+    for i in range(len(points)):
+        spoiled = list(clean)
+        spoiled[i] = (spoiled[i][0], spoiled[i][1] * 2.5)
+        robust = LinearFit.fit("step_seconds", feats, spoiled, rel_sigma=sigma)
+        plain = LinearFit.fit("step_seconds", feats, spoiled)
+        assert robust.robust and not plain.robust
+        moved.append(max(abs(robust.predict(v) / robust_clean.predict(v) - 1) for v in probes))
+        moved_plain.append(max(abs(plain.predict(v) / plain_clean.predict(v) - 1) for v in probes))
+        assert robust.loo_typical_error < 2 * noise < robust.loo_rel_error   # the outlier's own miss is the max
+    assert max(moved) < noise, moved
+    assert min(moved_plain) > noise, moved_plain     # the test would catch a non-robust fit

@@ -29,7 +29,8 @@ SPEC = {
     "name": "tiny", "model": {"preset": "llama-tiny"}, "workload": {"seq_len": 64},
     "hardware": {"device_memory_limit": LIMIT},
     "search": {"sub_batch_size": {"min": 1, "max": 16}, "num_sub_batches": {"min": 1, "max": 8},
-               "num_live_blocks": {"min": 1, "max": 4}, "max_trials": 12, "trial_steps": 1, "profile": False},
+               "num_live_blocks": {"min": 1, "max": 4}, "max_trials": 12, "trial_steps": 1, "trial_min_time_s": 0, "confirm_rounds": 2,
+               "profile": False},
 }
 
 
@@ -59,6 +60,53 @@ def test_oneshot_finds_a_config_that_fits_in_a_fraction_of_the_space(job):
     for t in r["trials"]:
         if t["role"] == "frontier":
             assert t["status"] == "ok", t
+
+
+def test_the_confirmation_round_remeasures_the_finalists_interleaved_and_says_how_sure(tmp_path):
+    """A job whose search has measured two configs with overlapping intervals (recorded here, so the overlap
+    is certain) resumes, finds nothing left to search, and re-measures both, interleaved, as real trials."""
+    import numpy as np
+
+    from sltune.tuning.runner import requirements
+
+    spec = TuningSpec.parse({**SPEC, "name": "confirm", "search": {
+        **SPEC["search"], "strategy": "grid", "sub_batch_size": [1, 2], "num_sub_batches": [1],
+        "num_live_blocks": [1], "trial_steps": 2, "confirm_rounds": 2}})
+    db = f"sqlite:///{tmp_path / 'jobs.db'}"
+    store = Store(db)
+    job = store.create_job(spec.name, spec.model_dump(mode="json"), spec.digest(), requirements(spec))
+    rng = np.random.default_rng(0)
+    for number, (b, tps) in enumerate([(1, 1000.0), (2, 1010.0)]):
+        steps = (b * 64 / tps * rng.lognormal(0, 0.05, 20)).tolist()
+        med = float(np.median(steps))
+        config = {"sub_batch_size": b, "num_sub_batches": 1, "num_live_blocks": 1, "schedule": "speedloader"}
+        store.start_trial(job.id, number, "grid", config, {}, None, None)
+        store.finish_trial(job.id, number, {
+            "status": "ok", "config": {**config, "seq_len": 64, "world_size": 1}, "tokens_per_s": b * 64 / med,
+            "step_seconds": med, "peak_device_bytes": 10**6 * b, "peak_host_bytes": 10**8,
+            "timing": {"steps_s": steps, "median_s": med, "tokens_per_s_ci95": [0.9 * tps, 1.1 * tps], "cv": 0.05,
+                       "unstable": False, "interference": {}}})
+    r = tune(spec, db, settings=Settings(data_dir=tmp_path))
+    assert r["job_id"] == job.id and r["status"] == "succeeded", r
+    conf = r["confirmation"]
+    finalists = [f["config"] for f in conf["finalists"]]
+    assert finalists == [{"sub_batch_size": 2, "num_sub_batches": 1, "num_live_blocks": 1},    # the best first
+                         {"sub_batch_size": 1, "num_sub_batches": 1, "num_live_blocks": 1}]
+    confirms = [t for t in r["trials"] if t["role"] == "confirm"]
+    assert [t["config"] for t in confirms] == finalists * 2 and conf["rounds"] == 2           # A B A B
+    assert [t["number"] for t in confirms] == [2, 3, 4, 5] and all(t["status"] == "ok" for t in confirms)
+    rows = [t for t in store.trials(job.id) if t.role == "confirm"]
+    assert len(rows) == 4 and all(t.optuna_number is None and t.result["timing"]["steps_s"] for t in rows)
+    w, lo, hi = conf["winner"], *conf["ci95"]
+    assert conf["winner"] in finalists and conf["runner_up"] in finalists and conf["winner"] != conf["runner_up"]
+    assert lo <= conf["ratio"] <= hi and conf["ratio"] >= 1.0 - 1e-12
+    assert {k: r["best"]["config"][k] for k in w} == w                                    # the winner is the best
+    assert r["confidence"].startswith(f"b={w['sub_batch_size']} N={w['num_sub_batches']} k={w['num_live_blocks']}: "
+                                      f"{conf['ratio']:.2f}x [{lo:.2f}, {hi:.2f}] the runner-up")
+    # the job's API view and the CLI say the same
+    from sltune.cli.tune import describe
+
+    assert f"confidence: {r['confidence']}" in describe(r)
 
 
 def test_progress_reports_trials_best_and_time_left(job):
@@ -104,6 +152,7 @@ def test_exported_yaml_round_trips_and_trains(job, tmp_path):
     doc = yaml.safe_load(out.read_text())
     assert doc["measured"]["tokens_per_s"] == job["result"]["best"]["tokens_per_s"]
     assert doc["provenance"]["job_id"] == job["result"]["job_id"] and doc["binding_limit"] == "device"
+    assert doc["confidence"] == job["result"]["confidence"] and "the runner-up" in doc["confidence"]
     assert set(doc["resource_models"]) == {"device", "host", "throughput"}
     assert SpeedLoaderConfig.from_yaml(out).to_yaml() == cfg.to_yaml()
     train = subprocess.run([sys.executable, "-m", "sltune", "train", "--config", str(out), "--model", "llama-tiny",
@@ -132,8 +181,35 @@ def test_plan_predicts_under_other_limits_and_flags_extrapolation(job, tmp_path)
     assert cli.returncode == 0 and "predicted" in cli.stdout and "confidence" in cli.stdout
 
 
+def test_plan_lists_what_it_cannot_predict_and_prints_its_errors(job, tmp_path):
+    path = tmp_path / "best.yaml"
+    export_yaml(job["spec"], job["result"], path)
+    roomy = plan(path, device_memory_limit="64MiB")
+    assert roomy["best"]["measured"] is False and "never measured" in roomy["confidence"]["summary"]
+    measured = {(t["config"]["sub_batch_size"], t["config"]["num_sub_batches"], t["config"]["num_live_blocks"])
+                for t in job["result"]["trials"] if t["status"] == "ok"}
+    assert {(c["config"]["sub_batch_size"], c["config"]["num_sub_batches"], c["config"]["num_live_blocks"])
+            for c in roomy["configs"] if c["measured"]} <= measured
+    # a throughput model that predicts negative step times for larger configs: listed, not dropped
+    doc = yaml.safe_load(path.read_text())
+    t = doc["resource_models"]["throughput"]
+    t["coef"] = [0.05] + [0.0] * (len(t["coef"]) - 1)
+    t["coef"][t["features"].index("N")] = -0.02
+    path.write_text(yaml.safe_dump(doc))
+    r = plan(path, device_memory_limit="64MiB")
+    assert r["unpredictable"] and all(u["config"]["num_sub_batches"] >= 4 for u in r["unpredictable"])
+    assert r["fitting"] == len(r["configs"]) + len(r["unpredictable"])
+    assert all("<= 0" in u["reason"] for u in r["unpredictable"])
+    cli = subprocess.run([sys.executable, "-m", "sltune", "plan", "--from", str(path), "--device-memory-limit",
+                          "64MiB"], capture_output=True, text=True, timeout=120)
+    assert cli.returncode == 0, cli.stderr
+    assert "leave-one-out errors of the models: device" in cli.stdout and "typical" in cli.stdout
+    assert f"{len(r['unpredictable'])} fitting configs have no throughput prediction" in cli.stdout
+    assert "predicted step time" in cli.stdout and "[never measured]" in cli.stdout
+
+
 def test_a_killed_job_resumes_without_rerunning_finished_trials(tmp_path):
-    spec = {**SPEC, "name": "resume", "search": {**SPEC["search"], "strategy": "grid", "max_trials": 50,
+    spec = {**SPEC, "name": "resume", "search": {**SPEC["search"], "strategy": "grid", "max_trials": 50, "confirm_rounds": 0,
                                                  "sub_batch_size": [1, 2], "num_sub_batches": [1, 2],
                                                  "num_live_blocks": [1, 4]}}
     path = tmp_path / "spec.yaml"
@@ -174,7 +250,8 @@ def test_a_killed_job_resumes_without_rerunning_finished_trials(tmp_path):
 
 @pytest.mark.parametrize("strategy", ["random", "tpe"])
 def test_baselines_run_through_optuna_in_the_job_database(strategy, tmp_path):
-    spec = {**SPEC, "name": strategy, "search": {**SPEC["search"], "strategy": strategy, "max_trials": 4}}
+    spec = {**SPEC, "name": strategy, "search": {**SPEC["search"], "strategy": strategy, "max_trials": 4,
+                                               "confirm_rounds": 0}}
     db = f"sqlite:///{tmp_path / 'jobs.db'}"
     result = tune(spec, db, settings=Settings(data_dir=tmp_path))
     assert result["strategy"] == strategy and len(result["trials"]) == 4
@@ -192,7 +269,8 @@ def test_a_generation_tuning_job_sweeps_kv_cache_and_exports_it(tmp_path):
             "workload": {"mode": "generate", "prompt_len": 16, "new_tokens": 8},
             "hardware": {"device_memory_limit": "2MiB"},
             "search": {"sub_batch_size": [1, 2, 4], "num_sub_batches": [1, 2], "num_live_blocks": [1, 2],
-                       "max_trials": 8, "trial_steps": 1, "profile": False}}
+                       "max_trials": 8, "trial_steps": 1, "trial_min_time_s": 0, "confirm_rounds": 0,
+                       "profile": False}}
     result = tune(spec, f"sqlite:///{tmp_path / 'jobs.db'}", settings=Settings(data_dir=tmp_path))
     assert result["status"] == "succeeded", result
     assert set(result["models"]) == {"device", "host", "throughput"}

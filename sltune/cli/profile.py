@@ -26,7 +26,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--prompt-len", type=int, default=32, help="generate: prompt tokens")
     p.add_argument("--new-tokens", type=int, default=16, help="generate: tokens to generate")
-    p.add_argument("--steps", type=int, default=2, help="timed steps (after one warm-up step)")
+    p.add_argument("--steps", type=int, default=2, help="timed steps at least (after one warm-up step)")
+    p.add_argument("--min-time", type=float, default=2.0,
+                   help="time steps until they add up to this many seconds (default 2)")
+    p.add_argument("--max-steps", type=int, default=100, help="timed steps at most while calibrating")
+    p.add_argument("--cpu-threads", type=int, help="torch intra-op threads for the trial (default: all cores)")
     p.add_argument("--world-size", type=int, default=1)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
@@ -44,7 +48,8 @@ def run(args: argparse.Namespace) -> int:
                      num_live_blocks=args.num_live_blocks, schedule=args.schedule,
                      activations=args.activations, mode=args.mode, kv_cache=args.kv_cache,
                      seq_len=args.seq_len, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
-                     steps=args.steps, world_size=args.world_size, device=args.device, dtype=args.dtype,
+                     steps=args.steps, min_time_s=args.min_time, max_steps=args.max_steps,
+                     cpu_threads=args.cpu_threads, world_size=args.world_size, device=args.device, dtype=args.dtype,
                      device_memory_limit=args.device_memory_limit, host_memory_limit=args.host_memory_limit,
                      timeout_s=args.timeout, trace_path=args.trace, profile=not args.no_profile)
     result = run_trial(spec)
@@ -62,7 +67,15 @@ def describe(r) -> str:
     if r.error:
         lines.append(f"  {r.error}")
     if r.tokens_per_s is not None:
-        lines.append(f"  {r.tokens_per_s:,.1f} tokens/s, {r.step_seconds:.3f} s/step")
+        lines.append(f"  {r.tokens_per_s:,.1f} tokens/s, {r.step_seconds:.3f} s/step (medians)")
+    if r.timing is not None:
+        t = r.timing
+        lo, hi = t.tokens_per_s_ci95
+        cv = f"{t.cv:.1%}" if t.cv is not None else "-"
+        lines.append(f"  95% interval {lo:,.1f} .. {hi:,.1f} tokens/s over {len(t.steps_s)} steps, cv {cv}; "
+                     f"other processes used {t.interference.others_busy_cores:.1f} of {t.interference.cores} cores")
+        if t.unstable:
+            lines.append(f"  UNSTABLE after {t.rounds} rounds: {'; '.join(t.unstable_reasons)}")
     lines.append(f"  peak device {format_bytes(r.peak_device_bytes)}, peak host {format_bytes(r.peak_host_bytes)}")
     if r.breakdown is not None:
         parts = ", ".join(f"{k} {v:.1%}" for k, v in r.breakdown.model_dump().items())

@@ -38,11 +38,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--timeout", type=float, help="with --wait: give up after this many seconds")
     c.set_defaults(run=run_submit)
 
-    m = sub.add_parser("compare", help="throughput per config of two jobs; non-zero exit on a regression")
+    m = sub.add_parser("compare", help="the two jobs' bests compared with 95%% intervals; exit 1 on a regression",
+                       description="Flags a regression only when the 95%% interval of new/old best tokens/s lies "
+                                   "wholly below 1 - max-regression. Exit codes: 0 no regression (including "
+                                   "'within noise'), 1 regression, 2 error.")
     m.add_argument("job_a", help="the baseline job")
     m.add_argument("job_b", help="the newer job")
-    m.add_argument("--server", required=True)
+    where = m.add_mutually_exclusive_group(required=True)
+    where.add_argument("--server", help="read the jobs from this server, e.g. http://127.0.0.1:8000")
+    where.add_argument("--db", help="read the jobs from this database (SQLAlchemy URL)")
     m.add_argument("--max-regression", default="5%", help="largest allowed drop of the best tokens/s, e.g. 5%%")
+    m.add_argument("--remeasure", action="store_true",
+                   help="run both bests again here, interleaved, and decide on the paired ratio")
+    m.add_argument("--rounds", type=int, default=3, help="with --remeasure: interleaved rounds (default 3)")
     m.add_argument("--json", action="store_true")
     m.set_defaults(run=run_compare)
 
@@ -134,42 +142,48 @@ def run_submit(args: argparse.Namespace) -> int:
 
 
 def run_compare(args: argparse.Namespace) -> int:
-    from sltune.service.client import Client, ServiceError, compare
+    from sltune.service.client import Client, ServiceError
+    from sltune.store import Store
+    from sltune.tuning import compare as cmp
 
     limit = _fraction(args.max_regression)
-    client = Client(args.server)
+    if args.rounds < 1:
+        raise ValueError(f"--rounds {args.rounds}: give at least 1")
     try:
-        result = compare(client.trials(args.job_a), client.trials(args.job_b))
-    except ServiceError as err:
+        if args.server:
+            client = Client(args.server)
+            old, new = cmp.from_server(client, args.job_a), cmp.from_server(client, args.job_b)
+        else:
+            store = Store(args.db)
+            old, new = cmp.from_store(store, args.job_a), cmp.from_store(store, args.job_b)
+        result = cmp.compare(old, new, limit)
+        if args.remeasure:
+            result = cmp.remeasure(result, old, new, args.rounds)
+    except (ServiceError, ValueError) as err:
         print(f"sltune compare: error: {err}", file=sys.stderr)
         return 2
-    regressed = result["change"] is not None and result["change"] < -limit
-    result["max_regression"] = limit
-    result["regressed"] = regressed
     if args.json:
         print(json.dumps(result))
-    else:
-        print(f"{'b':>4} {'N':>4} {'k':>3} {args.job_a:>14} {args.job_b:>14} {'ratio':>7}")
-        for r in result["rows"]:
-            c = r["config"]
-            fa = f"{r['a']:,.1f}" if r["a"] else "-"
-            fb = f"{r['b']:,.1f}" if r["b"] else "-"
-            ratio = f"{r['ratio']:.3f}" if r["ratio"] else "-"
-            print(f"{c['sub_batch_size']:>4} {c['num_sub_batches']:>4} {c['num_live_blocks']:>3} {fa:>14} {fb:>14} "
-                  f"{ratio:>7}")
-        if result["change"] is None:
-            print("no successful trial in one of the jobs: nothing to compare")
-        else:
-            print(f"best: {result['best_a']:,.1f} -> {result['best_b']:,.1f} tokens/s ({result['change']:+.1%}); "
-                  f"allowed drop {limit:.1%}: {'REGRESSION' if regressed else 'ok'}")
-    if result["change"] is None:
-        return 1
-    return 1 if regressed else 0
+        return cmp.exit_code(result)
+    print(f"{'b':>4} {'N':>4} {'k':>3} {args.job_a:>14} {args.job_b:>14} {'ratio':>7}  {'95% interval':<16} verdict")
+    for r in result["rows"]:
+        c = r["config"]
+        fa = f"{r['a']:,.1f}" if r["a"] else "-"
+        fb = f"{r['b']:,.1f}" if r["b"] else "-"
+        ratio = f"{r['ratio']:.3f}" if r["ratio"] else "-"
+        ci = f"[{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}]" if r["ci95"] else "-"
+        print(f"{c['sub_batch_size']:>4} {c['num_sub_batches']:>4} {c['num_live_blocks']:>3} {fa:>14} {fb:>14} "
+              f"{ratio:>7}  {ci:<16} {r.get('verdict', '-')}")
+    print(cmp.summary(result))
+    return cmp.exit_code(result)
 
 
 def _fraction(text: str) -> float:
     t = text.strip()
     try:
-        return float(t[:-1]) / 100 if t.endswith("%") else float(t)
+        value = float(t[:-1]) / 100 if t.endswith("%") else float(t)
     except ValueError:
-        raise ValueError(f"--max-regression {text!r}: write a percentage such as 5% or a fraction such as 0.05") from None
+        value = -1.0
+    if not 0 <= value < 1:
+        raise ValueError(f"--max-regression {text!r}: write a percentage such as 5% or a fraction such as 0.05")
+    return value

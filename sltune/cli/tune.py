@@ -76,15 +76,20 @@ def describe(r: dict, out: str | None = None, mode: str = "train") -> str:
     if r["best"]:
         b, p = r["best"], r["predicted"] or {}
         c = b["config"]
+        ci = b.get("tokens_per_s_ci95")
+        ci_text = f" [{ci[0]:,.1f}, {ci[1]:,.1f}]" if ci else ""
         lines.append(f"  best: b={c['sub_batch_size']} N={c['num_sub_batches']} k={c['num_live_blocks']} "
-                     f"({c['schedule']}): {b['tokens_per_s']:,.1f} tokens/s measured")
+                     f"({c['schedule']}): {b['tokens_per_s']:,.1f}{ci_text} tokens/s measured")
+        if r.get("confidence"):
+            lines.append(f"  confidence: {r['confidence']}")
         lines.append(f"  peaks: device {format_bytes(b['peak_device_bytes'])} (predicted "
                      f"{format_bytes(p.get('peak_device_bytes'))}), host {format_bytes(b['peak_host_bytes'])} "
                      f"(predicted {format_bytes(p.get('peak_host_bytes'))}); binding limit: {r['binding_limit']}")
     for kind, m in r["models"].items():
         r2 = f"{m['r2']:.3f}" if m.get("r2") is not None else "-"
         loo = f"{m['loo_rel_error']:.1%}" if m.get("loo_rel_error") is not None else "-"
-        lines.append(f"  model {kind}: {m['n']} points, R^2 {r2}, leave-one-out error {loo}")
+        typical = f"{m['loo_typical_error']:.1%}" if m.get("loo_typical_error") is not None else "-"
+        lines.append(f"  model {kind}: {m['n']} points, R^2 {r2}, leave-one-out error {typical} typical, {loo} max")
     if out and r["best"]:
         use = (f"train with `sltune train --config {out} --model ...`" if mode == "train" else
                "generate with SpeedLoaderEngine(model, SpeedLoaderConfig.from_yaml(path)).generate(...)")
@@ -109,6 +114,10 @@ def run_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _pct(x: float | None) -> str:
+    return f"{x:.1%}" if x is not None else "-"
+
+
 def run_plan(args: argparse.Namespace) -> int:
     from sltune.tuning.plan import plan
 
@@ -119,14 +128,27 @@ def run_plan(args: argparse.Namespace) -> int:
     lim = r["limits"]
     print(f"limits: device {format_bytes(lim['device_memory_limit'])}, host {format_bytes(lim['host_memory_limit'])}: "
           f"{r['fitting']} of {r['candidates']} configs predicted to fit")
+    loo = ", ".join(f"{k} {_pct(e['typical'])} typical, {_pct(e['max'])} max"
+                    for k, e in r["leave_one_out_error"].items())
+    print(f"  leave-one-out errors of the models: {loo}")
+    if r["unpredictable"]:
+        print(f"  {len(r['unpredictable'])} fitting configs have no throughput prediction (listed, not ranked):")
+        for u in r["unpredictable"]:
+            c = u["config"]
+            print(f"    b={c['sub_batch_size']} N={c['num_sub_batches']} k={c['num_live_blocks']}: {u['reason']}")
     if not r["best"]:
         print(f"  {r['message']}")
         return 1
     c, p = r["best"]["config"], r["best"]["predicted"]
-    print(f"  best: b={c['sub_batch_size']} N={c['num_sub_batches']} k={c['num_live_blocks']}: "
+    never = "" if r["best"]["measured"] else " [never measured]"
+    print(f"  best{never}: b={c['sub_batch_size']} N={c['num_sub_batches']} k={c['num_live_blocks']}: "
           f"{p['tokens_per_s']:,.1f} tokens/s predicted; device {format_bytes(p['peak_device_bytes'])}, "
           f"host {format_bytes(p['peak_host_bytes'])}; binding limit: {r['best']['binding_limit']}")
     print(f"  confidence: {r['confidence']['summary']}")
+    beyond = sum(1 for x in r["configs"] if x["extrapolated"])
+    if beyond:
+        print(f"  {beyond} of the {len(r['configs'])} ranked configs extrapolate beyond the measured ranges "
+              "(marked in --json)")
     m = r["measured_best"]
     print(f"  (the job measured {m['tokens_per_s']:,.1f} tokens/s at b={m['config']['sub_batch_size']} "
           f"N={m['config']['num_sub_batches']} k={m['config']['num_live_blocks']})")

@@ -52,7 +52,7 @@ def _join(spec: TrialSpec, rank: int, world: int, port: int) -> None:
     if spec.device.startswith("cuda"):
         backend = "nccl"
         torch.cuda.set_device(rank)
-    else:   # the ranks share this machine's cores; oversubscribed OpenMP threads spin and crawl
+    elif spec.cpu_threads is None:   # the ranks share this machine's cores; oversubscribed threads crawl
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group(backend, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=max(30.0, spec.timeout_s)))
@@ -85,6 +85,8 @@ def run(spec: TrialSpec, rank: int = 0) -> dict[str, Any]:
     from sltune.runtime.engine import SpeedLoaderEngine
 
     torch.manual_seed(spec.seed)
+    if spec.cpu_threads is not None:
+        torch.set_num_threads(spec.cpu_threads)
     cfg = SpeedLoaderConfig(sub_batch_size=spec.sub_batch_size, num_sub_batches=spec.num_sub_batches,
                             num_live_blocks=spec.num_live_blocks, schedule=spec.schedule,
                             activations=spec.activations, device=spec.device,
@@ -101,16 +103,20 @@ def run(spec: TrialSpec, rank: int = 0) -> dict[str, Any]:
     for _ in range(spec.warmup_steps):
         res = engine.train_step(next(data))
         peak_device = res.peak_device_bytes if peak_device is None else max(peak_device, res.peak_device_bytes or 0)
-    timed = [engine.train_step(next(data)) for _ in range(spec.steps)]
-    seconds = sum(r.seconds for r in timed)
+    last = []
+
+    def step() -> tuple[float, int]:
+        last[:] = [engine.train_step(next(data))]
+        return last[0].seconds, last[0].tokens
+
+    timing = _measure(spec, step)
     result: dict[str, Any] = {
         "status": "ok",
-        "tokens_per_s": sum(r.tokens for r in timed) / seconds,
-        "step_seconds": seconds / len(timed),
+        **_headline(timing),
         "peak_device_bytes": peak_device,
         "peak_host_bytes": host_peak_bytes(),
-        "io": timed[-1].io.as_dict(),
-        "loss": timed[-1].loss,
+        "io": last[0].io.as_dict(),
+        "loss": last[0].loss,
     }
     if spec.profile:
         batch = next(data)
@@ -119,6 +125,17 @@ def run(spec: TrialSpec, rank: int = 0) -> dict[str, Any]:
         result.update(breakdown=bd.fractions, breakdown_seconds=bd.seconds, top_ops=bd.top_ops,
                       profiled_step_seconds=bd.wall_seconds, trace_path=trace)
     return result
+
+
+def _measure(spec: TrialSpec, step) -> dict[str, Any]:
+    from sltune.profiling.timing import measure
+
+    return measure(step, spec.steps, spec.min_time_s, spec.max_steps, spec.remeasure)
+
+
+def _headline(timing: dict[str, Any]) -> dict[str, Any]:
+    """tokens_per_s is the median step's, step_seconds the median step time."""
+    return {"tokens_per_s": timing.pop("tokens_per_s"), "step_seconds": timing["median_s"], "timing": timing}
 
 
 def _run_generate(spec: TrialSpec, cfg, model) -> dict[str, Any]:
@@ -138,15 +155,19 @@ def _run_generate(spec: TrialSpec, cfg, model) -> dict[str, Any]:
 
     warm = [call(next(prompts)) for _ in range(spec.warmup_steps)]   # the first call measures device memory
     peaks = [s.peak_device_bytes for s in warm if s.peak_device_bytes is not None]
-    timed = [call(next(prompts)) for _ in range(spec.steps)]
-    seconds = sum(s.seconds for s in timed)
+    last = []
+
+    def step() -> tuple[float, int]:
+        last[:] = [call(next(prompts))]
+        return last[0].seconds, last[0].new_tokens
+
+    timing = _measure(spec, step)
     result: dict[str, Any] = {
         "status": "ok",
-        "tokens_per_s": sum(s.new_tokens for s in timed) / seconds,
-        "step_seconds": seconds / len(timed),
+        **_headline(timing),
         "peak_device_bytes": max(peaks) if peaks else None,
         "peak_host_bytes": host_peak_bytes(),
-        "io": timed[-1].io.as_dict(),
+        "io": last[0].io.as_dict(),
     }
     if spec.profile:
         ids = next(prompts)

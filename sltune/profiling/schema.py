@@ -34,7 +34,11 @@ class TrialSpec(BaseModel):
     dtype: DType = "float32"
     device_memory_limit: int | None = None
     host_memory_limit: int | None = Field(None, description="the trial is stopped as 'oom' above this RSS")
-    steps: int = Field(2, ge=1, description="timed steps")
+    steps: int = Field(2, ge=1, description="timed steps at least")
+    min_time_s: float = Field(2.0, ge=0, description="time steps until they add up to this many seconds")
+    max_steps: int = Field(100, ge=1, description="timed steps at most while calibrating to min_time_s")
+    remeasure: int = Field(1, ge=0, description="more rounds allowed when a round is unstable")
+    cpu_threads: int | None = Field(None, ge=1, description="torch intra-op threads; None: all cores")
     warmup_steps: int = Field(1, ge=1, description="untimed steps first; the first measures device memory")
     profile: bool = True
     trace_path: str | None = None
@@ -78,6 +82,34 @@ class BreakdownFractions(BaseModel):
     other: float = 0.0
 
 
+class Interference(BaseModel):
+    """What else used the machine while the steps were timed (observed, not guessed)."""
+
+    wall_s: float
+    process_cpu_s: float = Field(description="CPU time of the trial process, all threads")
+    threads: int = Field(description="torch intra-op threads the trial used")
+    cores: int
+    process_cpu_share: float = Field(description="process CPU time / (wall time x threads)")
+    machine_busy: float = Field(description="fraction of all cores busy, every process")
+    others_busy_cores: float = Field(description="cores' worth of work by other processes")
+    loadavg_1m: float | None = None
+    device_processes: int | None = Field(None, description="other processes on the GPU (CUDA with NVML)")
+
+
+class Timing(BaseModel):
+    """Every timed step, and what can be concluded from them."""
+
+    steps_s: list[float]
+    median_s: float
+    tokens_per_step: float | None = Field(None, description="tokens each timed step processed")
+    tokens_per_s_ci95: tuple[float, float] = Field(description="95% bootstrap interval of the median tokens/s")
+    cv: float | None = Field(description="coefficient of variation of the step times")
+    unstable: bool
+    unstable_reasons: list[str] = Field(default_factory=list)
+    interference: Interference
+    rounds: int = Field(1, description="timed rounds run (an unstable round is measured again)")
+
+
 class TrialResult(BaseModel):
     """The design's TrialResult, plus the raw seconds behind the fractions and the top operators."""
 
@@ -85,8 +117,9 @@ class TrialResult(BaseModel):
     error: str | None = None
     oom_resource: Literal["device", "host"] | None = Field(None, description="what ran out, when status is oom")
     config: TrialConfig
-    tokens_per_s: float | None = None
-    step_seconds: float | None = None
+    tokens_per_s: float | None = Field(None, description="the median step's tokens/s")
+    step_seconds: float | None = Field(None, description="the median step time")
+    timing: Timing | None = None
     peak_device_bytes: int | None = None
     peak_host_bytes: int | None = None
     breakdown: BreakdownFractions | None = None

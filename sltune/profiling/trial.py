@@ -152,13 +152,14 @@ def _from_rank(result: dict[str, Any], rank: int, ranks) -> dict[str, Any]:
 
 
 def merge(results: list[dict[str, Any]]) -> dict[str, Any]:
-    """One result for all ranks: the slowest rank's throughput, the largest peaks, every rank's figures;
+    """One result for all ranks: the slowest rank's throughput and timing, the largest peaks, every rank's figures;
     the breakdown and trace are rank 0's (every rank runs the same schedule)."""
     if len(results) == 1:
         return results[0]
+    slowest = min(results, key=lambda r: r["tokens_per_s"])
     out = dict(results[0])
-    out["tokens_per_s"] = min(r["tokens_per_s"] for r in results)
-    out["step_seconds"] = max(r["step_seconds"] for r in results)
+    for key in ("tokens_per_s", "step_seconds", "timing"):
+        out[key] = slowest.get(key)
     for key in ("peak_device_bytes", "peak_host_bytes"):
         values = [r.get(key) for r in results if r.get(key) is not None]
         out[key] = max(values) if values else None

@@ -205,6 +205,6 @@ def kv_store(schedule: str, kv_cache: str, copier: Copier, pool: BufferPool, mem
     """The placement a config asks for. `resident` keeps everything on the device, its caches too."""
     if schedule == "resident" or kv_cache == "device":
         return DeviceKV(memory, copier.device)
-    if copier.device.type == "cpu":
+    if copier.streams is None:      # synchronous copies: the host blocks can be read where they lie
         return HostKV(copier, memory)
     return StagedHostKV(copier, pool, memory)

@@ -1,4 +1,4 @@
-"""The CI client: submit a job, wait for it with progress, fetch the config; compare two jobs."""
+"""The CI client: submit a job, wait for it with progress, fetch the config (compare: sltune.tuning.compare)."""
 
 from __future__ import annotations
 
@@ -68,22 +68,3 @@ def _detail(resp: httpx.Response) -> str:
         return "; ".join(str(e.get("msg")) for e in detail)
     return str(detail)
 
-
-def compare(a_trials: list[dict], b_trials: list[dict]) -> dict[str, Any]:
-    """Throughput per config side by side, and the change between the two jobs' bests."""
-    def best_by_config(trials):
-        out = {}
-        for t in trials:
-            r = t.get("result") or {}
-            if t["status"] == "ok" and r.get("tokens_per_s"):
-                key = (t["config"]["sub_batch_size"], t["config"]["num_sub_batches"], t["config"]["num_live_blocks"])
-                out[key] = max(out.get(key, 0.0), r["tokens_per_s"])
-        return out
-
-    a, b = best_by_config(a_trials), best_by_config(b_trials)
-    rows = [{"config": {"sub_batch_size": k[0], "num_sub_batches": k[1], "num_live_blocks": k[2]},
-             "a": a.get(k), "b": b.get(k), "ratio": (b[k] / a[k]) if k in a and k in b else None}
-            for k in sorted(set(a) | set(b))]
-    best_a, best_b = max(a.values(), default=None), max(b.values(), default=None)
-    change = (best_b - best_a) / best_a if best_a and best_b is not None else None
-    return {"rows": rows, "best_a": best_a, "best_b": best_b, "change": change}

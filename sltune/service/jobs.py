@@ -24,7 +24,8 @@ def job_detail(store: Store, job: Job, settings: Settings) -> dict[str, Any]:
     return {**job_summary(job), "spec": job.spec, "worker_id": job.worker_id, "attempts": job.attempts,
             "cancel_requested": job.cancel_requested, "limits": job.limits, "predicted": result.get("predicted"),
             "binding_limit": result.get("binding_limit"), "models": models,
-            "stop_reason": result.get("stop_reason"), "waiting_for": waiting_for(store, job, settings)}
+            "stop_reason": result.get("stop_reason"), "waiting_for": waiting_for(store, job, settings),
+            "confidence": result.get("confidence"), "confirmation": result.get("confirmation")}
 
 
 def waiting_for(store: Store, job: Job, settings: Settings) -> str | None:

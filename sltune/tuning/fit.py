@@ -29,6 +29,16 @@ far to trust a prediction) and the range of every variable it saw (so extrapolat
 Fits minimise relative error (each row weighted by 1/measured): a 2 ms step and a 2 s step, or a 1 MiB
 and a 1 GiB peak, count alike. L is the number of layers and [off] is 1 under activations: offload; the
 [off] terms drop out of a fit whose space does not sweep activations, as any feature constant over it does.
+
+Step times are noisy where peaks are not, so the throughput model is fitted differently: each point is
+weighted by its measured precision (the width of its bootstrap interval, so its residual is counted in
+its own standard errors) and the loss is robust, with scipy.optimize.least_squares: first soft-L1 (convex,
+so it starts from anywhere), then Cauchy from there. Soft-L1 alone is not enough: its pull never stops
+growing, so with the ten or so points a search has, one trial slowed 2.5x by another process at a corner
+of the space still moved predictions by several times their noise; Cauchy's influence falls back towards
+zero for such a point. (statsmodels' RLM does the same but takes no per-point precision and would add a
+dependency; scipy is already in the stack.) Peaks are measured exactly, so their fits stay ordinary
+least squares, where every point counts fully.
 """
 
 from __future__ import annotations
@@ -37,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
+from scipy.optimize import least_squares
 
 from sltune.tuning.shape import ModelShape
 from sltune.tuning.space import Candidate
@@ -89,6 +100,8 @@ class LinearFit:
     rank: int = 0
     r2: float | None = None
     loo_rel_error: float | None = None          # max relative leave-one-out error; None if too few points
+    loo_typical_error: float | None = None      # the median one: what to expect of a prediction
+    robust: bool = False                        # precision-weighted robust fit (see the module docstring)
     residuals: list[dict[str, Any]] = field(default_factory=list)
     ranges: dict[str, list[float]] = field(default_factory=dict)
 
@@ -97,15 +110,20 @@ class LinearFit:
         return self.n >= len(self.features) and self.rank == len(self.features)
 
     @classmethod
-    def fit(cls, target: str, features: list[str], rows: list[tuple[dict[str, float], float]]) -> "LinearFit":
-        model = cls(target=target, features=features, n=len(rows))
+    def fit(cls, target: str, features: list[str], rows: list[tuple[dict[str, float], float]],
+            rel_sigma: list[float] | None = None) -> "LinearFit":
+        """rel_sigma: each row's relative standard error; given, the fit is precision-weighted and robust."""
+        model = cls(target=target, features=features, n=len(rows), robust=rel_sigma is not None)
         if not rows:
             return model
         X = np.array([[FEATURES[f](v) for f in features] for v, _ in rows], dtype=float)
         y = np.array([y for _, y in rows], dtype=float)
         scale = np.maximum(np.abs(X).max(axis=0), 1e-300)     # condition the columns
         w = 1.0 / np.maximum(np.abs(y), 1e-300)                 # relative error
-        coef, *_ = np.linalg.lstsq(X / scale * w[:, None], y * w, rcond=None)
+        if rel_sigma is not None:
+            w = w / np.maximum(np.asarray(rel_sigma, dtype=float), MIN_REL_SIGMA)
+        solve = _robust if model.robust else _ols
+        coef = solve(X / scale, y, w)
         model.rank = int(np.linalg.matrix_rank(X / scale))
         model.coef = (coef / scale).tolist()
         pred = X @ np.array(model.coef)
@@ -122,11 +140,12 @@ class LinearFit:
                 keep = np.arange(model.n) != i
                 if np.linalg.matrix_rank(X[keep] / scale) < len(features):
                     continue
-                c, *_ = np.linalg.lstsq(X[keep] / scale * w[keep, None], y[keep] * w[keep], rcond=None)
+                c = solve(X[keep] / scale, y[keep], w[keep])
                 p = float((X[i] / scale) @ c)
                 if y[i]:
                     errs.append(float(abs(p - y[i]) / abs(y[i])))
             model.loo_rel_error = max(errs) if errs else None
+            model.loo_typical_error = float(np.median(errs)) if errs else None
         return model
 
     def predict(self, v: dict[str, float]) -> float | None:
@@ -140,10 +159,29 @@ class LinearFit:
 
     def to_dict(self) -> dict[str, Any]:
         return {"target": self.target, "features": self.features, "coef": self.coef, "n": self.n, "rank": self.rank,
-                "r2": self.r2, "loo_rel_error": self.loo_rel_error, "residuals": self.residuals,
-                "ranges": self.ranges}
+                "r2": self.r2, "loo_rel_error": self.loo_rel_error, "loo_typical_error": self.loo_typical_error,
+                "robust": self.robust, "residuals": self.residuals, "ranges": self.ranges}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "LinearFit":
         return cls(**{k: d[k] for k in ("target", "features", "coef", "n", "rank", "r2", "loo_rel_error",
-                                        "residuals", "ranges") if k in d})
+                                        "loo_typical_error", "robust", "residuals", "ranges") if k in d})
+
+
+MIN_REL_SIGMA = 0.005   # no measurement is trusted beyond 0.5%: a hundred quiet steps are not the truth either
+ROBUST_SCALE = 2.0      # residuals (in standard errors) beyond which a point's pull stops growing as its square
+
+
+def _ols(A: np.ndarray, y: np.ndarray, w: np.ndarray) -> np.ndarray:
+    coef, *_ = np.linalg.lstsq(A * w[:, None], y * w, rcond=None)
+    return coef
+
+
+def _robust(A: np.ndarray, y: np.ndarray, w: np.ndarray) -> np.ndarray:
+    def residuals(c: np.ndarray) -> np.ndarray:
+        return (A @ c - y) * w
+
+    coef = _ols(A, y, w)
+    for loss in ("soft_l1", "cauchy"):
+        coef = least_squares(residuals, coef, loss=loss, f_scale=ROBUST_SCALE).x
+    return coef

@@ -42,32 +42,52 @@ def plan(path: str | Path, device_memory_limit: int | str | None = None,
     state.margins.update(limits.get("margins", {}))
     preds = {c: state.predict(c) for c in state.space.candidates}
     fitting = [c for c, p in preds.items() if p.fits and p.tokens_per_s]
+    # predicted to fit but with no throughput to rank them by: listed, never silently dropped
+    unpredictable = [{"config": c.knobs(), "predicted": p.to_dict(),
+                      "reason": "the throughput model is not well-posed" if p.step_seconds is None else
+                      f"predicted step time {p.step_seconds:.3g}s <= 0: the throughput model fails here"}
+                     for c, p in preds.items() if p.fits and not p.tokens_per_s]
     out: dict[str, Any] = {"source": str(path), "job_id": prov.get("job_id"),
                            "limits": {"device_memory_limit": spec.hardware.device_memory_limit,
                                       "host_memory_limit": spec.hardware.host_memory_limit},
-                           "candidates": len(preds), "fitting": len(fitting), "best": None}
+                           "candidates": len(preds), "fitting": len(fitting) + len(unpredictable),
+                           "unpredictable": unpredictable, "best": None,
+                           "leave_one_out_error": {k: {"typical": f.loo_typical_error, "max": f.loo_rel_error}
+                                                   for k, f in state.fits.items()}}
     if not fitting:
-        out["message"] = "no config in the search space is predicted to fit these limits"
+        out["message"] = ("no config in the search space is predicted to fit these limits" if not unpredictable else
+                          "no config predicted to fit has a throughput prediction to rank it by")
         return out
     fitting.sort(key=lambda c: (preds[c].tokens_per_s, c.batch), reverse=True)
 
     def flags(c) -> list[str]:
         return sorted({name for fit in state.fits.values() for name in fit.extrapolated(state.vars(c))})
 
-    out["configs"] = [{"config": c.knobs(), "predicted": preds[c].to_dict(), "extrapolated": flags(c)}
-                      for c in fitting]
+    measured = measured_configs(state.fits)
+    out["configs"] = [{"config": c.knobs(), "predicted": preds[c].to_dict(), "extrapolated": flags(c),
+                       "measured": _key(c.knobs()) in measured} for c in fitting]
     best = fitting[0]
     extrapolated = flags(best)
-    loo = {k: f.loo_rel_error for k, f in state.fits.items()}
+    was_measured = _key(best.knobs()) in measured
     out["best"] = {"config": {**best.knobs(), "schedule": spec.search.schedule}, "predicted": preds[best].to_dict(),
-                   "binding_limit": state.binding_limit(best)}
-    out["confidence"] = {
-        "extrapolated": extrapolated,
-        "leave_one_out_error": loo,
-        "summary": (f"extrapolates {', '.join(extrapolated)} beyond the measured range: treat as a first guess "
-                    "and confirm with a trial" if extrapolated else
-                    "within the measured range of every knob; expect errors near the leave-one-out figures"),
-    }
+                   "binding_limit": state.binding_limit(best), "measured": was_measured}
+    summary = (f"extrapolates {', '.join(extrapolated)} beyond the measured range: treat as a first guess"
+               if extrapolated else "within the measured range of every knob; expect errors near the "
+                                    "leave-one-out figures")
+    if not was_measured:
+        summary += "; this config was never measured: confirm it with a trial (sltune profile) before relying on it"
+    out["confidence"] = {"extrapolated": extrapolated, "leave_one_out_error": out["leave_one_out_error"],
+                         "summary": summary}
     out["measured_best"] = {"config": {k: data[k] for k in ("sub_batch_size", "num_sub_batches", "num_live_blocks")},
                             "tokens_per_s": data.get("measured", {}).get("tokens_per_s")}
     return out
+
+
+def _key(knobs: dict[str, Any]) -> tuple[int, int, int]:
+    return knobs["sub_batch_size"], knobs["num_sub_batches"], knobs["num_live_blocks"]
+
+
+def measured_configs(fits: dict[str, LinearFit]) -> set[tuple[int, int, int]]:
+    """The (b, N, k) of every point a fit was made from: the configs the job measured."""
+    return {(int(r["vars"]["b"]), int(r["vars"]["N"]), int(r["vars"]["k"]))
+            for f in fits.values() for r in f.residuals if "vars" in r}

@@ -13,29 +13,46 @@ from sltune.tuning.state import SearchState
 
 
 def job_result(job_id: str, spec: TuningSpec, state: SearchState, stop_reason: str | None,
-               wall_seconds: float) -> dict[str, Any]:
-    best = state.best()
+               wall_seconds: float, confirmation: dict[str, Any] | None = None) -> dict[str, Any]:
+    """`confirmation` is confirm.verdict's answer: its winner is the best, its statement the confidence."""
+    from sltune.tuning.confirm import winner_of
+
+    best = winner_of(state, confirmation)
     out: dict[str, Any] = {
         "job_id": job_id, "name": spec.name, "strategy": spec.search.strategy, "stop_reason": stop_reason,
         "wall_seconds": wall_seconds, "best": None, "predicted": None, "binding_limit": None,
         "models": {k: f.to_dict() for k, f in state.fits.items()},
         "margins": state.margins, "space_size": len(state.space.candidates),
         "search_space": state.space.describe(),
+        "confirmation": confirmation,
+        "confidence": confirmation["statement"] if confirmation else _unconfirmed(state),
         "trials": [{"number": d.number, "role": d.role, "config": d.candidate.knobs(), "status": d.result["status"],
                     "tokens_per_s": d.result.get("tokens_per_s"),
+                    "tokens_per_s_ci95": (d.result.get("timing") or {}).get("tokens_per_s_ci95"),
+                    "unstable": (d.result.get("timing") or {}).get("unstable"),
                     "peak_device_bytes": d.result.get("peak_device_bytes"),
                     "peak_host_bytes": d.result.get("peak_host_bytes"), "error": d.result.get("error")}
-                   for d in state.history],
+                   for d in sorted(state.history + state.confirms, key=lambda d: d.number)],
     }
     if best is not None:
         c = best.candidate
         out["best"] = {"trial_number": best.number, "config": {**c.knobs(), "schedule": spec.search.schedule},
                        "tokens_per_s": best.tokens_per_s, "step_seconds": best.result.get("step_seconds"),
+                       "tokens_per_s_ci95": (best.result.get("timing") or {}).get("tokens_per_s_ci95"),
                        "peak_device_bytes": best.result.get("peak_device_bytes"),
                        "peak_host_bytes": best.result.get("peak_host_bytes")}
         out["predicted"] = state.predict(c).to_dict()
         out["binding_limit"] = state.binding_limit(c)
     return out
+
+
+def _unconfirmed(state: SearchState) -> str | None:
+    """Why a result has no confirmed statement."""
+    if state.best() is None:
+        return None
+    if len({d.candidate for d in state.history if d.ok}) < 2:
+        return "only one config ran successfully: nothing to compare it with"
+    return "not confirmed: the confirmation round did not finish"
 
 
 def best_config(spec: TuningSpec, result: dict[str, Any]) -> SpeedLoaderConfig:
@@ -60,7 +77,9 @@ def export_yaml(spec: TuningSpec, result: dict[str, Any], path: str | Path | Non
     return cfg.to_yaml(
         path,
         workload={**spec.workload.model_dump(), "world_size": spec.hardware.world_size},
-        measured={k: best[k] for k in ("tokens_per_s", "step_seconds", "peak_device_bytes", "peak_host_bytes")},
+        measured={k: best.get(k) for k in ("tokens_per_s", "tokens_per_s_ci95", "step_seconds", "peak_device_bytes",
+                                           "peak_host_bytes")},
+        confidence=result.get("confidence"),
         predicted=result["predicted"],
         limits={"device_memory_limit": spec.hardware.device_memory_limit,
                 "host_memory_limit": spec.hardware.host_memory_limit, "margins": result["margins"]},

@@ -19,7 +19,9 @@ from sltune.profiling import run_trial
 from sltune.profiling.schema import TrialSpec
 from sltune.settings import Settings
 from sltune.store import Store
+from sltune.store.db import normalize_url
 from sltune.store.optuna import optuna_location
+from sltune.tuning import confirm
 from sltune.tuning.result import job_result
 from sltune.tuning.shape import shape_of
 from sltune.tuning.space import Candidate, SearchSpace
@@ -124,7 +126,11 @@ def run_job(store: Store, job_id: str, *, progress: ProgressFn | None = None, sh
     store.interrupt_running_trials(job_id)          # left running by a previous holder that died
     finished = [t for t in store.trials(job_id) if t.status not in ("running", "interrupted")]
     for t in finished:   # replayed in order: margins widened by past out-of-memory trials come back too
-        state.add(Done(t.number, Candidate.from_knobs(t.config), t.role, t.result))
+        done = Done(t.number, Candidate.from_knobs(t.config), t.role, t.result)
+        if t.role == "confirm":
+            state.confirms.append(done)         # not search history: they neither refit nor count as tried
+        else:
+            state.add(done)
     if not finished:
         state.refit()           # fits (empty) exist before the first proposal
     number = max((t.number for t in store.trials(job_id)), default=-1) + 1
@@ -170,6 +176,34 @@ def run_job(store: Store, job_id: str, *, progress: ProgressFn | None = None, sh
         if progress:
             progress(payload)
 
+    def measure(cand: Candidate, role: str, optuna_number: int | None) -> dict[str, Any] | None:
+        """Run one trial and record it; None (stop_reason set) when the job was stopped or taken over."""
+        nonlocal stop_reason
+        pred = state.predict(cand)
+        trace = None
+        if search.profile and artifact_dir is not None:
+            trace = Path(artifact_dir) / job_id / f"trial-{number}.json"
+            trace.parent.mkdir(parents=True, exist_ok=True)
+        if not store.start_trial(job_id, number, role, {**cand.knobs(), "schedule": search.schedule},
+                                 pred.to_dict(), optuna_number, worker_id):
+            stop_reason = "released: another worker holds the job now"
+            return None
+        report(last={"number": number, "config": cand.knobs(), "status": "running"}, phase=role)
+        t0 = time.monotonic()
+        result = run_trial(trial_spec(spec, cand, trace, default_host_limit),
+                           stop=should_stop).model_dump(mode="json")
+        trial_seconds.append(time.monotonic() - t0)
+        if should_stop and (why := should_stop()) and result["status"] == "failed":
+            store.interrupt_running_trials(job_id, worker_id)   # killed mid-way: not a result, run it again
+            stop_reason = why
+            return None
+        if not store.finish_trial(job_id, number, result, worker_id=worker_id):
+            stop_reason = "released: another worker holds the job now"     # fenced: the job has a new holder
+            return None
+        if trace is not None and trace.exists():
+            store.add_artifact(job_id, number, "trace", str(trace.relative_to(artifact_dir)), trace.stat().st_size)
+        return result
+
     report(phase="starting")
     while True:
         if len(state.history) >= search.max_trials:
@@ -201,32 +235,10 @@ def run_job(store: Store, job_id: str, *, progress: ProgressFn | None = None, sh
                 break
             continue
 
-        pred = state.predict(cand)
-        trace = None
-        if search.profile and artifact_dir is not None:
-            trace = Path(artifact_dir) / job_id / f"trial-{number}.json"
-            trace.parent.mkdir(parents=True, exist_ok=True)
-        if not store.start_trial(job_id, number, proposal.role, {**cand.knobs(), "schedule": search.schedule},
-                                 pred.to_dict(), ot.number, worker_id):
+        result = measure(cand, proposal.role, ot.number)
+        if result is None:
             study.tell(ot, state=optuna.trial.TrialState.FAIL)
-            stop_reason = "released: another worker holds the job now"
             break
-        report(last={"number": number, "config": cand.knobs(), "status": "running"}, phase=proposal.role)
-        t0 = time.monotonic()
-        result = run_trial(trial_spec(spec, cand, trace, default_host_limit),
-                           stop=should_stop).model_dump(mode="json")
-        trial_seconds.append(time.monotonic() - t0)
-        if should_stop and (why := should_stop()) and result["status"] == "failed":
-            store.interrupt_running_trials(job_id, worker_id)   # killed mid-way: not a result, run it again
-            study.tell(ot, state=optuna.trial.TrialState.FAIL)
-            stop_reason = why
-            break
-        if not store.finish_trial(job_id, number, result, worker_id=worker_id):
-            study.tell(ot, state=optuna.trial.TrialState.FAIL)      # fenced: the job has a new holder
-            stop_reason = "released: another worker holds the job now"
-            break
-        if trace is not None and trace.exists():
-            store.add_artifact(job_id, number, "trace", str(trace.relative_to(artifact_dir)), trace.stat().st_size)
         if result["status"] == "ok":
             study.tell(ot, result["tokens_per_s"])
         elif result["status"] == "oom":
@@ -240,7 +252,26 @@ def run_job(store: Store, job_id: str, *, progress: ProgressFn | None = None, sh
                      "tokens_per_s": result.get("tokens_per_s"), "error": result.get("error")}, phase=proposal.role)
         number += 1
 
-    out = job_result(job_id, spec, state, stop_reason, elapsed())
+    confirmation = None
+    if not stop_reason.startswith(("cancelled", "released")):
+        picks = confirm.finalists(state) if search.confirm_rounds else []
+        for cand in confirm.plan(state, search.confirm_rounds)[len(state.confirms):]:
+            if elapsed() >= search.time_budget_s:
+                stop_reason += f"; confirmation cut short: time_budget_s ({search.time_budget_s:g}s) used up"
+                break
+            if should_stop and (why := should_stop()):
+                stop_reason = why
+                break
+            result = measure(cand, "confirm", None)
+            if result is None:
+                break
+            state.confirms.append(Done(number, cand, "confirm", result))
+            report(last={"number": number, "config": cand.knobs(), "status": result["status"],
+                         "tokens_per_s": result.get("tokens_per_s"), "error": result.get("error")}, phase="confirm")
+            number += 1
+        confirmation = confirm.verdict(state, picks)
+
+    out = job_result(job_id, spec, state, stop_reason, elapsed(), confirmation)
     if stop_reason and stop_reason.startswith("released"):
         store.update_progress(job_id, {**store.job(job_id).progress, "phase": "released", "stop_reason": stop_reason},
                               holder=worker_id)
@@ -270,5 +301,6 @@ def trial_spec(spec: TuningSpec, c: Candidate, trace: Path | None, default_host_
                      device_memory_limit=hw.device_memory_limit,
                      host_memory_limit=min((x for x in (hw.host_memory_limit, default_host_limit) if x),
                                            default=None),
-                     steps=s.trial_steps, profile=s.profile, trace_path=str(trace) if trace else None,
+                     steps=s.trial_steps, min_time_s=s.trial_min_time_s, max_steps=s.trial_max_steps,
+                     cpu_threads=hw.cpu_threads, profile=s.profile, trace_path=str(trace) if trace else None,
                      timeout_s=s.trial_timeout_s, seed=s.seed)

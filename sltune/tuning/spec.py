@@ -76,6 +76,7 @@ class Hardware(_Strict):
     device_memory_limit: Annotated[int | None, WithJsonSchema(SIZE_SCHEMA)] = None
     host_memory_limit: Annotated[int | None, WithJsonSchema(SIZE_SCHEMA)] = None
     world_size: int = Field(1, ge=1)
+    cpu_threads: int | None = Field(None, ge=1, description="torch intra-op threads per trial; default all cores")
 
     @field_validator("device_memory_limit", "host_memory_limit", mode="before")
     @classmethod
@@ -156,7 +157,11 @@ class Search(_Strict):
     kv_cache: KVCache | list[KVCache] | None = Field(
         None, description="generate: where KV caches may live; default both, host and device")
     max_trials: int = Field(20, ge=1)
-    trial_steps: int = Field(2, ge=1, le=100_000, description="timed steps per trial")
+    trial_steps: int = Field(2, ge=1, le=100_000, description="timed steps per trial at least")
+    trial_min_time_s: float = Field(2.0, ge=0, le=3600, description="time a trial's steps until they add up to this")
+    trial_max_steps: int = Field(100, ge=1, le=100_000, description="timed steps per trial at most")
+    confirm_rounds: int = Field(3, ge=0, le=20, description="interleaved re-measurements of the finalists "
+                                                            "before the job ends (0: none)")
     trial_timeout_s: float = Field(300.0, gt=0)
     time_budget_s: float = Field(600.0, gt=0)
     margin: float = Field(0.05, ge=0.0, lt=1.0, description="predicted peaks within this fraction of a limit "

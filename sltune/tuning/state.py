@@ -31,6 +31,20 @@ class Done:
         return self.result.get("tokens_per_s") or 0.0
 
 
+def rel_sigma(result: dict[str, Any], believe_unstable: bool = False) -> float:
+    """A trial's relative standard error, from its 95% bootstrap interval (half-width / 1.96 / median). A
+    result without one (older trials, a single step) counts as 5%; one still unstable after its re-measure
+    (another process took cores from it) as at least UNSTABLE_SIGMA: its steps may agree with each other
+    yet all be slow, so a narrow interval must not make it count more."""
+    timing = result.get("timing") or {}
+    ci, tps = timing.get("tokens_per_s_ci95"), result.get("tokens_per_s")
+    sigma = (ci[1] - ci[0]) / 2 / 1.96 / tps if ci and tps and ci[1] > ci[0] else 0.05
+    return max(sigma, UNSTABLE_SIGMA) if timing.get("unstable") and not believe_unstable else sigma
+
+
+UNSTABLE_SIGMA = 0.10
+
+
 @dataclass
 class Prediction:
     device: float | None
@@ -54,6 +68,7 @@ class SearchState:
         self.space = space
         self.tokens_per_row = spec.workload.tokens_per_row
         self.history: list[Done] = []
+        self.confirms: list[Done] = []          # the confirmation round's trials: not search history
         self.fits: dict[str, LinearFit] = {}
         self.margins = {"device": spec.search.margin, "host": spec.search.margin}
         # features that vary over this space at all (a fixed effective batch makes N*b*s a constant, say)
@@ -83,8 +98,10 @@ class SearchState:
         rows = [(self.vars(d.candidate), d.result) for d in self.history if d.ok]
         self.fits = {}
         for kind, (target, _) in self.models.items():
-            data = [(v, float(r[target])) for v, r in rows if r.get(target) is not None]
-            self.fits[kind] = LinearFit.fit(target, self.features[kind], data)
+            kept = [(v, r) for v, r in rows if r.get(target) is not None]
+            data = [(v, float(r[target])) for v, r in kept]
+            sigma = [rel_sigma(r) for _, r in kept] if kind == "throughput" else None
+            self.fits[kind] = LinearFit.fit(target, self.features[kind], data, rel_sigma=sigma)
 
     def _widen_margin(self, done: Done) -> None:
         """A config predicted to fit ran out of memory: trust the model less by what it missed."""
@@ -140,9 +157,17 @@ class SearchState:
         return w.seq_len if w.mode == "train" else w.new_tokens
 
     def uncertainty(self) -> float:
-        """Relative error to allow a throughput prediction: leave-one-out, or 10% before there is one."""
-        loo = self.fits.get("throughput").loo_rel_error if self.fits else None
+        """Relative error to allow a throughput prediction: the typical (median) leave-one-out error of the
+        robust fit, or 10% before there is one. (The largest is reported too, but it is one point's story:
+        often the trial another process slowed, which the robust fit rightly discounts.)"""
+        loo = self.fits.get("throughput").loo_typical_error if self.fits else None
         return 0.10 if loo is None else max(loo, 0.01)
+
+    @staticmethod
+    def noise(d: Done) -> float:
+        """A measurement's relative noise: the half-width of its 95% interval over its median (as measured:
+        an unstable best must not end the search sooner)."""
+        return 1.96 * rel_sigma(d.result, believe_unstable=True)
 
     def binding_limit(self, c: Candidate) -> str:
         """Which limit stops the next larger configs (one of the space's knobs one step up) from fitting."""

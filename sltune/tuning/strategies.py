@@ -72,10 +72,10 @@ class GridStrategy(Strategy):
 class OneShotStrategy(Strategy):
     """A few probes make the resource and throughput fits well-posed; then only configs predicted to
     fit, on the frontier of the largest feasible ones, best predicted throughput first, until no untried
-    one can beat the best measured by more than 2% (allowing for the model's leave-one-out error)."""
+    one is predicted (allowing for the model's typical leave-one-out error) to beat the best by more than
+    the best's own measured noise: a smaller predicted gain could not be told from noise anyway."""
 
     name = "oneshot"
-    GAIN = 0.02
 
     def probes(self) -> list[Candidate]:
         """Cheap configs at the corners of (b, k), and at a larger N: enough to pin every model down."""
@@ -109,9 +109,11 @@ class OneShotStrategy(Strategy):
         preds = {c: st.predict(c).tokens_per_s or 0.0 for c in options}
         best = st.best()
         top = max(options, key=lambda c: (preds[c], c.batch, c.b))
-        if best is not None and preds[top] * (1 + st.uncertainty()) <= best.tokens_per_s * (1 + self.GAIN):
-            return Stop(f"no untried config can beat the best ({best.tokens_per_s:.1f} tokens/s) by more than "
-                        f"{self.GAIN:.0%} by the throughput model")
+        noise = st.noise(best) if best is not None else 0.0
+        if best is not None and preds[top] * (1 + st.uncertainty()) <= best.tokens_per_s * (1 + noise):
+            return Stop(f"no untried config is predicted to beat the best ({best.tokens_per_s:.1f} tokens/s) by "
+                        f"more than its measured noise (±{noise:.1%}), allowing the throughput model's typical "
+                        f"error ({st.uncertainty():.1%})")
         return Proposal(top, "frontier")
 
     def frontier(self) -> list[Candidate]:

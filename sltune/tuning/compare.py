@@ -1,0 +1,180 @@
+"""Two jobs compared with statistics: is the newer one slower, beyond the allowed drop and beyond noise?
+
+What `sltune compare` and /dashboard/compare promise: a regression is flagged only when the 95% interval
+of the ratio of the two jobs' best throughputs (new / old) lies wholly below 1 - max_regression. An
+interval that reaches above that line is "within noise" and passes. Every config both jobs measured is
+listed with its ratio and interval.
+
+Each side's samples are every timed step of every trial of that config (search and confirmation trials
+alike), bootstrapped trial by trial and then step by step (sltune.profiling.stats), so a job whose trials
+disagree with each other gets a wide interval, as it should. `remeasure` runs both bests again here,
+interleaved round by round under the same conditions, and decides on the paired ratio instead: the
+decisive answer when the two jobs ran at different times on a noisy machine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from statistics import median
+from typing import Any, Callable
+
+from sltune.profiling.stats import paired_ratio_ci, ratio_ci
+from sltune.profiling.timing import step_tokens_per_s
+
+Key = tuple[int, int, int]
+KNOBS = ("sub_batch_size", "num_sub_batches", "num_live_blocks", "activations", "kv_cache")
+
+
+def _key(config: dict[str, Any]) -> tuple:
+    """A config's knobs as a key; trials stored before `activations` existed recomputed."""
+    return tuple(config.get(k, "recompute" if k == "activations" else None) for k in KNOBS)
+
+
+@dataclass
+class JobData:
+    """What a comparison needs of a job: its spec, its result (for the best) and its trials (as the API's
+    GET /jobs/{id}/trials gives them)."""
+
+    id: str
+    status: str
+    spec: dict[str, Any]
+    best: dict[str, Any] | None
+    trials: list[dict[str, Any]] = field(default_factory=list)
+
+
+def from_store(store, job_id: str) -> JobData:
+    job = store.job(job_id)
+    if job is None:
+        raise ValueError(f"no job {job_id!r} in {store.url}")
+    trials = [{"number": t.number, "role": t.role, "status": t.status, "config": t.config, "result": t.result}
+              for t in store.trials(job_id)]
+    return JobData(job.id, job.status, job.spec, (job.result or {}).get("best"), trials)
+
+
+def from_server(client, job_id: str) -> JobData:
+    job = client.job(job_id)
+    return JobData(job["id"], job["status"], job["spec"], job.get("best"), client.trials(job_id))
+
+
+def samples(trial: dict[str, Any]) -> list[float] | None:
+    """Tokens/s of every timed step of an ok trial (as GET /jobs/{id}/trials gives it)."""
+    return step_tokens_per_s({**(trial.get("result") or {}), "status": trial.get("status")})
+
+
+def by_config(job: JobData) -> dict[Key, list[list[float]]]:
+    out: dict[Key, list[list[float]]] = {}
+    for t in job.trials:
+        s = samples(t)
+        if s:
+            out.setdefault(_key(t["config"]), []).append(s)
+    return out
+
+
+def _median(groups: list[list[float]]) -> float:
+    return median(x for g in groups for x in g)
+
+
+def best_key(job: JobData, configs: dict[Key, list[list[float]]]) -> Key | None:
+    """The job's own pick (its confirmed best), else the config with the highest median."""
+    if job.best and job.best.get("config"):
+        key = _key(job.best["config"])
+        if key in configs:
+            return key
+    return max(configs, key=lambda k: _median(configs[k]), default=None)
+
+
+def verdict(ci: tuple[float, float], max_regression: float) -> str:
+    """What an interval of new/old says, against the allowed drop."""
+    lo, hi = ci
+    if hi < 1.0 - max_regression:
+        return "regression"
+    if lo > 1.0:
+        return "faster"
+    if lo >= 1.0 - max_regression:
+        return "no regression"
+    return "within noise"
+
+
+def compare(old: JobData, new: JobData, max_regression: float = 0.05) -> dict[str, Any]:
+    """Per-config ratios with intervals, and the verdict on the two bests. Raises ValueError (exit code 2)
+    when there is nothing to compare."""
+    for job in (old, new):
+        if job.status in ("queued", "running"):
+            raise ValueError(f"job {job.id} is {job.status}; compare finished jobs")
+    a, b = by_config(old), by_config(new)
+    rows = []
+    for key in sorted(set(a) | set(b)):
+        row: dict[str, Any] = {"config": dict(zip(KNOBS, key)), "a": _median(a[key]) if key in a else None,
+                               "b": _median(b[key]) if key in b else None, "ratio": None, "ci95": None}
+        if key in a and key in b:
+            row["ratio"], ci = ratio_ci(b[key], a[key])
+            row["ci95"] = list(ci)
+            row["verdict"] = verdict(ci, max_regression)
+        rows.append(row)
+    ka, kb = best_key(old, a), best_key(new, b)
+    if ka is None or kb is None:
+        which = old.id if ka is None else new.id
+        raise ValueError(f"job {which} has no successful trial: nothing to compare")
+    ratio, ci = ratio_ci(b[kb], a[ka])
+    unstable = [f"{job.id} {dict(zip(KNOBS, key))}" for job, key in ((old, ka), (new, kb))
+                if any(((t.get("result") or {}).get("timing") or {}).get("unstable") for t in job.trials
+                       if _key(t["config"]) == key)]
+    return {"old": old.id, "new": new.id, "max_regression": max_regression, "rows": rows,
+            "best_a": _median(a[ka]), "best_b": _median(b[kb]),
+            "best_config_a": dict(zip(KNOBS, ka)), "best_config_b": dict(zip(KNOBS, kb)),
+            "ratio": ratio, "ci95": list(ci), "change": ratio - 1.0,
+            "verdict": verdict(ci, max_regression), "measured_under_interference": unstable,
+            "remeasured": None}
+
+
+def remeasure(cmp: dict[str, Any], old: JobData, new: JobData, rounds: int = 3,
+              run: Callable[[Any], dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Both bests run again here, interleaved (old new, new old, ...), each with its own job's spec (so a
+    difference in, say, hardware.cpu_threads stays); the verdict becomes the paired one. `run` takes a
+    TrialSpec and returns a TrialResult dict (run_trial's by default)."""
+    from sltune.profiling import run_trial
+    from sltune.tuning.runner import trial_spec
+    from sltune.tuning.space import Candidate
+    from sltune.tuning.spec import TuningSpec
+
+    run = run or (lambda spec: run_trial(spec).model_dump(mode="json"))
+    specs = {}
+    for side, job, cfg in (("old", old, cmp["best_config_a"]), ("new", new, cmp["best_config_b"])):
+        tuning = TuningSpec.model_validate(job.spec)
+        specs[side] = trial_spec(tuning, Candidate.from_knobs(cfg), None).model_copy(
+            update={"profile": False})
+    got: dict[str, list[list[float]]] = {"old": [], "new": []}
+    for r in range(rounds):
+        for side in (("old", "new") if r % 2 == 0 else ("new", "old")):
+            result = run(specs[side])
+            s = step_tokens_per_s(result)
+            if s is None:
+                raise ValueError(f"re-measuring the {side} best failed: {result.get('status')}: {result.get('error')}")
+            got[side].append(s)
+    ratio, ci = paired_ratio_ci(got["new"], got["old"])
+    out = {**cmp, "ratio": ratio, "ci95": list(ci), "change": ratio - 1.0,
+           "verdict": verdict(ci, cmp["max_regression"]),
+           "remeasured": {"rounds": rounds, "old_round_medians": [median(g) for g in got["old"]],
+                          "new_round_medians": [median(g) for g in got["new"]],
+                          "from_jobs": {"ratio": cmp["ratio"], "ci95": cmp["ci95"], "verdict": cmp["verdict"]}}}
+    out["best_a"], out["best_b"] = _median(got["old"]), _median(got["new"])
+    return out
+
+
+def exit_code(cmp: dict[str, Any]) -> int:
+    """0 no regression (including within noise), 1 regression; errors are 2 (raised as ValueError)."""
+    return 1 if cmp["verdict"] == "regression" else 0
+
+
+def summary(cmp: dict[str, Any]) -> str:
+    lo, hi = cmp["ci95"]
+    how = (f"re-measured here, {cmp['remeasured']['rounds']} interleaved rounds, paired"
+           if cmp.get("remeasured") else "from the jobs' trials")
+    text = (f"best: {cmp['best_a']:,.1f} -> {cmp['best_b']:,.1f} tokens/s: {cmp['ratio']:.3f}x "
+            f"[{lo:.3f}, {hi:.3f}] ({how}); allowed drop {cmp['max_regression']:.1%}: {cmp['verdict'].upper()}")
+    if cmp["verdict"] == "within noise":
+        text += " (the interval reaches above the allowed drop: not a significant regression)"
+    if cmp.get("measured_under_interference") and not cmp.get("remeasured"):
+        text += ("\nnote: measured under interference: " + "; ".join(cmp["measured_under_interference"])
+                 + " (use --remeasure for a side-by-side answer)")
+    return text

@@ -1,0 +1,105 @@
+"""The confirmation round: before a job ends, its best and every config that might be as good are measured
+again, side by side, and the winner is picked by paired ratios.
+
+A search measures each config once, at a different moment: whatever else ran on the machine then is in
+that number. The finalists (the best and every config whose interval overlaps the best's) are re-measured
+in rounds, A B C A B C ..., so each round sees them under the same conditions. Per round, each
+finalist's median is divided by the search best's; the finalist with the highest median ratio over the
+rounds wins. Its ratio to the runner-up, with a paired bootstrap interval (sltune.profiling.stats), is how
+sure the pick is. When no interval overlaps the best's, nothing is re-run: the best stands, and its ratio
+to the runner-up comes from the search's own trials (an unpaired interval).
+"""
+
+from __future__ import annotations
+
+from statistics import median
+from typing import Any
+
+from sltune.profiling.stats import paired_ratio_ci, ratio_ci
+from sltune.profiling.timing import step_tokens_per_s
+from sltune.tuning.space import Candidate
+from sltune.tuning.state import Done, SearchState
+
+MAX_FINALISTS = 3
+
+
+def ranked(state: SearchState) -> list[Done]:
+    """Each successfully measured config's best search trial, fastest first."""
+    seen: dict[Candidate, Done] = {}
+    for d in sorted((d for d in state.history if d.ok), key=lambda d: d.tokens_per_s, reverse=True):
+        seen.setdefault(d.candidate, d)
+    return list(seen.values())
+
+
+def finalists(state: SearchState) -> list[Candidate]:
+    """The search's best first, then every config whose interval overlaps it (at most MAX_FINALISTS)."""
+    order = ranked(state)
+    if not order:
+        return []
+    best_lo = _ci(order[0])[0]
+    return [order[0].candidate] + [d.candidate for d in order[1:] if _ci(d)[1] >= best_lo][:MAX_FINALISTS - 1]
+
+
+def plan(state: SearchState, rounds: int) -> list[Candidate]:
+    """The interleaved order the confirmation trials run in (none when the best stands alone)."""
+    picks = finalists(state)
+    return picks * rounds if len(picks) > 1 else []
+
+
+def verdict(state: SearchState, picks: list[Candidate]) -> dict[str, Any] | None:
+    """The winner, the runner-up and the ratio between them: paired, from the confirm trials run so far; or,
+    when the best had no rival to re-measure, unpaired from the search's trials."""
+    order = ranked(state)
+    if len(order) < 2:
+        return None
+    if len(picks) < 2:
+        best, runner = order[0], order[1]
+        ratio, (lo, hi) = ratio_ci([step_tokens_per_s(best.result)], [step_tokens_per_s(runner.result)])
+        how = ("; no other config's interval overlaps it: not re-measured" if state.spec.search.confirm_rounds
+               else "; not re-measured (search.confirm_rounds is 0)")
+        return _answer(best.candidate, runner.candidate, ratio, lo, hi, rounds=0, finalists=[], changed=False,
+                       how=how)
+    samples: dict[Candidate, list[list[float] | None]] = {c: [] for c in picks}
+    for d in state.confirms:                  # in the order run: round r is the r-th of each finalist
+        if d.candidate in samples:
+            samples[d.candidate].append(step_tokens_per_s(d.result))
+    rounds = min(len(v) for v in samples.values())
+    paired = [r for r in range(rounds) if all(samples[c][r] for c in picks)]   # rounds every finalist finished
+    if not paired:
+        return None
+    series = {c: [samples[c][r] for r in paired] for c in picks}
+    ref = picks[0]
+    ratios = {c: paired_ratio_ci(series[c], series[ref])[0] if c != ref else 1.0 for c in picks}
+    order_c = sorted(picks, key=lambda c: ratios[c], reverse=True)
+    winner, runner = order_c[0], order_c[1]
+    ratio, (lo, hi) = paired_ratio_ci(series[winner], series[runner])
+    measured = [{"config": c.knobs(), "ratio_to_search_best": ratios[c],
+                 "round_medians": [median(s) for s in series[c]]} for c in picks]
+    return _answer(winner, runner, ratio, lo, hi, rounds=len(paired), finalists=measured, changed=winner != ref,
+                   how="")
+
+
+def _answer(winner: Candidate, runner: Candidate, ratio: float, lo: float, hi: float, *, rounds: int,
+            finalists: list[dict[str, Any]], changed: bool, how: str) -> dict[str, Any]:
+    significant = lo > 1.0
+    statement = (f"{winner}: {ratio:.2f}x [{lo:.2f}, {hi:.2f}] the runner-up ({runner})"
+                 + ("" if significant else "; within noise: either is as good") + how)
+    return {"winner": winner.knobs(), "runner_up": runner.knobs(), "ratio": ratio, "ci95": [lo, hi],
+            "significant": significant, "rounds": rounds, "finalists": finalists, "changed_pick": changed,
+            "statement": statement}
+
+
+def winner_of(state: SearchState, confirmation: dict[str, Any] | None) -> Done | None:
+    """The search trial of the confirmed winner, or the search's best when nothing was confirmed."""
+    best = state.best()
+    if not confirmation:
+        return best
+    w = confirmation["winner"]
+    ok = [d for d in state.history if d.ok and d.candidate.knobs() == w]
+    return max(ok, key=lambda d: d.tokens_per_s) if ok else best
+
+
+def _ci(d: Done) -> tuple[float, float]:
+    ci = (d.result.get("timing") or {}).get("tokens_per_s_ci95")
+    return tuple(ci) if ci else (d.tokens_per_s, d.tokens_per_s)
+

@@ -1,0 +1,125 @@
+"""`sltune compare`: a regression only when beyond the threshold and significant; documented exit codes."""
+
+import contextlib
+import io
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from sltune.cli.main import main
+from sltune.store import Store
+from sltune.tuning.spec import TuningSpec
+
+SPEC = TuningSpec.parse({"name": "cmp", "model": {"preset": "llama-tiny"}, "workload": {"seq_len": 32},
+                         "search": {"sub_batch_size": [1, 2], "num_sub_batches": [1], "num_live_blocks": [1],
+                                    "trial_steps": 3, "trial_min_time_s": 0.2, "profile": False}})
+
+
+def _job(store: Store, name: str, medians: dict[int, float], spread: float, seed: int, spec=SPEC) -> str:
+    """A finished job in a real SQLite store whose trials' steps are drawn around the given tokens/s per
+    sub-batch size (step times lognormal with the given spread)."""
+    rng = np.random.default_rng(seed)
+    job = store.create_job(name, spec.model_dump(mode="json"), f"{name}-{seed}", {"device": "cpu"})
+    best = max(medians, key=medians.get)
+    for number, (b, tps) in enumerate(medians.items()):
+        tokens = b * 32
+        steps = (tokens / tps * rng.lognormal(0.0, spread, 30)).tolist()
+        med = float(np.median(steps))
+        config = {"sub_batch_size": b, "num_sub_batches": 1, "num_live_blocks": 1, "schedule": "speedloader"}
+        store.start_trial(job.id, number, "probe", config, {}, None, None)
+        store.finish_trial(job.id, number, {
+            "status": "ok", "config": {**config, "seq_len": 32, "world_size": 1},
+            "tokens_per_s": tokens / med, "step_seconds": med,
+            "timing": {"steps_s": steps, "median_s": med, "tokens_per_s_ci95": [0, 0], "cv": spread,
+                       "unstable": False, "interference": {}}})
+    store.set_status(job.id, "succeeded", result={"best": {"config": {"sub_batch_size": best, "num_sub_batches": 1,
+                                                                      "num_live_blocks": 1}}})
+    return job.id
+
+
+def _compare(db: str, a: str, b: str, *extra: str):
+    """The CLI in this process (one real subprocess below checks the process exit codes)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(["compare", a, b, "--db", db, "--json", *extra])
+    return code, (json.loads(out.getvalue()) if out.getvalue().strip() else None), err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    path = tmp_path_factory.mktemp("compare") / "jobs.db"
+    db = f"sqlite:///{path}"
+    store = Store(db)
+    ids = {
+        "base": _job(store, "base", {1: 1000.0, 2: 1800.0}, 0.02, 1),
+        "same": _job(store, "same", {1: 1000.0, 2: 1800.0}, 0.02, 2),
+        "slower": _job(store, "slower", {1: 700.0, 2: 1260.0}, 0.02, 3),        # 30% slower, tight
+        "noisy": _job(store, "noisy", {1: 900.0, 2: 1620.0}, 0.6, 4),          # 10% slower, very noisy
+        "slightly": _job(store, "slightly", {1: 980.0, 2: 1764.0}, 0.01, 5),  # 2% slower: within 5%
+    }
+    empty = store.create_job("empty", SPEC.model_dump(mode="json"), "empty", {"device": "cpu"})
+    store.set_status(empty.id, "failed", error="no config ran successfully")
+    ids["empty"] = empty.id
+    return db, ids
+
+
+def test_a_significant_drop_beyond_the_threshold_is_a_regression(jobs):
+    db, ids = jobs
+    code, r, err = _compare(db, ids["base"], ids["slower"])
+    assert code == 1, err
+    assert r["verdict"] == "regression" and r["ci95"][1] < 0.95
+    assert r["ratio"] == pytest.approx(0.7, rel=0.03)
+    assert [row["verdict"] for row in r["rows"]] == ["regression", "regression"]   # every shared config
+
+
+def test_noise_and_small_drops_pass(jobs):
+    db, ids = jobs
+    code, r, err = _compare(db, ids["base"], ids["same"])
+    assert code == 0 and r["verdict"] in ("no regression", "within noise", "faster"), (r, err)
+    code, r, _ = _compare(db, ids["base"], ids["noisy"])
+    assert code == 0 and r["verdict"] == "within noise" and r["ci95"][0] < 0.95 < r["ci95"][1]
+    code, r, _ = _compare(db, ids["base"], ids["slightly"])
+    assert code == 0 and r["ratio"] < 1.0 and r["verdict"] in ("no regression", "within noise")
+    code, r, _ = _compare(db, ids["base"], ids["slower"], "--max-regression", "40%")
+    assert code == 0 and r["verdict"] == "no regression"
+
+
+def test_errors_exit_2_with_one_line(jobs):
+    db, ids = jobs
+    code, _, err = _compare(db, ids["base"], "nope")
+    assert code == 2 and "no job 'nope'" in err and "Traceback" not in err
+    code, _, err = _compare(db, ids["base"], ids["empty"])
+    assert code == 2 and "no successful trial" in err
+    code, _, err = _compare(db, ids["base"], ids["same"], "--max-regression", "lots")
+    assert code == 2 and "--max-regression" in err
+
+
+def test_the_process_exit_codes(jobs):
+    db, ids = jobs
+    for other, code in (("slower", 1), ("same", 0), ("empty", 2)):
+        out = subprocess.run([sys.executable, "-m", "sltune", "compare", ids["base"], ids[other], "--db", db],
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == code, (other, out.stdout, out.stderr)
+    assert "REGRESSION" in subprocess.run([sys.executable, "-m", "sltune", "compare", ids["base"], ids["slower"],
+                                           "--db", db], capture_output=True, text=True, timeout=300).stdout
+
+
+def test_remeasure_runs_both_bests_here_interleaved(jobs):
+    """The two jobs' stored figures say 30% slower; re-measured side by side (the same spec, so the same
+    speed) the paired interval decides, and it does not say regression beyond 25%."""
+    db, ids = jobs
+    code, r, err = _compare(db, ids["base"], ids["slower"], "--remeasure", "--rounds", "2", "--max-regression", "25%")
+    assert code == 0, (r, err)
+    assert r["remeasured"]["rounds"] == 2 and len(r["remeasured"]["new_round_medians"]) == 2
+    assert r["remeasured"]["from_jobs"]["verdict"] == "regression"
+    assert r["verdict"] != "regression" and r["ci95"][1] > 0.75
+
+
+def test_help_texts_render():
+    for argv in (["--help"], ["compare", "--help"], ["profile", "--help"]):
+        with contextlib.redirect_stdout(io.StringIO()) as out, pytest.raises(SystemExit) as done:
+            main(argv)
+        assert done.value.code == 0 and "usage" in out.getvalue()

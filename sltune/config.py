@@ -9,6 +9,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from sltune.sizes import parse_bytes
+from sltune.yamlfile import read_yaml
 
 Schedule = Literal["speedloader", "canonical", "resident"]
 DType = Literal["float32", "bfloat16", "float16"]
@@ -74,8 +75,7 @@ class SpeedLoaderConfig(BaseModel):
     @classmethod
     def from_yaml(cls, path: str | Path) -> "SpeedLoaderConfig":
         """Reads the best-config file a tuning job exports (or any YAML with the knobs at the top)."""
-        text = Path(path).read_text()
-        data = yaml.safe_load(text)
+        data = read_yaml(path)
         if not isinstance(data, dict):
             raise ValueError(f"{path}: expected a mapping of config fields, got {type(data).__name__}")
         return cls.from_dict(data, source=str(path))

@@ -21,7 +21,9 @@ KNOB_FLAGS = {
 
 def add_knobs(parser: argparse.ArgumentParser) -> None:
     for field, (flag, typ, help_) in KNOB_FLAGS.items():
-        parser.add_argument(flag, dest=field, type=typ, default=None, help=help_)
+        default = SpeedLoaderConfig.model_fields[field].default
+        parser.add_argument(flag, dest=field, type=typ, default=None,
+                            help=f"{help_} (default: the --config file's, else {default or 'none'})")
 
 
 def config_from_args(args: argparse.Namespace, base: SpeedLoaderConfig | None = None) -> SpeedLoaderConfig:

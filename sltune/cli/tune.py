@@ -8,7 +8,7 @@ import json
 from tqdm import tqdm
 
 from sltune.settings import Settings
-from sltune.sizes import format_bytes
+from sltune.sizes import format_bytes, parse_bytes
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -112,7 +112,8 @@ def run_export(args: argparse.Namespace) -> int:
 def run_plan(args: argparse.Namespace) -> int:
     from sltune.tuning.plan import plan
 
-    r = plan(args.source, args.device_memory_limit, args.host_memory_limit)
+    r = plan(args.source, *(None if value is None else parse_bytes(value, flag) for value, flag in (
+        (args.device_memory_limit, "--device-memory-limit"), (args.host_memory_limit, "--host-memory-limit"))))
     if args.json:
         print(json.dumps(r))
         return 0 if r["best"] else 1

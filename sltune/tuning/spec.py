@@ -12,12 +12,12 @@ import json
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator,
                       model_validator)
 
 from sltune.config import DType, Schedule
 from sltune.sizes import format_bytes, parse_bytes
+from sltune.yamlfile import read_yaml
 
 
 class _Strict(BaseModel):
@@ -232,12 +232,7 @@ class TuningSpec(_Strict):
 
     @classmethod
     def load(cls, path: str | Path) -> "TuningSpec":
-        text = Path(path).read_text()
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as err:
-            raise ValueError(f"{path}: not valid YAML ({err})") from None
-        return cls.parse(data, source=str(path))
+        return cls.parse(read_yaml(path), source=str(path))
 
     @classmethod
     def parse(cls, data: Any, source: str = "spec") -> "TuningSpec":
@@ -255,7 +250,7 @@ def describe_errors(err: ValidationError) -> list[str]:
     for e in err.errors():
         loc = [str(p) for p in e["loc"] if not str(p).startswith(("int", "list[", "Range", "function-"))]
         where = ".".join(loc)
-        msg = e["msg"].removeprefix("Value error, ")
+        msg = e["msg"].removeprefix("Value error, ").removeprefix(f"{where}: ")
         if e["type"] == "extra_forbidden":
             msg = "unknown field; check its spelling against the spec in the README"
         elif e["type"] == "missing":

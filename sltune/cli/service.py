@@ -10,8 +10,7 @@ import signal
 import sys
 from pathlib import Path
 
-from tqdm import tqdm
-
+from sltune.cli.progress import JobBar, describe_config
 from sltune.settings import Settings
 
 
@@ -99,17 +98,10 @@ def run_submit(args: argparse.Namespace) -> int:
         if not args.wait:
             print(job_id)
             return 0
-        bar = tqdm(total=spec.search.max_trials, unit="trial", desc=f"job {job_id}")
+        bar = JobBar(f"job {job_id}", spec.search.max_trials)
 
         def show(job: dict) -> None:
-            p = job.get("progress") or {}
-            bar.n = p.get("trials_done", 0)
-            best = p.get("best_tokens_per_s")
-            bar.set_postfix(status=job["status"], best=f"{best:,.1f} tok/s" if best else "-",
-                            left=f"{p.get('time_left_s', 0):.0f}s")
-            if job.get("waiting_for") and job["status"] == "queued":
-                bar.set_description(f"job {job_id} waiting for {job['waiting_for']}")
-            bar.refresh()
+            bar.show(job.get("progress") or {}, job["status"], job.get("waiting_for"))
 
         job = client.wait(job_id, show, timeout_s=args.timeout)
         bar.close()
@@ -120,10 +112,11 @@ def run_submit(args: argparse.Namespace) -> int:
         print(f"job {job_id} {job['status']}: {job.get('error') or job.get('stop_reason')}", file=sys.stderr)
         return 1
     best = job["best"]
-    print(f"job {job_id} succeeded: {best['tokens_per_s']:,.1f} tokens/s with {best['config']}", file=sys.stderr)
+    print(f"job {job_id} succeeded: {best['tokens_per_s']:,.1f} tokens/s with {describe_config(best['config'])}",
+          file=sys.stderr)
     if args.out:
         Path(args.out).write_text(client.config_yaml(job_id))
-        print(f"wrote {args.out}", file=sys.stderr)
+        print(f"wrote {args.out}: train with `sltune train --config {args.out}`", file=sys.stderr)
     print(job_id)
     return 0
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from tqdm import tqdm
-
+from sltune.cli.progress import JobBar, describe_config
 from sltune.settings import Settings
 from sltune.sizes import format_bytes, parse_bytes
 
@@ -47,17 +46,8 @@ def run_tune(args: argparse.Namespace) -> int:
     if args.strategy:
         spec = TuningSpec.model_validate({**spec.model_dump(), "search": {**spec.search.model_dump(),
                                                                           "strategy": args.strategy}})
-    bar = tqdm(total=spec.search.max_trials, unit="trial", desc=f"tune {spec.name} ({spec.search.strategy})",
-               disable=args.json)
-
-    def progress(p: dict) -> None:
-        bar.n = p["trials_done"]
-        best = p.get("best_tokens_per_s")
-        bar.set_postfix(best=f"{best:,.1f} tok/s" if best else "-", left=f"{p['time_left_s']:.0f}s",
-                        phase=p.get("phase"))
-        bar.refresh()
-
-    result = tune(spec, args.db, job_id=args.job_id, progress=progress)
+    bar = JobBar(f"tune {spec.name} ({spec.search.strategy})", spec.search.max_trials, disable=args.json)
+    result = tune(spec, args.db, job_id=args.job_id, progress=bar.show)
     bar.close()
     if args.out and result["best"]:
         export_yaml(spec, result, args.out)
@@ -76,8 +66,7 @@ def describe(r: dict, out: str | None = None, mode: str = "train") -> str:
     if r["best"]:
         b, p = r["best"], r["predicted"] or {}
         c = b["config"]
-        lines.append(f"  best: b={c['sub_batch_size']} N={c['num_sub_batches']} k={c['num_live_blocks']} "
-                     f"({c['schedule']}): {b['tokens_per_s']:,.1f} tokens/s measured")
+        lines.append(f"  best: {describe_config(c)}: {b['tokens_per_s']:,.1f} tokens/s measured")
         lines.append(f"  peaks: device {format_bytes(b['peak_device_bytes'])} (predicted "
                      f"{format_bytes(p.get('peak_device_bytes'))}), host {format_bytes(b['peak_host_bytes'])} "
                      f"(predicted {format_bytes(p.get('peak_host_bytes'))}); binding limit: {r['binding_limit']}")
@@ -86,7 +75,7 @@ def describe(r: dict, out: str | None = None, mode: str = "train") -> str:
         loo = f"{m['loo_rel_error']:.1%}" if m.get("loo_rel_error") is not None else "-"
         lines.append(f"  model {kind}: {m['n']} points, R^2 {r2}, leave-one-out error {loo}")
     if out and r["best"]:
-        use = (f"train with `sltune train --config {out} --model ...`" if mode == "train" else
+        use = (f"train with `sltune train --config {out}`" if mode == "train" else
                "generate with SpeedLoaderEngine(model, SpeedLoaderConfig.from_yaml(path)).generate(...)")
         lines.append(f"  wrote {out}: {use}")
     return "\n".join(lines)

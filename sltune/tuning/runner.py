@@ -164,6 +164,8 @@ def run_job(store: Store, job_id: str, *, progress: ProgressFn | None = None, sh
         left = search.time_budget_s - elapsed()
         if avg is not None:
             left = min(left, (search.max_trials - done) * avg)
+        if phase == "finished":
+            left = 0.0
         payload = {"trials_done": done, "max_trials": search.max_trials, "elapsed_s": round(elapsed(), 2),
                    "time_left_s": max(0.0, round(left, 1)), "phase": phase, "stop_reason": stop_reason,
                    "best_tokens_per_s": best.tokens_per_s if best else None,

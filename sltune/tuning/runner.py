@@ -26,6 +26,7 @@ from sltune.tuning.space import Candidate, SearchSpace
 from sltune.tuning.spec import TuningSpec
 from sltune.tuning.state import Done, SearchState
 from sltune.tuning.strategies import STRATEGIES, Stop
+from sltune.tuning.study import name_metric, tell
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 log = logging.getLogger("sltune.tuning")
@@ -134,15 +135,14 @@ def run_job(store: Store, job_id: str, *, progress: ProgressFn | None = None, sh
     study = optuna.create_study(study_name=f"sltune-{job_id}", storage=optuna_storage(store.url),
                                 direction="maximize", load_if_exists=True,
                                 sampler=STRATEGIES[spec.search.strategy](state, spec.search.seed).sampler())
+    name_metric(study)
     # Optuna trials left running by a dead process. The store is the record: a trial it holds as
     # finished (killed between writing the row and telling Optuna) is told its result now.
     by_number = {t.optuna_number: t for t in finished if t.optuna_number is not None}
     for stale in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
         row = by_number.get(stale.number)
-        if row is not None and row.status == "ok":
-            study.tell(stale.number, row.tokens_per_s)
-        elif row is not None and row.status == "oom":
-            study.tell(stale.number, 0.0)
+        if row is not None:
+            tell(study, optuna.Trial(study, stale._trial_id), row.result, row.role, row.number)
         else:
             study.tell(stale.number, state=optuna.trial.TrialState.FAIL)
     strategy = STRATEGIES[spec.search.strategy](state, spec.search.seed)
@@ -195,7 +195,7 @@ def run_job(store: Store, job_id: str, *, progress: ProgressFn | None = None, sh
         cand = space.candidate(ot.params)
         if cand is None or cand in state.tried:
             prev = next((d for d in state.history if d.candidate == cand), None)
-            if prev is not None and prev.result["status"] in ("ok", "oom"):
+            if prev is not None and prev.result["status"] == "ok":
                 study.tell(ot, prev.tokens_per_s)
             else:
                 study.tell(ot, state=optuna.trial.TrialState.PRUNED)
@@ -231,12 +231,7 @@ def run_job(store: Store, job_id: str, *, progress: ProgressFn | None = None, sh
             break
         if trace is not None and trace.exists():
             store.add_artifact(job_id, number, "trace", str(trace.relative_to(artifact_dir)), trace.stat().st_size)
-        if result["status"] == "ok":
-            study.tell(ot, result["tokens_per_s"])
-        elif result["status"] == "oom":
-            study.tell(ot, 0.0)     # infeasible: the sampler learns to stay away
-        else:
-            study.tell(ot, state=optuna.trial.TrialState.FAIL)
+        tell(study, ot, result, proposal.role, number)
         state.add(Done(number, cand, proposal.role, result))
         for kind, fit in state.fits.items():
             store.save_fit(job_id, kind, fit.n, fit.to_dict())

@@ -169,7 +169,8 @@ def test_a_killed_job_resumes_without_rerunning_finished_trials(tmp_path):
     configs = [json.dumps(t.config, sort_keys=True) for t in finished]
     assert len(configs) == len(set(configs)) == 8                        # each config ran exactly once
     study = optuna.load_study(study_name=f"sltune-{job_id}", storage=db)
-    assert sum(t.state == optuna.trial.TrialState.COMPLETE for t in study.trials) == 8
+    told = [t for t in study.trials if "sltune_trial" in t.user_attrs]      # every finished trial, told once
+    assert sorted(t.user_attrs["sltune_trial"] for t in told) == sorted(t.number for t in finished)
 
 
 @pytest.mark.parametrize("strategy", ["random", "tpe"])

@@ -7,14 +7,14 @@ import sys
 import traceback
 
 from sltune.cli import profile, service, train, tune
+from sltune.service.client import ServiceError
 
 COMMANDS = [train, profile, tune, service]
 DEBUG_HELP = "show the full traceback of an error instead of one line"
 
 
-class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Each flag's default after its help (unless the help already says it, or there is none to show);
-    descriptions keep their line breaks."""
+class HelpFormatter(argparse.HelpFormatter):
+    """Each flag's default after its help, unless the help already says it or there is none to show."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
@@ -48,16 +48,19 @@ def main(argv: list[str] | None = None) -> int:
         if args.debug:
             traceback.print_exc()
         print(f"sltune {args.command}: error: {_one_line(err)}", file=sys.stderr)
-        return 2 if isinstance(err, (ValueError, OSError)) else 1
+        return 2 if isinstance(err, USER_ERRORS) else 1
+
+
+USER_ERRORS = (ValueError, OSError, ServiceError)
 
 
 def _one_line(err: Exception) -> str:
-    """A user's mistake (ValueError, a missing file) reads as its message; anything else is named as
-    unexpected, with the way to see more."""
+    """A user's mistake (a bad value, a missing file, a server's refusal) reads as its message; anything
+    else is named as unexpected, with the way to see more."""
     if isinstance(err, OSError) and err.filename is not None:
         return f"{err.filename}: {err.strerror or err}"
     text = " ".join(str(err).split())
-    if isinstance(err, ValueError):
+    if isinstance(err, USER_ERRORS):
         return text
     return f"{type(err).__name__}: {text} (unexpected; rerun with --debug for the traceback)"
 

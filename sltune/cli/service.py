@@ -10,38 +10,56 @@ import signal
 import sys
 from pathlib import Path
 
+from sltune.cli.common import DATA_DIR_HELP, DB_HELP, SERVER_HELP
 from sltune.cli.progress import JobBar, describe_config
 from sltune.settings import Settings
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    s = sub.add_parser("serve", help="REST API + dashboard + one embedded worker (SQLite by default)")
-    s.add_argument("--host", default=None, help="default 127.0.0.1")
-    s.add_argument("--port", type=int, default=None, help="default 8000")
-    s.add_argument("--db", help="SQLAlchemy URL (default: SQLite in --data-dir)")
-    s.add_argument("--data-dir", help="SQLite file and artifacts (default ./sltune-data or $SLTUNE_DATA_DIR)")
+    s = sub.add_parser("serve", help="REST API + dashboard + one embedded worker (SQLite by default)",
+                       description="Serve the REST API (/docs), the dashboards (/dashboard) and, unless "
+                                   "--no-worker, one worker that runs the submitted jobs.",
+                       epilog="environment: SLTUNE_API_TOKEN is the bearer token every write needs (without it "
+                              "the server binds to loopback only); every other setting is an SLTUNE_* variable "
+                              "too (SLTUNE_DB, SLTUNE_DATA_DIR, SLTUNE_MAX_TRIALS, ...: see sltune/settings.py).")
+    s.add_argument("--host", default=None, help="address to bind (default: $SLTUNE_HOST, else 127.0.0.1)")
+    s.add_argument("--port", type=int, default=None, help="port to bind (default: $SLTUNE_PORT, else 8000)")
+    s.add_argument("--db", help=DB_HELP)
+    s.add_argument("--data-dir", help=DATA_DIR_HELP)
     s.add_argument("--no-worker", action="store_true", help="serve only; run workers separately")
     s.set_defaults(run=run_serve)
 
-    w = sub.add_parser("worker", help="one more worker on the same database")
-    w.add_argument("--db", help="SQLAlchemy URL, e.g. postgresql://host/db")
-    w.add_argument("--data-dir")
+    w = sub.add_parser("worker", help="one more worker on the same database",
+                       description="Run queued jobs from the database, beside a server's embedded worker or "
+                                   "on another machine that reaches the same database. Stops on SIGTERM/Ctrl-C, "
+                                   "handing its job back for another worker to resume.",
+                       epilog="environment: SLTUNE_DB, SLTUNE_DATA_DIR and the other SLTUNE_* settings.")
+    w.add_argument("--db", help=DB_HELP)
+    w.add_argument("--data-dir", help=DATA_DIR_HELP)
     w.set_defaults(run=run_worker)
 
-    c = sub.add_parser("submit", help="post a tuning job to a server (the CI client)")
-    c.add_argument("spec", help="tuning spec YAML")
-    c.add_argument("--server", required=True, help="e.g. http://127.0.0.1:8000")
+    c = sub.add_parser("submit", help="post a tuning job to a server (the CI client)",
+                       description="Post a tuning spec to a server; with --wait, follow it with a progress bar "
+                                   "and exit 0 when it succeeds, 1 when it fails or is cancelled, 2 on an error. "
+                                   "The job id is printed on stdout.",
+                       epilog="environment: SLTUNE_API_TOKEN is sent as the bearer token (the server requires "
+                              "it for every write).")
+    c.add_argument("spec", help="tuning spec YAML (checked here before it is sent)")
+    c.add_argument("--server", required=True, help=SERVER_HELP)
     c.add_argument("--wait", action="store_true", help="wait for the job, showing progress")
     c.add_argument("--out", help="with --wait: write the best config YAML here")
-    c.add_argument("--timeout", type=float, help="with --wait: give up after this many seconds")
+    c.add_argument("--timeout", type=float, help="with --wait: give up after this many seconds (default: wait "
+                                                 "as long as the job runs)")
     c.set_defaults(run=run_submit)
 
-    m = sub.add_parser("compare", help="throughput per config of two jobs; non-zero exit on a regression")
-    m.add_argument("job_a", help="the baseline job")
-    m.add_argument("job_b", help="the newer job")
-    m.add_argument("--server", required=True)
+    m = sub.add_parser("compare", help="throughput per config of two jobs; non-zero exit on a regression",
+                       description="Throughput per config of two jobs side by side, and the change of the best; "
+                                   "exit 1 when it dropped by more than --max-regression.")
+    m.add_argument("job_a", help="the baseline job's id")
+    m.add_argument("job_b", help="the newer job's id")
+    m.add_argument("--server", required=True, help=SERVER_HELP)
     m.add_argument("--max-regression", default="5%", help="largest allowed drop of the best tokens/s, e.g. 5%%")
-    m.add_argument("--json", action="store_true")
+    m.add_argument("--json", action="store_true", help="print the comparison as JSON")
     m.set_defaults(run=run_compare)
 
 

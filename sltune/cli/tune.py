@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
+from sltune.cli.common import DB_HELP, JOB_ID_HELP, SERVER_HELP
 from sltune.cli.progress import JobBar, describe_config
 from sltune.settings import Settings
 from sltune.sizes import format_bytes, parse_bytes
@@ -16,24 +18,35 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "that fits the spec's memory limits. Re-running the same command with the same "
                                    "--db resumes an interrupted job without repeating finished trials.")
     p.add_argument("spec", help="tuning spec YAML (see README)")
-    p.add_argument("--out", help="write the best config YAML here")
-    p.add_argument("--strategy", choices=["oneshot", "grid", "random", "tpe"], help="override search.strategy")
-    p.add_argument("--db", help="SQLAlchemy URL (default: SQLite in $SLTUNE_DATA_DIR or ./sltune-data)")
-    p.add_argument("--job-id", help="resume (or name) this job")
-    p.add_argument("--json", action="store_true", help="print the job result as JSON")
+    p.add_argument("--out", help="write the best config YAML here; `sltune train --config FILE` trains with it")
+    p.add_argument("--strategy", choices=["oneshot", "grid", "random", "tpe"],
+                   help="override search.strategy (default: the spec's)")
+    p.add_argument("--db", help=DB_HELP)
+    p.add_argument("--job-id", help="resume (or name) this job (default: the unfinished job with the same spec, "
+                                    "else a new one)")
+    p.add_argument("--json", action="store_true", help="print the job result as JSON instead of a progress bar and "
+                                                       "text")
     p.set_defaults(run=run_tune)
 
-    e = sub.add_parser("export", help="write the best config of a finished job as YAML")
-    e.add_argument("job_id")
-    e.add_argument("--db")
-    e.add_argument("--out", help="file to write (default: print)")
+    e = sub.add_parser("export", help="write the best config of a finished job as YAML",
+                       description="Write the best config of a succeeded job as the best.yaml `sltune train "
+                                   "--config` reads, from a server (--server) or straight from the job database "
+                                   "(--db; the default database when neither is given).")
+    e.add_argument("job_id", help=JOB_ID_HELP)
+    where = e.add_mutually_exclusive_group()
+    where.add_argument("--server", help=SERVER_HELP)
+    where.add_argument("--db", help=DB_HELP)
+    e.add_argument("--out", help="file to write (default: print it)")
     e.set_defaults(run=run_export)
 
-    pl = sub.add_parser("plan", help="predict the best config under other memory limits, no trials")
+    pl = sub.add_parser("plan", help="predict the best config under other memory limits, no trials",
+                        description="Predict the fastest config under other memory limits from the fitted "
+                                    "models a best.yaml carries: no trial runs. Says how far to trust the "
+                                    "prediction (leave-one-out errors, knobs beyond the measured range).")
     pl.add_argument("--from", dest="source", required=True, help="a best-config YAML exported by a job")
-    pl.add_argument("--device-memory-limit")
-    pl.add_argument("--host-memory-limit")
-    pl.add_argument("--json", action="store_true")
+    pl.add_argument("--device-memory-limit", help="bytes or e.g. 24GiB (default: the file's limit)")
+    pl.add_argument("--host-memory-limit", help="bytes or e.g. 64GiB (default: the file's limit)")
+    pl.add_argument("--json", action="store_true", help="print the prediction as JSON")
     pl.set_defaults(run=run_plan)
 
 
@@ -86,6 +99,15 @@ def run_export(args: argparse.Namespace) -> int:
     from sltune.tuning.result import export_yaml
     from sltune.tuning.spec import TuningSpec
 
+    if args.server:
+        from sltune.service.client import Client
+
+        text = Client(args.server).config_yaml(args.job_id)
+        if args.out:
+            Path(args.out).write_text(text)
+        else:
+            print(text, end="")
+        return 0
     store = Store(args.db or Settings().db_url())
     job = store.job(args.job_id)
     if job is None:

@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import optuna
@@ -168,3 +169,10 @@ def test_submit_wait_follows_the_job_and_export_reads_server_or_db(services, tmp
         assert yaml.safe_load((tmp_path / "best.yaml").read_text())["provenance"]["job_id"] == job_id
     missing = sltune("export", "nosuchjob", "--server", url)
     assert missing.returncode == 2 and missing.stderr.count("\n") == 1 and "nosuchjob" in missing.stderr
+
+
+def test_the_readme_first_command_trains_from_best_yaml_alone():
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    first = readme.split("```bash\n", 1)[1].split("```", 1)[0].strip()
+    assert first.endswith("sltune tune examples/tiny-llama-cpu.yaml --out best.yaml && "
+                          "sltune train --config best.yaml --steps 20")

@@ -100,10 +100,15 @@ def test_pies_show_each_ok_trials_breakdown_fastest_first():
     assert [p.name for p in pies][0] == "trial #8"                   # the fastest first
     by_name = {f"trial #{t['number']}": t for t in ok}
     for p in pies:
-        bd = by_name[p.name]["result"]["breakdown"]
-        assert list(p.labels) == ["compute", "memcpy", "CPU", "all-gather", "reduce-scatter", "other"]
-        assert list(p.values) == [bd[k] for k in ("compute", "memcpy", "cpu", "all_gather", "reduce_scatter", "other")]
+        r = by_name[p.name]["result"]
+        bd = r["breakdown"]
+        # one rank: all-gather and reduce-scatter took no time, and are no slice (nor a legend entry)
+        assert list(p.labels) == ["compute", "memcpy", "CPU", "other"]
+        assert list(p.values) == [bd[k] for k in ("compute", "memcpy", "cpu", "other")]
         assert math.isclose(sum(p.values), 1.0, abs_tol=1e-9)
+        # hover: the seconds behind each percentage, here the fraction of the step time
+        assert list(p.customdata) == [f"{bd[k] * r['step_seconds'] * 1000:,.1f} ms"
+                                      for k in ("compute", "memcpy", "cpu", "other")]
 
 
 def test_pies_are_capped_at_the_fastest_twelve():
@@ -133,7 +138,13 @@ def test_peaks_figure_draws_measured_against_predicted_with_both_limits():
     models = realistic_models(trials)
     fig = figures.peaks_figure(models, trials, {"device": DEVICE_LIMIT, "host": HOST_LIMIT})
     limits = [tr for tr in fig.data if tr.name == "memory limit"]
-    assert sorted(tr.y[0] for tr in limits) == [6.0, 8192.0]
+    assert [tr.y[0] for tr in limits] == [6.0]          # the device limit, near the data: a line
+    # the host limit (8 GiB, 25x the largest peak) is a note at the top, not an axis stretched to it
+    host_peaks = [t["result"]["peak_host_bytes"] / MIB for t in trials if t["result"]["peak_host_bytes"]]
+    note = [a.text for a in fig.layout.annotations if a.text.startswith("host limit")]
+    assert note == [f"host limit 8.0 GiB: {HOST_LIMIT / MIB / max(host_peaks):.1f}x the largest measured peak, "
+                    "above the plot"]
+    assert 10 ** fig.layout.yaxis2.range[1] < 1.3 * max(host_peaks)
     fit = [tr for tr in fig.data if tr.name == "trials the fit used"]
     assert len(fit) == 2 and len(fit[0].x) == 8
     measured = sorted(r["measured"] / MIB for r in models["device"]["residuals"])
@@ -272,6 +283,11 @@ def test_job_list_shows_every_job_with_status_progress_best_and_links(site):
         assert f"/dashboard/jobs/{job_id}" in r.text
     assert f"/jobs/{ids['done']}/config.yaml" in r.text and f"/jobs/{ids['failed']}/config.yaml" not in r.text
     assert "1,618.8" in r.text and "s-succeeded" in r.text and "s-queued" in r.text and "<progress" in r.text
+    # a finished job that stopped before max_trials (12) has a full bar; a running one counts to its max
+    done_row = r.text.split(f"/dashboard/jobs/{ids['done']}'>")[1].split("</tr>")[0]
+    assert '<progress max="8" value="8">' in done_row and "8/8" in done_row
+    running_row = r.text.split(f"/dashboard/jobs/{ids['running']}'>")[1].split("</tr>")[0]
+    assert '<progress max="12" value="3">' in running_row
     assert XSS not in r.text and html_escaped(XSS) in r.text
     assert 'http-equiv="refresh"' in r.text            # a job is still running
     _no_cdn(r.text)
@@ -290,10 +306,16 @@ def test_job_page_has_every_section_and_the_links(site):
     r = client.get(f"/dashboard/jobs/{ids['done']}")
     assert r.status_code == 200
     text = r.text
-    assert text.count('class="plotly-graph-div"') == 4            # throughput, peaks, pies, timeline
-    for heading in ("Best config", "Throughput against the knobs", "Measured peaks against the fitted models",
-                    "Time breakdown per trial", "Trial timeline", "Trials"):
+    # history, parallel coordinates, throughput, peaks, pies, seconds, timeline; importance needs the job's
+    # Optuna study, which these hand-made jobs lack (the browser test's real job has it)
+    assert text.count('class="plotly-graph-div"') == 7
+    for heading in ("Best config", "History", "Parameter importance", "Parallel coordinates",
+                    "Throughput against the knobs", "Measured peaks against the fitted models",
+                    "Time breakdown per trial", "Seconds per trial", "Trial timeline", "Trials"):
         assert f"<h2>{heading}</h2>" in text
+    assert "Not enough successful trials with different knobs to say yet." in text
+    assert "<table id='trials'>" in text and "sltuneSort(this)" in text and "oninput='sltuneFilter(this)'" in text
+    assert "8 trials, finished" in text and "s left" not in text      # a finished job: no time left
     assert f"href='/jobs/{ids['done']}/config.yaml'" in text
     for n in (0, 1, 2, 4, 5, 6, 7, 8):
         assert f"/jobs/{ids['done']}/trials/{n}/trace" in text
@@ -308,7 +330,7 @@ def test_running_failed_and_queued_jobs_show_what_they_have(site):
     r = client.get(f"/dashboard/jobs/{ids['running']}")
     assert r.status_code == 200 and XSS not in r.text and html_escaped(XSS) in r.text
     assert "Best so far" in r.text and "config.yaml'" not in r.text and 'http-equiv="refresh"' in r.text
-    assert r.text.count('class="plotly-graph-div"') == 4           # the models come from the fits table
+    assert r.text.count('class="plotly-graph-div"') == 7           # the models come from the fits table
     assert "s-running" in r.text
     r = client.get(f"/dashboard/jobs/{ids['failed']}")
     assert r.status_code == 200 and "no config ran successfully" in r.text

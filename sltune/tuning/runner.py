@@ -26,7 +26,7 @@ from sltune.tuning.space import Candidate, SearchSpace
 from sltune.tuning.spec import TuningSpec
 from sltune.tuning.state import Done, SearchState
 from sltune.tuning.strategies import STRATEGIES, Stop
-from sltune.tuning.study import name_metric, tell
+from sltune.tuning.study import name_metric, study_name, tell
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 log = logging.getLogger("sltune.tuning")
@@ -132,7 +132,7 @@ def run_job(store: Store, job_id: str, *, progress: ProgressFn | None = None, sh
         state.refit()           # fits (empty) exist before the first proposal
     number = max((t.number for t in store.trials(job_id)), default=-1) + 1
 
-    study = optuna.create_study(study_name=f"sltune-{job_id}", storage=optuna_storage(store.url),
+    study = optuna.create_study(study_name=study_name(job_id), storage=optuna_storage(store.url),
                                 direction="maximize", load_if_exists=True,
                                 sampler=STRATEGIES[spec.search.strategy](state, spec.search.seed).sampler())
     name_metric(study)

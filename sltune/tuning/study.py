@@ -15,6 +15,22 @@ ATTRS = ("step_seconds", "peak_device_bytes", "peak_host_bytes", "oom_resource",
          "timing", "io")
 
 
+def study_name(job_id: str) -> str:
+    return f"sltune-{job_id}"
+
+
+def param_importances(storage: optuna.storages.BaseStorage, job_id: str) -> dict[str, float] | None:
+    """How much each knob explains of tokens/s (optuna.importance's default evaluator), or None while the
+    study has too few complete trials, or no variation, to say."""
+    try:
+        study = optuna.load_study(study_name=study_name(job_id), storage=storage)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return optuna.importance.get_param_importances(study) or None
+    except (KeyError, ValueError, RuntimeError):
+        return None
+
+
 def name_metric(study: optuna.Study) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)

@@ -413,8 +413,8 @@ def peaks_figure(models: dict[str, Any] | None, trials: Iterable[dict[str, Any]]
         drawn = True
         limit = _mib(limits.get(kind))
         lo, hi = min(xs + ys) * 0.8, max(xs + ys) * 1.25     # the data's range: a far limit must not squash it
-        if limit and limit <= hi * 1.2:
-            hi = limit * 1.15                                  # a near limit is drawn as a line
+        if limit and limit <= 2 * max(xs + ys):
+            hi = max(hi, limit * 1.15)                          # a near limit is drawn as a line
         fig.add_trace(go.Scatter(x=[lo, hi], y=[lo, hi], mode="lines", name="measured = predicted",
                                  legendgroup="diag", showlegend=legend("diag"), hoverinfo="skip",
                                  line=dict(color="#999", dash="dash", width=1)), row=1, col=col)

@@ -86,6 +86,11 @@ def _fig_html(fig: go.Figure | None, empty: str) -> str:
                                              config={"displaylogo": False, "responsive": True}) + "</div>"
 
 
+def _heading(title: str) -> str:
+    """A section heading with an anchor (/dashboard/jobs/ID#parameter-importance links to it)."""
+    return f"<h2 id='{title.lower().replace(' ', '-')}'>{e(title)}</h2>"
+
+
 def _q(job_id: str) -> str:
     return quote(str(job_id), safe="")
 
@@ -233,26 +238,26 @@ def job_page(job_id: str, request: Request) -> HTMLResponse:
     if job.error:
         parts.append(f"<div class='error'>{e(job.error)}</div>")
 
-    parts.append("<h2>Best config</h2>")
+    parts.append(_heading("Best config"))
     parts.append(_best_section(job, best, result, progress, hw, qid))
 
     best_number = (best or {}).get("trial_number")
-    parts.append("<h2>History</h2>")
+    parts.append(_heading("History"))
     parts.append(_fig_html(figures.history_figure(trials), "No finished trial yet."))
-    parts.append("<h2>Parameter importance</h2>")
+    parts.append(_heading("Parameter importance"))
     parts.append(_fig_html(figures.importance_figure(param_importances(optuna_storage(store.url), job.id)),
                            "Not enough successful trials with different knobs to say yet."))
     parts.append("<p class='note'>optuna.importance on the job's Optuna study: how much of the variation in "
                  "tokens/s each knob explains.</p>")
-    parts.append("<h2>Parallel coordinates</h2>")
+    parts.append(_heading("Parallel coordinates"))
     parts.append(_fig_html(figures.parallel_figure(trials), "Fewer than two successful trials yet."))
     parts.append("<p class='note'>One line per successful trial; drag along an axis to keep a range.</p>")
-    parts.append("<h2>Throughput against the knobs</h2>")
+    parts.append(_heading("Throughput against the knobs"))
     parts.append(_fig_html(figures.throughput_figure(trials, best_number), "No finished trial yet."))
     parts.append("<p class='note'>One panel per num_sub_batches (N); colour: num_live_blocks (k); ★ the best "
                  "trial; crosses on the zero line: trials that ran out of memory or failed.</p>")
 
-    parts.append("<h2>Measured peaks against the fitted models</h2>")
+    parts.append(_heading("Measured peaks against the fitted models"))
     limits = {"device": hw.get("device_memory_limit"), "host": hw.get("host_memory_limit")}
     parts.append(_fig_html(figures.peaks_figure(detail.get("models"), trials, limits),
                            "No fitted model or measured peak yet."))
@@ -262,19 +267,19 @@ def job_page(job_id: str, request: Request) -> HTMLResponse:
                                if isinstance(v, (int, float))) or "-") + ".</p>")
 
     shown, total = figures.pie_trials(trials)
-    parts.append("<h2>Time breakdown per trial</h2>")
+    parts.append(_heading("Time breakdown per trial"))
     if total > len(shown):
         parts.append(f"<p class='note'>Showing the {len(shown)} fastest of {total} ok trials with a breakdown "
                      "(the table below lists them all).</p>")
     parts.append(_fig_html(figures.breakdown_pies(trials),
                            "No ok trial with a time breakdown yet (breakdowns need search.profile: true)."))
 
-    parts.append("<h2>Seconds per trial</h2>")
+    parts.append(_heading("Seconds per trial"))
     parts.append(_fig_html(figures.seconds_figure(trials), "No ok trial with a time breakdown yet."))
-    parts.append("<h2>Trial timeline</h2>")
+    parts.append(_heading("Trial timeline"))
     parts.append(_fig_html(figures.timeline_figure(trials), "No trial has started yet."))
 
-    parts.append("<h2>Trials</h2>")
+    parts.append(_heading("Trials"))
     parts.append(_trials_table(trials, best_number))
     return _page(f"job {job.name}", "".join(parts), plots=True, refresh=15 if job.status in ACTIVE else None)
 
@@ -336,7 +341,7 @@ def _best_section(job, best: dict[str, Any] | None, result: dict[str, Any], prog
              + "".join(f"<tr><th>{k}</th><td class='num'>{m}</td><td class='num'>{p}</td></tr>" for k, m, p in rows)
              + "</table>")
     link = (f"<p><a href='/jobs/{qid}/config.yaml' download='best-{qid}.yaml'><b>Download the config "
-            f"(config.yaml)</b></a> · train with it: <code>sltune train --config best.yaml ...</code></p>"
+            f"(config.yaml)</b></a> · train with it: <code>sltune train --config best.yaml</code></p>"
             if job.status == "succeeded" else "")
     limit = result.get("binding_limit")
     return (f"{link}<p>Trial #{e(str(best.get('trial_number')))}; the limit that stops a larger config: "

@@ -119,6 +119,34 @@ def test_pies_are_capped_at_the_fastest_twelve():
     assert len(figures.breakdown_pies(many).data) == 12
 
 
+def test_history_draws_every_trial_in_order_and_the_best_so_far():
+    trials = realistic_trials()
+    fig = figures.history_figure(trials)
+    by_name = {tr.name: tr for tr in fig.data}
+    assert list(by_name["trial"].x) == [0, 1, 2, 4, 5, 6, 7, 8] and list(by_name["oom"].x) == [3]
+    best = by_name["best so far"]
+    assert list(best.x) == list(range(9))
+    assert list(best.y) == [74.2, 97.6, 372.2, 372.2, 372.2, 372.2, 372.2, 372.2, 1618.8]
+    assert [b.label for b in fig.layout.updatemenus[0].buttons] == ["linear y", "log y"]
+
+
+def test_parallel_coordinates_and_seconds_per_trial_cover_the_ok_trials():
+    trials = realistic_trials()
+    ok = [t for t in trials if t["status"] == "ok"]
+    par = figures.parallel_figure(trials).data[0]
+    assert [d.label for d in par.dimensions] == ["sub_batch_size b", "num_sub_batches N", "num_live_blocks k",
+                                                 "tokens/s"]
+    assert list(par.dimensions[3].values) == [t["result"]["tokens_per_s"] for t in ok]
+    assert sorted(par.dimensions[0].ticktext) == ["1", "2", "4", "8"]
+    bars = figures.seconds_figure(trials).data
+    assert [b.name for b in bars] == ["compute", "memcpy", "CPU", "other"]    # no all-gather at one rank
+    for i, t in enumerate(ok):                                                # absolute seconds, stacked
+        r = t["result"]
+        assert sum(b.y[i] for b in bars) == pytest.approx(r["step_seconds"])
+    assert figures.importance_figure({"num_sub_batches": 0.6, "sub_batch_size": 0.3, "num_live_blocks": 0.1}) \
+        .data[0].y == ("num_live_blocks", "sub_batch_size", "num_sub_batches")
+
+
 def test_throughput_figure_facets_by_n_colours_by_k_and_marks_the_oom():
     trials = realistic_trials()
     fig = figures.throughput_figure(trials, best_number=8)
@@ -312,7 +340,7 @@ def test_job_page_has_every_section_and_the_links(site):
     for heading in ("Best config", "History", "Parameter importance", "Parallel coordinates",
                     "Throughput against the knobs", "Measured peaks against the fitted models",
                     "Time breakdown per trial", "Seconds per trial", "Trial timeline", "Trials"):
-        assert f"<h2>{heading}</h2>" in text
+        assert f">{heading}</h2>" in text
     assert "Not enough successful trials with different knobs to say yet." in text
     assert "<table id='trials'>" in text and "sltuneSort(this)" in text and "oninput='sltuneFilter(this)'" in text
     assert "8 trials, finished" in text and "s left" not in text      # a finished job: no time left
@@ -447,15 +475,21 @@ def test_job_page_renders_its_plots_in_headless_chromium(tmp_path):
         bars = len(re.findall(r'<g class="point"', dom))
         print(f"\nDOM of {page}: {plots} .js-plotly-plot, {pielayers} .pielayer, "
               f"{slices} g.slice, {points} scatter points, {bars} bars")
-        assert plots == 4                               # throughput, peaks, breakdown pies, timeline
+        importance = httpx.get(page).text.count('class="plotly-graph-div"') == 8
+        # history, importance, parallel coordinates, throughput, peaks, breakdown pies, seconds, timeline
+        assert plots == 8 and importance, dom[-3000:]
+        assert dom.count('class="parcoords"') == 1                    # parallel coordinates drawn
+        assert dom.count('class="updatemenu-button"') >= 6            # log-y toggles: history, throughput, seconds
         assert slices >= 4 * min(len(ok), figures.PIE_LIMIT)          # compute, memcpy, CPU, other at least
-        assert points >= len(ok) and bars >= len(trials)
+        assert "all-gather" not in dom.split("Time breakdown per trial")[1]   # one rank: no empty slices
+        assert points >= len(ok) and bars >= len(trials) + len(ok)    # timeline bars, stacked seconds
+        assert "<table id=\"trials\">" in dom and dom.count("sltuneSort(this)") == 10
         assert "browser-check" in dom and f"/jobs/{job_id}/config.yaml" in dom
 
         shot = tmp_path / "dashboard-job.png"
-        run_chromium(binary, tmp_path / "chromium", f"--screenshot={shot}", "--window-size=1400,3400", page)
+        run_chromium(binary, tmp_path / "chromium", f"--screenshot={shot}", "--window-size=1400,4800", page)
         width, height = png_size(shot)
-        assert (width, height) == (1400, 3400) and shot.stat().st_size > 50_000
+        assert (width, height) == (1400, 4800) and shot.stat().st_size > 50_000
         print(f"screenshot of the job page: {shot}")
         keep = os.environ.get("SLTUNE_SCREENSHOT_DIR")
         if keep:

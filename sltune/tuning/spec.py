@@ -17,6 +17,7 @@ from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationE
 
 from sltune.config import DType, Schedule
 from sltune.sizes import format_bytes, parse_bytes
+from sltune.tuning.knobs import MAX_KNOB_VALUES, Range, knob_values
 from sltune.yamlfile import read_yaml
 
 
@@ -82,29 +83,6 @@ class Hardware(_Strict):
         return self.device.split(":")[0]
 
 
-class Range(_Strict):
-    """Powers of two from min to max, plus min and max themselves: {min: 1, max: 12} -> 1, 2, 4, 8, 12."""
-
-    min: int = Field(ge=1)
-    max: int = Field(ge=1)
-
-    @model_validator(mode="after")
-    def _ordered(self) -> "Range":
-        if self.min > self.max:
-            raise ValueError(f"min {self.min} > max {self.max}; swap them")
-        return self
-
-    def values(self) -> list[int]:
-        out = {self.min, self.max}
-        p = 1
-        while p <= self.max:
-            if p >= self.min:
-                out.add(p)
-            p *= 2
-        return sorted(out)
-
-
-MAX_KNOB_VALUES = 64
 MAX_CANDIDATES = 20_000
 
 
@@ -127,15 +105,6 @@ def _knob(value: Any) -> Any:
 
 
 Knob = Annotated[int | Range | list[int], BeforeValidator(_knob)]
-
-
-def knob_values(knob: Knob, field: str) -> list[int]:
-    if isinstance(knob, Range):
-        return knob.values()
-    values = [knob] if isinstance(knob, int) else list(knob)
-    if not values or any(v < 1 for v in values):
-        raise ValueError(f"search.{field}: values must be positive integers, got {values}")
-    return sorted(set(values))
 
 
 class Search(_Strict):

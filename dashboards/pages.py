@@ -298,7 +298,8 @@ def _job_summary(job, detail: dict[str, Any], spec: dict[str, Any], progress: di
         ("strategy", e(str(search.get("strategy", "?")))),
         ("progress", (f"{int(progress.get('trials_done') or 0)}/{int(progress.get('max_trials') or 0)} trials"
                       if job.status in ACTIVE else f"{int(progress.get('trials_done') or 0)} trials, finished")
-                     + (f", phase {e(str(progress.get('phase')))}" if progress.get("phase") else "")
+                     + (f", phase {e(str(progress.get('phase')))}" if progress.get("phase") and job.status in ACTIVE
+                        else "")
                      + (f", {_num(progress.get('elapsed_s'), '.0f')}s elapsed" if progress.get("elapsed_s") else "")
                      + (f", about {_num(progress.get('time_left_s'), '.0f')}s left"
                         if job.status == "running" else "")),
@@ -369,6 +370,11 @@ function sltuneFilter(input) {
     const text = r.textContent.toLowerCase(); r.hidden = !words.every(w => text.includes(w)); shown += !r.hidden; });
   document.getElementById("trials-shown").textContent = shown;
 }
+// a link can carry the view: ?filter=oom&sort=tokens/s
+const view = new URLSearchParams(location.search), filterBox = document.getElementById("trials-filter");
+if (view.get("filter")) { filterBox.value = view.get("filter"); sltuneFilter(filterBox); }
+const sortBy = [...document.querySelectorAll("#trials th")].find(h => h.textContent === view.get("sort"));
+if (sortBy) sltuneSort(sortBy);
 """
 
 
@@ -398,7 +404,8 @@ def _trials_table(trials: list[dict[str, Any]], best_number: int | None) -> str:
             + num(seconds, _duration(t.get("started_at"), t.get("finished_at")))
             + f"<td>{trace}</td><td class='wrap'>{e(str(r.get('error') or ''))}</td></tr>")
     return ("<p class='note'>Traces are Chrome trace JSON: open them in Perfetto (ui.perfetto.dev, "
-            "“Open trace file”) or chrome://tracing. Click a heading to sort.</p>"
+            "“Open trace file”) or chrome://tracing. Click a heading to sort; a link keeps the view with "
+            "<code>?filter=oom&amp;sort=tokens/s</code>.</p>"
             "<p><input id='trials-filter' size='40' placeholder='filter: ok, probe, b=4, oom ...' "
             f"oninput='sltuneFilter(this)'> <span class='note'><span id='trials-shown'>{len(trials)}</span> of "
             f"{len(trials)} trials</span></p><table id='trials'><thead><tr>{head}</tr></thead><tbody>"

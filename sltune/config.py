@@ -59,6 +59,8 @@ class SpeedLoaderConfig(BaseModel):
     # -- YAML ---------------------------------------------------------------------------------
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "config") -> "SpeedLoaderConfig":
+        if not isinstance(data, dict):
+            raise ValueError(f"{source}: expected a mapping of config fields, got {type(data).__name__}")
         knobs = {k: v for k, v in data.items() if k not in REPORT_SECTIONS}
         try:
             cfg = cls(**knobs)
@@ -75,10 +77,7 @@ class SpeedLoaderConfig(BaseModel):
     @classmethod
     def from_yaml(cls, path: str | Path) -> "SpeedLoaderConfig":
         """Reads the best-config file a tuning job exports (or any YAML with the knobs at the top)."""
-        data = read_yaml(path)
-        if not isinstance(data, dict):
-            raise ValueError(f"{path}: expected a mapping of config fields, got {type(data).__name__}")
-        return cls.from_dict(data, source=str(path))
+        return cls.from_dict(read_yaml(path), source=str(path))
 
     def to_dict(self) -> dict[str, Any]:
         out = self.model_dump()

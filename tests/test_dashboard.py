@@ -441,7 +441,7 @@ def test_job_page_renders_its_plots_in_headless_chromium(tmp_path):
     binary = chromium()
     if binary is None:
         pytest.skip("no chromium binary: install chromium (apt-get install -y chromium) to run the browser test")
-    from sltune.tuning import tune
+    from sltune.service.local import tune
 
     db, data = f"sqlite:///{tmp_path / 'jobs.db'}", tmp_path / "data"
     port = free_port()
@@ -485,6 +485,15 @@ def test_job_page_renders_its_plots_in_headless_chromium(tmp_path):
         assert points >= len(ok) and bars >= len(trials) + len(ok)    # timeline bars, stacked seconds
         assert "<table id=\"trials\">" in dom and dom.count("sltuneSort(this)") == 10
         assert "browser-check" in dom and f"/jobs/{job_id}/config.yaml" in dom
+
+        # the table sorts and filters in the browser: ok trials with b=2, by tokens/s
+        view = run_chromium(binary, tmp_path / "chromium", "--dump-dom", f"{page}?filter=ok+b%3D2&sort=tokens/s")
+        body = view.split('<table id="trials">')[1].split("</table>")[0]
+        rows = re.findall(r"<tr( hidden=\"\")?>(.*?)</tr>", body.split("<tbody>")[1])
+        shown = [re.findall(r"<td class=\"num\" data-v=\"([^\"]*)\"", cells)[0] for hidden, cells in rows if not hidden]
+        expect = sorted(t["result"]["tokens_per_s"] for t in ok if t["config"]["sub_batch_size"] == 2)
+        assert expect and [float(v) for v in shown] == expect and len(rows) == len(trials)
+        assert f">{len(expect)}</span> of {len(trials)} trials" in view
 
         shot = tmp_path / "dashboard-job.png"
         run_chromium(binary, tmp_path / "chromium", f"--screenshot={shot}", "--window-size=1400,4800", page)

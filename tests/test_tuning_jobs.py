@@ -17,7 +17,8 @@ from sltune.settings import Settings
 from sltune.store import Store
 from sltune.tuning.plan import plan
 from sltune.tuning.result import export_yaml
-from sltune.tuning.runner import trial_spec, tune
+from sltune.service.local import tune
+from sltune.tuning.runner import trial_spec
 from sltune.tuning.shape import shape_of
 from sltune.tuning.space import Candidate, SearchSpace
 from sltune.tuning.spec import TuningSpec

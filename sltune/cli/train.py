@@ -12,11 +12,10 @@ from tqdm import tqdm
 
 from sltune.cli.common import add_knobs, config_from_args
 from sltune.config import SpeedLoaderConfig
-from sltune.runtime.memory import DeviceMemoryExceeded
-from sltune.yamlfile import read_yaml
 from sltune.data import batches, load_tokens
+from sltune.runtime.memory import DeviceMemoryExceeded
 from sltune.sizes import format_bytes
-
+from sltune.yamlfile import read_yaml
 
 DEFAULT_MODEL, DEFAULT_SEQ_LEN = "llama-tiny", 128
 
@@ -45,8 +44,6 @@ def run(args: argparse.Namespace) -> int:
     from sltune.models import build
 
     tuned = read_yaml(args.config) if args.config else {}
-    if not isinstance(tuned, dict):
-        raise ValueError(f"{args.config}: expected a mapping of config fields, got {type(tuned).__name__}")
     base = SpeedLoaderConfig.from_dict(tuned, source=args.config) if args.config else None
     cfg = config_from_args(args, base)
     model_source, model_name = _model(args, tuned)

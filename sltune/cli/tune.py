@@ -52,7 +52,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run_tune(args: argparse.Namespace) -> int:
     from sltune.tuning.result import export_yaml
-    from sltune.tuning.runner import tune
+    from sltune.service.local import tune
     from sltune.tuning.spec import TuningSpec
 
     spec = TuningSpec.load(args.spec)

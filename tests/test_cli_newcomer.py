@@ -62,6 +62,13 @@ def test_a_bad_flag_value_names_the_flag_not_the_file(tmp_path, capsys):
     assert "best.yaml" not in err and err.count("device_memory_limit") == 0
 
 
+def test_a_bad_value_in_a_flag_built_model_is_one_line_naming_the_field(capsys):
+    assert main(["profile", "--device-memory-limit", "lots"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("sltune profile: error: device_memory_limit: cannot read 'lots' as a byte size; write a number "
+                   "of bytes or a number with a unit such as '512MiB', '2GiB' or '8GB'\n")
+
+
 def test_a_missing_file_is_one_line(tmp_path, capsys):
     assert main(["train", "--config", str(tmp_path / "nope.yaml")]) == 2
     assert capsys.readouterr().err == f"sltune train: error: {tmp_path / 'nope.yaml'}: No such file or directory\n"

@@ -6,6 +6,8 @@ import argparse
 import sys
 import traceback
 
+from pydantic import ValidationError
+
 from sltune.cli import profile, service, train, tune
 from sltune.service.client import ServiceError
 
@@ -59,10 +61,17 @@ def _one_line(err: Exception) -> str:
     else is named as unexpected, with the way to see more."""
     if isinstance(err, OSError) and err.filename is not None:
         return f"{err.filename}: {err.strerror or err}"
+    if isinstance(err, ValidationError):            # a model built from flags: the field and pydantic's reason
+        return "; ".join(_field_error(e) for e in err.errors())
     text = " ".join(str(err).split())
     if isinstance(err, USER_ERRORS):
         return text
     return f"{type(err).__name__}: {text} (unexpected; rerun with --debug for the traceback)"
+
+
+def _field_error(e: dict) -> str:
+    where = ".".join(str(p) for p in e["loc"])
+    return f"{where}: {e['msg'].removeprefix('Value error, ').removeprefix(f'{where}: ')}"
 
 
 if __name__ == "__main__":

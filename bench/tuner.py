@@ -18,7 +18,7 @@ from pathlib import Path
 
 from sltune.profiling import run_trial
 from sltune.settings import Settings
-from sltune.tuning import tune
+from sltune.service.local import tune
 
 
 def spec(model: str, limit: str, strategy: str, max_trials: int, seq: int) -> dict:

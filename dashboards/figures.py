@@ -63,6 +63,19 @@ def breakdown_of(trial: dict[str, Any]) -> dict[str, float] | None:
     return values if sum(values.values()) > 0 else None
 
 
+def seconds_of(trial: dict[str, Any]) -> dict[str, float] | None:
+    """Seconds per breakdown category of the profiled step: measured ones, else the fractions times the
+    profiled step's (or a timed step's) wall time."""
+    r = trial.get("result") or {}
+    measured = r.get("breakdown_seconds")
+    if isinstance(measured, dict) and any(k in measured for k in BREAKDOWN):
+        return {k: float(measured.get(k) or 0.0) for k in BREAKDOWN}
+    b, wall = breakdown_of(trial), r.get("profiled_step_seconds") or r.get("step_seconds")
+    if b is None or not isinstance(wall, (int, float)):
+        return None
+    return {k: v * wall for k, v in b.items()}
+
+
 def _hover_config(trial: dict[str, Any]) -> str:
     b, n, k = knobs(trial)
     return f"trial #{trial.get('number', '?')} ({trial.get('role') or '?'})<br>b={b} N={n} k={k}"
@@ -79,6 +92,20 @@ def _fmt_bytes(v: float | None) -> str:
         if v >= size:
             return f"{v / size:.1f} {unit}"
     return f"{v:.0f} B"
+
+
+def _log_toggle(fig: go.Figure, log: bool = False) -> go.Figure:
+    """Buttons that switch every y axis between linear and log: one outlier no longer squashes the rest."""
+    axes = [k for k in fig.layout.to_plotly_json() if k.startswith("yaxis")] or ["yaxis"]
+
+    def scale(kind: str) -> dict[str, str]:
+        return {f"{a}.type": kind for a in axes} | {f"{a}.autorange": True for a in axes}
+
+    fig.update_layout(updatemenus=[dict(type="buttons", direction="right", x=1.0, xanchor="right", y=1.13,
+                                        yanchor="bottom", showactive=True, active=1 if log else 0,
+                                        buttons=[dict(label="linear y", method="relayout", args=[scale("linear")]),
+                                                 dict(label="log y", method="relayout", args=[scale("log")])])])
+    return fig
 
 
 def _base_layout(fig: go.Figure, title: str, height: int) -> go.Figure:
@@ -107,12 +134,15 @@ def breakdown_pies(trials: Iterable[dict[str, Any]], limit: int = PIE_LIMIT, col
     fig = make_subplots(rows=rows, cols=cols, specs=[[{"type": "domain"}] * cols for _ in range(rows)],
                         subplot_titles=titles, vertical_spacing=0.12 / rows + 0.04)
     for i, t in enumerate(shown):
-        b = breakdown_of(t)
-        fig.add_trace(go.Pie(labels=list(BREAKDOWN.values()), values=[b[k] for k in BREAKDOWN],
-                             marker=dict(colors=[BREAKDOWN_COLORS[k] for k in BREAKDOWN]), sort=False,
+        b, secs = breakdown_of(t), seconds_of(t) or {}
+        keys = [k for k in BREAKDOWN if b[k] > 0]         # an empty slice (all-gather at one rank) says nothing
+        fig.add_trace(go.Pie(labels=[BREAKDOWN[k] for k in keys], values=[b[k] for k in keys],
+                             marker=dict(colors=[BREAKDOWN_COLORS[k] for k in keys]), sort=False,
                              direction="clockwise", textinfo="percent", textposition="inside",
                              name=f"trial #{t.get('number')}", hole=0.3,
-                             hovertemplate="%{label}: %{percent}<extra>trial #" + str(t.get("number")) + "</extra>"),
+                             customdata=[f"{secs[k] * 1000:,.1f} ms" if k in secs else "-" for k in keys],
+                             hovertemplate="%{label}: %{percent}, %{customdata}<extra>trial #"
+                                           + str(t.get("number")) + "</extra>"),
                       row=i // cols + 1, col=i % cols + 1)
     fig.update_annotations(font_size=11)
     fig.update_layout(legend=dict(orientation="h", y=-0.02, yanchor="top", x=0.5, xanchor="center"),
@@ -179,12 +209,99 @@ def throughput_figure(trials: Iterable[dict[str, Any]], best_number: int | None 
                      title_standoff=4)
     fig.update_yaxes(rangemode="tozero")
     fig.update_yaxes(title_text="tokens/s", col=1)
-    return _base_layout(fig, "Throughput against the knobs", 150 + 300 * rows)
+    return _log_toggle(_base_layout(fig, "Throughput against the knobs", 150 + 300 * rows))
 
 
 def _short(text: Any, n: int = 160) -> str:
     s = str(text or "")
     return s if len(s) <= n else s[: n - 1] + "…"
+
+
+# -- history, importance, parallel coordinates, seconds per trial -------------------------------------
+def history_figure(trials: Iterable[dict[str, Any]]) -> go.Figure | None:
+    """tokens/s of each trial in the order they ran, and the best so far: how fast the search got there."""
+    done = sorted((t for t in trials if status_of(t) not in ("running", "interrupted")),
+                  key=lambda t: t.get("number") or 0)
+    if not done:
+        return None
+    fig = go.Figure()
+    for status in ("ok", "oom", "failed", "timeout"):
+        sel = [t for t in done if status_of(t) == status]
+        if not sel:
+            continue
+        ok = status == "ok"
+        fig.add_trace(go.Scatter(
+            x=[t.get("number") for t in sel], y=[tokens_per_s(t) if ok else 0.0 for t in sel], mode="markers",
+            name="trial" if ok else status, text=[_hover_config(t) for t in sel],
+            marker=dict(size=10 if ok else 12, symbol="circle" if ok else "x", color=STATUS_COLORS[status]),
+            hovertemplate="%{text}<br>" + ("%{y:,.1f} tokens/s" if ok else status) + "<extra></extra>"))
+    best, xs, ys = None, [], []
+    for t in done:
+        v = tokens_per_s(t) if status_of(t) == "ok" else None
+        if v is not None and (best is None or v > best):
+            best = v
+        if best is not None:
+            xs.append(t.get("number"))
+            ys.append(best)
+    if xs:
+        fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines", name="best so far", line=dict(color="#d62728", shape="hv"),
+                                 hovertemplate="best so far %{y:,.1f} tokens/s<extra></extra>"))
+    fig.update_xaxes(title_text="trial #", dtick=1 if len(done) <= 30 else None)
+    fig.update_yaxes(title_text="tokens/s", rangemode="tozero")
+    fig.update_layout(legend=dict(orientation="h", y=-0.2, x=0))
+    return _log_toggle(_base_layout(fig, "History", 380))
+
+
+def importance_figure(importances: dict[str, float] | None) -> go.Figure | None:
+    """How much each knob explains of tokens/s across the trials (optuna.importance), largest on top."""
+    if not importances:
+        return None
+    items = sorted(importances.items(), key=lambda kv: kv[1])
+    fig = go.Figure(go.Bar(x=[v for _, v in items], y=[k for k, _ in items], orientation="h",
+                           marker_color="#4c78a8", text=[f"{v:.2f}" for _, v in items], textposition="auto",
+                           hovertemplate="%{y}: %{x:.3f}<extra></extra>"))
+    fig.update_xaxes(title_text="importance for tokens/s (sums to 1)", range=[0, 1])
+    return _base_layout(fig, "Parameter importance", 110 + 45 * len(items))
+
+
+def parallel_figure(trials: Iterable[dict[str, Any]]) -> go.Figure | None:
+    """Every ok trial as a line through b, N, k and tokens/s, coloured by tokens/s: drag an axis to filter."""
+    ok = [t for t in trials if status_of(t) == "ok" and tokens_per_s(t) is not None and None not in knobs(t)]
+    if len(ok) < 2:
+        return None
+    tps = [tokens_per_s(t) for t in ok]
+
+    def dim(label: str, values: list[float], log2: bool = True) -> dict[str, Any]:
+        ticks = sorted(set(values))
+        if not log2:
+            return dict(label=label, values=values)
+        return dict(label=label, values=[math.log2(v) for v in values], tickvals=[math.log2(v) for v in ticks],
+                    ticktext=[str(v) for v in ticks])
+
+    dims = [dim("sub_batch_size b", [knobs(t)[0] for t in ok]), dim("num_sub_batches N", [knobs(t)[1] for t in ok]),
+            dim("num_live_blocks k", [knobs(t)[2] for t in ok]), dim("tokens/s", tps, log2=False)]
+    fig = go.Figure(go.Parcoords(dimensions=dims, line=dict(color=tps, colorscale="Viridis", showscale=True,
+                                                            colorbar=dict(title="tokens/s"))))
+    return _base_layout(fig, "Parallel coordinates", 400)
+
+
+def seconds_figure(trials: Iterable[dict[str, Any]]) -> go.Figure | None:
+    """Seconds of the profiled step per category, one stacked bar per trial: absolute, so trials compare."""
+    rows = sorted(((t, seconds_of(t)) for t in trials if status_of(t) == "ok"), key=lambda r: r[0].get("number") or 0)
+    rows = [(t, sec) for t, sec in rows if sec]
+    if not rows:
+        return None
+    labels = [f"#{t.get('number')} {config_label(t)}" for t, _ in rows]
+    fig = go.Figure()
+    for k, name in BREAKDOWN.items():
+        ys = [sec.get(k, 0.0) for _, sec in rows]
+        if not any(ys):
+            continue                         # a category no trial spent time in stays out of the legend
+        fig.add_trace(go.Bar(x=labels, y=ys, name=name, marker_color=BREAKDOWN_COLORS[k],
+                             hovertemplate="%{x}<br>" + name + ": %{y:.4f} s<extra></extra>"))
+    fig.update_layout(barmode="stack", legend=dict(orientation="h", y=-0.35, x=0))
+    fig.update_yaxes(title_text="seconds of the profiled step")
+    return _log_toggle(_base_layout(fig, "Seconds per trial", 430))
 
 
 # -- measured peaks against the fitted models -------------------------------------------------------
@@ -295,20 +412,24 @@ def peaks_figure(models: dict[str, Any] | None, trials: Iterable[dict[str, Any]]
             continue
         drawn = True
         limit = _mib(limits.get(kind))
-        lo = min(xs + ys) * 0.8
-        hi = max(xs + ys + ([limit] if limit else [])) * 1.25
+        lo, hi = min(xs + ys) * 0.8, max(xs + ys) * 1.25     # the data's range: a far limit must not squash it
+        if limit and limit <= 2 * max(xs + ys):
+            hi = max(hi, limit * 1.15)                          # a near limit is drawn as a line
         fig.add_trace(go.Scatter(x=[lo, hi], y=[lo, hi], mode="lines", name="measured = predicted",
                                  legendgroup="diag", showlegend=legend("diag"), hoverinfo="skip",
                                  line=dict(color="#999", dash="dash", width=1)), row=1, col=col)
         if limit:
-            fig.add_trace(go.Scatter(x=[lo, hi], y=[limit, limit], mode="lines", name="memory limit",
-                                     legendgroup="limit", showlegend=legend("limit"),
-                                     line=dict(color="#d62728", width=2),
-                                     hovertemplate=f"{kind} limit {_fmt_bytes(limits[kind])}<extra></extra>"),
-                          row=1, col=col)
-            fig.add_annotation(x=math.log10(lo), y=math.log10(limit), xref=f"x{col if col > 1 else ''}",
-                               yref=f"y{col if col > 1 else ''}", text=f"{kind} limit {_fmt_bytes(limits[kind])}",
-                               showarrow=False, xanchor="left", yanchor="bottom", font=dict(color="#d62728", size=11))
+            label = f"{kind} limit {_fmt_bytes(limits[kind])}"
+            if limit <= hi:
+                fig.add_trace(go.Scatter(x=[lo, hi], y=[limit, limit], mode="lines", name="memory limit",
+                                         legendgroup="limit", showlegend=legend("limit"),
+                                         line=dict(color="#d62728", width=2),
+                                         hovertemplate=label + "<extra></extra>"), row=1, col=col)
+            else:
+                label += f": {limit / max(ys):,.1f}x the largest measured peak, above the plot"
+            fig.add_annotation(x=math.log10(lo), y=math.log10(min(limit, hi)), xref=f"x{col if col > 1 else ''}",
+                               yref=f"y{col if col > 1 else ''}", text=label, showarrow=False, xanchor="left",
+                               yanchor="bottom" if limit <= hi else "top", font=dict(color="#d62728", size=11))
         fig.update_xaxes(type="log", range=[math.log10(lo), math.log10(hi)], title_text="predicted (MiB)",
                          row=1, col=col)
         fig.update_yaxes(type="log", range=[math.log10(lo), math.log10(hi)], title_text="measured (MiB)",

@@ -29,6 +29,8 @@ from sltune.tuning import compare as comparing
 from sltune.service.jobs import job_detail
 from sltune.sizes import format_bytes
 from sltune.store.schema import Artifact
+from sltune.tuning.runner import optuna_storage
+from sltune.tuning.study import param_importances
 
 router = APIRouter(include_in_schema=False)
 
@@ -53,6 +55,7 @@ td.num{text-align:right;font-variant-numeric:tabular-nums}
 .fig{background:#fff;border:1px solid #e0e0e0;margin:.5em 0 1em}.bad{color:#c62828;font-weight:bold}
 .good{color:#2e7d32;font-weight:bold}dl{display:grid;grid-template-columns:max-content auto;gap:.2em 1em}
 dt{color:#555}dd{margin:0}code{background:#eceff1;padding:0 .25em}
+#trials th{cursor:pointer}#trials th.asc:after{content:" ▲"}#trials th.desc:after{content:" ▼"}
 """
 
 
@@ -81,6 +84,11 @@ def _fig_html(fig: go.Figure | None, empty: str) -> str:
     fig.update_layout(title=None, margin_t=50)      # the page's heading names it
     return '<div class="fig">' + fig.to_html(full_html=False, include_plotlyjs=False,
                                              config={"displaylogo": False, "responsive": True}) + "</div>"
+
+
+def _heading(title: str) -> str:
+    """A section heading with an anchor (/dashboard/jobs/ID#parameter-importance links to it)."""
+    return f"<h2 id='{title.lower().replace(' ', '-')}'>{e(title)}</h2>"
 
 
 def _q(job_id: str) -> str:
@@ -171,6 +179,8 @@ def job_list(request: Request, status: str | None = None, limit: int = 200) -> H
         best_tps = best.get("tokens_per_s", p.get("best_tokens_per_s"))
         best_cfg = best.get("config") or p.get("best_config")
         done, total = p.get("trials_done", 0) or 0, p.get("max_trials") or 0
+        if j.status not in ACTIVE:
+            total = done            # a finished job ran all it will run, even when it stopped before its max
         bar = f'<progress max="{int(total)}" value="{int(done)}"></progress> ' if total else ""
         qid = _q(j.id)
         links = [f"<a href='/dashboard/jobs/{qid}'>dashboard</a>", f"<a href='/jobs/{qid}'>JSON</a>",
@@ -179,7 +189,7 @@ def job_list(request: Request, status: str | None = None, limit: int = 200) -> H
             links.append(f"<a href='/jobs/{qid}/config.yaml'>config.yaml</a>")
         rows.append(
             f"<tr><td><a href='/dashboard/jobs/{qid}'><code>{e(j.id)}</code></a></td><td class='wrap'>{e(j.name)}</td>"
-            f"<td>{_badge(j.status)}</td><td>{bar}{int(done)}/{int(total)}"
+            f"<td>{_badge(j.status)}</td><td>{bar}{int(done)}/{int(total) if total else '-'}"
             f"{' · ' + e(str(p.get('phase'))) if j.status == 'running' and p.get('phase') else ''}</td>"
             f"<td class='num'>{_num(best_tps)}</td><td>{_knobs(best_cfg) if best_cfg else '-'}</td>"
             f"<td>{_ts(j.created_at)}</td><td>{_duration(j.started_at, j.finished_at) if j.started_at else '-'}</td>"
@@ -228,16 +238,26 @@ def job_page(job_id: str, request: Request) -> HTMLResponse:
     if job.error:
         parts.append(f"<div class='error'>{e(job.error)}</div>")
 
-    parts.append("<h2>Best config</h2>")
+    parts.append(_heading("Best config"))
     parts.append(_best_section(job, best, result, progress, hw, qid))
 
     best_number = (best or {}).get("trial_number")
-    parts.append("<h2>Throughput against the knobs</h2>")
+    parts.append(_heading("History"))
+    parts.append(_fig_html(figures.history_figure(trials), "No finished trial yet."))
+    parts.append(_heading("Parameter importance"))
+    parts.append(_fig_html(figures.importance_figure(param_importances(optuna_storage(store.url), job.id)),
+                           "Not enough successful trials with different knobs to say yet."))
+    parts.append("<p class='note'>optuna.importance on the job's Optuna study: how much of the variation in "
+                 "tokens/s each knob explains.</p>")
+    parts.append(_heading("Parallel coordinates"))
+    parts.append(_fig_html(figures.parallel_figure(trials), "Fewer than two successful trials yet."))
+    parts.append("<p class='note'>One line per successful trial; drag along an axis to keep a range.</p>")
+    parts.append(_heading("Throughput against the knobs"))
     parts.append(_fig_html(figures.throughput_figure(trials, best_number), "No finished trial yet."))
     parts.append("<p class='note'>One panel per num_sub_batches (N); colour: num_live_blocks (k); ★ the best "
                  "trial; crosses on the zero line: trials that ran out of memory or failed.</p>")
 
-    parts.append("<h2>Measured peaks against the fitted models</h2>")
+    parts.append(_heading("Measured peaks against the fitted models"))
     limits = {"device": hw.get("device_memory_limit"), "host": hw.get("host_memory_limit")}
     parts.append(_fig_html(figures.peaks_figure(detail.get("models"), trials, limits),
                            "No fitted model or measured peak yet."))
@@ -247,17 +267,19 @@ def job_page(job_id: str, request: Request) -> HTMLResponse:
                                if isinstance(v, (int, float))) or "-") + ".</p>")
 
     shown, total = figures.pie_trials(trials)
-    parts.append("<h2>Time breakdown per trial</h2>")
+    parts.append(_heading("Time breakdown per trial"))
     if total > len(shown):
         parts.append(f"<p class='note'>Showing the {len(shown)} fastest of {total} ok trials with a breakdown "
                      "(the table below lists them all).</p>")
     parts.append(_fig_html(figures.breakdown_pies(trials),
                            "No ok trial with a time breakdown yet (breakdowns need search.profile: true)."))
 
-    parts.append("<h2>Trial timeline</h2>")
+    parts.append(_heading("Seconds per trial"))
+    parts.append(_fig_html(figures.seconds_figure(trials), "No ok trial with a time breakdown yet."))
+    parts.append(_heading("Trial timeline"))
     parts.append(_fig_html(figures.timeline_figure(trials), "No trial has started yet."))
 
-    parts.append("<h2>Trials</h2>")
+    parts.append(_heading("Trials"))
     parts.append(_trials_table(trials, best_number))
     return _page(f"job {job.name}", "".join(parts), plots=True, refresh=15 if job.status in ACTIVE else None)
 
@@ -274,8 +296,10 @@ def _job_summary(job, detail: dict[str, Any], spec: dict[str, Any], progress: di
         ("hardware", e(f"{hw.get('device', '?')}, device limit {_bytes(hw.get('device_memory_limit'))}, host limit "
                        f"{_bytes(hw.get('host_memory_limit'))}, world size {hw.get('world_size', 1)}")),
         ("strategy", e(str(search.get("strategy", "?")))),
-        ("progress", f"{int(progress.get('trials_done') or 0)}/{int(progress.get('max_trials') or 0)} trials"
-                     + (f", phase {e(str(progress.get('phase')))}" if progress.get("phase") else "")
+        ("progress", (f"{int(progress.get('trials_done') or 0)}/{int(progress.get('max_trials') or 0)} trials"
+                      if job.status in ACTIVE else f"{int(progress.get('trials_done') or 0)} trials, finished")
+                     + (f", phase {e(str(progress.get('phase')))}" if progress.get("phase") and job.status in ACTIVE
+                        else "")
                      + (f", {_num(progress.get('elapsed_s'), '.0f')}s elapsed" if progress.get("elapsed_s") else "")
                      + (f", about {_num(progress.get('time_left_s'), '.0f')}s left"
                         if job.status == "running" else "")),
@@ -318,7 +342,7 @@ def _best_section(job, best: dict[str, Any] | None, result: dict[str, Any], prog
              + "".join(f"<tr><th>{k}</th><td class='num'>{m}</td><td class='num'>{p}</td></tr>" for k, m, p in rows)
              + "</table>")
     link = (f"<p><a href='/jobs/{qid}/config.yaml' download='best-{qid}.yaml'><b>Download the config "
-            f"(config.yaml)</b></a> · train with it: <code>sltune train --config best.yaml ...</code></p>"
+            f"(config.yaml)</b></a> · train with it: <code>sltune train --config best.yaml</code></p>"
             if job.status == "succeeded" else "")
     limit = result.get("binding_limit")
     if result.get("confidence"):
@@ -328,26 +352,66 @@ def _best_section(job, best: dict[str, Any] | None, result: dict[str, Any], prog
             f"{_bytes(hw.get('host_memory_limit'))}).</p>{table}")
 
 
+TABLE_JS = """
+function sltuneSort(th) {
+  const table = th.closest("table"), col = [...th.parentNode.children].indexOf(th), asc = th.dataset.asc !== "1";
+  th.parentNode.querySelectorAll("th").forEach(h => { delete h.dataset.asc; h.classList.remove("asc", "desc"); });
+  th.dataset.asc = asc ? "1" : "0"; th.classList.add(asc ? "asc" : "desc");
+  const key = row => { const c = row.cells[col], v = c.dataset.v ?? c.textContent.trim(), n = parseFloat(v);
+                       return isNaN(n) ? v.toLowerCase() : n; };
+  const rows = [...table.tBodies[0].rows];
+  rows.sort((a, b) => { const x = key(a), y = key(b);
+    if (typeof x !== typeof y) return typeof x === "number" ? -1 : 1;
+    return (x < y ? -1 : x > y ? 1 : 0) * (asc ? 1 : -1); });
+  rows.forEach(r => table.tBodies[0].appendChild(r));
+}
+function sltuneFilter(input) {
+  const words = input.value.toLowerCase().split(/\\s+/).filter(Boolean);
+  let shown = 0;
+  document.querySelectorAll("#trials tbody tr").forEach(r => {
+    const text = r.textContent.toLowerCase(); r.hidden = !words.every(w => text.includes(w)); shown += !r.hidden; });
+  document.getElementById("trials-shown").textContent = shown;
+}
+// a link can carry the view: ?filter=oom&sort=tokens/s
+const view = new URLSearchParams(location.search), filterBox = document.getElementById("trials-filter");
+if (view.get("filter")) { filterBox.value = view.get("filter"); sltuneFilter(filterBox); }
+const sortBy = [...document.querySelectorAll("#trials th")].find(h => h.textContent === view.get("sort"));
+if (sortBy) sltuneSort(sortBy);
+"""
+
+
 def _trials_table(trials: list[dict[str, Any]], best_number: int | None) -> str:
+    """Every trial; a click on a heading sorts by it, the box keeps the rows that contain every word typed."""
     if not trials:
         return "<p class='note'>No trials yet.</p>"
-    head = ("<tr><th>#</th><th>role</th><th>status</th><th>config</th><th>tokens/s</th><th>device peak</th>"
-            "<th>host peak</th><th>duration</th><th>trace</th><th>error</th></tr>")
+    heads = ["#", "role", "status", "config", "tokens/s", "device peak", "host peak", "duration", "trace", "error"]
+    head = "".join(f"<th onclick='sltuneSort(this)' title='sort'>{h}</th>" for h in heads)
     rows = []
     for t in trials:
         r = t.get("result") or {}
         trace = (f"<a href='{e(t['trace_url'])}'>trace.json</a>" if t.get("trace_url") else "-")
         star = " ★" if t.get("number") == best_number else ""
+        a, b = _utc(t.get("started_at")), _utc(t.get("finished_at"))
+        seconds = (b - a).total_seconds() if a and b else None
+
+        def num(v: Any, shown: str) -> str:
+            return f"<td class='num' data-v='{v if isinstance(v, (int, float)) else ''}'>{shown}</td>"
+
         rows.append(
-            f"<tr><td>{e(str(t.get('number')))}{star}</td><td>{e(str(t.get('role') or '-'))}</td>"
-            f"<td>{_badge(t.get('status'))}</td><td>{_knobs(t.get('config'))}</td>"
-            f"<td class='num'>{_num(r.get('tokens_per_s'))}</td>"
-            f"<td class='num'>{_bytes(r.get('peak_device_bytes'))}</td>"
-            f"<td class='num'>{_bytes(r.get('peak_host_bytes'))}</td>"
-            f"<td class='num'>{_duration(t.get('started_at'), t.get('finished_at'))}</td><td>{trace}</td>"
-            f"<td class='wrap'>{e(str(r.get('error') or ''))}</td></tr>")
+            f"<tr><td data-v='{e(str(t.get('number')))}'>{e(str(t.get('number')))}{star}</td>"
+            f"<td>{e(str(t.get('role') or '-'))}</td><td>{_badge(t.get('status'))}</td><td>{_knobs(t.get('config'))}</td>"
+            + num(r.get("tokens_per_s"), _num(r.get("tokens_per_s")))
+            + num(r.get("peak_device_bytes"), _bytes(r.get("peak_device_bytes")))
+            + num(r.get("peak_host_bytes"), _bytes(r.get("peak_host_bytes")))
+            + num(seconds, _duration(t.get("started_at"), t.get("finished_at")))
+            + f"<td>{trace}</td><td class='wrap'>{e(str(r.get('error') or ''))}</td></tr>")
     return ("<p class='note'>Traces are Chrome trace JSON: open them in Perfetto (ui.perfetto.dev, "
-            "“Open trace file”) or chrome://tracing.</p><table>" + head + "".join(rows) + "</table>")
+            "“Open trace file”) or chrome://tracing. Click a heading to sort; a link keeps the view with "
+            "<code>?filter=oom&amp;sort=tokens/s</code>.</p>"
+            "<p><input id='trials-filter' size='40' placeholder='filter: ok, probe, b=4, oom ...' "
+            f"oninput='sltuneFilter(this)'> <span class='note'><span id='trials-shown'>{len(trials)}</span> of "
+            f"{len(trials)} trials</span></p><table id='trials'><thead><tr>{head}</tr></thead><tbody>"
+            + "".join(rows) + f"</tbody></table><script>{TABLE_JS}</script>")
 
 
 # -- two jobs compared -----------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from sltune.sizes import parse_bytes
+from sltune.yamlfile import read_yaml
 
 Schedule = Literal["speedloader", "canonical", "resident"]
 DType = Literal["float32", "bfloat16", "float16"]
@@ -68,6 +69,8 @@ class SpeedLoaderConfig(BaseModel):
     # -- YAML ---------------------------------------------------------------------------------
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "config") -> "SpeedLoaderConfig":
+        if not isinstance(data, dict):
+            raise ValueError(f"{source}: expected a mapping of config fields, got {type(data).__name__}")
         knobs = {k: v for k, v in data.items() if k not in REPORT_SECTIONS}
         try:
             cfg = cls(**knobs)
@@ -84,11 +87,7 @@ class SpeedLoaderConfig(BaseModel):
     @classmethod
     def from_yaml(cls, path: str | Path) -> "SpeedLoaderConfig":
         """Reads the best-config file a tuning job exports (or any YAML with the knobs at the top)."""
-        text = Path(path).read_text()
-        data = yaml.safe_load(text)
-        if not isinstance(data, dict):
-            raise ValueError(f"{path}: expected a mapping of config fields, got {type(data).__name__}")
-        return cls.from_dict(data, source=str(path))
+        return cls.from_dict(read_yaml(path), source=str(path))
 
     def to_dict(self) -> dict[str, Any]:
         out = self.model_dump()

@@ -100,10 +100,15 @@ def test_pies_show_each_ok_trials_breakdown_fastest_first():
     assert [p.name for p in pies][0] == "trial #8"                   # the fastest first
     by_name = {f"trial #{t['number']}": t for t in ok}
     for p in pies:
-        bd = by_name[p.name]["result"]["breakdown"]
-        assert list(p.labels) == ["compute", "memcpy", "CPU", "all-gather", "reduce-scatter", "other"]
-        assert list(p.values) == [bd[k] for k in ("compute", "memcpy", "cpu", "all_gather", "reduce_scatter", "other")]
+        r = by_name[p.name]["result"]
+        bd = r["breakdown"]
+        # one rank: all-gather and reduce-scatter took no time, and are no slice (nor a legend entry)
+        assert list(p.labels) == ["compute", "memcpy", "CPU", "other"]
+        assert list(p.values) == [bd[k] for k in ("compute", "memcpy", "cpu", "other")]
         assert math.isclose(sum(p.values), 1.0, abs_tol=1e-9)
+        # hover: the seconds behind each percentage, here the fraction of the step time
+        assert list(p.customdata) == [f"{bd[k] * r['step_seconds'] * 1000:,.1f} ms"
+                                      for k in ("compute", "memcpy", "cpu", "other")]
 
 
 def test_pies_are_capped_at_the_fastest_twelve():
@@ -112,6 +117,34 @@ def test_pies_are_capped_at_the_fastest_twelve():
     shown, total = figures.pie_trials(many)
     assert total == 30 and len(shown) == 12 and shown[0]["number"] == 29
     assert len(figures.breakdown_pies(many).data) == 12
+
+
+def test_history_draws_every_trial_in_order_and_the_best_so_far():
+    trials = realistic_trials()
+    fig = figures.history_figure(trials)
+    by_name = {tr.name: tr for tr in fig.data}
+    assert list(by_name["trial"].x) == [0, 1, 2, 4, 5, 6, 7, 8] and list(by_name["oom"].x) == [3]
+    best = by_name["best so far"]
+    assert list(best.x) == list(range(9))
+    assert list(best.y) == [74.2, 97.6, 372.2, 372.2, 372.2, 372.2, 372.2, 372.2, 1618.8]
+    assert [b.label for b in fig.layout.updatemenus[0].buttons] == ["linear y", "log y"]
+
+
+def test_parallel_coordinates_and_seconds_per_trial_cover_the_ok_trials():
+    trials = realistic_trials()
+    ok = [t for t in trials if t["status"] == "ok"]
+    par = figures.parallel_figure(trials).data[0]
+    assert [d.label for d in par.dimensions] == ["sub_batch_size b", "num_sub_batches N", "num_live_blocks k",
+                                                 "tokens/s"]
+    assert list(par.dimensions[3].values) == [t["result"]["tokens_per_s"] for t in ok]
+    assert sorted(par.dimensions[0].ticktext) == ["1", "2", "4", "8"]
+    bars = figures.seconds_figure(trials).data
+    assert [b.name for b in bars] == ["compute", "memcpy", "CPU", "other"]    # no all-gather at one rank
+    for i, t in enumerate(ok):                                                # absolute seconds, stacked
+        r = t["result"]
+        assert sum(b.y[i] for b in bars) == pytest.approx(r["step_seconds"])
+    assert figures.importance_figure({"num_sub_batches": 0.6, "sub_batch_size": 0.3, "num_live_blocks": 0.1}) \
+        .data[0].y == ("num_live_blocks", "sub_batch_size", "num_sub_batches")
 
 
 def test_throughput_figure_facets_by_n_colours_by_k_and_marks_the_oom():
@@ -133,7 +166,13 @@ def test_peaks_figure_draws_measured_against_predicted_with_both_limits():
     models = realistic_models(trials)
     fig = figures.peaks_figure(models, trials, {"device": DEVICE_LIMIT, "host": HOST_LIMIT})
     limits = [tr for tr in fig.data if tr.name == "memory limit"]
-    assert sorted(tr.y[0] for tr in limits) == [6.0, 8192.0]
+    assert [tr.y[0] for tr in limits] == [6.0]          # the device limit, near the data: a line
+    # the host limit (8 GiB, 25x the largest peak) is a note at the top, not an axis stretched to it
+    host_peaks = [t["result"]["peak_host_bytes"] / MIB for t in trials if t["result"]["peak_host_bytes"]]
+    note = [a.text for a in fig.layout.annotations if a.text.startswith("host limit")]
+    assert note == [f"host limit 8.0 GiB: {HOST_LIMIT / MIB / max(host_peaks):.1f}x the largest measured peak, "
+                    "above the plot"]
+    assert 10 ** fig.layout.yaxis2.range[1] < 1.3 * max(host_peaks)
     fit = [tr for tr in fig.data if tr.name == "trials the fit used"]
     assert len(fit) == 2 and len(fit[0].x) == 8
     measured = sorted(r["measured"] / MIB for r in models["device"]["residuals"])
@@ -272,6 +311,11 @@ def test_job_list_shows_every_job_with_status_progress_best_and_links(site):
         assert f"/dashboard/jobs/{job_id}" in r.text
     assert f"/jobs/{ids['done']}/config.yaml" in r.text and f"/jobs/{ids['failed']}/config.yaml" not in r.text
     assert "1,618.8" in r.text and "s-succeeded" in r.text and "s-queued" in r.text and "<progress" in r.text
+    # a finished job that stopped before max_trials (12) has a full bar; a running one counts to its max
+    done_row = r.text.split(f"/dashboard/jobs/{ids['done']}'>")[1].split("</tr>")[0]
+    assert '<progress max="8" value="8">' in done_row and "8/8" in done_row
+    running_row = r.text.split(f"/dashboard/jobs/{ids['running']}'>")[1].split("</tr>")[0]
+    assert '<progress max="12" value="3">' in running_row
     assert XSS not in r.text and html_escaped(XSS) in r.text
     assert 'http-equiv="refresh"' in r.text            # a job is still running
     _no_cdn(r.text)
@@ -290,10 +334,16 @@ def test_job_page_has_every_section_and_the_links(site):
     r = client.get(f"/dashboard/jobs/{ids['done']}")
     assert r.status_code == 200
     text = r.text
-    assert text.count('class="plotly-graph-div"') == 4            # throughput, peaks, pies, timeline
-    for heading in ("Best config", "Throughput against the knobs", "Measured peaks against the fitted models",
-                    "Time breakdown per trial", "Trial timeline", "Trials"):
-        assert f"<h2>{heading}</h2>" in text
+    # history, parallel coordinates, throughput, peaks, pies, seconds, timeline; importance needs the job's
+    # Optuna study, which these hand-made jobs lack (the browser test's real job has it)
+    assert text.count('class="plotly-graph-div"') == 7
+    for heading in ("Best config", "History", "Parameter importance", "Parallel coordinates",
+                    "Throughput against the knobs", "Measured peaks against the fitted models",
+                    "Time breakdown per trial", "Seconds per trial", "Trial timeline", "Trials"):
+        assert f">{heading}</h2>" in text
+    assert "Not enough successful trials with different knobs to say yet." in text
+    assert "<table id='trials'>" in text and "sltuneSort(this)" in text and "oninput='sltuneFilter(this)'" in text
+    assert "8 trials, finished" in text and "s left" not in text      # a finished job: no time left
     assert f"href='/jobs/{ids['done']}/config.yaml'" in text
     for n in (0, 1, 2, 4, 5, 6, 7, 8):
         assert f"/jobs/{ids['done']}/trials/{n}/trace" in text
@@ -308,7 +358,7 @@ def test_running_failed_and_queued_jobs_show_what_they_have(site):
     r = client.get(f"/dashboard/jobs/{ids['running']}")
     assert r.status_code == 200 and XSS not in r.text and html_escaped(XSS) in r.text
     assert "Best so far" in r.text and "config.yaml'" not in r.text and 'http-equiv="refresh"' in r.text
-    assert r.text.count('class="plotly-graph-div"') == 4           # the models come from the fits table
+    assert r.text.count('class="plotly-graph-div"') == 7           # the models come from the fits table
     assert "s-running" in r.text
     r = client.get(f"/dashboard/jobs/{ids['failed']}")
     assert r.status_code == 200 and "no config ran successfully" in r.text
@@ -391,7 +441,7 @@ def test_job_page_renders_its_plots_in_headless_chromium(tmp_path):
     binary = chromium()
     if binary is None:
         pytest.skip("no chromium binary: install chromium (apt-get install -y chromium) to run the browser test")
-    from sltune.tuning import tune
+    from sltune.service.local import tune
 
     db, data = f"sqlite:///{tmp_path / 'jobs.db'}", tmp_path / "data"
     port = free_port()
@@ -425,15 +475,30 @@ def test_job_page_renders_its_plots_in_headless_chromium(tmp_path):
         bars = len(re.findall(r'<g class="point"', dom))
         print(f"\nDOM of {page}: {plots} .js-plotly-plot, {pielayers} .pielayer, "
               f"{slices} g.slice, {points} scatter points, {bars} bars")
-        assert plots == 4                               # throughput, peaks, breakdown pies, timeline
+        importance = httpx.get(page).text.count('class="plotly-graph-div"') == 8
+        # history, importance, parallel coordinates, throughput, peaks, breakdown pies, seconds, timeline
+        assert plots == 8 and importance, dom[-3000:]
+        assert dom.count('class="parcoords"') == 1                    # parallel coordinates drawn
+        assert dom.count('class="updatemenu-button"') >= 6            # log-y toggles: history, throughput, seconds
         assert slices >= 4 * min(len(ok), figures.PIE_LIMIT)          # compute, memcpy, CPU, other at least
-        assert points >= len(ok) and bars >= len(trials)
+        assert "all-gather" not in dom.split("Time breakdown per trial")[1]   # one rank: no empty slices
+        assert points >= len(ok) and bars >= len(trials) + len(ok)    # timeline bars, stacked seconds
+        assert "<table id=\"trials\">" in dom and dom.count("sltuneSort(this)") == 10
         assert "browser-check" in dom and f"/jobs/{job_id}/config.yaml" in dom
 
+        # the table sorts and filters in the browser: ok trials with b=2, by tokens/s
+        view = run_chromium(binary, tmp_path / "chromium", "--dump-dom", f"{page}?filter=ok+b%3D2&sort=tokens/s")
+        body = view.split('<table id="trials">')[1].split("</table>")[0]
+        rows = re.findall(r"<tr( hidden=\"\")?>(.*?)</tr>", body.split("<tbody>")[1])
+        shown = [re.findall(r"<td class=\"num\" data-v=\"([^\"]*)\"", cells)[0] for hidden, cells in rows if not hidden]
+        expect = sorted(t["result"]["tokens_per_s"] for t in ok if t["config"]["sub_batch_size"] == 2)
+        assert expect and [float(v) for v in shown] == expect and len(rows) == len(trials)
+        assert f">{len(expect)}</span> of {len(trials)} trials" in view
+
         shot = tmp_path / "dashboard-job.png"
-        run_chromium(binary, tmp_path / "chromium", f"--screenshot={shot}", "--window-size=1400,3400", page)
+        run_chromium(binary, tmp_path / "chromium", f"--screenshot={shot}", "--window-size=1400,4800", page)
         width, height = png_size(shot)
-        assert (width, height) == (1400, 3400) and shot.stat().st_size > 50_000
+        assert (width, height) == (1400, 4800) and shot.stat().st_size > 50_000
         print(f"screenshot of the job page: {shot}")
         keep = os.environ.get("SLTUNE_SCREENSHOT_DIR")
         if keep:

@@ -15,7 +15,7 @@ import torch
 from sltune.models import build
 from sltune.profiling import run_trial
 from sltune.settings import Settings
-from sltune.tuning import tune
+from sltune.service.local import tune
 from tests.dist_script import PARTLY_FROZEN, RUNS, SEQ, batch, freeze_all_but
 from tests.conftest import free_port
 from tests.reference import assert_same_updates, plain_training, snapshot

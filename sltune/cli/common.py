@@ -21,9 +21,19 @@ KNOB_FLAGS = {
 }
 
 
+DB_HELP = ("where jobs are stored: a SQLAlchemy URL such as sqlite:///jobs.db or postgresql://user@host/db "
+           "(default: $SLTUNE_DB, else sltune.db in the data directory: $SLTUNE_DATA_DIR or ./sltune-data)")
+DATA_DIR_HELP = ("directory of the default SQLite database (sltune.db) and of trial artifacts such as traces "
+                 "(default: $SLTUNE_DATA_DIR, else ./sltune-data)")
+JOB_ID_HELP = "a job's id, as `tune`, `submit` and the dashboard show it"
+SERVER_HELP = "the sltune server's URL, e.g. http://127.0.0.1:8000"
+
+
 def add_knobs(parser: argparse.ArgumentParser) -> None:
     for field, (flag, typ, help_) in KNOB_FLAGS.items():
-        parser.add_argument(flag, dest=field, type=typ, default=None, help=help_)
+        default = SpeedLoaderConfig.model_fields[field].default
+        parser.add_argument(flag, dest=field, type=typ, default=None,
+                            help=f"{help_} (default: the --config file's, else {default or 'none'})")
 
 
 def config_from_args(args: argparse.Namespace, base: SpeedLoaderConfig | None = None) -> SpeedLoaderConfig:

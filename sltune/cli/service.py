@@ -10,32 +10,47 @@ import signal
 import sys
 from pathlib import Path
 
-from tqdm import tqdm
-
+from sltune.cli.common import DATA_DIR_HELP, DB_HELP, SERVER_HELP
+from sltune.cli.progress import JobBar, describe_config
 from sltune.settings import Settings
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    s = sub.add_parser("serve", help="REST API + dashboard + one embedded worker (SQLite by default)")
-    s.add_argument("--host", default=None, help="default 127.0.0.1")
-    s.add_argument("--port", type=int, default=None, help="default 8000")
-    s.add_argument("--db", help="SQLAlchemy URL (default: SQLite in --data-dir)")
-    s.add_argument("--data-dir", help="SQLite file and artifacts (default ./sltune-data or $SLTUNE_DATA_DIR)")
+    s = sub.add_parser("serve", help="REST API + dashboard + one embedded worker (SQLite by default)",
+                       description="Serve the REST API (/docs), the dashboards (/dashboard) and, unless "
+                                   "--no-worker, one worker that runs the submitted jobs.",
+                       epilog="environment: SLTUNE_API_TOKEN is the bearer token every write needs (without it "
+                              "the server binds to loopback only); every other setting is an SLTUNE_* variable "
+                              "too (SLTUNE_DB, SLTUNE_DATA_DIR, SLTUNE_MAX_TRIALS, ...: see sltune/settings.py).")
+    s.add_argument("--host", default=None, help="address to bind (default: $SLTUNE_HOST, else 127.0.0.1)")
+    s.add_argument("--port", type=int, default=None, help="port to bind (default: $SLTUNE_PORT, else 8000)")
+    s.add_argument("--db", help=DB_HELP)
+    s.add_argument("--data-dir", help=DATA_DIR_HELP)
     s.add_argument("--no-worker", action="store_true", help="serve only; run workers separately")
     s.set_defaults(run=run_serve)
 
-    w = sub.add_parser("worker", help="one more worker on the same database")
-    w.add_argument("--db", help="SQLAlchemy URL, e.g. postgresql://host/db")
-    w.add_argument("--data-dir")
+    w = sub.add_parser("worker", help="one more worker on the same database",
+                       description="Run queued jobs from the database, beside a server's embedded worker or "
+                                   "on another machine that reaches the same database. Stops on SIGTERM/Ctrl-C, "
+                                   "handing its job back for another worker to resume.",
+                       epilog="environment: SLTUNE_DB, SLTUNE_DATA_DIR and the other SLTUNE_* settings.")
+    w.add_argument("--db", help=DB_HELP)
+    w.add_argument("--data-dir", help=DATA_DIR_HELP)
     w.add_argument("--exit-with-parent", action="store_true", help=argparse.SUPPRESS)   # serve's own worker
     w.set_defaults(run=run_worker)
 
-    c = sub.add_parser("submit", help="post a tuning job to a server (the CI client)")
-    c.add_argument("spec", help="tuning spec YAML")
-    c.add_argument("--server", required=True, help="e.g. http://127.0.0.1:8000")
+    c = sub.add_parser("submit", help="post a tuning job to a server (the CI client)",
+                       description="Post a tuning spec to a server; with --wait, follow it with a progress bar "
+                                   "and exit 0 when it succeeds, 1 when it fails or is cancelled, 2 on an error. "
+                                   "The job id is printed on stdout.",
+                       epilog="environment: SLTUNE_API_TOKEN is sent as the bearer token (the server requires "
+                              "it for every write).")
+    c.add_argument("spec", help="tuning spec YAML (checked here before it is sent)")
+    c.add_argument("--server", required=True, help=SERVER_HELP)
     c.add_argument("--wait", action="store_true", help="wait for the job, showing progress")
     c.add_argument("--out", help="with --wait: write the best config YAML here")
-    c.add_argument("--timeout", type=float, help="with --wait: give up after this many seconds")
+    c.add_argument("--timeout", type=float, help="with --wait: give up after this many seconds (default: wait "
+                                                 "as long as the job runs)")
     c.set_defaults(run=run_submit)
 
     m = sub.add_parser("compare", help="the two jobs' bests compared with 95%% intervals; exit 1 on a regression",
@@ -45,13 +60,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     m.add_argument("job_a", help="the baseline job")
     m.add_argument("job_b", help="the newer job")
     where = m.add_mutually_exclusive_group(required=True)
-    where.add_argument("--server", help="read the jobs from this server, e.g. http://127.0.0.1:8000")
-    where.add_argument("--db", help="read the jobs from this database (SQLAlchemy URL)")
+    where.add_argument("--server", help=SERVER_HELP)
+    where.add_argument("--db", help=DB_HELP)
     m.add_argument("--max-regression", default="5%", help="largest allowed drop of the best tokens/s, e.g. 5%%")
     m.add_argument("--remeasure", action="store_true",
                    help="run both bests again here, interleaved, and decide on the paired ratio")
     m.add_argument("--rounds", type=int, default=3, help="with --remeasure: interleaved rounds (default 3)")
-    m.add_argument("--json", action="store_true")
+    m.add_argument("--json", action="store_true", help="print the comparison as JSON")
     m.set_defaults(run=run_compare)
 
 
@@ -112,17 +127,10 @@ def run_submit(args: argparse.Namespace) -> int:
         if not args.wait:
             print(job_id)
             return 0
-        bar = tqdm(total=spec.search.max_trials, unit="trial", desc=f"job {job_id}")
+        bar = JobBar(f"job {job_id}", spec.search.max_trials)
 
         def show(job: dict) -> None:
-            p = job.get("progress") or {}
-            bar.n = p.get("trials_done", 0)
-            best = p.get("best_tokens_per_s")
-            bar.set_postfix(status=job["status"], best=f"{best:,.1f} tok/s" if best else "-",
-                            left=f"{p.get('time_left_s', 0):.0f}s")
-            if job.get("waiting_for") and job["status"] == "queued":
-                bar.set_description(f"job {job_id} waiting for {job['waiting_for']}")
-            bar.refresh()
+            bar.show(job.get("progress") or {}, job["status"], job.get("waiting_for"))
 
         job = client.wait(job_id, show, timeout_s=args.timeout)
         bar.close()
@@ -133,10 +141,11 @@ def run_submit(args: argparse.Namespace) -> int:
         print(f"job {job_id} {job['status']}: {job.get('error') or job.get('stop_reason')}", file=sys.stderr)
         return 1
     best = job["best"]
-    print(f"job {job_id} succeeded: {best['tokens_per_s']:,.1f} tokens/s with {best['config']}", file=sys.stderr)
+    print(f"job {job_id} succeeded: {best['tokens_per_s']:,.1f} tokens/s with {describe_config(best['config'])}",
+          file=sys.stderr)
     if args.out:
         Path(args.out).write_text(client.config_yaml(job_id))
-        print(f"wrote {args.out}", file=sys.stderr)
+        print(f"wrote {args.out}: train with `sltune train --config {args.out}`", file=sys.stderr)
     print(job_id)
     return 0
 

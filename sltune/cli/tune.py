@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
-from tqdm import tqdm
-
+from sltune.cli.common import DB_HELP, JOB_ID_HELP, SERVER_HELP
+from sltune.cli.progress import JobBar, describe_config
 from sltune.settings import Settings
-from sltune.sizes import format_bytes
+from sltune.sizes import format_bytes, parse_bytes
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -17,47 +18,49 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "that fits the spec's memory limits. Re-running the same command with the same "
                                    "--db resumes an interrupted job without repeating finished trials.")
     p.add_argument("spec", help="tuning spec YAML (see README)")
-    p.add_argument("--out", help="write the best config YAML here")
-    p.add_argument("--strategy", choices=["oneshot", "grid", "random", "tpe"], help="override search.strategy")
-    p.add_argument("--db", help="SQLAlchemy URL (default: SQLite in $SLTUNE_DATA_DIR or ./sltune-data)")
-    p.add_argument("--job-id", help="resume (or name) this job")
-    p.add_argument("--json", action="store_true", help="print the job result as JSON")
+    p.add_argument("--out", help="write the best config YAML here; `sltune train --config FILE` trains with it")
+    p.add_argument("--strategy", choices=["oneshot", "grid", "random", "tpe"],
+                   help="override search.strategy (default: the spec's)")
+    p.add_argument("--db", help=DB_HELP)
+    p.add_argument("--job-id", help="resume (or name) this job (default: the unfinished job with the same spec, "
+                                    "else a new one)")
+    p.add_argument("--json", action="store_true", help="print the job result as JSON instead of a progress bar and "
+                                                       "text")
     p.set_defaults(run=run_tune)
 
-    e = sub.add_parser("export", help="write the best config of a finished job as YAML")
-    e.add_argument("job_id")
-    e.add_argument("--db")
-    e.add_argument("--out", help="file to write (default: print)")
+    e = sub.add_parser("export", help="write the best config of a finished job as YAML",
+                       description="Write the best config of a succeeded job as the best.yaml `sltune train "
+                                   "--config` reads, from a server (--server) or straight from the job database "
+                                   "(--db; the default database when neither is given).")
+    e.add_argument("job_id", help=JOB_ID_HELP)
+    where = e.add_mutually_exclusive_group()
+    where.add_argument("--server", help=SERVER_HELP)
+    where.add_argument("--db", help=DB_HELP)
+    e.add_argument("--out", help="file to write (default: print it)")
     e.set_defaults(run=run_export)
 
-    pl = sub.add_parser("plan", help="predict the best config under other memory limits, no trials")
+    pl = sub.add_parser("plan", help="predict the best config under other memory limits, no trials",
+                        description="Predict the fastest config under other memory limits from the fitted "
+                                    "models a best.yaml carries: no trial runs. Says how far to trust the "
+                                    "prediction (leave-one-out errors, knobs beyond the measured range).")
     pl.add_argument("--from", dest="source", required=True, help="a best-config YAML exported by a job")
-    pl.add_argument("--device-memory-limit")
-    pl.add_argument("--host-memory-limit")
-    pl.add_argument("--json", action="store_true")
+    pl.add_argument("--device-memory-limit", help="bytes or e.g. 24GiB (default: the file's limit)")
+    pl.add_argument("--host-memory-limit", help="bytes or e.g. 64GiB (default: the file's limit)")
+    pl.add_argument("--json", action="store_true", help="print the prediction as JSON")
     pl.set_defaults(run=run_plan)
 
 
 def run_tune(args: argparse.Namespace) -> int:
     from sltune.tuning.result import export_yaml
-    from sltune.tuning.runner import tune
+    from sltune.service.local import tune
     from sltune.tuning.spec import TuningSpec
 
     spec = TuningSpec.load(args.spec)
     if args.strategy:
         spec = TuningSpec.model_validate({**spec.model_dump(), "search": {**spec.search.model_dump(),
                                                                           "strategy": args.strategy}})
-    bar = tqdm(total=spec.search.max_trials, unit="trial", desc=f"tune {spec.name} ({spec.search.strategy})",
-               disable=args.json)
-
-    def progress(p: dict) -> None:
-        bar.n = p["trials_done"]
-        best = p.get("best_tokens_per_s")
-        bar.set_postfix(best=f"{best:,.1f} tok/s" if best else "-", left=f"{p['time_left_s']:.0f}s",
-                        phase=p.get("phase"))
-        bar.refresh()
-
-    result = tune(spec, args.db, job_id=args.job_id, progress=progress)
+    bar = JobBar(f"tune {spec.name} ({spec.search.strategy})", spec.search.max_trials, disable=args.json)
+    result = tune(spec, args.db, job_id=args.job_id, progress=bar.show)
     bar.close()
     if args.out and result["best"]:
         export_yaml(spec, result, args.out)
@@ -78,8 +81,7 @@ def describe(r: dict, out: str | None = None, mode: str = "train") -> str:
         c = b["config"]
         ci = b.get("tokens_per_s_ci95")
         ci_text = f" [{ci[0]:,.1f}, {ci[1]:,.1f}]" if ci else ""
-        lines.append(f"  best: b={c['sub_batch_size']} N={c['num_sub_batches']} k={c['num_live_blocks']} "
-                     f"({c['schedule']}): {b['tokens_per_s']:,.1f}{ci_text} tokens/s measured")
+        lines.append(f"  best: {describe_config(c)}: {b['tokens_per_s']:,.1f}{ci_text} tokens/s measured")
         if r.get("confidence"):
             lines.append(f"  confidence: {r['confidence']}")
         lines.append(f"  peaks: device {format_bytes(b['peak_device_bytes'])} (predicted "
@@ -91,7 +93,7 @@ def describe(r: dict, out: str | None = None, mode: str = "train") -> str:
         typical = f"{m['loo_typical_error']:.1%}" if m.get("loo_typical_error") is not None else "-"
         lines.append(f"  model {kind}: {m['n']} points, R^2 {r2}, leave-one-out error {typical} typical, {loo} max")
     if out and r["best"]:
-        use = (f"train with `sltune train --config {out} --model ...`" if mode == "train" else
+        use = (f"train with `sltune train --config {out}`" if mode == "train" else
                "generate with SpeedLoaderEngine(model, SpeedLoaderConfig.from_yaml(path)).generate(...)")
         lines.append(f"  wrote {out}: {use}")
     return "\n".join(lines)
@@ -102,6 +104,15 @@ def run_export(args: argparse.Namespace) -> int:
     from sltune.tuning.result import export_yaml
     from sltune.tuning.spec import TuningSpec
 
+    if args.server:
+        from sltune.service.client import Client
+
+        text = Client(args.server).config_yaml(args.job_id)
+        if args.out:
+            Path(args.out).write_text(text)
+        else:
+            print(text, end="")
+        return 0
     store = Store(args.db or Settings().db_url())
     job = store.job(args.job_id)
     if job is None:
@@ -121,7 +132,8 @@ def _pct(x: float | None) -> str:
 def run_plan(args: argparse.Namespace) -> int:
     from sltune.tuning.plan import plan
 
-    r = plan(args.source, args.device_memory_limit, args.host_memory_limit)
+    r = plan(args.source, *(None if value is None else parse_bytes(value, flag) for value, flag in (
+        (args.device_memory_limit, "--device-memory-limit"), (args.host_memory_limit, "--host-memory-limit"))))
     if args.json:
         print(json.dumps(r))
         return 0 if r["best"] else 1

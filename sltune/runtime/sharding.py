@@ -16,6 +16,12 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+# Imported now, before any process group exists, never later: this module's functions take
+# `group=group.WORLD` as a default argument, evaluated at import. Imported after init_process_group
+# (torch._dynamo imports it, and transformers imports dynamo when it builds a model), those defaults keep
+# the default gloo group alive past destroy_process_group, its worker threads still running; at exit
+# their std::thread objects are destroyed joinable: "terminate called without an active exception", SIGABRT.
+import torch.distributed.nn.functional  # noqa: F401
 from torch import nn
 
 from sltune.runtime.params import BufferPool, ParamStore, ParamUnit

@@ -9,18 +9,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from sltune.tuning.fit import LinearFit
 from sltune.tuning.shape import shape_of
 from sltune.tuning.space import SearchSpace
 from sltune.tuning.spec import TuningSpec
 from sltune.tuning.state import SearchState
+from sltune.yamlfile import read_yaml
 
 
 def plan(path: str | Path, device_memory_limit: int | str | None = None,
          host_memory_limit: int | str | None = None) -> dict[str, Any]:
-    data = yaml.safe_load(Path(path).read_text())
+    data = read_yaml(path)
     missing = [k for k in ("resource_models", "search_space", "provenance", "workload") if k not in (data or {})]
     if missing:
         raise ValueError(f"{path}: no {', '.join(missing)}; plan needs a best-config file exported by a tuning job")

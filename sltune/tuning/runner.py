@@ -17,7 +17,6 @@ import optuna
 
 from sltune.profiling import run_trial
 from sltune.profiling.schema import TrialSpec
-from sltune.settings import Settings
 from sltune.store import Store
 from sltune.store.db import normalize_url
 from sltune.store.optuna import optuna_location
@@ -28,6 +27,7 @@ from sltune.tuning.space import Candidate, SearchSpace
 from sltune.tuning.spec import TuningSpec
 from sltune.tuning.state import Done, SearchState
 from sltune.tuning.strategies import STRATEGIES, Stop
+from sltune.tuning.study import name_metric, study_name, tell
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 log = logging.getLogger("sltune.tuning")
@@ -38,49 +38,6 @@ ProgressFn = Callable[[dict[str, Any]], None]
 # marked interrupted either way, so a resumed job runs it again.
 StopFn = Callable[[], str | None]
 MAX_REPEATS = 200   # asks that return an already-tried or invalid config before the sampler is given up on
-
-
-def tune(spec: TuningSpec | dict[str, Any] | str | Path, db: str | None = None, *, strategy: str | None = None,
-         job_id: str | None = None, progress: ProgressFn | None = None, settings: Settings | None = None) -> dict[str, Any]:
-    """A whole tuning job in this process: create it (or resume the unfinished one with the same spec).
-
-    The process holds the job as a worker would: claimed atomically, with a lease its heartbeat renews, so
-    a server worker on the same database never runs it at the same time, and takes it over if this
-    process dies."""
-    settings = settings or Settings()
-    if isinstance(spec, (str, Path)):
-        spec = TuningSpec.load(spec)
-    elif isinstance(spec, dict):
-        spec = TuningSpec.parse(spec)
-    if strategy is not None:
-        spec = TuningSpec.model_validate({**spec.model_dump(), "search": {**spec.search.model_dump(),
-                                                                          "strategy": strategy}})
-    if db:
-        settings = settings.model_copy(update={"db": db})
-    store = Store(settings.db_url())
-    job = store.job(job_id) if job_id else store.resumable(spec.digest())
-    if job is None:
-        job = store.create_job(spec.name, spec.model_dump(mode="json"), spec.digest(), requirements(spec),
-                               job_id=job_id)
-    from sltune.service.worker import Worker
-
-    worker = Worker(settings, worker_id=f"cli:{Worker.default_id()}")
-    held = store.job(job.id)
-    claimed = store.claim_job(job.id, worker.id, settings.lease_seconds) or (
-        Worker.is_dead_here(held.worker_id) and store.take_over(job.id, held.worker_id, worker.id,
-                                                                settings.lease_seconds))
-    if not claimed:
-        held = store.job(job.id)
-        raise ValueError(f"job {job.id} is {held.status}"
-                         + (f" on {held.worker_id} (lease until {held.lease_expires_at:%H:%M:%S} UTC); wait for it, "
-                            f"cancel it, or give this run another --job-id" if held.status == "running" else ""))
-    try:
-        return worker.run(job.id, progress=progress, reraise=True)
-    except KeyboardInterrupt:
-        # interrupted here: hand the job back at once (queued), for a re-run or a server worker to resume
-        store.interrupt_running_trials(job.id, worker.id)
-        store.set_status(job.id, "queued", holder=worker.id, worker_id=None, lease_expires_at=None)
-        raise
 
 
 def requirements(spec: TuningSpec) -> dict[str, Any]:
@@ -135,18 +92,17 @@ def run_job(store: Store, job_id: str, *, progress: ProgressFn | None = None, sh
         state.refit()           # fits (empty) exist before the first proposal
     number = max((t.number for t in store.trials(job_id)), default=-1) + 1
 
-    study = optuna.create_study(study_name=f"sltune-{job_id}", storage=optuna_storage(store.url),
+    study = optuna.create_study(study_name=study_name(job_id), storage=optuna_storage(store.url),
                                 direction="maximize", load_if_exists=True,
                                 sampler=STRATEGIES[spec.search.strategy](state, spec.search.seed).sampler())
+    name_metric(study)
     # Optuna trials left running by a dead process. The store is the record: a trial it holds as
     # finished (killed between writing the row and telling Optuna) is told its result now.
     by_number = {t.optuna_number: t for t in finished if t.optuna_number is not None}
     for stale in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
         row = by_number.get(stale.number)
-        if row is not None and row.status == "ok":
-            study.tell(stale.number, row.tokens_per_s)
-        elif row is not None and row.status == "oom":
-            study.tell(stale.number, 0.0)
+        if row is not None:
+            tell(study, optuna.Trial(study, stale._trial_id), row.result, row.role, row.number)
         else:
             study.tell(stale.number, state=optuna.trial.TrialState.FAIL)
     strategy = STRATEGIES[spec.search.strategy](state, spec.search.seed)
@@ -168,6 +124,8 @@ def run_job(store: Store, job_id: str, *, progress: ProgressFn | None = None, sh
         left = search.time_budget_s - elapsed()
         if avg is not None:
             left = min(left, (search.max_trials - done) * avg)
+        if phase == "finished":
+            left = 0.0
         payload = {"trials_done": done, "max_trials": search.max_trials, "elapsed_s": round(elapsed(), 2),
                    "time_left_s": max(0.0, round(left, 1)), "phase": phase, "stop_reason": stop_reason,
                    "best_tokens_per_s": best.tokens_per_s if best else None,
@@ -225,7 +183,7 @@ def run_job(store: Store, job_id: str, *, progress: ProgressFn | None = None, sh
         cand = space.candidate(ot.params)
         if cand is None or cand in state.tried:
             prev = next((d for d in state.history if d.candidate == cand), None)
-            if prev is not None and prev.result["status"] in ("ok", "oom"):
+            if prev is not None and prev.result["status"] == "ok":
                 study.tell(ot, prev.tokens_per_s)
             else:
                 study.tell(ot, state=optuna.trial.TrialState.PRUNED)
@@ -239,12 +197,7 @@ def run_job(store: Store, job_id: str, *, progress: ProgressFn | None = None, sh
         if result is None:
             study.tell(ot, state=optuna.trial.TrialState.FAIL)
             break
-        if result["status"] == "ok":
-            study.tell(ot, result["tokens_per_s"])
-        elif result["status"] == "oom":
-            study.tell(ot, 0.0)     # infeasible: the sampler learns to stay away
-        else:
-            study.tell(ot, state=optuna.trial.TrialState.FAIL)
+        tell(study, ot, result, proposal.role, number)
         state.add(Done(number, cand, proposal.role, result))
         for kind, fit in state.fits.items():
             store.save_fit(job_id, kind, fit.n, fit.to_dict())

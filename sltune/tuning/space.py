@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import optuna
 
-from sltune.tuning.spec import knob_values
+from sltune.tuning.knobs import knob_values
 
 if TYPE_CHECKING:
     from sltune.tuning.shape import ModelShape

@@ -12,13 +12,14 @@ import json
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, WithJsonSchema,
                       field_validator, model_validator)
 
 from sltune.config import Activations, DType, KVCache, Schedule
 from sltune.models.presets import hf_config_schema
 from sltune.sizes import SIZE_SCHEMA, format_bytes, parse_bytes
+from sltune.tuning.knobs import MAX_KNOB_VALUES, Range, knob_values
+from sltune.yamlfile import read_yaml
 
 
 class _Strict(BaseModel):
@@ -88,29 +89,6 @@ class Hardware(_Strict):
         return self.device.split(":")[0]
 
 
-class Range(_Strict):
-    """Powers of two from min to max, plus min and max themselves: {min: 1, max: 12} -> 1, 2, 4, 8, 12."""
-
-    min: int = Field(ge=1)
-    max: int = Field(ge=1)
-
-    @model_validator(mode="after")
-    def _ordered(self) -> "Range":
-        if self.min > self.max:
-            raise ValueError(f"min {self.min} > max {self.max}; swap them")
-        return self
-
-    def values(self) -> list[int]:
-        out = {self.min, self.max}
-        p = 1
-        while p <= self.max:
-            if p >= self.min:
-                out.add(p)
-            p *= 2
-        return sorted(out)
-
-
-MAX_KNOB_VALUES = 64
 MAX_CANDIDATES = 20_000
 
 
@@ -133,15 +111,6 @@ def _knob(value: Any) -> Any:
 
 
 Knob = Annotated[int | Range | list[int], BeforeValidator(_knob)]
-
-
-def knob_values(knob: Knob, field: str) -> list[int]:
-    if isinstance(knob, Range):
-        return knob.values()
-    values = [knob] if isinstance(knob, int) else list(knob)
-    if not values or any(v < 1 for v in values):
-        raise ValueError(f"search.{field}: values must be positive integers, got {values}")
-    return sorted(set(values))
 
 
 class Search(_Strict):
@@ -260,12 +229,7 @@ class TuningSpec(_Strict):
 
     @classmethod
     def load(cls, path: str | Path) -> "TuningSpec":
-        text = Path(path).read_text()
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as err:
-            raise ValueError(f"{path}: not valid YAML ({err})") from None
-        return cls.parse(data, source=str(path))
+        return cls.parse(read_yaml(path), source=str(path))
 
     @classmethod
     def parse(cls, data: Any, source: str = "spec") -> "TuningSpec":
@@ -288,7 +252,7 @@ def field_errors(err: ValidationError) -> list[tuple[str, str]]:
     for e in err.errors():
         loc = [str(p) for p in e["loc"] if not str(p).startswith(("int", "list[", "Range", "function-"))]
         where = ".".join(loc)
-        msg = e["msg"].removeprefix("Value error, ")
+        msg = e["msg"].removeprefix("Value error, ").removeprefix(f"{where}: ")
         if e["type"] == "extra_forbidden":
             msg = "unknown field; check its spelling against the spec in the README"
         elif e["type"] == "missing":

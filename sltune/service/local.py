@@ -1,0 +1,56 @@
+"""A whole tuning job run in this process (`sltune tune`, scripts, benchmarks), held as a worker holds one.
+
+It lives with the workers, not in sltune.tuning: holding a job (its lease, heartbeat and hand-back) is the
+service's business, and the tuning layer below it knows nothing of workers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from sltune.service.worker import Worker
+from sltune.settings import Settings
+from sltune.store import Store
+from sltune.tuning.runner import ProgressFn, requirements
+from sltune.tuning.spec import TuningSpec
+
+
+def tune(spec: TuningSpec | dict[str, Any] | str | Path, db: str | None = None, *, strategy: str | None = None,
+         job_id: str | None = None, progress: ProgressFn | None = None, settings: Settings | None = None) -> dict[str, Any]:
+    """A whole tuning job in this process: create it (or resume the unfinished one with the same spec).
+
+    The process holds the job as a worker would: claimed atomically, with a lease its heartbeat renews, so
+    a server worker on the same database never runs it at the same time, and takes it over if this
+    process dies."""
+    settings = settings or Settings()
+    if isinstance(spec, (str, Path)):
+        spec = TuningSpec.load(spec)
+    elif isinstance(spec, dict):
+        spec = TuningSpec.parse(spec)
+    if strategy is not None:
+        spec = TuningSpec.model_validate({**spec.model_dump(), "search": {**spec.search.model_dump(),
+                                                                          "strategy": strategy}})
+    if db:
+        settings = settings.model_copy(update={"db": db})
+    store = Store(settings.db_url())
+    job = store.job(job_id) if job_id else store.resumable(spec.digest())
+    if job is None:
+        job = store.create_job(spec.name, spec.model_dump(mode="json"), spec.digest(), requirements(spec),
+                               job_id=job_id)
+    worker = Worker(settings, worker_id=f"cli:{Worker.default_id()}")
+    held = store.job(job.id)
+    claimed = store.claim_job(job.id, worker.id, settings.lease_seconds) or (
+        Worker.is_dead_here(held.worker_id) and store.take_over(job.id, held.worker_id, worker.id,
+                                                                settings.lease_seconds))
+    if not claimed:
+        held = store.job(job.id)
+        raise ValueError(f"job {job.id} is {held.status}"
+                         + (f" on {held.worker_id} (lease until {held.lease_expires_at:%H:%M:%S} UTC); wait for it, "
+                            f"cancel it, or give this run another --job-id" if held.status == "running" else ""))
+    try:
+        return worker.run(job.id, progress=progress, reraise=True)
+    except KeyboardInterrupt:
+        # interrupted here: hand the job back at once (queued), for a re-run or a server worker to resume
+        store.interrupt_running_trials(job.id, worker.id)
+        store.set_status(job.id, "queued", holder=worker.id, worker_id=None, lease_expires_at=None)
+        raise

@@ -207,16 +207,3 @@ def test_a_generation_tuning_job_sweeps_kv_cache_and_exports_it(tmp_path):
     best = result["best"]["config"]
     assert (cfg.sub_batch_size, cfg.kv_cache) == (best["sub_batch_size"], best["kv_cache"])
     assert yaml.safe_load(path.read_text())["workload"]["mode"] == "generate"
-
-
-def test_a_generation_job_with_room_picks_one_large_sub_batch(tmp_path):
-    """Every sub-batch reads every weight once per step: at a fixed number of rows and a limit that
-    allows it, the tuner's pick is one sub-batch of all of them."""
-    spec = {"name": "gen-rows", "model": {"preset": "llama-tiny"},
-            "workload": {"mode": "generate", "prompt_len": 8, "new_tokens": 4},
-            "search": {"sub_batch_size": [1, 2, 4, 8], "effective_batch_size": 8, "num_live_blocks": 1,
-                       "kv_cache": "host", "max_trials": 6, "trial_steps": 1, "profile": False}}
-    result = tune(spec, f"sqlite:///{tmp_path / 'jobs.db'}", settings=Settings(data_dir=tmp_path))
-    assert result["status"] == "succeeded", result
-    best = result["best"]["config"]
-    assert (best["sub_batch_size"], best["num_sub_batches"], best["kv_cache"]) == (8, 1, "host"), result["trials"]

@@ -19,9 +19,9 @@ Peak memory is close to linear in the knobs (../shared/design/speedloader.md):
                                                                    of the same layers: t5 is their difference)
     generate the same with s = prompt+new tokens per row, plus D*B*s on the device (D = 1 when kv_cache is
              device: every sub-batch's KV cache); host ~ e0 + e1*B*s (every sub-batch's KV cache). In the
-             step time, N is the weight reads: a decode step's matmuls on b rows are bound by reading the
-             weights, and every sub-batch reads all of them once per step, so at a fixed B = b*N fewer,
-             larger sub-batches are faster; t3*N*b*s is the per-token work, which B fixes.
+             step time, N counts the weight reads: every sub-batch reads all the weights once per step,
+             which at a fixed B = b*N favours fewer, larger sub-batches where reading weights bounds a
+             decode step's small matmuls; t3*N*b*s is the per-token work, which B fixes.
 
 G = ceil(layers/k) groups, B = b*N rows. Throughput is tokens per step over step_time, so it rises with
 b and N and saturates. Each model reports its coefficients, R^2, residuals, leave-one-out error (how

@@ -32,7 +32,7 @@ def test_cli_json_is_a_trial_result_whose_fractions_sum_to_one(tmp_path):
     result = TrialResult.model_validate(data)
     assert result.status == "ok" and result.error is None
     assert data["config"] == {"sub_batch_size": 2, "num_sub_batches": 3, "num_live_blocks": 2,
-                              "schedule": "speedloader", "seq_len": 32, "world_size": 1,
+                              "schedule": "speedloader", "activations": "recompute", "seq_len": 32, "world_size": 1,
                               "kv_cache": None}     # a training trial places no KV cache
     assert set(data["breakdown"]) == set(SLICES)
     assert sum(data["breakdown"].values()) == pytest.approx(1.0, abs=1e-9)

@@ -190,12 +190,10 @@ class ParamStore:
 
     # -- gradients -------------------------------------------------------------------------------
     def begin_grads(self, unit: ParamUnit) -> None:
-        """Let autograd make the live parameters' device gradients: the first sub-batch writes them, later
-        ones add (a zeroed buffer would cost a zeroing pass and an add more per unit and step)."""
+        """Give the live parameters zeroed device gradient buffers to accumulate into."""
         if unit.host_grad is None or self.resident:
             return  # resident: autograd's gradients, on the device
-        for p in unit.params:
-            p.grad = None
+        self._device_grads(unit, unit.host_grad.numel())
 
     def _device_grads(self, unit: ParamUnit, numel: int) -> None:
         unit.dev_grad = self.pool.acquire(numel, unit.host.dtype).zero_()
@@ -204,17 +202,9 @@ class ParamStore:
 
     def offload_grads(self, unit: ParamUnit, accumulate: bool) -> None:
         """Copy (or, for later micro-batches, add) the unit's device gradients into its host gradients."""
-        if self.resident or unit.host_grad is None:
+        if self.resident or unit.dev_grad is None:
             return
-        for p, host in zip(unit.params, unit._views(unit.host_grad, unit.grad_offsets)):
-            if host is None:
-                continue
-            if p.grad is None:              # no gradient reached it this pass
-                if not accumulate:
-                    host.zero_()
-                continue
-            self.copier.to_host(p.grad, host, "grad_offload_bytes", accumulate=accumulate)
-            p.grad = None
+        self.copier.to_host(unit.dev_grad, unit.host_grad, "grad_offload_bytes", accumulate=accumulate)
 
     def drop_resident_grads(self) -> None:
         if self.resident:

@@ -325,7 +325,10 @@ def _model_predict(model: dict[str, Any] | None, trial: dict[str, Any], g_by_k: 
     b, n, k = knobs(trial)
     if None in (b, n, k) or k not in g_by_k or s is None:
         return None
-    v = {"b": b, "N": n, "k": k, "B": b * n, "s": s, "G": g_by_k[k]}
+    config = trial.get("config") or {}
+    layers = next((r["vars"]["L"] for r in model.get("residuals") or [] if "L" in (r.get("vars") or {})), None)
+    v = {"b": b, "N": n, "k": k, "B": b * n, "s": s, "G": g_by_k[k], "L": layers,
+         "off": float(config.get("activations") == "offload"), "D": float(config.get("kv_cache") == "device")}
     try:
         return float(sum(c * FEATURES[f](v) for c, f in zip(model["coef"], model["features"])))
     except (KeyError, TypeError):

@@ -84,7 +84,7 @@ def realistic_models(trials: list[dict]) -> dict:
                 continue
             c = t["config"]
             b, n, k = c["sub_batch_size"], c["num_sub_batches"], c["num_live_blocks"]
-            v = {"b": b, "N": n, "k": k, "B": b * n, "s": 64, "G": math.ceil(LAYERS / k)}
+            v = {"b": b, "N": n, "k": k, "B": b * n, "s": 64, "G": math.ceil(LAYERS / k), "L": LAYERS, "off": 0.0, "D": 0.0}
             rows.append((v, float(r[target])))
         out[kind] = LinearFit.fit(target, feats, rows).to_dict()
     return out

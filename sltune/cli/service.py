@@ -65,7 +65,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--max-regression", default="5%", help="largest allowed drop of the best tokens/s, e.g. 5%%")
     m.add_argument("--remeasure", action="store_true",
                    help="run both bests again here, interleaved, and decide on the paired ratio")
-    m.add_argument("--rounds", type=int, default=3, help="with --remeasure: interleaved rounds (default 3)")
+    m.add_argument("--rounds", type=int, default=3, help="with --remeasure: interleaved rounds")
     m.add_argument("--json", action="store_true", help="print the comparison as JSON")
     m.set_defaults(run=run_compare)
 

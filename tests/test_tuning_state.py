@@ -50,3 +50,24 @@ def test_probes_come_from_real_candidates_in_awkward_spaces():
     st = state(sub_batch_size=[3, 4, 5], num_sub_batches=None, effective_batch_size=[5, 12])
     probes = OneShotStrategy(st, 0).probes()
     assert probes and all(p in st.space.candidates for p in probes)
+
+
+def ok(number: int, c: Candidate, tokens_per_s: float, ci: tuple[float, float]) -> Done:
+    return Done(number, c, "grid", {"status": "ok", "tokens_per_s": tokens_per_s, "step_seconds": 1.0,
+                                    "peak_device_bytes": 1, "peak_host_bytes": 1,
+                                    "timing": {"steps_s": [1.0] * 5, "tokens_per_s_ci95": list(ci)}})
+
+
+def test_the_runner_up_is_a_finalist_even_when_no_interval_overlaps_the_best():
+    """Two trials run at different moments cannot be compared by their own intervals: the runner-up is
+    re-measured beside the best whatever the intervals say; overlapping rivals join it."""
+    from sltune.tuning import confirm
+
+    st = state()
+    a, b, c = Candidate(4, 4, 1), Candidate(2, 4, 1), Candidate(1, 4, 1)
+    for i, (cand, tps, ci) in enumerate([(a, 1000.0, (990, 1010)), (b, 800.0, (790, 810)), (c, 500.0, (490, 510))]):
+        st.add(ok(i, cand, tps, ci))
+    assert confirm.finalists(st) == [a, b]
+    assert confirm.plan(st, 2) == [a, b, a, b]
+    st.add(ok(3, Candidate(4, 2, 1), 700.0, (600, 995)))        # overlaps the best: it is the rival now
+    assert confirm.finalists(st) == [a, Candidate(4, 2, 1)]

@@ -30,7 +30,8 @@ SPEC = {
     "name": "tiny", "model": {"preset": "llama-tiny"}, "workload": {"seq_len": 64},
     "hardware": {"device_memory_limit": LIMIT},
     "search": {"sub_batch_size": {"min": 1, "max": 16}, "num_sub_batches": {"min": 1, "max": 8},
-               "num_live_blocks": {"min": 1, "max": 4}, "max_trials": 12, "trial_steps": 1, "trial_min_time_s": 0, "confirm_rounds": 2,
+               "num_live_blocks": {"min": 1, "max": 4}, "max_trials": 12, "trial_steps": 1, "trial_min_time_s": 0.3,
+               "confirm_rounds": 2,
                "profile": False},
 }
 

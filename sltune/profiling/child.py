@@ -6,6 +6,7 @@ crash or a kill leaves the parent to explain the silence.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import resource
 import sys
@@ -77,6 +78,20 @@ def host_peak_bytes() -> int:
     return peak if sys.platform == "darwin" else peak * 1024
 
 
+def forget_fork_server_heap() -> None:
+    """A trial is forked from a server whose heap holds memory it freed, and inherits its resident high-water
+    mark: the trial's own allocations then reuse resident pages and its peak hides what it needs. Give the
+    free pages back and reset the mark (Linux) so peak_host_bytes is this trial's."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")            # 5: reset the peak resident set size to the current one
+    except OSError:
+        pass
+
+
 def run(spec: TrialSpec, rank: int = 0) -> dict[str, Any]:
     from sltune.config import SpeedLoaderConfig
     from sltune.data import batches
@@ -84,6 +99,7 @@ def run(spec: TrialSpec, rank: int = 0) -> dict[str, Any]:
     from sltune.profiling.breakdown import profile_call
     from sltune.runtime.engine import SpeedLoaderEngine
 
+    forget_fork_server_heap()
     torch.manual_seed(spec.seed)
     if spec.cpu_threads is not None:
         torch.set_num_threads(spec.cpu_threads)

@@ -118,7 +118,7 @@ def test_the_tuner_accepts_two_ranks(tmp_path):
                        "trial_steps": 1, "trial_min_time_s": 0, "confirm_rounds": 0, "profile": False}}
     result = tune(spec, f"sqlite:///{tmp_path / 'jobs.db'}", settings=Settings(data_dir=tmp_path))
     assert result["status"] == "succeeded", result
-    assert all(t["status"] == "ok" for t in result["trials"])
+    assert all(t["status"] == "ok" for t in result["trials"]), [(t["status"], t.get("error")) for t in result["trials"]]
     from sltune.tuning.result import best_config
     from sltune.tuning.spec import TuningSpec
 

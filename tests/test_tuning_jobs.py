@@ -51,7 +51,10 @@ def test_oneshot_finds_a_config_that_fits_in_a_fraction_of_the_space(job):
     assert len(r["trials"]) < r["space_size"] / 4
     assert r["binding_limit"] == "device"
     roles = [t["role"] for t in r["trials"]]
-    assert roles[0] == "probe" and "frontier" in roles, r["trials"]
+    # after the probes it either spends trials on the frontier or stops because no untried config is predicted
+    # to beat the best by more than the best's measured noise (issue #10: the tuner does not act on noise)
+    assert roles[0] == "probe", r["trials"]
+    assert "frontier" in roles or "measured noise" in r["stop_reason"], (r["stop_reason"], r["trials"])
     c = r["best"]["config"]
     assert r["best"]["peak_device_bytes"] <= LIMIT
     # re-run the chosen config under the same limit: it fits
@@ -114,7 +117,8 @@ def test_the_confirmation_round_remeasures_the_finalists_interleaved_and_says_ho
 def test_progress_reports_trials_best_and_time_left(job):
     calls = job["calls"]
     done = [c["trials_done"] for c in calls]
-    assert done == sorted(done) and done[-1] == len(job["result"]["trials"])
+    searched = [t for t in job["result"]["trials"] if t["role"] != "confirm"]     # of max_trials; confirms apart
+    assert done == sorted(done) and done[-1] == len(searched)
     assert calls[-1]["best_tokens_per_s"] == job["result"]["best"]["tokens_per_s"]
     assert all("time_left_s" in c and c["max_trials"] == 12 for c in calls)
 

@@ -96,6 +96,19 @@ def summarize(seconds: list[float], tokens: list[int], interference: dict[str, A
             "cv": spread, "unstable": bool(why), "unstable_reasons": why, "interference": interference}
 
 
+def _agree(go_on: bool) -> bool:
+    """Every rank of a multi-rank trial takes the same branch: each step is collective, so a rank that stopped
+    on its own clock would leave the others waiting on a peer that has gone. Go on while any rank would."""
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return go_on
+    flag = torch.tensor([int(go_on)], device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
 def measure(step: Callable[[], tuple[float, int]], steps: int, min_time_s: float, max_steps: int,
             remeasure: int) -> dict[str, Any]:
     """Run calibrated rounds of `step` (which returns its seconds and tokens); the steadiest round's
@@ -107,12 +120,12 @@ def measure(step: Callable[[], tuple[float, int]], steps: int, min_time_s: float
         window = _Window()
         seconds: list[float] = []
         tokens: list[int] = []
-        while len(seconds) < steps or (sum(seconds) < min_time_s and len(seconds) < max_steps):
+        while _agree(len(seconds) < steps or (sum(seconds) < min_time_s and len(seconds) < max_steps)):
             s, t = step()
             seconds.append(s)
             tokens.append(t)
         rounds.append(summarize(seconds, tokens, window.close(torch.get_num_threads())))
-        if not rounds[-1]["unstable"]:
+        if not _agree(rounds[-1]["unstable"]):
             break
     best = min(rounds, key=lambda r: (r["unstable"], r["interference"]["others_busy_cores"], r["cv"] or 0.0))
     return {**best, "rounds": len(rounds)}

@@ -37,10 +37,7 @@ class JobBar:
 
 
 def describe_config(config: dict[str, Any]) -> str:
-    """b=8 N=4 k=1 (speedloader): the knobs as people read them."""
-    text = f"b={config['sub_batch_size']} N={config['num_sub_batches']} k={config['num_live_blocks']}"
-    if config.get("activations", "recompute") != "recompute":
-        text += f" activations={config['activations']}"
-    if config.get("kv_cache"):
-        text += f" kv_cache={config['kv_cache']}"
-    return text + (f" ({config['schedule']})" if config.get("schedule") else "")
+    """b=8 N=4 k=1 (speedloader): the knobs as people read them, as the tuner names its candidates."""
+    from sltune.tuning.space import Candidate     # here, not at import: `submit` need not load Optuna to start
+
+    return str(Candidate.from_knobs(config)) + (f" ({config['schedule']})" if config.get("schedule") else "")

@@ -47,14 +47,19 @@ async def post_tune(request: Request) -> Accepted:
     return Accepted(job_id=job.id, status=job.status)
 
 
+# The hot reads are async: the store works in a thread, and the response is checked and encoded on the loop
+# (FastAPI sends a sync route's response through the thread pool a second time for that).
 @router.get("/jobs", response_model=list[JobSummary], responses=responses(422))
-def list_jobs(request: Request, status: Status | None = Query(None), limit: int = Query(100, ge=1, le=1000)) -> Any:
-    return [{**j, "progress": j["progress"] or {}} for j in store(request).job_summaries(limit, status)]
+async def list_jobs(request: Request, status: Status | None = Query(None),
+                    limit: int = Query(100, ge=1, le=1000)) -> Any:
+    jobs = await run_in_threadpool(store(request).job_summaries, limit, status)
+    return [{**j, "progress": j["progress"] or {}} for j in jobs]
 
 
 @router.get("/jobs/{job_id}", response_model=JobDetail, responses=responses(404, 422))
-def get_job(request: Request, job_id: str = JobId) -> Any:
-    return job_detail(store(request), _job(request, job_id), request.app.state.settings)
+async def get_job(request: Request, job_id: str = JobId) -> Any:
+    return await run_in_threadpool(lambda: job_detail(store(request), _job(request, job_id),
+                                                      request.app.state.settings))
 
 
 @router.get("/jobs/{job_id}/trials", response_model=list[TrialOut], responses=responses(404, 422))

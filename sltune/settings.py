@@ -22,6 +22,10 @@ class Settings(BaseSettings):
     port: int = 8000
     access_log: bool = Field(False, description="log every request (uvicorn's access log); off, it costs "
                                                 "reads per second")
+    api_workers: int = Field(1, ge=1, le=64, description="API server processes (uvicorn workers): reads scale "
+                             "with cores; each process checks specs in its own pool")
+    api_threads: int = Field(4, ge=1, le=64, description="threads that run the API's database work at once; more "
+                             "only contend for the interpreter lock (requests beyond them wait their turn)")
     # ceilings on what one request may ask for: counts and times above them are refused, memory limits
     # above them are lowered to them (see sltune/service/ceilings.py)
     max_request_bytes: int = 256 * 1024
@@ -47,6 +51,11 @@ class Settings(BaseSettings):
     forget_workers_after_s: float = Field(600.0, gt=0, description="rows of workers silent this long are "
                                           "deleted (a live worker touches its row every few seconds)")
     jobs_per_worker: int = Field(1, ge=1, le=64, description="jobs one worker runs at once")
+
+    @property
+    def alive_within_s(self) -> float:
+        """How recently a worker must have touched its row to count as live: three polls, or a lease."""
+        return max(3 * self.poll_seconds, self.lease_seconds)
 
     @field_validator("api_token")
     @classmethod

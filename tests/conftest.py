@@ -58,9 +58,10 @@ class Services:
         self.procs: list[Proc] = []
         self.url = None
 
-    def serve(self, worker: bool = False) -> str:
+    def serve(self, worker: bool = False, workers: int = 1) -> str:
         port = free_port()
         args = ["serve", "--port", str(port), "--db", self.db] + ([] if worker else ["--no-worker"])
+        args += ["--workers", str(workers)] if workers > 1 else []
         self.procs.append(Proc(args, self.env, self.tmp / f"serve-{port}.log"))
         self.url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 60

@@ -1,11 +1,12 @@
 """kill -9 of a worker, or of `sltune serve` with its embedded worker, leaves none of its process tree
-running: trials, fork servers and the embedded worker all follow within seconds, and the job is taken
-over by another worker as before."""
+running: trials, fork servers, the embedded worker and the API processes of `serve --workers 2` all follow
+within seconds, and the job is taken over by another worker as before."""
 
 import os
 import signal
 import time
 
+import httpx
 import psutil
 
 from tests.conftest import tiny_spec
@@ -41,7 +42,8 @@ def test_kill_9_of_a_worker_or_of_serve_leaves_none_of_its_tree_and_the_job_is_t
     with services.client() as c:
         job_id = c.post("/tune", json=tiny_spec("long", **LONG)).json()["job_id"]
         _running_trial(c, job_id)
-        services.serve(worker=True)          # a second server, its embedded worker waiting to take over
+        # a second server, two API processes and its embedded worker waiting to take over
+        c2 = httpx.Client(base_url=services.serve(worker=True, workers=2), timeout=30)
         server = services.procs[-1]
 
         tree, alive = _kill_and_count_survivors(worker.p.pid)
@@ -53,7 +55,8 @@ def test_kill_9_of_a_worker_or_of_serve_leaves_none_of_its_tree_and_the_job_is_t
             time.sleep(0.2)
             job = c.get(f"/jobs/{job_id}").json()
         assert job["attempts"] == 2 and job["status"] == "running", job      # taken over as before
-        _running_trial(c, job_id)
+        _running_trial(c2, job_id)
         tree, alive = _kill_and_count_survivors(server.p.pid)
         assert any(" worker " in cmd for cmd in tree) and any("forkserver" in cmd for cmd in tree), tree
+        assert sum("spawn_main" in cmd for cmd in tree) >= 2, tree          # the two API processes
         assert alive == [], (alive, server.output()[-3000:])

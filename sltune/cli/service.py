@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ipaddress
 import json
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -27,6 +29,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--db", help=DB_HELP)
     s.add_argument("--data-dir", help=DATA_DIR_HELP)
     s.add_argument("--no-worker", action="store_true", help="serve only; run workers separately")
+    s.add_argument("--workers", type=int, default=None, metavar="N",
+                   help="API server processes sharing the port (default: $SLTUNE_API_WORKERS, else 1); the job "
+                        "worker stays one")
     s.set_defaults(run=run_serve)
 
     w = sub.add_parser("worker", help="one more worker on the same database",
@@ -56,7 +61,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     m = sub.add_parser("compare", help="the two jobs' bests compared with 95%% intervals; exit 1 on a regression",
                        description="Flags a regression only when the 95%% interval of new/old best tokens/s lies "
                                    "wholly below 1 - max-regression. Exit codes: 0 no regression (including "
-                                   "'within noise'), 1 regression, 2 error.")
+                                   "'within noise', and 'inconclusive' when the two bests were measured under different "
+                                   "interference), 1 regression, 2 error.")
     m.add_argument("job_a", help="the baseline job")
     m.add_argument("job_b", help="the newer job")
     where = m.add_mutually_exclusive_group(required=True)
@@ -72,7 +78,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _settings(args: argparse.Namespace) -> Settings:
     overrides = {k: v for k, v in (("db", getattr(args, "db", None)), ("data_dir", getattr(args, "data_dir", None)),
-                                   ("host", getattr(args, "host", None)), ("port", getattr(args, "port", None)))
+                                   ("host", getattr(args, "host", None)), ("port", getattr(args, "port", None)),
+                                   ("api_workers", getattr(args, "workers", None)))
                  if v is not None}
     return Settings(**overrides)
 
@@ -80,14 +87,20 @@ def _settings(args: argparse.Namespace) -> Settings:
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from sltune.api.app import create_app
+    from sltune.api.app import create_app, job_worker
 
     settings = _settings(args)
     if settings.api_token is None and not _loopback(settings.host):
         raise ValueError(f"refusing to serve on {settings.host} without SLTUNE_API_TOKEN: anyone could submit jobs")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    app = create_app(settings, embedded_worker=not args.no_worker)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info", access_log=settings.access_log)
+    serving = {"host": settings.host, "port": settings.port, "log_level": "info", "access_log": settings.access_log}
+    if settings.api_workers == 1:
+        uvicorn.run(create_app(settings, embedded_worker=not args.no_worker), **serving)
+        return 0
+    # uvicorn starts each process from an import string; they read their settings from the environment
+    os.environ.update(SLTUNE_DB=settings.db_url(), SLTUNE_DATA_DIR=str(settings.data_dir))
+    with contextlib.nullcontext() if args.no_worker else job_worker(settings):
+        uvicorn.run("sltune.api.app:serving_process", factory=True, workers=settings.api_workers, **serving)
     return 0
 
 

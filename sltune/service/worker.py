@@ -142,7 +142,7 @@ class Worker:
 
     def _fail_unrunnable(self) -> None:
         """Queued jobs that no live worker can run fail with the reason instead of waiting forever."""
-        live = self.store.live_workers(within_s=max(3 * self.settings.poll_seconds, self.settings.lease_seconds))
+        live = self.store.live_workers(within_s=self.settings.alive_within_s)
         if not live:
             return
         for job in self.store.jobs(limit=50, status="queued"):

@@ -37,7 +37,10 @@ def engine_for(url: str) -> Engine:
         path = make_url(url).database
         if path and path != ":memory:":
             Path(path).parent.mkdir(parents=True, exist_ok=True)    # a new data directory is fine
-        engine = create_engine(url, connect_args={"timeout": 30, "check_same_thread": False})
+        # a pool no smaller than the API's thread limit (Settings.api_threads, 4 by default) or a worker's
+        # threads: a connection opened past the pool is closed after use, and opening one runs the pragmas below
+        engine = create_engine(url, connect_args={"timeout": 30, "check_same_thread": False},
+                               pool_size=16, max_overflow=16)
 
         @event.listens_for(engine, "connect")
         def _sqlite_pragmas(conn, _record):

@@ -55,6 +55,7 @@ and every sub-batch passes through it with its own KV cache, in host or device m
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -183,6 +184,8 @@ class SpeedLoaderEngine:
         ]
         self.head = ParamUnit("head", [p for p in head if id(p) not in tied_ids])
         self.tied = ParamUnit("tied", [p for p in prologue if id(p) in tied_ids])
+        for g in self.groups:
+            g.unit.parts = [0, *itertools.accumulate(sum(p.numel() for p in layers[i]) for i in range(g.first, g.last))]
         self.units = [self.embed, *(g.unit for g in self.groups), self.head, self.tied]
 
     # -- training ----------------------------------------------------------------------------------

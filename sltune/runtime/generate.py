@@ -309,7 +309,8 @@ def _step(engine: Runtime, subs: list[_Rows]) -> torch.Tensor:
     # sub-batches read them from (k=2 of llama-small: two 25 MB groups against a 32 MB L3).
     ahead = engine.copier.cuda
     for u, unit in enumerate(units):
-        store.activate(unit)
+        if unit is engine.embed or unit is engine.head:
+            store.activate(unit)        # a group is activated by _run_group, layer by layer where it can
         if ahead and u + 1 < len(units):
             store.prefetch(units[u + 1])
         if unit is engine.embed:
@@ -337,15 +338,21 @@ def _run_group(engine: Runtime, g: int, subs: list[_Rows], past: int, q: int, de
     whose caches stay in place (nothing staged) goes layer by layer instead, every sub-batch through one
     layer before the next: a layer's weights are read by all N sub-batches while they are still in the
     cache, where sub-batch order reads k layers' weights N times each (k=2 ran slower than k=1 at N>1, the
-    resident schedule too). The held state is N sub-batches' one-position hidden states: b*N*hidden."""
-    acts, kv, lm = engine.acts, engine.kv, engine.lm
+    resident schedule too). With synchronous copies each layer is also copied just before it runs. The held
+    state is N sub-batches' one-position hidden states: b*N*hidden."""
+    acts, kv, lm, store = engine.acts, engine.kv, engine.lm, engine.params
     group = engine.groups[g]
     start = subs[0].cache.first_visible(group.first, group.last)
     write = kv.writer()
-    if q == 1 and kv.in_place and group.last - group.first > 1 and len(subs) > 1:
+    if q == 1 and kv.in_place and group.last - group.first > 1:
+        parts = store.loads_in_parts
+        if not parts:
+            store.activate(group.unit)
         xs = [acts.fetch(g, j).wait() for j in range(len(subs))]
         blocks = [kv.load(g, sb.index, start, past).wait() for sb in subs]
-        for layer in range(group.first, group.last):
+        for i, layer in enumerate(range(group.first, group.last)):
+            if parts:
+                store.load_part(group.unit, i)
             for j, sb in enumerate(subs):
                 sb.cache.bind(blocks[j], group.first, write)
                 with region("compute", f"layers_{detail}"):
@@ -355,6 +362,8 @@ def _run_group(engine: Runtime, g: int, subs: list[_Rows], past: int, q: int, de
             kv.store(g, sb.index, blocks[j], past, q)
             acts.put(g + 1, j, xs[j])
         return
+
+    store.activate(group.unit)
 
     def load(j: int):
         return acts.fetch(g, j), kv.load(g, subs[j].index, start, past)

@@ -89,6 +89,8 @@ class ShardedParamStore(ParamStore):
             p.data = torch.empty(0, dtype=p.dtype)
 
     # -- loading -----------------------------------------------------------------------------------
+    loads_in_parts = False      # a unit is gathered whole
+
     def prefetch(self, unit: ParamUnit | None) -> None:
         if unit is None or unit.host is None or unit.dev is not None or unit.pending:
             return

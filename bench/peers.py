@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runtime import (LR, Runner, best_speedloader, check_losses, interleave, plain_loop, report,  # noqa: E402
-                     setup, sltune_runners, targets)
+from runtime import (LR, Runner, best_speedloader, check_losses, forced_recompute, interleave,  # noqa: E402
+                     plain_loop, report, setup, sltune_runners, targets)
 
 
 def deepspeed_or_none():
@@ -74,7 +74,8 @@ def main() -> None:
         print(f"DeepSpeed {ds.__version__} on its {ds.get_accelerator().device_name()} accelerator, 1 gloo rank")
         runners += [deepspeed_runner(ds, base, args.b, args.n, 3, offload_params=True),
                     deepspeed_runner(ds, base, args.b, args.n, 2, offload_params=False)]
-    runners += sltune_runners(base, args)
+    bound = forced_recompute(base, args.b, args.n, args.k)
+    runners += ([bound] if bound else []) + sltune_runners(base, args)
     interleave(runners, batches, args.rounds, args.warmup)
     check_losses(runners)
     best = best_speedloader(runners)

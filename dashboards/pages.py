@@ -458,7 +458,12 @@ def compare_page(request: Request, a: str | None = None, b: str | None = None,
         word = cmp["verdict"] if good else "REGRESSION"
         verdict = (f"<span class='{'good' if good else 'bad'}'>{word}</span>: best B/A {cmp['ratio']:.3f}x (change {cmp['change']:+.1%}), 95% interval "
                    f"[{lo:.3f}, {hi:.3f}], allowed drop {limit:.1%}")
-        if cmp["measured_under_interference"]:
+        if cmp["verdict"] == "inconclusive":
+            a, b = cmp["busy_elsewhere"]
+            verdict += (f" <span class='note'>(other processes kept {a:.2f} cores busy while A's best was "
+                        f"measured, {b:.2f} while B's: the jobs' trials cannot tell the code from the machine; "
+                        "re-measure with <code>sltune compare --remeasure</code>)</span>")
+        elif cmp["measured_under_interference"]:
             verdict += (" <span class='note'>(measured under interference: "
                         + e("; ".join(cmp["measured_under_interference"])) + "; re-measure with <code>--remeasure"
                         "</code>)</span>")
@@ -485,7 +490,8 @@ def compare_page(request: Request, a: str | None = None, b: str | None = None,
             + "<p class='note'>Per config: the median tokens/s of every step each job timed for it, and the "
               "ratio B/A with its 95% bootstrap interval. The verdict compares the two jobs' best configs: a "
               "regression only when the whole interval lies below 1 − the allowed drop; an interval that "
-              "reaches above it is <i>within noise</i>.</p>"
+              "reaches above it is <i>within noise</i>; two bests measured under different interference "
+              "(other processes' busy cores differing by half a core or more) are <i>inconclusive</i>.</p>"
             + table + _compare_form(jobs, job_a.id, job_b.id, max_regression))
     active = job_a.status in ACTIVE or job_b.status in ACTIVE
     return _page("compare", body, plots=True, refresh=15 if active else None)

@@ -18,7 +18,8 @@ SPEC = TuningSpec.parse({"name": "cmp", "model": {"preset": "llama-tiny"}, "work
                                     "trial_steps": 3, "trial_min_time_s": 0.2, "profile": False}})
 
 
-def _job(store: Store, name: str, medians: dict[int, float], spread: float, seed: int, spec=SPEC) -> str:
+def _job(store: Store, name: str, medians: dict[int, float], spread: float, seed: int, spec=SPEC,
+         busy: float | None = None) -> str:
     """A finished job in a real SQLite store whose trials' steps are drawn around the given tokens/s per
     sub-batch size (step times lognormal with the given spread)."""
     rng = np.random.default_rng(seed)
@@ -34,7 +35,8 @@ def _job(store: Store, name: str, medians: dict[int, float], spread: float, seed
             "status": "ok", "config": {**config, "seq_len": 32, "world_size": 1},
             "tokens_per_s": tokens / med, "step_seconds": med,
             "timing": {"steps_s": steps, "median_s": med, "tokens_per_s_ci95": [0, 0], "cv": spread,
-                       "unstable": False, "interference": {}}})
+                       "unstable": False,
+                       "interference": {} if busy is None else {"others_busy_cores": busy}}})
     store.set_status(job.id, "succeeded", result={"best": {"config": {"sub_batch_size": best, "num_sub_batches": 1,
                                                                       "num_live_blocks": 1}}})
     return job.id
@@ -59,6 +61,10 @@ def jobs(tmp_path_factory):
         "slower": _job(store, "slower", {1: 700.0, 2: 1260.0}, 0.02, 3),        # 30% slower, tight
         "noisy": _job(store, "noisy", {1: 900.0, 2: 1620.0}, 0.6, 4),          # 10% slower, very noisy
         "slightly": _job(store, "slightly", {1: 980.0, 2: 1764.0}, 0.01, 5),  # 2% slower: within 5%
+        # the same code measured on a quiet machine (0.1 cores busy elsewhere) and beside a busy process
+        "quiet": _job(store, "quiet", {1: 1000.0, 2: 1800.0}, 0.02, 6, busy=0.1),
+        "hogged": _job(store, "hogged", {1: 700.0, 2: 1260.0}, 0.02, 7, busy=1.0),
+        "quiet_slower": _job(store, "quiet_slower", {1: 700.0, 2: 1260.0}, 0.02, 8, busy=0.2),
     }
     empty = store.create_job("empty", SPEC.model_dump(mode="json"), "empty", {"device": "cpu"})
     store.set_status(empty.id, "failed", error="no config ran successfully")
@@ -85,6 +91,21 @@ def test_noise_and_small_drops_pass(jobs):
     assert code == 0 and r["ratio"] < 1.0 and r["verdict"] in ("no regression", "within noise")
     code, r, _ = _compare(db, ids["base"], ids["slower"], "--max-regression", "40%")
     assert code == 0 and r["verdict"] == "no regression"
+
+
+def test_bests_measured_under_different_interference_are_inconclusive_not_a_regression(jobs):
+    """The jobs' trials cannot tell a slower machine from slower code: a drop measured beside a busy process
+    that the old job did not have is "inconclusive" (exit 0) and says so; under comparable interference
+    the same drop is a regression."""
+    db, ids = jobs
+    code, r, err = _compare(db, ids["quiet"], ids["hogged"])
+    assert code == 0 and r["verdict"] == "inconclusive", (r, err)
+    assert r["busy_elsewhere"] == pytest.approx([0.1, 1.0]) and r["ci95"][1] < 0.95
+    assert {row["verdict"] for row in r["rows"]} == {"inconclusive"}
+    from sltune.tuning.compare import summary
+    assert "--remeasure" in summary(r) and "1.00 while the new one was" in summary(r)
+    code, r, _ = _compare(db, ids["quiet"], ids["quiet_slower"])
+    assert code == 1 and r["verdict"] == "regression" and r["busy_elsewhere"] is None
 
 
 def test_errors_exit_2_with_one_line(jobs):

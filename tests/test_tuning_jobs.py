@@ -98,10 +98,15 @@ def test_the_confirmation_round_remeasures_the_finalists_interleaved_and_says_ho
     knobs = {"num_sub_batches": 1, "num_live_blocks": 1, "activations": "recompute"}
     assert finalists == [{"sub_batch_size": 2, **knobs}, {"sub_batch_size": 1, **knobs}]    # the best first
     confirms = [t for t in r["trials"] if t["role"] == "confirm"]
-    assert [t["config"] for t in confirms] == finalists * 2 and conf["rounds"] == 2           # A B A B
-    assert [t["number"] for t in confirms] == [2, 3, 4, 5] and all(t["status"] == "ok" for t in confirms)
+    # A B A B, or A B alone when the first round already settled it (the best >= 1.10x at the interval's low end)
+    from sltune.tuning.confirm import DECISIVE
+    assert conf["rounds"] == 2 or (conf["rounds"] == 1 and conf["ci95"][0] > DECISIVE), conf
+    assert [t["config"] for t in confirms] == finalists * conf["rounds"]
+    assert [t["number"] for t in confirms] == list(range(2, 2 + 2 * conf["rounds"]))
+    assert all(t["status"] == "ok" for t in confirms)
     rows = [t for t in store.trials(job.id) if t.role == "confirm"]
-    assert len(rows) == 4 and all(t.optuna_number is None and t.result["timing"]["steps_s"] for t in rows)
+    assert len(rows) == 2 * conf["rounds"] and all(t.optuna_number is None and t.result["timing"]["steps_s"]
+                                                   for t in rows)
     w, lo, hi = conf["winner"], *conf["ci95"]
     assert conf["winner"] in finalists and conf["runner_up"] in finalists and conf["winner"] != conf["runner_up"]
     assert lo <= conf["ratio"] <= hi and conf["ratio"] >= 1.0 - 1e-12

@@ -131,12 +131,17 @@ def measure(step: Callable[[], tuple[float, int]], steps: int, min_time_s: float
     return {**best, "rounds": len(rounds)}
 
 
+def timing_of(result: dict[str, Any] | None) -> dict[str, Any]:
+    """A TrialResult's (as a dict) `timing`: {} for a result without one (failed, or from before timing)."""
+    return (result or {}).get("timing") or {}
+
+
 def step_tokens_per_s(result: dict[str, Any]) -> list[float] | None:
     """Tokens/s of every timed step of an ok TrialResult (as a dict); a result from before step times were
     kept gives its one figure; None when it has none."""
     if result.get("status") != "ok" or not result.get("tokens_per_s"):
         return None
-    timing = result.get("timing") or {}
+    timing = timing_of(result)
     if not timing.get("steps_s"):
         return [result["tokens_per_s"]]
     tokens = timing.get("tokens_per_step") or result["tokens_per_s"] * timing["median_s"]

@@ -5,6 +5,13 @@ of the ratio of the two jobs' best throughputs (new / old) lies wholly below 1 -
 interval that reaches above that line is "within noise" and passes. Every config both jobs measured is
 listed with its ratio and interval.
 
+The intervals hold the noise within each job, not a change of the machine between the two: a best measured
+beside a busy process and one measured on a quiet machine differ by the machine (one such pair in ten ran
+0.76x "slower" quiet than beside the hog, in bench/noise.py (b)). Each trial records the cores other
+processes kept busy; when the two bests' differ by CONFOUNDING_CORES or more, the jobs' trials cannot tell
+the code from the machine and the verdict is "inconclusive" (exit code 0), naming both figures and
+pointing to --remeasure.
+
 Each side's samples are every timed step of every trial of that config (search and confirmation trials
 alike), bootstrapped trial by trial and then step by step (sltune.profiling.stats), so a job whose trials
 disagree with each other gets a wide interval, as it should. `remeasure` runs both bests again here,
@@ -19,9 +26,10 @@ from statistics import median
 from typing import Any, Callable
 
 from sltune.profiling.stats import paired_ratio_ci, ratio_ci
-from sltune.profiling.timing import step_tokens_per_s
+from sltune.profiling.timing import step_tokens_per_s, timing_of
 
 Key = tuple[int, int, int]
+CONFOUNDING_CORES = 0.5     # a difference in other processes' busy cores that makes two measurements incomparable
 KNOBS = ("sub_batch_size", "num_sub_batches", "num_live_blocks", "activations", "kv_cache")
 
 
@@ -83,8 +91,25 @@ def best_key(job: JobData, configs: dict[Key, list[list[float]]]) -> Key | None:
     return max(configs, key=lambda k: _median(configs[k]), default=None)
 
 
-def verdict(ci: tuple[float, float], max_regression: float) -> str:
-    """What an interval of new/old says, against the allowed drop."""
+def busy_elsewhere(job: JobData, key: Key) -> float | None:
+    """The cores other processes kept busy, on average, while the job measured this config (None: never
+    recorded, as by trials older than the record)."""
+    seen = [busy for t in job.trials if _key(t["config"]) == key
+            if (busy := (timing_of(t.get("result")).get("interference") or {}).get("others_busy_cores")) is not None]
+    return sum(seen) / len(seen) if seen else None
+
+
+def confounded(old: JobData, key_a: Key, new: JobData, key_b: Key) -> list[float] | None:
+    """Both sides' busy cores elsewhere when they differ by CONFOUNDING_CORES or more, else None."""
+    a, b = busy_elsewhere(old, key_a), busy_elsewhere(new, key_b)
+    return [a, b] if a is not None and b is not None and abs(a - b) >= CONFOUNDING_CORES else None
+
+
+def verdict(ci: tuple[float, float], max_regression: float, busy: list[float] | None = None) -> str:
+    """What an interval of new/old says, against the allowed drop; inconclusive when the two sides were
+    measured under different interference (`busy`, from confounded())."""
+    if busy is not None:
+        return "inconclusive"
     lo, hi = ci
     if hi < 1.0 - max_regression:
         return "regression"
@@ -109,22 +134,23 @@ def compare(old: JobData, new: JobData, max_regression: float = 0.05) -> dict[st
         if key in a and key in b:
             row["ratio"], ci = ratio_ci(b[key], a[key])
             row["ci95"] = list(ci)
-            row["verdict"] = verdict(ci, max_regression)
+            row["verdict"] = verdict(ci, max_regression, confounded(old, key, new, key))
         rows.append(row)
     ka, kb = best_key(old, a), best_key(new, b)
     if ka is None or kb is None:
         which = old.id if ka is None else new.id
         raise ValueError(f"job {which} has no successful trial: nothing to compare")
     ratio, ci = ratio_ci(b[kb], a[ka])
+    busy = confounded(old, ka, new, kb)
     unstable = [f"{job.id} {dict(zip(KNOBS, key))}" for job, key in ((old, ka), (new, kb))
-                if any(((t.get("result") or {}).get("timing") or {}).get("unstable") for t in job.trials
+                if any(timing_of(t.get("result")).get("unstable") for t in job.trials
                        if _key(t["config"]) == key)]
     return {"old": old.id, "new": new.id, "max_regression": max_regression, "rows": rows,
             "best_a": _median(a[ka]), "best_b": _median(b[kb]),
             "best_config_a": dict(zip(KNOBS, ka)), "best_config_b": dict(zip(KNOBS, kb)),
             "ratio": ratio, "ci95": list(ci), "change": ratio - 1.0,
-            "verdict": verdict(ci, max_regression), "measured_under_interference": unstable,
-            "remeasured": None}
+            "verdict": verdict(ci, max_regression, busy), "measured_under_interference": unstable,
+            "busy_elsewhere": busy, "remeasured": None}
 
 
 def remeasure(cmp: dict[str, Any], old: JobData, new: JobData, rounds: int = 3,
@@ -174,6 +200,11 @@ def summary(cmp: dict[str, Any]) -> str:
             f"[{lo:.3f}, {hi:.3f}] ({how}); allowed drop {cmp['max_regression']:.1%}: {cmp['verdict'].upper()}")
     if cmp["verdict"] == "within noise":
         text += " (the interval reaches above the allowed drop: not a significant regression)"
+    if cmp["verdict"] == "inconclusive":
+        a, b = cmp["busy_elsewhere"]
+        text += (f" (other processes kept {a:.2f} cores busy while the old best was measured, {b:.2f} while the "
+                 "new one was: the jobs' trials cannot tell the code from the machine; run compare --remeasure "
+                 "for a side-by-side answer)")
     if cmp.get("measured_under_interference") and not cmp.get("remeasured"):
         text += ("\nnote: measured under interference: " + "; ".join(cmp["measured_under_interference"])
                  + " (use --remeasure for a side-by-side answer)")

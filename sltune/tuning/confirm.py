@@ -9,7 +9,9 @@ ratio over the rounds wins. Its ratio to the runner-up, with a paired bootstrap 
 (sltune.profiling.stats), is how sure the pick is. The runner-up is re-measured even when the intervals do
 not overlap: an unpaired interval from two trials run at different moments proved overconfident (in
 bench/noise.py (e) it claimed 1.16x [1.03, 1.30] where side by side the other config was 4.6% faster).
-With confirm_rounds 0 nothing is re-run and the statement is the unpaired one, saying so.
+With confirm_rounds 0 nothing is re-run and the statement is the unpaired one, saying so. The rounds stop
+early once the search's best has won decisively (settled()): re-measuring a config 1.66x [1.60, 1.69] slower
+twice more only doubled the cost of a small search (bench/noise.py (e)).
 """
 
 from __future__ import annotations
@@ -18,11 +20,12 @@ from statistics import median
 from typing import Any
 
 from sltune.profiling.stats import paired_ratio_ci, ratio_ci
-from sltune.profiling.timing import step_tokens_per_s
+from sltune.profiling.timing import step_tokens_per_s, timing_of
 from sltune.tuning.space import Candidate
 from sltune.tuning.state import Done, SearchState
 
 MAX_FINALISTS = 3
+DECISIVE = 1.10     # the low end of the winner's paired interval over the runner-up that ends the rounds early
 
 
 def ranked(state: SearchState) -> list[Done]:
@@ -82,6 +85,18 @@ def verdict(state: SearchState, picks: list[Candidate]) -> dict[str, Any] | None
                    how="")
 
 
+def settled(state: SearchState, picks: list[Candidate]) -> bool:
+    """Whether the rounds so far already decide it: the search's best won every paired comparison, its
+    interval over the runner-up starts above DECISIVE, and no confirm trial of theirs ran under interference
+    (marked unstable), which could have made the gap."""
+    if len(picks) < 2 or len(state.confirms) % len(picks):
+        return False                         # only after whole rounds
+    if any(timing_of(d.result).get("unstable") for d in state.confirms if d.candidate in picks):
+        return False
+    answer = verdict(state, picks)
+    return bool(answer and not answer["changed_pick"] and answer["ci95"][0] > DECISIVE)
+
+
 def _answer(winner: Candidate, runner: Candidate, ratio: float, lo: float, hi: float, *, rounds: int,
             finalists: list[dict[str, Any]], changed: bool, how: str) -> dict[str, Any]:
     significant = lo > 1.0
@@ -103,6 +118,6 @@ def winner_of(state: SearchState, confirmation: dict[str, Any] | None) -> Done |
 
 
 def _ci(d: Done) -> tuple[float, float]:
-    ci = (d.result.get("timing") or {}).get("tokens_per_s_ci95")
+    ci = timing_of(d.result).get("tokens_per_s_ci95")
     return tuple(ci) if ci else (d.tokens_per_s, d.tokens_per_s)
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from sltune.config import SpeedLoaderConfig
+from sltune.profiling.timing import timing_of
 from sltune.tuning.spec import TuningSpec
 from sltune.tuning.state import SearchState
 
@@ -28,8 +29,8 @@ def job_result(job_id: str, spec: TuningSpec, state: SearchState, stop_reason: s
         "confidence": confirmation["statement"] if confirmation else _unconfirmed(state),
         "trials": [{"number": d.number, "role": d.role, "config": d.candidate.knobs(), "status": d.result["status"],
                     "tokens_per_s": d.result.get("tokens_per_s"),
-                    "tokens_per_s_ci95": (d.result.get("timing") or {}).get("tokens_per_s_ci95"),
-                    "unstable": (d.result.get("timing") or {}).get("unstable"),
+                    "tokens_per_s_ci95": timing_of(d.result).get("tokens_per_s_ci95"),
+                    "unstable": timing_of(d.result).get("unstable"),
                     "peak_device_bytes": d.result.get("peak_device_bytes"),
                     "peak_host_bytes": d.result.get("peak_host_bytes"), "error": d.result.get("error")}
                    for d in sorted(state.history + state.confirms, key=lambda d: d.number)],
@@ -38,7 +39,7 @@ def job_result(job_id: str, spec: TuningSpec, state: SearchState, stop_reason: s
         c = best.candidate
         out["best"] = {"trial_number": best.number, "config": {**c.knobs(), "schedule": spec.search.schedule},
                        "tokens_per_s": best.tokens_per_s, "step_seconds": best.result.get("step_seconds"),
-                       "tokens_per_s_ci95": (best.result.get("timing") or {}).get("tokens_per_s_ci95"),
+                       "tokens_per_s_ci95": timing_of(best.result).get("tokens_per_s_ci95"),
                        "peak_device_bytes": best.result.get("peak_device_bytes"),
                        "peak_host_bytes": best.result.get("peak_host_bytes")}
         out["predicted"] = state.predict(c).to_dict()

@@ -222,6 +222,8 @@ def run_job(store: Store, job_id: str, *, progress: ProgressFn | None = None, sh
             report(last={"number": number, "config": cand.knobs(), "status": result["status"],
                          "tokens_per_s": result.get("tokens_per_s"), "error": result.get("error")}, phase="confirm")
             number += 1
+            if confirm.settled(state, picks):
+                break
         confirmation = confirm.verdict(state, picks)
 
     out = job_result(job_id, spec, state, stop_reason, elapsed(), confirmation)

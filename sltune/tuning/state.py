@@ -135,17 +135,22 @@ class SearchState:
         return max(ok, key=lambda d: d.tokens_per_s) if ok else None
 
     # -- predictions ---------------------------------------------------------------------------------
-    def predict(self, c: Candidate, update_margins: bool = True) -> Prediction:
+    def predict(self, c: Candidate, update_margins: bool = True, padded: bool = True) -> Prediction:
+        """Predicted peaks and throughput; `fits` allows each model's margin: the spec's safety margin plus
+        what out-of-memory trials showed the model to miss. Unpadded, only the latter: whether the config
+        may fit, where padded says it should."""
         v = self.vars(c)
         dev = self.fits["device"].predict(v) if self.fits else None
         host = self.fits["host"].predict(v) if self.fits else None
         t = self.fits["throughput"].predict(v) if self.fits else None
         tps = c.batch * self._new_tokens_per_row() / t if t and t > 0 else None
         hw = self.spec.hardware
+        pad = 0.0 if padded else self.spec.search.margin
         over = []
-        if dev is not None and hw.device_memory_limit and dev * (1 + self.margins["device"]) > hw.device_memory_limit:
+        if dev is not None and hw.device_memory_limit and \
+                dev * (1 + self.margins["device"] - pad) > hw.device_memory_limit:
             over.append("device")
-        if host is not None and hw.host_memory_limit and host * (1 + self.margins["host"]) > hw.host_memory_limit:
+        if host is not None and hw.host_memory_limit and host * (1 + self.margins["host"] - pad) > hw.host_memory_limit:
             over.append("host")
         for o, resource in self.oom:
             if resource not in over and self._needs_more(c, o, resource):

@@ -1,14 +1,10 @@
-"""The FastAPI application: REST routes, the dashboard pages, offline API docs, and (for `sltune serve`)
-one worker process beside the server, which dies with it."""
+"""The FastAPI application: REST routes, the dashboard pages and offline API docs."""
 
 from __future__ import annotations
 
 import contextlib
 import gc
-import logging
-import subprocess
-import sys
-from typing import Any, AsyncIterator, Iterator
+from typing import Any, AsyncIterator
 
 import anyio.to_thread
 from fastapi import FastAPI
@@ -20,16 +16,15 @@ from sltune.api.errors import SpecInvalid, on_request_invalid, on_spec_invalid
 from sltune.api.limits import BodyLimit, NoNul
 from sltune.api.routes import router
 from sltune.dashboards.pages import router as dashboard_router
+from sltune.profiling import forks
 from sltune.profiling.lifeline import die_with_parent
 from sltune.service.validation import SpecChecker
 from sltune.settings import Settings
 from sltune.store import Store
 from sltune.tuning.spec import TuningSpec
 
-log = logging.getLogger("sltune.api")
 
-
-def create_app(settings: Settings | None = None, embedded_worker: bool = False) -> FastAPI:
+def create_app(settings: Settings | None = None) -> FastAPI:
     # the dashboards build figures from request threads; transformers' lazy imports are not thread-safe,
     # so load them once here
     import sltune.profiling.preload  # noqa: F401
@@ -49,8 +44,7 @@ def create_app(settings: Settings | None = None, embedded_worker: bool = False) 
         gc.collect()
         gc.freeze()
         try:
-            with job_worker(settings) if embedded_worker else contextlib.nullcontext():
-                yield
+            yield
         finally:
             app.state.checker.close()
 
@@ -74,24 +68,8 @@ def serving_process() -> FastAPI:
     """The app of one of `sltune serve --workers N`'s processes (uvicorn's factory): its settings come from
     the environment `serve` set, and it dies with `serve`'s supervising process, as the job worker does."""
     die_with_parent()
+    forks.start()           # the spec checkers' fork server imports torch beside this process
     return create_app()
-
-
-@contextlib.contextmanager
-def job_worker(settings: Settings) -> Iterator[None]:
-    """`sltune serve`'s own job worker, a process that dies with this one (kill -9 included), for the
-    duration of the block."""
-    worker = subprocess.Popen([sys.executable, "-m", "sltune", "worker", "--db", settings.db_url(),
-                               "--data-dir", str(settings.data_dir), "--exit-with-parent"])
-    log.info("embedded worker pid %d", worker.pid)
-    try:
-        yield
-    finally:
-        worker.terminate()
-        try:
-            worker.wait(30)
-        except subprocess.TimeoutExpired:
-            worker.kill()
 
 
 def _openapi(app: FastAPI) -> dict[str, Any]:

@@ -64,7 +64,7 @@ class Services:
         args += ["--workers", str(workers)] if workers > 1 else []
         self.procs.append(Proc(args, self.env, self.tmp / f"serve-{port}.log"))
         self.url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 150           # a loaded 2-core machine: every process imports torch
         while time.monotonic() < deadline:
             try:
                 if httpx.get(self.url + "/healthz", timeout=1).status_code == 200:

@@ -16,7 +16,9 @@ from pathlib import Path
 from tests.conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
-RUNS = 10
+# The abort came about one run in five; what caused it, gloo threads alive after destroy_process_group, came
+# every run, and is asserted for each run below: a few runs catch a regression for certain.
+RUNS = 4
 # The 2-rank script, run RUNS times. Each rank is a fork of this launcher, which has imported what the
 # script imports before it initialises the group (torch, sltune): the runs skip that import, not the model
 # build after init_process_group that brought the bug in. A rank leaves by sys.exit, a normal interpreter

@@ -1,27 +1,35 @@
-"""kill -9 of a worker, or of `sltune serve` with its embedded worker, leaves none of its process tree
-running: trials, fork servers, the embedded worker and the API processes of `serve --workers 2` all follow
-within seconds, and the job is taken over by another worker as before."""
+"""kill -9 of `sltune serve` (two API processes and its embedded worker), or of a worker, leaves none of its
+process tree running: trials, fork servers, the embedded worker and the API processes all follow within
+seconds, and the job is taken over by another worker as before."""
 
 import os
 import signal
 import time
 
-import httpx
 import psutil
 
+from sltune.store import Store
 from tests.conftest import tiny_spec
 
 LONG = dict(trials=1, trial_steps=1000, trial_timeout_s=120)      # a trial that runs for many seconds
 
 
-def _running_trial(c, job_id: str, timeout: float = 90) -> None:
+def long_spec() -> dict:
+    """A job whose trial runs for many seconds on one core: the other is left to start the next worker."""
+    spec = tiny_spec("long", **LONG)
+    spec["hardware"]["cpu_threads"] = 1
+    return spec
+
+
+def _running_trial(store: Store, job_id: str, attempt: int, timeout: float = 90) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if any(t["status"] == "running" for t in c.get(f"/jobs/{job_id}/trials").json()):
+        job = store.job(job_id)
+        if job.attempts == attempt and any(t.status == "running" for t in store.trials(job_id)):
             time.sleep(0.5)              # the trial process is past its start
             return
         time.sleep(0.2)
-    raise AssertionError(f"no trial of job {job_id} started")
+    raise AssertionError(f"no trial of job {job_id} started in attempt {attempt}: {store.job(job_id)}")
 
 
 def _kill_and_count_survivors(pid: int, within_s: float = 10) -> tuple[list[str], list[str]]:
@@ -36,27 +44,21 @@ def _kill_and_count_survivors(pid: int, within_s: float = 10) -> tuple[list[str]
         time.sleep(0.2)
 
 
-def test_kill_9_of_a_worker_or_of_serve_leaves_none_of_its_tree_and_the_job_is_taken_over(services):
-    services.serve()
-    worker = services.worker()
+def test_kill_9_of_serve_or_of_a_worker_leaves_none_of_its_tree_and_the_job_is_taken_over(services):
+    services.serve(worker=True, workers=2)
+    server = services.procs[-1]
+    store = Store(services.db)
     with services.client() as c:
-        job_id = c.post("/tune", json=tiny_spec("long", **LONG)).json()["job_id"]
-        _running_trial(c, job_id)
-        # a second server, two API processes and its embedded worker waiting to take over
-        c2 = httpx.Client(base_url=services.serve(worker=True, workers=2), timeout=30)
-        server = services.procs[-1]
+        job_id = c.post("/tune", json=long_spec()).json()["job_id"]
+    _running_trial(store, job_id, attempt=1)                      # on serve's embedded worker
+    worker = services.worker()                                  # waiting to take over
 
-        tree, alive = _kill_and_count_survivors(worker.p.pid)
-        assert any("forkserver" in cmd for cmd in tree) and alive == [], alive
+    tree, alive = _kill_and_count_survivors(server.p.pid)
+    assert any(" worker " in cmd for cmd in tree) and any("forkserver" in cmd for cmd in tree), tree
+    assert sum("spawn_main" in cmd for cmd in tree) >= 2, tree          # the two API processes
+    assert alive == [], (alive, server.output()[-3000:])
 
-        job = c.get(f"/jobs/{job_id}").json()
-        deadline = time.monotonic() + 60
-        while not (job["attempts"] == 2 and job["status"] == "running") and time.monotonic() < deadline:
-            time.sleep(0.2)
-            job = c.get(f"/jobs/{job_id}").json()
-        assert job["attempts"] == 2 and job["status"] == "running", job      # taken over as before
-        _running_trial(c2, job_id)
-        tree, alive = _kill_and_count_survivors(server.p.pid)
-        assert any(" worker " in cmd for cmd in tree) and any("forkserver" in cmd for cmd in tree), tree
-        assert sum("spawn_main" in cmd for cmd in tree) >= 2, tree          # the two API processes
-        assert alive == [], (alive, server.output()[-3000:])
+    _running_trial(store, job_id, attempt=2)                      # taken over as before
+    assert store.job(job_id).status == "running"
+    tree, alive = _kill_and_count_survivors(worker.p.pid)
+    assert any("forkserver" in cmd for cmd in tree) and alive == [], alive

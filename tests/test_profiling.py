@@ -115,5 +115,7 @@ def test_measured_peaks_follow_the_resource_model():
             for n, b in [(1, 1), (8, 8), (16, 8)]]
     assert host[0] < host[1] < host[2], host
     # the host activation buffer alone grows by 4 stored edges * 16384 tokens * 64 * 4 bytes (16 MiB) between the
-    # last two (the turnaround edge is never stored)
-    assert host[2] - host[1] > 15 * 2**20, host
+    # last two (the turnaround edge is never stored). A resident-set peak is not an allocator's count: pages the
+    # trial freed earlier (model init, data) are reused by the buffer, and CI saw 14.6 MiB of the 16. Three
+    # quarters of the buffer still tells growth with N*b*s from the inputs, which grow by well under 1 MiB.
+    assert host[2] - host[1] > 12 * 2**20, host

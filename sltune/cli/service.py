@@ -14,6 +14,8 @@ from pathlib import Path
 
 from sltune.cli.common import DATA_DIR_HELP, DB_HELP, SERVER_HELP
 from sltune.cli.progress import JobBar, describe_config
+from sltune.profiling import forks
+from sltune.service.embedded import job_worker
 from sltune.settings import Settings
 
 
@@ -85,21 +87,25 @@ def _settings(args: argparse.Namespace) -> Settings:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from sltune.api.app import create_app, job_worker
-
     settings = _settings(args)
     if settings.api_token is None and not _loopback(settings.host):
         raise ValueError(f"refusing to serve on {settings.host} without SLTUNE_API_TOKEN: anyone could submit jobs")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     serving = {"host": settings.host, "port": settings.port, "log_level": "info", "access_log": settings.access_log}
+    # the job worker and (one API process) the spec checkers' fork server start first: each imports torch
+    # and transformers in a process of its own while this one imports the app
     if settings.api_workers == 1:
-        uvicorn.run(create_app(settings, embedded_worker=not args.no_worker), **serving)
-        return 0
-    # uvicorn starts each process from an import string; they read their settings from the environment
-    os.environ.update(SLTUNE_DB=settings.db_url(), SLTUNE_DATA_DIR=str(settings.data_dir))
+        forks.start()
     with contextlib.nullcontext() if args.no_worker else job_worker(settings):
+        import uvicorn
+
+        if settings.api_workers == 1:
+            from sltune.api.app import create_app
+
+            uvicorn.run(create_app(settings), **serving)
+            return 0
+        # uvicorn starts each process from an import string; they read their settings from the environment
+        os.environ.update(SLTUNE_DB=settings.db_url(), SLTUNE_DATA_DIR=str(settings.data_dir))
         uvicorn.run("sltune.api.app:serving_process", factory=True, workers=settings.api_workers, **serving)
     return 0
 
@@ -114,6 +120,7 @@ def _loopback(host: str) -> bool:
 
 
 def run_worker(args: argparse.Namespace) -> int:
+    forks.start()           # the trials' fork server imports torch and transformers beside this process
     from sltune.service.worker import Worker
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")

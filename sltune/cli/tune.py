@@ -8,6 +8,7 @@ from pathlib import Path
 
 from sltune.cli.common import DB_HELP, JOB_ID_HELP, SERVER_HELP
 from sltune.cli.progress import JobBar, describe_config
+from sltune.profiling import forks
 from sltune.settings import Settings
 from sltune.sizes import format_bytes, parse_bytes
 
@@ -51,6 +52,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run_tune(args: argparse.Namespace) -> int:
+    forks.start()           # the trials' fork server imports torch and transformers beside this process
     from sltune.tuning.result import export_yaml
     from sltune.service.local import tune
     from sltune.tuning.spec import TuningSpec

@@ -10,7 +10,6 @@ becomes a TrialResult with a reason, never a hang or an exception in the caller.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 import socket
@@ -19,26 +18,11 @@ from typing import Any, Callable
 
 import psutil
 
-from sltune.profiling.lifeline import fork_server_dies_with_me
+from sltune.profiling import forks
 from sltune.profiling.schema import TrialResult, TrialSpec
 from sltune.sizes import format_bytes
 
-# transformers imports model code lazily; preloading it here saves each trial seconds
-_PRELOAD = ["sltune.profiling.fork_server"]
-_CONTEXT: mp.context.BaseContext | None = None
 StopFn = Callable[[], str | None]
-
-
-def _context() -> mp.context.BaseContext:
-    global _CONTEXT
-    if _CONTEXT is None:
-        if "forkserver" in mp.get_all_start_methods():
-            _CONTEXT = mp.get_context("forkserver")
-            _CONTEXT.set_forkserver_preload(_PRELOAD)
-            fork_server_dies_with_me()
-        else:
-            _CONTEXT = mp.get_context("spawn")
-    return _CONTEXT
 
 
 def run_trial(spec: TrialSpec | dict[str, Any], stop: StopFn | None = None) -> TrialResult:
@@ -49,7 +33,7 @@ def run_trial(spec: TrialSpec | dict[str, Any], stop: StopFn | None = None) -> T
     spec = TrialSpec.model_validate(spec) if not isinstance(spec, TrialSpec) else spec
     from sltune.profiling import child
 
-    ctx = _context()
+    ctx = forks.context()
     world = spec.world_size
     port = _free_port() if world > 1 else None
     ranks = []

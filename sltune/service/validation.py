@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import multiprocessing as mp
 import os
 import signal
 from collections import OrderedDict
@@ -21,7 +20,7 @@ from typing import Any
 from pebble import ProcessExpired, ProcessPool
 from pydantic import ValidationError
 
-from sltune.profiling.lifeline import fork_server_dies_with_me
+from sltune.profiling import forks
 from sltune.service.ceilings import Refused, admit
 from sltune.settings import Settings
 
@@ -71,11 +70,8 @@ class SpecChecker:
         self.cache: OrderedDict[str, Verdict] = OrderedDict()
         self.cache_size = cache_size
         self.pending = 0
-        ctx = mp.get_context("forkserver") if "forkserver" in mp.get_all_start_methods() else mp.get_context("spawn")
-        if ctx.get_start_method() == "forkserver":
-            ctx.set_forkserver_preload(["sltune.profiling.fork_server"])
-            fork_server_dies_with_me()
-        self.pool = ProcessPool(max_workers=settings.spec_check_workers, initializer=_start_worker, context=ctx)
+        self.pool = ProcessPool(max_workers=settings.spec_check_workers, initializer=_start_worker,
+                                context=forks.context())
 
     async def check(self, data: Any) -> Verdict:
         if not isinstance(data, dict):         # no need to queue behind heavy specs for this one

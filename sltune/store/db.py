@@ -10,17 +10,18 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Iterator
 
-from alembic import command
-from alembic.config import Config
-from alembic.runtime.migration import MigrationContext
-from alembic.script import ScriptDirectory
-from sqlalchemy import Connection, Engine, create_engine, event, inspect, make_url, text
-from sqlalchemy.orm import Session, sessionmaker
+logging.getLogger("alembic").setLevel(logging.WARNING)      # not a line per plugin and migration at each start
 
-from sltune.store.migrations.names import BASELINE, VERSION_TABLE
+from alembic import command  # noqa: E402
+from alembic.config import Config  # noqa: E402
+from alembic.runtime.migration import MigrationContext  # noqa: E402
+from alembic.script import ScriptDirectory  # noqa: E402
+from sqlalchemy import Connection, Engine, create_engine, event, inspect, make_url, text  # noqa: E402
+from sqlalchemy.orm import Session, sessionmaker  # noqa: E402
+
+from sltune.store.migrations.names import BASELINE, VERSION_TABLE  # noqa: E402
 
 MIGRATIONS = Path(__file__).parent / "migrations"
-logging.getLogger("alembic").setLevel(logging.WARNING)      # not two lines per process start
 
 
 def normalize_url(url: str) -> str:

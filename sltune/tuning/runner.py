@@ -117,8 +117,8 @@ def run_job(store: Store, job_id: str, *, progress: ProgressFn | None = None, sh
     def elapsed() -> float:
         return elapsed_before + time.monotonic() - start
 
-    def report(last: dict[str, Any] | None = None, phase: str = "running") -> None:
-        best = state.best()
+    def report(last: dict[str, Any] | None = None, phase: str = "running", best: Done | None = None) -> None:
+        best = best or state.best()         # finished: the confirmed winner, which the result names
         done = len(state.history)
         avg = sum(trial_seconds) / len(trial_seconds) if trial_seconds else None
         left = search.time_budget_s - elapsed()
@@ -235,7 +235,7 @@ def run_job(store: Store, job_id: str, *, progress: ProgressFn | None = None, sh
     cancelled = bool(stop_reason and stop_reason.startswith("cancelled"))
     status = "cancelled" if cancelled else ("succeeded" if out["best"] else "failed")
     error = None if out["best"] or cancelled else ("no config ran successfully: " + _failures(state))
-    report(phase="finished")
+    report(phase="finished", best=confirm.winner_of(state, confirmation))
     store.set_status(job_id, status, holder=worker_id, result=out, error=error)
     out["status"] = status
     out["error"] = error

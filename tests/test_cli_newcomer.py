@@ -63,6 +63,15 @@ def test_a_bad_flag_value_names_the_flag_not_the_file(tmp_path, capsys):
     assert "best.yaml" not in err and err.count("device_memory_limit") == 0
 
 
+def test_a_bad_service_setting_names_the_flag_or_the_variable_it_came_from(capsys, monkeypatch):
+    assert main(["serve", "--workers", "0"]) == 2
+    assert capsys.readouterr().err == "sltune serve: error: --workers: Input should be greater than or equal to 1\n"
+    monkeypatch.setenv("SLTUNE_API_WORKERS", "0")
+    assert main(["serve"]) == 2
+    assert capsys.readouterr().err == ("sltune serve: error: SLTUNE_API_WORKERS: Input should be greater than or "
+                                       "equal to 1\n")
+
+
 def test_a_bad_value_in_a_flag_built_model_is_one_line_naming_the_field(capsys):
     assert main(["profile", "--device-memory-limit", "lots"]) == 2
     err = capsys.readouterr().err

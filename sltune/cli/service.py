@@ -12,6 +12,8 @@ import signal
 import sys
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from sltune.cli.common import DATA_DIR_HELP, DB_HELP, SERVER_HELP
 from sltune.cli.progress import JobBar, describe_config
 from sltune.profiling import forks
@@ -78,12 +80,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     m.set_defaults(run=run_compare)
 
 
+FLAGS = {"db": "db", "data_dir": "data_dir", "host": "host", "port": "port", "api_workers": "workers"}   # setting: flag
+
+
 def _settings(args: argparse.Namespace) -> Settings:
-    overrides = {k: v for k, v in (("db", getattr(args, "db", None)), ("data_dir", getattr(args, "data_dir", None)),
-                                   ("host", getattr(args, "host", None)), ("port", getattr(args, "port", None)),
-                                   ("api_workers", getattr(args, "workers", None)))
-                 if v is not None}
-    return Settings(**overrides)
+    """The settings, with the flags given over the environment; a bad value is named as the user gave it:
+    `--workers: ...` for a flag, `SLTUNE_API_WORKERS: ...` for the environment."""
+    overrides = {k: v for k, flag in FLAGS.items() if (v := getattr(args, flag, None)) is not None}
+    try:
+        return Settings(**overrides)
+    except ValidationError as err:
+        def source(key: str) -> str:
+            return "--" + FLAGS[key].replace("_", "-") if key in overrides else "SLTUNE_" + key.upper()
+
+        raise ValueError("; ".join(f"{source(str(e['loc'][0]))}: {e['msg'].removeprefix('Value error, ')}"
+                                   for e in err.errors())) from None
 
 
 def run_serve(args: argparse.Namespace) -> int:

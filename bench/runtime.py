@@ -42,6 +42,7 @@ class Runner:
     losses: list[float] = field(default_factory=list)
     io: object = None
     model: object = None
+    engine: object = None
 
     def run(self, batch: torch.Tensor, timed: bool) -> None:
         start = time.perf_counter()
@@ -99,12 +100,23 @@ def sltune_runner(model: torch.nn.Module, b: int, n: int, k: int, schedule: str,
     engine = SpeedLoaderEngine(copy.deepcopy(model), cfg, optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR))
     name = schedule if schedule == "resident" else f"{schedule}/{activations}"
     runner = Runner(name, lambda batch: 0.0)
+    runner.engine = engine
 
     def step(batch: torch.Tensor) -> float:
         res = engine.train_step(batch)
         runner.io = res.io
         return res.loss
     runner.step = step
+    return runner
+
+
+def offload_in_place(model: torch.nn.Module, b: int, n: int, k: int) -> Runner:
+    """speedloader/offload with its saved tensors left where autograd put them: no activation copies, the rest
+    of the schedule as is. A diagnostic, not a config (device memory grows with N): against
+    speedloader/offload it is what the copies cost, against the plain loop what the rest costs."""
+    runner = sltune_runner(model, b, n, k, "speedloader", "offload")
+    runner.name = "offload, copies skipped"
+    runner.engine.saved.host = False
     return runner
 
 
@@ -152,6 +164,8 @@ def setup(argv=None) -> tuple[argparse.Namespace, torch.nn.Module, list[torch.Te
     ap.add_argument("--k", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--offload-in-place", action="store_true",
+                    help="also run speedloader/offload without its activation copies: what they cost")
     args = ap.parse_args(argv)
     base = build(args.model, seed=0)
     gen = torch.Generator().manual_seed(0)
@@ -184,6 +198,8 @@ def main() -> None:
     args, base, batches = setup()
     bound = forced_recompute(base, args.b, args.n, args.k)
     runners = [plain_loop(base, args.b, args.n), *([bound] if bound else []), *sltune_runners(base, args)]
+    if args.offload_in_place:
+        runners.append(offload_in_place(base, args.b, args.n, args.k))
     interleave(runners, batches, args.rounds, args.warmup)
     check_losses(runners)
     report(runners, args.b * args.n * args.seq, targets(best_speedloader(runners)))

@@ -103,21 +103,20 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"refusing to serve on {settings.host} without SLTUNE_API_TOKEN: anyone could submit jobs")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     serving = {"host": settings.host, "port": settings.port, "log_level": "info", "access_log": settings.access_log}
-    # the job worker and (one API process) the spec checkers' fork server start first: each imports torch
-    # and transformers in a process of its own while this one imports the app
-    if settings.api_workers == 1:
-        forks.start()
+    # the job worker and the spec checkers' fork server start first: each imports torch and transformers in
+    # a process of its own while this one imports the app
     with contextlib.nullcontext() if args.no_worker else job_worker(settings):
         import uvicorn
 
-        if settings.api_workers == 1:
-            from sltune.api.app import create_app
-
-            uvicorn.run(create_app(settings), **serving)
+        if settings.api_workers > 1:
+            # uvicorn starts each process from an import string; they read their settings from the environment
+            os.environ.update(SLTUNE_DB=settings.db_url(), SLTUNE_DATA_DIR=str(settings.data_dir))
+            uvicorn.run("sltune.api.app:serving_process", factory=True, workers=settings.api_workers, **serving)
             return 0
-        # uvicorn starts each process from an import string; they read their settings from the environment
-        os.environ.update(SLTUNE_DB=settings.db_url(), SLTUNE_DATA_DIR=str(settings.data_dir))
-        uvicorn.run("sltune.api.app:serving_process", factory=True, workers=settings.api_workers, **serving)
+        forks.start()
+        from sltune.api.app import create_app
+
+        uvicorn.run(create_app(settings), **serving)
     return 0
 
 

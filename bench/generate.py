@@ -1,10 +1,12 @@
 """Generated tokens/s: SpeedLoader against its own resident bound and the peers, interleaved in one process.
 
-    python bench/generate.py [--rows 16] [--configs 4x4,16x1] [--k 1,2] [--kv host] [--model llama-small]
-                             [--prompt 32] [--new 32] [--reps 5] [--threads 2] [--no-peers] [--staged]
+    python bench/generate.py [--rows 16] [--configs 4x4,16x1] [--k 1,2] [--kv host] [--weights 0,1]
+                             [--model llama-small] [--prompt 32] [--new 32] [--reps 5] [--threads 2]
+                             [--no-peers] [--staged]
 
 Runs, all on the same weights and left-padded prompts (one row unpadded):
-  speedloader  b x N, k, kv_cache   (sltune; parameters in host memory, one unit loaded per step)
+  speedloader  b x N, k, kv_cache, weights_on_device (sltune; parameters in host memory, one unit loaded
+               per step; /wS: the share S of them kept on the device for the whole call)
   resident     the same b x N and k with everything on the device: the no-I/O bound of that schedule
   staged-kv    (--staged) speedloader with the visible past staged on the device each step, the
                placement `host` takes beside a CUDA device: what delegation saves on the CPU
@@ -83,6 +85,7 @@ def main() -> None:
     ap.add_argument("--configs", default=None, help="b x N pairs, e.g. 4x4,16x1 (default: rows/4 x 4 and rows x 1)")
     ap.add_argument("--k", default="1,2", help="live blocks to run, e.g. 1,2")
     ap.add_argument("--kv", default="host", help="kv_cache values to run: host, device or host,device")
+    ap.add_argument("--weights", default="0,1", help="weights_on_device values to run, e.g. 0,0.5,1")
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--reps", type=int, default=5)
@@ -106,14 +109,16 @@ def main() -> None:
     engines: dict[str, SpeedLoaderEngine] = {}
     for b, n in configs:
         for k in (int(x) for x in args.k.split(",")):
-            variants = [("speedloader", kv, False) for kv in args.kv.split(",")] + [("resident", "device", False)]
+            variants = [("speedloader", kv, float(w), False) for kv in args.kv.split(",")
+                        for w in args.weights.split(",")] + [("resident", "device", 0.0, False)]
             if args.staged:
-                variants.append(("speedloader", "host", True))
-            for schedule, kv, staged in variants:
+                variants.append(("speedloader", "host", 0.0, True))
+            for schedule, kv, w, staged in variants:
                 cfg = SpeedLoaderConfig(sub_batch_size=b, num_sub_batches=n, num_live_blocks=k, schedule=schedule,
-                                        kv_cache=kv, memory_tracking="never")
+                                        kv_cache=kv, weights_on_device=w, memory_tracking="never")
                 eng = SpeedLoaderEngine(copy.deepcopy(base), cfg, optimizer=None)
-                label = "staged-kv" if staged else schedule if schedule == "resident" else f"speedloader/{kv}"
+                label = "staged-kv" if staged else schedule if schedule == "resident" else \
+                    f"speedloader/{kv}" + (f"/w{w:g}" if w else "")
                 if staged:
                     eng.kv = StagedHostKV(eng.copier, eng.pool, eng.memory)
                 name = f"{label} b{b}N{n}k{k}"
@@ -145,22 +150,22 @@ def main() -> None:
         print(f"round {rep + 1}: " + ", ".join(f"{name} {times[name][-1]:.2f}s" for name in names), flush=True)
     tps = {name: rows * args.new / statistics.median(t) for name, t in times.items()}
 
-    print(f"{'run':<28} {'tokens/s':>9} {'min':>8} {'max':>8} {'param load/call':>16} {'kv in / out per call':>22}")
+    print(f"{'run':<34} {'tokens/s':>9} {'min':>8} {'max':>8} {'param load/call':>16} {'kv in / out per call':>22}")
     for name in names:
         lo, hi = rows * args.new / max(times[name]), rows * args.new / min(times[name])
         stats = engines[name].last_generation if name in engines else None
         load = format_bytes(stats.io.param_load_bytes) if stats else "-"
         kv = f"{format_bytes(stats.io.kv_load_bytes)} / {format_bytes(stats.io.kv_offload_bytes)}" if stats else "-"
-        print(f"{name:<28} {tps[name]:>9.1f} {lo:>8.1f} {hi:>8.1f} {load:>16} {kv:>22}")
+        print(f"{name:<34} {tps[name]:>9.1f} {lo:>8.1f} {hi:>8.1f} {load:>16} {kv:>22}")
     print("tokens identical to transformers: " + ("all runs" if not differ else f"NO: {', '.join(differ)} differ"))
     peers = [p for p in ("transformers", "deepspeed zero3", "accelerate") if p in tps]
-    print(f"{'ratio (median tokens/s)':<28} " + " ".join(f"{'÷ ' + p:>17}" for p in ["resident"] + peers))
+    print(f"{'ratio (median tokens/s)':<34} " + " ".join(f"{'÷ ' + p:>17}" for p in ["resident"] + peers))
     for name in names:
         if not name.startswith(("speedloader", "staged")):
             continue
         twin = "resident " + name.split(" ", 1)[1]
         cells = [tps[name] / tps[twin]] + [tps[name] / tps[p] for p in peers]
-        print(f"{name:<28} " + " ".join(f"{c:>17.3f}" for c in cells))
+        print(f"{name:<34} " + " ".join(f"{c:>17.3f}" for c in cells))
 
 
 if __name__ == "__main__":

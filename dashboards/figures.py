@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from datetime import datetime, timezone
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
@@ -305,50 +305,52 @@ def seconds_figure(trials: Iterable[dict[str, Any]]) -> go.Figure | None:
 
 
 # -- measured peaks against the fitted models -------------------------------------------------------
-def _g_by_k(models: dict[str, Any]) -> dict[float, float]:
-    out = {}
-    for m in models.values():
-        for r in (m or {}).get("residuals") or []:
-            v = r.get("vars") or {}
-            if "k" in v and "G" in v:
-                out[v["k"]] = v["G"]
-    return out
+Variables = Callable[[dict[str, Any]], dict[str, float]]
 
 
-def _model_predict(model: dict[str, Any] | None, trial: dict[str, Any], g_by_k: dict[float, float],
-                   s: float | None) -> float | None:
+def job_variables(spec: dict[str, Any] | None) -> Variables | None:
+    """A trial config's variables as the job's fits saw them (sltune.tuning.fit.variables under the job's
+    model shape and tokens per row); None when the spec cannot say."""
+    from sltune.tuning.fit import variables
+    from sltune.tuning.shape import shape_of
+    from sltune.tuning.space import Candidate
+    from sltune.tuning.spec import ModelSpec, Workload
+
+    try:
+        model = ModelSpec.model_validate(spec["model"])
+        tokens = Workload.model_validate(spec.get("workload") or {}).tokens_per_row
+        shape = shape_of(model.source, model.dtype)
+    except (TypeError, KeyError, ValueError):
+        return None
+    return lambda config: variables(Candidate.from_knobs(config), shape, tokens)
+
+
+def _model_predict(model: dict[str, Any] | None, trial: dict[str, Any], at: Variables | None) -> float | None:
     """What the job's final fit predicts for a trial that is not among its residuals (an oom, say)."""
     from sltune.tuning.fit import FEATURES
 
-    if not model or not model.get("coef") or len(model["coef"]) != len(model.get("features") or []):
+    if at is None or not model or not model.get("coef") or len(model["coef"]) != len(model.get("features") or []):
         return None
-    b, n, k = knobs(trial)
-    if None in (b, n, k) or k not in g_by_k or s is None:
-        return None
-    config = trial.get("config") or {}
-    layers = next((r["vars"]["L"] for r in model.get("residuals") or [] if "L" in (r.get("vars") or {})), None)
-    v = {"b": b, "N": n, "k": k, "B": b * n, "s": s, "G": g_by_k[k], "L": layers,
-         "off": float(config.get("activations") == "offload"), "D": float(config.get("kv_cache") == "device")}
     try:
+        v = at(trial.get("config") or {})
         return float(sum(c * FEATURES[f](v) for c, f in zip(model["coef"], model["features"])))
-    except (KeyError, TypeError):
+    except (KeyError, TypeError, ValueError, ArithmeticError):
         return None
 
 
 def peaks_figure(models: dict[str, Any] | None, trials: Iterable[dict[str, Any]],
-                 limits: dict[str, int | None] | None = None) -> go.Figure | None:
+                 limits: dict[str, int | None] | None = None, spec: dict[str, Any] | None = None) -> go.Figure | None:
     """Measured device and host peaks against what the fitted models predict, with each limit drawn.
 
     Filled circles: the job's (final or latest) fit on the trials it was fitted to (its residuals).
-    Crosses: trials the fit did not use (oom ones), predicted by the same fit. Open diamonds: what the
-    models predicted for a trial before it ran (the trial's `predicted`), where there was a prediction."""
+    Crosses: trials the fit did not use (oom ones), predicted by the same fit (given the job's spec, which
+    the fit's variables need). Open diamonds: what the models predicted for a trial before it ran (the
+    trial's `predicted`), where there was a prediction."""
     models = models or {}
     limits = limits or {}
     trials = list(trials)
     by_knobs = {knobs(t): t for t in trials}
-    g_by_k = _g_by_k(models)
-    s_values = {r.get("vars", {}).get("s") for m in models.values() for r in (m or {}).get("residuals") or []}
-    s = next(iter(s_values)) if len(s_values) == 1 else None
+    at = job_variables(spec)
     fig = make_subplots(rows=1, cols=2, subplot_titles=["device peak", "host peak"], horizontal_spacing=0.1)
     drawn = False
     in_legend: set[str] = set()
@@ -382,7 +384,7 @@ def peaks_figure(models: dict[str, Any] | None, trials: Iterable[dict[str, Any]]
             if measured is None:
                 continue
             if knobs(t) not in used:
-                x = _mib(_model_predict(model, t, g_by_k, s))
+                x = _mib(_model_predict(model, t, at))
                 if x is not None:
                     other_x.append(x)
                     other_y.append(measured)

@@ -259,7 +259,7 @@ def job_page(job_id: str, request: Request) -> HTMLResponse:
 
     parts.append(_heading("Measured peaks against the fitted models"))
     limits = {"device": hw.get("device_memory_limit"), "host": hw.get("host_memory_limit")}
-    parts.append(_fig_html(figures.peaks_figure(detail.get("models"), trials, limits),
+    parts.append(_fig_html(figures.peaks_figure(detail.get("models"), trials, limits, spec),
                            "No fitted model or measured peak yet."))
     parts.append("<p class='note'>Log axes. Points below the red line fit in memory; points on the dashed "
                  "diagonal are predicted exactly. Margins: "

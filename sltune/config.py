@@ -42,6 +42,11 @@ class SpeedLoaderConfig(BaseModel):
     kv_cache: KVCache = Field(
         "host", description="generation: KV caches in host memory (attention over the past where it lives) or on "
         "the device (no KV traffic, device memory instead); the resident schedule keeps them on the device")
+    weights_on_device: float = Field(
+        0.0, ge=0.0, le=1.0, description="generation: the share of the parameter bytes kept on the device for a "
+        "whole generate call once loaded, in whole units (tied weights, embedding, head, then groups in order, "
+        "each that still fits the share); the rest is copied in at every step. Device memory instead of "
+        "parameter traffic; training ignores it, and the resident schedule keeps every weight there")
     memory_tracking: Literal["first", "always", "never"] = Field(
         "first", description="CPU only: measure device allocations on the first step of each batch shape, "
         "on every step, or never (then device_memory_limit cannot be enforced)")

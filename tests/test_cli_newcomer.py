@@ -79,6 +79,13 @@ def test_a_bad_value_in_a_flag_built_model_is_one_line_naming_the_field(capsys):
                    "of bytes or a number with a unit such as '512MiB', '2GiB' or '8GB'\n")
 
 
+def test_a_share_of_weights_outside_0_to_1_is_one_line_naming_the_flag(capsys):
+    for value in ("2", "-0.5", "nan"):
+        assert main(["profile", "--mode", "generate", "--weights-on-device", value]) == 2
+        assert capsys.readouterr().err == (f"sltune profile: error: --weights-on-device {float(value):g}: give a "
+                                           "share from 0 (no weights kept on the device) to 1 (all of them)\n")
+
+
 def test_a_missing_file_is_one_line(tmp_path, capsys):
     assert main(["train", "--config", str(tmp_path / "nope.yaml")]) == 2
     assert capsys.readouterr().err == f"sltune train: error: {tmp_path / 'nope.yaml'}: No such file or directory\n"

@@ -11,6 +11,7 @@ import pytest
 
 from sltune.cli.main import main
 from sltune.store import Store
+from sltune.tuning.compare import JobData, compare
 from sltune.tuning.spec import TuningSpec
 
 SPEC = TuningSpec.parse({"name": "cmp", "model": {"preset": "llama-tiny"}, "workload": {"seq_len": 32},
@@ -137,6 +138,19 @@ def test_remeasure_runs_both_bests_here_interleaved(jobs):
     assert r["remeasured"]["rounds"] == 2 and len(r["remeasured"]["new_round_medians"]) == 2
     assert r["remeasured"]["from_jobs"]["verdict"] == "regression"
     assert r["verdict"] != "regression" and r["ci95"][1] > 0.75
+
+
+def test_trials_from_before_weights_on_device_compare_as_keeping_none():
+    def job(name: str, share: dict) -> JobData:
+        config = {"sub_batch_size": 1, "num_sub_batches": 1, "num_live_blocks": 1, "kv_cache": "host", **share}
+        return JobData(name, "succeeded", {}, None, [{"number": 0, "role": "probe", "status": "ok", "config": config,
+                                                     "result": {"status": "ok", "tokens_per_s": 100.0}}])
+
+    rows = compare(job("old", {}), job("new", {"weights_on_device": 0.0}))["rows"]
+    assert [(r["config"]["weights_on_device"], r["a"], r["b"]) for r in rows] == [(0.0, 100.0, 100.0)]
+    rows = compare(job("old", {}), job("new", {"weights_on_device": 1.0}))["rows"]
+    assert [(r["config"]["weights_on_device"], r["a"], r["b"]) for r in rows] == [(0.0, 100.0, None),
+                                                                                  (1.0, None, 100.0)]
 
 
 def test_help_texts_render():

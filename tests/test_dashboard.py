@@ -22,12 +22,14 @@ from fastapi.testclient import TestClient
 from sltune.dashboards import figures
 from sltune.tuning.compare import JobData, compare
 from sltune.settings import Settings
-from sltune.tuning.fit import MODELS, LinearFit
+from sltune.tuning.fit import MODELS, LinearFit, variables
+from sltune.tuning.shape import shape_of
+from sltune.tuning.space import Candidate
 from tests.conftest import TOKEN, Proc, free_port, tiny_spec
 
 MIB = 1024 * 1024
 DEVICE_LIMIT, HOST_LIMIT = 6 * MIB, 8 * 1024 * MIB
-LAYERS = 4          # llama-tiny: G = ceil(4 / k) groups
+SPEC = {"model": {"preset": "llama-tiny"}, "workload": {"seq_len": 64}}     # the job ROWS come from
 
 # (number, role, status, b, N, k, tokens/s, device peak, host peak, (compute, memcpy, cpu, other)) as a real
 # job of examples/tiny-llama-cpu.yaml measured them
@@ -82,10 +84,7 @@ def realistic_models(trials: list[dict]) -> dict:
             r = t["result"]
             if t["status"] != "ok" or r.get(target) is None:
                 continue
-            c = t["config"]
-            b, n, k = c["sub_batch_size"], c["num_sub_batches"], c["num_live_blocks"]
-            v = {"b": b, "N": n, "k": k, "B": b * n, "s": 64, "G": math.ceil(LAYERS / k), "L": LAYERS, "off": 0.0, "D": 0.0}
-            rows.append((v, float(r[target])))
+            rows.append((variables(Candidate.from_knobs(t["config"]), shape_of("llama-tiny"), 64), float(r[target])))
         out[kind] = LinearFit.fit(target, feats, rows).to_dict()
     return out
 
@@ -164,7 +163,7 @@ def test_throughput_figure_facets_by_n_colours_by_k_and_marks_the_oom():
 def test_peaks_figure_draws_measured_against_predicted_with_both_limits():
     trials = realistic_trials()
     models = realistic_models(trials)
-    fig = figures.peaks_figure(models, trials, {"device": DEVICE_LIMIT, "host": HOST_LIMIT})
+    fig = figures.peaks_figure(models, trials, {"device": DEVICE_LIMIT, "host": HOST_LIMIT}, SPEC)
     limits = [tr for tr in fig.data if tr.name == "memory limit"]
     assert [tr.y[0] for tr in limits] == [6.0]          # the device limit, near the data: a line
     # the host limit (8 GiB, 25x the largest peak) is a note at the top, not an axis stretched to it

@@ -10,6 +10,7 @@ from sltune import SpeedLoaderConfig, SpeedLoaderEngine
 from sltune.models import build
 from sltune.profiling import run_trial
 from sltune.runtime.kvcache import StagedHostKV
+from sltune.runtime.memory import DeviceMemoryExceeded
 
 PRESETS = ["llama-tiny", "llama-tiny-tied", "mistral-tiny", "qwen2-tiny", "gpt2-tiny", "opt-tiny"]
 SCHEDULES = ["speedloader", "canonical", "resident"]
@@ -33,10 +34,12 @@ def prompts(rows: int = B * N, length: int = PROMPT, padded: bool = True, seed: 
 
 
 def engine(preset: str, schedule: str = "speedloader", b: int = B, n: int = N, k: int = 1,
-           tracking: str = "never", kv_cache: str = "host") -> SpeedLoaderEngine:
+           tracking: str = "never", kv_cache: str = "host", weights: float = 0.0,
+           limit: str | None = None) -> SpeedLoaderEngine:
     """tracking="never" by default: measuring device memory costs ~25 us per op, and only one test needs it."""
     cfg = SpeedLoaderConfig(sub_batch_size=b, num_sub_batches=n, num_live_blocks=k, schedule=schedule,
-                            memory_tracking=tracking, kv_cache=kv_cache)
+                            memory_tracking=tracking, kv_cache=kv_cache, weights_on_device=weights,
+                            device_memory_limit=limit)
     return SpeedLoaderEngine(build(preset), cfg, optimizer=None)
 
 
@@ -118,9 +121,9 @@ def kv_bytes_per_position(eng: SpeedLoaderEngine, rows: int) -> int:
 
 
 def decode_io(preset: str, schedule: str, n: int, k: int = 1, new: int = 4, tracking: str = "never",
-              kv_cache: str = "host", staged: bool = False):
+              kv_cache: str = "host", staged: bool = False, weights: float = 0.0):
     """One generate call of n rows (b=1); staged: the StagedHostKV placement a CUDA device gets for `host`."""
-    eng = engine(preset, schedule, b=1, n=n, k=k, tracking=tracking, kv_cache=kv_cache)
+    eng = engine(preset, schedule, b=1, n=n, k=k, tracking=tracking, kv_cache=kv_cache, weights=weights)
     if staged:
         eng.kv = StagedHostKV(eng.copier, eng.pool, eng.memory)
     ids, _ = prompts(rows=n, padded=False)
@@ -174,6 +177,57 @@ def test_staged_host_cache_loads_the_visible_past_and_writes_new_positions():
     assert [io.kv_offload_bytes for io in stats.step_io] == [PROMPT * per_position] + [per_position] * (new - 1)
     _, _, delegated = decode_io("mistral-tiny", "speedloader", n=n, new=new)
     assert torch.equal(out, delegated)
+
+
+KEPT = [("speedloader", 0.5, "host"), ("speedloader", 1.0, "device"), ("canonical", 0.5, "host")]
+
+
+@pytest.mark.parametrize("schedule,weights,kv_cache", KEPT)
+@pytest.mark.parametrize("preset", PRESETS)
+def test_weights_kept_on_the_device_give_the_same_tokens(preset, schedule, weights, kv_cache):
+    ids, mask = prompts(padded=True)
+    eng = engine(preset, schedule, k=K[schedule], kv_cache=kv_cache, weights=weights)
+    assert eng.kept_units, "the share keeps at least one unit"
+    out = eng.generate(ids, attention_mask=mask, max_new_tokens=NEW, pad_token_id=PAD)
+    assert torch.equal(out, reference(preset, padded=True)), f"{preset}/{schedule}/{weights}"
+    for unit in eng.units:          # after the call every unit is back home, no device buffer held
+        assert unit.dev is None and all(p.data.data_ptr() != 0 for p in unit.params)
+    assert eng.memory.live == 0
+
+
+@pytest.mark.parametrize("preset,k", [("llama-tiny", 1), ("llama-tiny-tied", 3)])
+def test_kept_weights_load_once_per_call_and_cost_their_bytes_in_device_memory(preset, k):
+    """param_load over a call of T steps: speedloader sum_u P_u + (T-1)*streamed, canonical kept +
+    T*N*streamed; the device peak grows by what is kept."""
+    n, new = 3, 4
+    eng, none, out = decode_io(preset, "speedloader", n=n, k=k, new=new, tracking="first")
+    for share in (0.5, 1.0):
+        kept_eng, kept, kept_out = decode_io(preset, "speedloader", n=n, k=k, new=new, tracking="first",
+                                             weights=share)
+        kept_bytes = sum(u.nbytes for u in kept_eng.kept_units)
+        assert 0 < kept_bytes <= share * eng.param_bytes
+        assert [io.param_load_bytes for io in kept.step_io] == \
+            [eng.param_bytes] + [eng.param_bytes - kept_bytes] * (new - 1)
+        assert torch.equal(out, kept_out)
+        # the kept units are all live at once; at share 0 the one live unit was already counted
+        assert kept.peak_device_bytes > kept_bytes
+        assert 0 < kept.peak_device_bytes - none.peak_device_bytes <= kept_bytes
+        _, canon, _ = decode_io(preset, "canonical", n=n, k=k, new=new, weights=share)
+        assert canon.io.param_load_bytes == kept_bytes + new * n * (eng.param_bytes - kept_bytes)
+    assert kept.step_io[-1].param_load_bytes == 0      # share 1: after the prefill nothing moves
+
+
+def test_a_share_of_weights_over_the_device_limit_fails_cleanly_and_the_engine_recovers():
+    ids, _ = prompts(padded=False)
+    probe = engine("llama-tiny", tracking="first", weights=1.0)
+    probe.generate(ids, max_new_tokens=2)
+    need = probe.last_generation.peak_device_bytes
+    eng = engine("llama-tiny", tracking="first", weights=1.0, limit=str(need * 3 // 4))
+    with pytest.raises(DeviceMemoryExceeded, match="device memory limit exceeded"):
+        eng.generate(ids, max_new_tokens=2)
+    assert all(u.dev is None for u in eng.units) and eng.memory.live == 0
+    streamed = SpeedLoaderEngine(eng.model, eng.config.replace(weights_on_device=0.0), optimizer=None)
+    assert torch.equal(streamed.generate(ids, max_new_tokens=2), probe.generate(ids, max_new_tokens=2))
 
 
 def test_wrong_row_count_and_bad_prompts_are_clear_errors():

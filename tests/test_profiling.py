@@ -9,6 +9,7 @@ import time
 import psutil
 import pytest
 
+from sltune.cli.profile import describe
 from sltune.profiling import SLICES, TrialResult, run_trial
 
 # ~5M parameters: large enough that parameter copies, not per-copy overhead, dominate memcpy time
@@ -33,7 +34,7 @@ def test_cli_json_is_a_trial_result_whose_fractions_sum_to_one(tmp_path):
     assert result.status == "ok" and result.error is None
     assert data["config"] == {"sub_batch_size": 2, "num_sub_batches": 3, "num_live_blocks": 2,
                               "schedule": "speedloader", "activations": "recompute", "seq_len": 32, "world_size": 1,
-                              "kv_cache": None}     # a training trial places no KV cache
+                              "kv_cache": None, "weights_on_device": None}  # a training trial keeps neither
     assert set(data["breakdown"]) == set(SLICES)
     assert sum(data["breakdown"].values()) == pytest.approx(1.0, abs=1e-9)
     assert data["breakdown"]["compute"] > 0.1 and data["breakdown"]["memcpy"] > 0
@@ -50,6 +51,17 @@ def test_canonical_spends_a_larger_share_on_copies_at_small_sub_batches():
     shares = {s: trial(model=MID, sub_batch_size=1, num_sub_batches=8, schedule=s).breakdown.memcpy
               for s in ("speedloader", "canonical")}
     assert shares["canonical"] > shares["speedloader"], shares
+
+
+def test_a_generate_trial_keeps_the_share_of_the_weights_it_is_given():
+    """weights_on_device reaches the engine: at 1 a call of 4 steps (the prefill, 3 decode steps) copies every
+    weight once, at 0 four times; the trial reports the share it ran."""
+    runs = {share: trial(mode="generate", prompt_len=8, new_tokens=4, weights_on_device=share, profile=False)
+            for share in (0.0, 1.0)}
+    assert {share: r.config.weights_on_device for share, r in runs.items()} == {0.0: 0.0, 1.0: 1.0}
+    assert runs[0.0].io.param_load_bytes == 4 * runs[1.0].io.param_load_bytes
+    assert runs[1.0].peak_device_bytes > runs[1.0].io.param_load_bytes > runs[0.0].peak_device_bytes
+    assert describe(runs[1.0]).splitlines()[0].endswith(" kv_cache=host weights_on_device=1")
 
 
 def test_device_limit_below_the_measured_peak_is_oom_with_the_peak():

@@ -276,26 +276,32 @@ def test_baselines_run_through_optuna_in_the_job_database(strategy, tmp_path):
                       "num_live_blocks": t["config"]["num_live_blocks"]}.items())) for t in result["trials"]}
 
 
-def test_a_generation_tuning_job_sweeps_kv_cache_and_exports_it(tmp_path):
+def test_a_generation_tuning_job_sweeps_kv_cache_and_weights_on_device_and_exports_them(tmp_path):
     spec = {"name": "gen", "model": {"preset": "llama-tiny"},
             "workload": {"mode": "generate", "prompt_len": 16, "new_tokens": 8},
             "hardware": {"device_memory_limit": "2MiB"},
             "search": {"sub_batch_size": [1, 2, 4], "num_sub_batches": [1, 2], "num_live_blocks": [1, 2],
-                       "max_trials": 8, "trial_steps": 1, "trial_min_time_s": 0, "confirm_rounds": 0,
-                       "profile": False}}
+                       "weights_on_device": [0.0, 1.0], "max_trials": 8, "trial_steps": 1, "trial_min_time_s": 0,
+                       "confirm_rounds": 0, "profile": False}}
     result = tune(spec, f"sqlite:///{tmp_path / 'jobs.db'}", settings=Settings(data_dir=tmp_path))
     assert result["status"] == "succeeded", result
     assert set(result["models"]) == {"device", "host", "throughput"}
     assert result["models"]["host"]["features"] == ["1", "B*s"]         # the KV cache of every sub-batch
     assert result["search_space"]["kv_cache"] == ["host", "device"]
-    ran = {t["config"]["kv_cache"] for t in result["trials"] if t["status"] == "ok"}
-    assert ran == {"host", "device"}, result["trials"]
+    assert result["search_space"]["weights_on_device"] == [0.0, 1.0]
+    ok = [t["config"] for t in result["trials"] if t["status"] == "ok"]
+    assert {c["kv_cache"] for c in ok} == {"host", "device"}, result["trials"]
+    assert {c["weights_on_device"] for c in ok} == {0.0, 1.0}, result["trials"]
     assert "D*B*s" in result["models"]["device"]["features"]              # device-resident caches
+    assert "W" in result["models"]["device"]["features"]                  # and weights
     path = tmp_path / "best.yaml"
     export_yaml(TuningSpec.parse(spec), result, path)
-    cfg = SpeedLoaderConfig.from_yaml(path)
     best = result["best"]["config"]
-    assert (cfg.sub_batch_size, cfg.kv_cache) == (best["sub_batch_size"], best["kv_cache"])
+    assert yaml.safe_load(path.read_text())["weights_on_device"] == best["weights_on_device"]
+    cfg = SpeedLoaderConfig.from_yaml(path)
+    assert (cfg.sub_batch_size, cfg.kv_cache, cfg.weights_on_device) == (
+        best["sub_batch_size"], best["kv_cache"], best["weights_on_device"])
+    assert plan(path)["candidates"] == 3 * 2 * 2 * 2 * 2              # b, N, k, kv_cache, weights_on_device
     assert yaml.safe_load(path.read_text())["workload"]["mode"] == "generate"
 
 

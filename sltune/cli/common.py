@@ -18,6 +18,8 @@ KNOB_FLAGS = {
     "dtype": ("--dtype", str, "float32 | bfloat16 | float16"),
     "device_memory_limit": ("--device-memory-limit", str, "bytes or e.g. 2GiB"),
     "kv_cache": ("--kv-cache", str, "generation: KV caches in host | device memory"),
+    "weights_on_device": ("--weights-on-device", float, "generation: the share of the parameter bytes kept on the "
+                                                        "device for a whole generate call, 0 to 1"),
 }
 
 
@@ -33,7 +35,8 @@ def add_knobs(parser: argparse.ArgumentParser) -> None:
     for field, (flag, typ, help_) in KNOB_FLAGS.items():
         default = SpeedLoaderConfig.model_fields[field].default
         parser.add_argument(flag, dest=field, type=typ, default=None,
-                            help=f"{help_} (default: the --config file's, else {default or 'none'})")
+                            help=f"{help_} (default: the --config file's, else "
+                                 f"{'none' if default is None else default})")
 
 
 def config_from_args(args: argparse.Namespace, base: SpeedLoaderConfig | None = None) -> SpeedLoaderConfig:

@@ -23,6 +23,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "tensors in host memory")
     p.add_argument("--mode", default="train", help="train | generate")
     p.add_argument("--kv-cache", default="host", choices=("host", "device"), help="generate: where KV caches live")
+    p.add_argument("--weights-on-device", type=float, default=0.0, metavar="SHARE",
+                   help="generate only: the share of the parameter bytes kept on the device for the whole call, "
+                        "0 to 1 (whole units: tied weights, embedding, head, then groups); the rest is copied in "
+                        "at every step")
     p.add_argument("--seq-len", type=int, default=128, help="train: tokens per row")
     p.add_argument("--prompt-len", type=int, default=32, help="generate: prompt tokens")
     p.add_argument("--new-tokens", type=int, default=16, help="generate: tokens to generate")
@@ -45,9 +49,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if not 0 <= args.weights_on_device <= 1:
+        raise ValueError(f"--weights-on-device {args.weights_on_device:g}: give a share from 0 (no weights kept on "
+                         "the device) to 1 (all of them)")
     spec = TrialSpec(model=args.model, sub_batch_size=args.sub_batch_size, num_sub_batches=args.num_sub_batches,
                      num_live_blocks=args.num_live_blocks, schedule=args.schedule,
                      activations=args.activations, mode=args.mode, kv_cache=args.kv_cache,
+                     weights_on_device=args.weights_on_device,
                      seq_len=args.seq_len, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
                      steps=args.steps, min_time_s=args.min_time, max_steps=args.max_steps,
                      cpu_threads=args.cpu_threads, world_size=args.world_size, device=args.device, dtype=args.dtype,
@@ -64,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
 def describe(r) -> str:
     c = r.config
     lines = [f"trial {r.status}: {c.schedule} ({c.activations}) b={c.sub_batch_size} N={c.num_sub_batches} "
-             f"k={c.num_live_blocks} s={c.seq_len} W={c.world_size}" + (f" kv_cache={c.kv_cache}" if c.kv_cache else "")]
+             f"k={c.num_live_blocks} s={c.seq_len} W={c.world_size}" + (f" kv_cache={c.kv_cache}" if c.kv_cache else "")
+             + (f" weights_on_device={c.weights_on_device:g}" if c.weights_on_device is not None else "")]
     if r.error:
         lines.append(f"  {r.error}")
     if r.tokens_per_s is not None:

@@ -107,7 +107,7 @@ def run(spec: TrialSpec, rank: int = 0) -> dict[str, Any]:
                             num_live_blocks=spec.num_live_blocks, schedule=spec.schedule,
                             activations=spec.activations, device=spec.device,
                             dtype=spec.dtype, device_memory_limit=spec.device_memory_limit,
-                            kv_cache=spec.kv_cache)
+                            kv_cache=spec.kv_cache, weights_on_device=spec.weights_on_device)
     model = build(spec.model, seed=spec.seed, dtype=spec.dtype)
     if spec.mode == "generate":
         return _run_generate(spec, cfg, model)

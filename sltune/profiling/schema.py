@@ -26,6 +26,8 @@ class TrialSpec(BaseModel):
     activations: Activations = "recompute"
     mode: Literal["train", "generate"] = "train"
     kv_cache: KVCache = Field("host", description="generate: KV caches in host or device memory")
+    weights_on_device: float = Field(0.0, ge=0.0, le=1.0, description="generate: the share of the parameter bytes "
+                                     "kept on the device for a whole generate call (whole units)")
     seq_len: int = Field(128, ge=2, description="train: tokens per row")
     prompt_len: int = Field(32, ge=1, description="generate: prompt tokens per row")
     new_tokens: int = Field(16, ge=1, description="generate: tokens generated per row")
@@ -59,7 +61,8 @@ class TrialSpec(BaseModel):
                 "num_live_blocks": self.num_live_blocks, "schedule": self.schedule,
                 "activations": self.activations,
                 "seq_len": self.seq_len if self.mode == "train" else self.prompt_len + self.new_tokens,
-                "world_size": self.world_size, "kv_cache": self.kv_cache if self.mode == "generate" else None}
+                "world_size": self.world_size, "kv_cache": self.kv_cache if self.mode == "generate" else None,
+                "weights_on_device": self.weights_on_device if self.mode == "generate" else None}
 
 
 class TrialConfig(BaseModel):
@@ -71,6 +74,7 @@ class TrialConfig(BaseModel):
     seq_len: int
     world_size: int = 1
     kv_cache: KVCache | None = None     # generation trials only
+    weights_on_device: float | None = None  # generation trials only
 
 
 class BreakdownFractions(BaseModel):

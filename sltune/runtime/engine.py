@@ -49,7 +49,15 @@ plain autograd saves); the tests hold the counters to them.
 
 `generate()` runs the same inversion for decoding (sltune.runtime.generate): per step each unit loads once
 and every sub-batch passes through it with its own KV cache, in host or device memory as kv_cache says
-(sltune.runtime.kvcache). generate.py does not import this module: it names what it uses as generate.Runtime.
+(sltune.runtime.kvcache). weights_on_device keeps a share of the units on the device for the whole call
+(`kept_units`), so over a call of T forward steps (the prefill and every decode step):
+
+    speedloader  param_load = sum_u P_u + (T-1) * sum_{u streamed} P_u      (kept units load once)
+    canonical    param_load = sum_{u kept} P_u + T*N * sum_{u streamed} P_u
+    resident     nothing
+    device memory: the kept bytes, sum_{u kept} P_u, all call, on top of the live unit
+
+generate.py does not import this module: it names what it uses as generate.Runtime.
 """
 
 from __future__ import annotations
@@ -71,7 +79,7 @@ from sltune.runtime.device import check_device, check_dtype
 from sltune.runtime.family import CausalLM, LayerCall, unique_params
 from sltune.runtime.kvcache import kv_store
 from sltune.runtime.memory import DeviceMemory, monitor_for
-from sltune.runtime.params import BufferPool, ParamStore, ParamUnit
+from sltune.runtime.params import BufferPool, ParamStore, ParamUnit, kept_share
 from sltune.runtime.regions import region, step_region
 from sltune.runtime.saved import KeptGraph, SavedTensors
 from sltune.runtime.sharding import ShardedParamStore
@@ -434,7 +442,7 @@ class SpeedLoaderEngine:
         mode = self.config.memory_tracking
         track = mode == "always" or (mode == "first" and shape not in self._measured)
         try:
-            with step_region(), self.memory.tracking(track):
+            with step_region(), self.memory.tracking(track), self.params.keeping(self.kept_units):
                 tokens, stats = generation.generate(self, ids, mask, max_new_tokens, choose, eos, pad)
         except BaseException:
             self._recover()
@@ -577,6 +585,14 @@ class SpeedLoaderEngine:
     @property
     def param_bytes(self) -> int:
         return sum(u.nbytes for u in self.units)
+
+    @property
+    def kept_units(self) -> list[ParamUnit]:
+        """The units generation keeps on the device for a whole call: weights_on_device of the parameter
+        bytes, first fit over tied weights, embedding, head, then the groups in order (params.kept_share)."""
+        order = [self.tied, self.embed, self.head, *(g.unit for g in self.groups)]
+        return [u for u, keep in zip(order, kept_share([u.nbytes for u in order], self.config.weights_on_device))
+                if keep]
 
 
 class _RngStash:

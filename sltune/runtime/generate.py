@@ -10,6 +10,8 @@ head, and runs every sub-batch through each unit while it is loaded:
                 run i through the unit with its own KV cache; write back its new keys and values
         pick the next tokens of all rows (greedy, or sampled with the caller's generator)
 
+weights_on_device keeps a share of the units on the device for the whole call (ParamStore.keeping): they load
+at the prefill and every later step finds them live, where the others are copied in at every step.
 "canonical" runs the whole pass once per sub-batch instead (every sub-batch loads every unit each step);
 "resident" keeps parameters and caches on the device. Where the others keep the caches is kv_cache
 (sltune.runtime.kvcache: host memory, attention reading the past where it lives, or the device). All run the

@@ -11,7 +11,9 @@ sub-batch writes them rather than adding to zeros.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
+from typing import Iterator, Sequence
 
 import torch
 from torch import nn
@@ -70,6 +72,20 @@ class ParamUnit:
                 for shape, off in zip(self.shapes, offsets)]
 
 
+def kept_share(sizes: Sequence[int], share: float) -> list[bool]:
+    """Which units a share of the weights keeps on the device: first fit, in the order given, of every unit
+    that still fits share*sum(sizes). Whole units, so the kept bytes never exceed the share: the device
+    memory a share promises is an upper bound. The engine (on its units) and the tuner's fits (on a model's
+    shape) both call this, so they agree on what a share keeps."""
+    budget = share * sum(sizes)
+    used, kept = 0, []
+    for size in sizes:
+        take = size > 0 and used + size <= budget * (1 + 1e-12)
+        used += size if take else 0
+        kept.append(take)
+    return kept
+
+
 class BufferPool:
     """Reuses device buffers by size. On the CPU a fresh large buffer costs page faults on every load,
     so released buffers are kept; on CUDA the caching allocator already does this."""
@@ -111,6 +127,9 @@ class BufferPool:
 
 class ParamStore:
     """Moves units between host and device and keeps every Parameter pointing at the right copy."""
+
+    _kept: frozenset[int] | set[int] = frozenset()     # ids of units that stay on the device once loaded
+    _complete: frozenset[int] | set[int] = frozenset() # ... whose device buffer holds all their weights
 
     def __init__(self, units: list[ParamUnit], dtype: torch.dtype, copier: Copier, pool: BufferPool,
                  resident: bool):
@@ -181,7 +200,7 @@ class ParamStore:
         then point into it). A decode step on synchronous copies (the CPU) loads a group of k layers one
         layer at a time, just before all N sub-batches read that layer: the copy is still in the cache,
         where k layers copied at once push each other out of it (k=2 lost 8% to k=1 at b=4 N=4)."""
-        if unit.host is None:
+        if unit.host is None or id(unit) in self._complete:
             return
         if unit.dev is None:
             unit.dev = self.pool.acquire(unit.host.numel(), unit.host.dtype)
@@ -190,8 +209,13 @@ class ParamStore:
         self.copier.to_device(unit.host[start:end], "param_load_bytes", out=unit.dev[start:end])
 
     def release(self, unit: ParamUnit) -> None:
-        """Point the parameters back at their home between loads and free the device buffers."""
+        """Point the parameters back at their home between loads and free the device buffers; a kept unit
+        stays live (its buffer holds all its weights by now) until keeping() ends."""
         if self.resident or unit.host is None:
+            return
+        if id(unit) in self._kept:
+            if unit.dev is not None:
+                self._complete.add(id(unit))
             return
         self._home(unit)
         for attr in ("dev", "dev_grad"):
@@ -202,6 +226,19 @@ class ParamStore:
         if unit.pending is not None:     # a prefetch never used: its copy or gather must end before reuse
             self.pool.release(unit.pending.wait())
             unit.pending = None
+
+    @contextlib.contextmanager
+    def keeping(self, units: Sequence[ParamUnit]) -> Iterator[None]:
+        """Within the block these units stay on the device once loaded: copied in once, not at every use.
+        Generation keeps a share of the weights this way for a whole call (weights_on_device, FlexGen's
+        weight placement); nothing changes the weights meanwhile, so the device copy stays current."""
+        self._kept, self._complete = {id(u) for u in units if u.host is not None}, set()
+        try:
+            yield
+        finally:
+            self._kept, self._complete = frozenset(), frozenset()
+            for unit in units:
+                self.release(unit)
 
     def _home(self, unit: ParamUnit) -> None:
         """Where the parameters point between loads: the host copy and its gradients."""

@@ -30,12 +30,14 @@ from sltune.profiling.timing import step_tokens_per_s, timing_of
 
 Key = tuple[int, int, int]
 CONFOUNDING_CORES = 0.5     # a difference in other processes' busy cores that makes two measurements incomparable
-KNOBS = ("sub_batch_size", "num_sub_batches", "num_live_blocks", "activations", "kv_cache")
+KNOBS = ("sub_batch_size", "num_sub_batches", "num_live_blocks", "activations", "kv_cache", "weights_on_device")
+# what trials stored before a knob existed ran: recompute, and no weights kept on the device
+BEFORE_KNOB = {"activations": "recompute", "weights_on_device": 0.0}
 
 
 def _key(config: dict[str, Any]) -> tuple:
-    """A config's knobs as a key; trials stored before `activations` existed recomputed."""
-    return tuple(config.get(k, "recompute" if k == "activations" else None) for k in KNOBS)
+    """A config's knobs as a key, with BEFORE_KNOB's values for knobs it predates."""
+    return tuple(config.get(k, BEFORE_KNOB.get(k)) for k in KNOBS)
 
 
 @dataclass

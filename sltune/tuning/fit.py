@@ -18,10 +18,16 @@ Peak memory is close to linear in the knobs (../shared/design/speedloader.md):
                                                                    saved tensors in place of recompute's forward
                                                                    of the same layers: t5 is their difference)
     generate the same with s = prompt+new tokens per row, plus D*B*s on the device (D = 1 when kv_cache is
-             device: every sub-batch's KV cache); host ~ e0 + e1*B*s (every sub-batch's KV cache). In the
+             device: every sub-batch's KV cache) and W (the share of the parameter bytes weights_on_device
+             keeps there for the whole call, in whole units as the engine keeps them: its coefficient is
+             about the parameter bytes); host ~ e0 + e1*B*s (every sub-batch's KV cache). In the
              step time, N counts the weight reads: every sub-batch reads all the weights once per step,
              which at a fixed B = b*N favours fewer, larger sub-batches where reading weights bounds a
-             decode step's small matmuls; t3*N*b*s is the per-token work, which B fixes.
+             decode step's small matmuls; t3*N*b*s is the per-token work, which B fixes. W there is the
+             parameter traffic kept weights save, copied in once per call instead of at every decode step:
+             its coefficient, negative, is about the time all the weights take to copy in over a call's
+             decode steps (under the canonical schedule, which copies them for every sub-batch, a mean
+             over the space's N).
 
 G = ceil(layers/k) groups, B = b*N rows. Throughput is tokens per step over step_time, so it rises with
 b and N and saturates. Each model reports its coefficients, R^2, residuals, leave-one-out error (how
@@ -68,6 +74,7 @@ FEATURES: dict[str, Callable[[dict[str, float]], float]] = {
     "[off]*(L-k)*B*s": lambda v: v["off"] * max(v["L"] - v["k"], 0) * v["B"] * v["s"],
     "[off]*(L-k)*N*b*s": lambda v: v["off"] * max(v["L"] - v["k"], 0) * v["N"] * v["b"] * v["s"],
     "D*B*s": lambda v: v["D"] * v["B"] * v["s"],
+    "W": lambda v: v["W"],
 }
 
 MODELS = {
@@ -78,9 +85,9 @@ MODELS = {
     },
     "generate": {   # s = prompt + new tokens; the host holds every sub-batch's KV cache (B*s), the device
                     # one group's cache for one sub-batch (k*b*s)
-        "device": ("peak_device_bytes", ["1", "k", "k*[G>1]", "b*s", "k*b*s", "B*s", "D*B*s"]),
+        "device": ("peak_device_bytes", ["1", "k", "k*[G>1]", "b*s", "k*b*s", "B*s", "D*B*s", "W"]),
         "host": ("peak_host_bytes", ["1", "B*s"]),
-        "throughput": ("step_seconds", ["1", "G", "N", "N*b*s", "N*G"]),
+        "throughput": ("step_seconds", ["1", "G", "N", "N*b*s", "N*G", "W"]),
     },
 }
 
@@ -88,7 +95,17 @@ MODELS = {
 def variables(c: Candidate, shape: ModelShape, tokens_per_row: int) -> dict[str, float]:
     """The quantities the features are made of, for one candidate."""
     return {"b": c.b, "N": c.n, "k": c.k, "B": c.batch, "s": tokens_per_row, "G": shape.groups(c.k),
-            "L": shape.layers, "off": 1.0 if c.a == "offload" else 0.0, "D": float(c.kv_on_device)}
+            "L": shape.layers, "off": 1.0 if c.a == "offload" else 0.0, "D": float(c.kv_on_device),
+            "W": kept_fraction(shape, c)}
+
+
+def kept_fraction(shape: ModelShape, c: Candidate) -> float:
+    """W: the share of the parameter bytes c keeps on the device, in the whole units the engine keeps (so
+    at most c.w); 0 in training, where nothing is kept."""
+    if not c.w:
+        return 0.0
+    total = sum(shape.unit_bytes(c.k))
+    return shape.kept_bytes(c.k, c.w) / total if total else 0.0
 
 
 @dataclass

@@ -30,6 +30,8 @@ def plan(path: str | Path, device_memory_limit: int | str | None = None,
     if host_memory_limit is not None:
         hardware["host_memory_limit"] = host_memory_limit
     space_desc = data["search_space"]
+    if work.get("mode") == "generate":     # a file exported before the knob swept no share: none was kept
+        space_desc = {"weights_on_device": [0.0], **space_desc}
     search = {"schedule": data.get("schedule", "speedloader"), "margin": limits.get("margins", {}).get("device", 0.05),
               **{k: v for k, v in space_desc.items()}}
     spec = TuningSpec.parse({"name": f"plan from {prov.get('job_id')}", "model": prov["model"],

@@ -64,6 +64,7 @@ def best_config(spec: TuningSpec, result: dict[str, Any]) -> SpeedLoaderConfig:
                              num_live_blocks=c["num_live_blocks"], schedule=c["schedule"],
                              activations=c.get("activations", "recompute"),
                              kv_cache=c.get("kv_cache", "host"),
+                             weights_on_device=c.get("weights_on_device", 0.0),
                              device=spec.hardware.device, dtype=spec.model.dtype,
                              device_memory_limit=spec.hardware.device_memory_limit,
                              world_size=spec.hardware.world_size)

@@ -251,7 +251,7 @@ def trial_spec(spec: TuningSpec, c: Candidate, trace: Path | None, default_host_
     w, hw, s = spec.workload, spec.hardware, spec.search
     return TrialSpec(model=spec.model.source, dtype=spec.model.dtype, sub_batch_size=c.b, num_sub_batches=c.n,
                      num_live_blocks=c.k, schedule=s.schedule, activations=c.a, mode=w.mode,
-                     kv_cache=c.kv_cache or "host", seq_len=w.seq_len,
+                     kv_cache=c.kv_cache or "host", weights_on_device=c.w or 0.0, seq_len=w.seq_len,
                      prompt_len=w.prompt_len, new_tokens=w.new_tokens, world_size=hw.world_size, device=hw.device,
                      device_memory_limit=hw.device_memory_limit,
                      host_memory_limit=min((x for x in (hw.host_memory_limit, default_host_limit) if x),

@@ -1,7 +1,8 @@
 """A model's shape without its weights: layer count, sizes of the runtime's units, bytes per value.
 
 Built on the meta device, so the shapes of a 70B model cost nothing. The tuner needs them for its
-features (G = number of groups) and for the lower bounds a limit must clear.
+features (G = number of groups, W = the share of the weights generation keeps on the device) and for the
+lower bounds a limit must clear.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from functools import lru_cache
 from typing import Any
 
 import torch
+
+from sltune.runtime.params import kept_share
 
 
 @dataclass(frozen=True)
@@ -32,11 +35,33 @@ class ModelShape:
     def groups(self, k: int) -> int:
         return math.ceil(self.layers / k)
 
-    def min_device_bytes(self, mode: str) -> int:
-        """What any config needs on the device at least: its largest unit live (with its gradients
-        when training) - the smallest config, k=1, still holds one unit."""
+    def unit_bytes(self, k: int) -> list[int]:
+        """The bytes of the units weights_on_device picks from, in the engine's order: tied weights,
+        embedding, head, then the groups of k layers (the last one smaller when k does not divide them)."""
+        full, rest = divmod(self.layers, k)
+        return ([self.tied_bytes, self.embed_bytes, self.head_bytes] + [k * self.layer_bytes] * full
+                + ([rest * self.layer_bytes] if rest else []))
+
+    def kept_bytes(self, k: int, share: float) -> int:
+        """The parameter bytes a share keeps on the device, in whole units as the engine keeps them."""
+        return self._kept(k, share)[0]
+
+    def min_device_bytes(self, mode: str, k: int = 1, share: float = 0.0) -> int:
+        """What a config needs on the device at least: its largest unit live (with its gradients when
+        training) - the smallest config, k=1, still holds one unit; in generation also the weights the
+        share keeps there, beside the largest unit still streamed in."""
         unit = max(self.layer_bytes, self.embed_bytes + self.tied_bytes, self.head_bytes + self.tied_bytes)
-        return unit * (2 if mode == "train" else 1)
+        if mode == "train":
+            return 2 * unit
+        kept, streamed = self._kept(k, share)
+        return max(unit, kept + streamed)
+
+    def _kept(self, k: int, share: float) -> tuple[int, int]:
+        """The bytes a share keeps, and the largest unit it leaves to be streamed in (0: none)."""
+        sizes = self.unit_bytes(k)
+        kept = kept_share(sizes, share)
+        return (sum(size for size, keep in zip(sizes, kept) if keep),
+                max((size for size, keep in zip(sizes, kept) if not keep), default=0))
 
     def min_host_bytes(self, mode: str) -> int:
         """Parameters in host memory; training adds gradients and AdamW's two moments."""

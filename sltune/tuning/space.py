@@ -1,5 +1,6 @@
 """The configs a job may try: sub-batch size b, sub-batches N (or effective batch B = b*N), live blocks k, how
-a group's backward gets its activations (recompute or offload), and for generation where the KV caches live."""
+a group's backward gets its activations (recompute or offload), and for generation where the KV caches live
+and the share of the weights kept on the device (w)."""
 
 from __future__ import annotations
 
@@ -25,11 +26,12 @@ class Candidate:
     k: int
     a: str = "recompute"            # activations
     kv_cache: str | None = None     # generation only: "host" | "device"
+    w: float | None = None          # generation only: weights_on_device, the share of the weights kept there
 
     @classmethod
     def from_knobs(cls, knobs: dict[str, Any]) -> "Candidate":
         return cls(knobs["sub_batch_size"], knobs["num_sub_batches"], knobs["num_live_blocks"],
-                   knobs.get("activations", "recompute"), knobs.get("kv_cache"))
+                   knobs.get("activations", "recompute"), knobs.get("kv_cache"), knobs.get("weights_on_device"))
 
     @property
     def batch(self) -> int:
@@ -44,17 +46,21 @@ class Candidate:
                                "activations": self.a}
         if self.kv_cache is not None:
             out["kv_cache"] = self.kv_cache
+        if self.w is not None:
+            out["weights_on_device"] = self.w
         return out
 
     def dominates(self, other: "Candidate") -> bool:
         """At least as large in sub-batch, effective batch and live blocks, activations kept alike, KV on the
-        device if the other's is: needs at least as much device memory (and, moving less, runs no slower)."""
+        device if the other's is, at least its share of the weights kept there: needs at least as much device
+        memory (and, moving less, runs no slower)."""
         return self.b >= other.b and self.batch >= other.batch and self.k >= other.k and self.a == other.a \
-            and self.kv_on_device >= other.kv_on_device and self != other
+            and self.kv_on_device >= other.kv_on_device and (self.w or 0.0) >= (other.w or 0.0) and self != other
 
     def __str__(self) -> str:
         return (f"b={self.b} N={self.n} k={self.k}" + ("" if self.a == "recompute" else f" {self.a}")
-                + (f" kv_cache={self.kv_cache}" if self.kv_cache else ""))
+                + (f" kv_cache={self.kv_cache}" if self.kv_cache else "")
+                + (f" w={self.w:g}" if self.w is not None else ""))
 
 
 class SearchSpace:
@@ -62,7 +68,8 @@ class SearchSpace:
 
     Optuna sees categorical parameters: sub_batch_size and num_live_blocks, plus num_sub_batches or
     effective_batch_size as the spec gives them (N = B/b when B is the knob), activations when the spec sweeps
-    it, and kv_cache for generation. A combination that is not a candidate (b does not divide B) is pruned without running.
+    it, and kv_cache and weights_on_device for generation. A combination that is not a candidate (b does not divide
+    B) is pruned without running.
     """
 
     def __init__(self, spec: "TuningSpec", shape: "ModelShape"):
@@ -78,15 +85,17 @@ class SearchSpace:
             self.n_values = knob_values(s.num_sub_batches, "num_sub_batches")
             pairs = [(b, n) for b in self.b_values for n in self.n_values]
         self.kv_values = s.kv_cache_values(spec.workload.mode)
-        self.candidates = sorted({Candidate(b, n, k, a, kv) for b, n in pairs for k in self.k_values
-                                  for a in self.a_values for kv in self.kv_values or [None]})
+        self.w_values = s.weights_on_device_values(spec.workload.mode)
+        self.candidates = sorted({Candidate(b, n, k, a, kv, w) for b, n in pairs for k in self.k_values
+                                  for a in self.a_values for kv in self.kv_values or [None]
+                                  for w in self.w_values or [None]})
 
     # -- Optuna ------------------------------------------------------------------------------------
     @property
     def param_names(self) -> tuple[str, ...]:
         names = ("sub_batch_size", "effective_batch_size" if self.by_batch else "num_sub_batches", "num_live_blocks")
         return (names + (("activations",) if len(self.a_values) > 1 else ())
-                + (("kv_cache",) if self.kv_values else ()))
+                + (("kv_cache",) if self.kv_values else ()) + (("weights_on_device",) if self.w_values else ()))
 
     def distributions(self) -> dict[str, optuna.distributions.BaseDistribution]:
         second = self.batch_values if self.by_batch else self.n_values
@@ -99,6 +108,8 @@ class SearchSpace:
             out["activations"] = optuna.distributions.CategoricalDistribution(self.a_values)
         if self.kv_values:
             out["kv_cache"] = optuna.distributions.CategoricalDistribution(self.kv_values)
+        if self.w_values:
+            out["weights_on_device"] = optuna.distributions.CategoricalDistribution(self.w_values)
         return out
 
     def grid(self) -> dict[str, list[Any]]:
@@ -111,23 +122,27 @@ class SearchSpace:
             out["activations"] = c.a
         if self.kv_values:
             out["kv_cache"] = c.kv_cache
+        if self.w_values:
+            out["weights_on_device"] = c.w
         return out
 
     def candidate(self, params: dict[str, Any]) -> Candidate | None:
         b, k = int(params["sub_batch_size"]), int(params["num_live_blocks"])
         a = str(params.get("activations", self.a_values[0]))
         kv = params.get("kv_cache") if self.kv_values else None
+        w = params.get("weights_on_device") if self.w_values else None
         if self.by_batch:
             batch = int(params["effective_batch_size"])
             if batch % b:
                 return None
-            c = Candidate(b, batch // b, k, a, kv)
+            c = Candidate(b, batch // b, k, a, kv, w)
         else:
-            c = Candidate(b, int(params["num_sub_batches"]), k, a, kv)
+            c = Candidate(b, int(params["num_sub_batches"]), k, a, kv, w)
         return c if c in set(self.candidates) else None
 
     def neighbours_up(self, c: Candidate) -> list[Candidate]:
-        """Candidates one step up along one of the knobs as the spec names them (b, N or B, k; host KV -> device)."""
+        """Candidates one step up along one of the knobs as the spec names them (b, N or B, k; host KV -> device;
+        the next larger share of the weights kept on the device)."""
         params = self.params(c)
         out = []
         for name, dist in self.distributions().items():
@@ -151,4 +166,6 @@ class SearchSpace:
             out["num_sub_batches"] = self.n_values
         if self.kv_values:
             out["kv_cache"] = self.kv_values
+        if self.w_values:
+            out["weights_on_device"] = self.w_values
         return out

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, WithJsonSchema,
                       field_validator, model_validator)
@@ -20,6 +20,10 @@ from sltune.models.presets import hf_config_schema
 from sltune.sizes import SIZE_SCHEMA, format_bytes, parse_bytes
 from sltune.tuning.knobs import MAX_KNOB_VALUES, Range, knob_values
 from sltune.yamlfile import read_yaml
+
+if TYPE_CHECKING:
+    from sltune.tuning.shape import ModelShape
+    from sltune.tuning.space import SearchSpace
 
 
 class _Strict(BaseModel):
@@ -113,6 +117,28 @@ def _knob(value: Any) -> Any:
 Knob = Annotated[int | Range | list[int], BeforeValidator(_knob)]
 
 
+def _shares(value: Any) -> Any:
+    """search.weights_on_device: one share or a list of them, each from 0 to 1, as a sorted list without
+    repeats; one clear message for any bad value."""
+    if value is None:
+        return None
+    values = value if isinstance(value, list) else [value]
+    if not values:
+        raise ValueError("give a share from 0 to 1 or a list of them, such as [0, 0.5, 1], not an empty list")
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
+            raise ValueError(f"{v!r} is not a share of the parameter bytes; give numbers from 0 (keep none on "
+                             "the device) to 1 (keep them all), such as [0, 0.5, 1]")
+    if len(values) > MAX_KNOB_VALUES:
+        raise ValueError(f"at most {MAX_KNOB_VALUES} values per knob, got {len(values)}")
+    return sorted({float(v) for v in values})
+
+
+Share = Annotated[float, Field(ge=0.0, le=1.0)]
+Shares = Annotated[Share | Annotated[list[Share], Field(min_length=1, max_length=MAX_KNOB_VALUES)],
+                   BeforeValidator(_shares)]
+
+
 class Search(_Strict):
     strategy: Literal["oneshot", "grid", "random", "tpe"] = "oneshot"
     schedule: Schedule = "speedloader"
@@ -125,6 +151,10 @@ class Search(_Strict):
         description="recompute | offload, or a list of both to sweep (host memory and traffic against FLOPs)")
     kv_cache: KVCache | list[KVCache] | None = Field(
         None, description="generate: where KV caches may live; default both, host and device")
+    weights_on_device: Shares | None = Field(
+        None, description="generate: shares of the parameter bytes to keep on the device for a whole generate call "
+        "(0 to 1, whole units: tied weights, embedding, head, then groups of num_live_blocks layers), one or a "
+        "list to sweep; default 0, 0.5 and 1. Kept weights are copied in once per call instead of at every step")
     max_trials: int = Field(20, ge=1)
     trial_steps: int = Field(2, ge=1, le=100_000, description="timed steps per trial at least")
     trial_min_time_s: float = Field(2.0, ge=0, le=3600, description="time a trial's steps until they add up to this")
@@ -159,6 +189,13 @@ class Search(_Strict):
             return []
         chosen = [self.kv_cache] if isinstance(self.kv_cache, str) else self.kv_cache or ["host", "device"]
         return [kv for kv in ("host", "device") if kv in chosen]
+
+    def weights_on_device_values(self, mode: str) -> list[float]:
+        """The shares of the weights to keep on the device: none in training or under the resident schedule
+        (which keeps them all); in generation the spec's, else none, half and all."""
+        if mode != "generate" or self.schedule == "resident":
+            return []
+        return self.weights_on_device or [0.0, 0.5, 1.0]     # _shares made it a list
 
 
 class TuningSpec(_Strict):
@@ -200,6 +237,9 @@ class TuningSpec(_Strict):
             raise ValueError("hardware.world_size > 1 is for training; generation runs on one process")
         if mode == "train" and self.search.kv_cache is not None:
             raise ValueError("search.kv_cache places generation's KV caches; remove it or set workload.mode: generate")
+        if mode == "train" and self.search.weights_on_device is not None:
+            raise ValueError("search.weights_on_device keeps generation's weights on the device; remove it or set "
+                             "workload.mode: generate")
         if hw.world_size > 1 and self.search.schedule == "resident":
             raise ValueError("search.schedule 'resident' keeps every parameter on every rank; with "
                              "hardware.world_size > 1 use 'speedloader' or 'canonical'")
@@ -215,13 +255,33 @@ class TuningSpec(_Strict):
                      search.num_sub_batches or search.effective_batch_size):
             size *= len(knob_values(knob, "knob"))
         size *= max(1, len(search.kv_cache_values(mode)))
+        size *= max(1, len(search.weights_on_device_values(mode)))
         if size > MAX_CANDIDATES:
             raise ValueError(f"the search space has {size} combinations, more than {MAX_CANDIDATES}; narrow the "
                              "search.* ranges or lists")
-        if not SearchSpace(self, shape).candidates:
+        space = SearchSpace(self, shape)
+        if not space.candidates:
             raise ValueError("the search space is empty: no sub_batch_size divides any effective_batch_size; "
                              "widen search.sub_batch_size or search.effective_batch_size")
+        self._weights_fit(shape, space)
         return self
+
+    def _weights_fit(self, shape: "ModelShape", space: "SearchSpace") -> None:
+        """Refuse shares of the weights that no config can keep on the device under its limit, when keeping
+        none would fit: the device holds the kept weights beside the largest unit still streamed in."""
+        limit, shares = self.hardware.device_memory_limit, space.w_values
+        if limit is None or not shares or shares[0] == 0:
+            return
+        mode = self.workload.mode
+        least = min((shape.min_device_bytes(mode, k, w), k, w) for k in space.k_values for w in shares)
+        keep_none = min(shape.min_device_bytes(mode, k) for k in space.k_values)
+        if least[0] > limit >= keep_none:
+            need, k, share = least
+            raise ValueError(
+                f"search.weights_on_device: every share keeps more on the device than hardware.device_memory_limit "
+                f"{format_bytes(limit)} holds: the least, {share:g} at num_live_blocks={k}, needs {format_bytes(need)} "
+                f"({need} bytes) with the largest unit still streamed in; add a smaller share (0 keeps none) or "
+                "raise the limit")
 
     def digest(self) -> str:
         """Identifies the job: the same spec re-run resumes the same job."""

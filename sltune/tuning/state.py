@@ -152,6 +152,9 @@ class SearchState:
             over.append("device")
         if host is not None and hw.host_memory_limit and host * (1 + self.margins["host"] - pad) > hw.host_memory_limit:
             over.append("host")
+        if "device" not in over and hw.device_memory_limit and \
+                self.shape.min_device_bytes(self.spec.workload.mode, c.k, c.w or 0.0) > hw.device_memory_limit:
+            over.append("device")           # known without a fit: the kept weights beside a streamed unit
         for o, resource in self.oom:
             if resource not in over and self._needs_more(c, o, resource):
                 over.append(resource)           # measured: a config needing no less already ran out

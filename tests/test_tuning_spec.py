@@ -117,7 +117,7 @@ def test_fit_variable_w_is_the_share_of_the_parameter_bytes_kept_in_whole_units(
     assert w_of(1, 0.5) * shape.param_bytes == shape.kept_bytes(1, 0.5)
     # groups of two layers: none fits beside the embedding and head, so half keeps only those two
     assert w_of(2, 0.5) == (shape.embed_bytes + shape.head_bytes) / shape.param_bytes
-    assert "W" in MODELS["generate"]["device"][1] and "W" in MODELS["generate"]["throughput"][1]
+    assert "W" in MODELS["generate"]["device"][1] and "W/N" in MODELS["generate"]["throughput"][1]
     assert "W" not in MODELS["train"]["device"][1]
 
 

@@ -133,3 +133,31 @@ def test_confirmation_rounds_end_early_only_when_the_search_best_won_decisively_
     st.confirms.clear()
     round_(600.0, 1000.0)
     assert not confirm.settled(st, picks)                       # the runner-up won: keep measuring
+
+
+def test_oneshot_measures_a_frontier_config_its_throughput_model_cannot_predict_before_stopping():
+    """Five probes fitted by six step-time features can predict a step time <= 0 far from them (a generate
+    job saw 28 of 90 configs so, the winning corner b=16 N=1 among them, and stopped at a config 3x slower):
+    those configs have no prediction, so the search cannot rule them out and measures the largest first."""
+    from sltune.tuning.strategies import OneShotStrategy
+
+    spec = TuningSpec.parse({"name": "g", "model": {"preset": "llama-tiny"},
+                             "workload": {"mode": "generate", "prompt_len": 8, "new_tokens": 8},
+                             "search": {"sub_batch_size": [1, 4, 16], "effective_batch_size": 16,
+                                        "num_live_blocks": [1, 4], "kv_cache": "device",
+                                        "weights_on_device": [0, 0.5]}})
+    shape = shape_of("llama-tiny")
+    st = SearchState(spec, shape, SearchSpace(spec, shape))
+    runs = [((1, 16, 1, 0.0), 10.26), ((1, 16, 4, 0.0), 8.39), ((4, 4, 1, 0.0), 5.54), ((4, 4, 4, 0.0), 4.58),
+            ((1, 16, 1, 0.5), 2.0)]
+    for i, ((b, n, k, w), t) in enumerate(runs):
+        c = Candidate(b, n, k, "recompute", "device", w)
+        tps = c.batch * 8 / t
+        st.add(Done(i, c, "probe", {"status": "ok", "tokens_per_s": tps, "step_seconds": t,
+                                    "peak_device_bytes": 1e6 + 1e4 * b * k + 5e5 * w,
+                                    "peak_host_bytes": 1e6 + c.batch,
+                                    "timing": {"steps_s": [t] * 5, "tokens_per_s_ci95": [tps * 0.99, tps * 1.01]}}))
+    blind = [c for c in st.space.candidates if c not in st.tried and st.predict(c).tokens_per_s is None]
+    assert Candidate(16, 1, 4, "recompute", "device", 0.5) in blind
+    proposal = OneShotStrategy(st, 0).propose()
+    assert proposal.candidate == Candidate(16, 1, 4, "recompute", "device", 0.5), proposal

@@ -73,7 +73,9 @@ class OneShotStrategy(Strategy):
     """A few probes make the resource and throughput fits well-posed; then only configs predicted to
     fit, on the frontier of the largest feasible ones, best predicted throughput first, until no untried
     one is predicted (allowing for the model's typical leave-one-out error) to beat the best by more than
-    the best's own measured noise: a smaller predicted gain could not be told from noise anyway.
+    the best's own measured noise: a smaller predicted gain could not be told from noise anyway. A frontier
+    config the throughput model cannot predict (a step time <= 0, which a few probes fitted exactly can give
+    far from them) is measured before the search may stop, the largest first: the model cannot rule it out.
 
     A config predicted to fit only inside the safety margin (within 5% of a limit, say) is tried too when
     it is the one predicted fastest: the fastest config often sits right at a limit (the grid's best in
@@ -112,7 +114,10 @@ class OneShotStrategy(Strategy):
         options += [c for c in self.frontier(padded=False) if c not in options]
         if not options:
             return Stop("no untried config is predicted to fit and to be faster")
-        preds = {c: st.predict(c).tokens_per_s or 0.0 for c in options}
+        preds = {c: st.predict(c).tokens_per_s for c in options}
+        blind = [c for c in options if preds[c] is None]
+        if blind:       # the throughput model fails there (a step time <= 0): it cannot rule them out
+            return Proposal(max(blind, key=lambda c: (c.batch, c.b, c.kv_on_device, c.w or 0.0, c.k)), "frontier")
         best = st.best()
         top = max(options, key=lambda c: (preds[c], c.batch, c.b))
         noise = st.noise(best) if best is not None else 0.0

@@ -157,7 +157,23 @@ def test_oneshot_measures_a_frontier_config_its_throughput_model_cannot_predict_
                                     "peak_device_bytes": 1e6 + 1e4 * b * k + 5e5 * w,
                                     "peak_host_bytes": 1e6 + c.batch,
                                     "timing": {"steps_s": [t] * 5, "tokens_per_s_ci95": [tps * 0.99, tps * 1.01]}}))
+    st.add(Done(5, Candidate(16, 1, 1, "recompute", "device", 0.5), "probe", {"status": "failed", "error": "x"}))
+    assert all(c in st.tried for c in OneShotStrategy(st, 0).probes())
     blind = [c for c in st.space.candidates if c not in st.tried and st.predict(c).tokens_per_s is None]
     assert Candidate(16, 1, 4, "recompute", "device", 0.5) in blind
     proposal = OneShotStrategy(st, 0).propose()
     assert proposal.candidate == Candidate(16, 1, 4, "recompute", "device", 0.5), proposal
+
+
+def test_generation_probes_keep_the_most_weights_where_they_save_the_most():
+    """The step-time fit sees kept weights as W/N: a probe at N=16 would give W/N = W/16 and let its noise,
+    times 16, set the coefficient; the probe keeps the largest share at the fewest sub-batches."""
+    from sltune.tuning.strategies import OneShotStrategy
+
+    spec = TuningSpec.parse({"name": "g", "model": {"preset": "llama-tiny"},
+                             "workload": {"mode": "generate", "prompt_len": 8, "new_tokens": 8},
+                             "search": {"sub_batch_size": [1, 4, 16], "effective_batch_size": 16,
+                                        "num_live_blocks": [1, 4], "weights_on_device": [0, 0.5, 1]}})
+    shape = shape_of("llama-tiny")
+    probes = OneShotStrategy(SearchState(spec, shape, SearchSpace(spec, shape)), 0).probes()
+    assert [c for c in probes if c.w] == [Candidate(16, 1, 1, "recompute", "device", 1.0)]

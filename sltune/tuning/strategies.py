@@ -90,14 +90,20 @@ class OneShotStrategy(Strategy):
         bs, ks = sorted({c.b for c in cands}), sorted({c.k for c in cands})
         b_lo, b_mid = bs[0], bs[len(bs) // 2]
 
-        def cheapest(b: int, k: int, at_least: int = 0) -> Candidate | None:
-            fits = [c for c in cands if c.b == b and c.k == k and c.n >= at_least]
+        def cheapest(b: int, k: int, at_least: int = 0, w: float | None = None) -> Candidate | None:
+            fits = [c for c in cands if c.b == b and c.k == k and c.n >= at_least and (w is None or c.w == w)]
             return min(fits, key=lambda c: c.batch, default=None)
 
         plan = [cheapest(b, k) for b in (b_lo, b_mid) for k in (ks[0], ks[-1])]
         if not self.state.space.by_batch:
             ns = sorted({c.n for c in cands if c.b == b_lo})
             plan += [cheapest(b_lo, k, at_least=ns[len(ns) // 2]) for k in (ks[0], ks[-1])]
+        shares = sorted({c.w for c in cands if c.w is not None})
+        if shares and shares[-1] > 0:
+            # generation: the most weights kept, where they save the most (the fewest sub-batches: W/N in the
+            # step-time fit); measured at many sub-batches instead, W/N is tiny and its noise sets the fit
+            fewest = min(cands, key=lambda c: (c.n, c.b))
+            plan.append(cheapest(fewest.b, ks[0], w=shares[-1]))
         return [c for c in dict.fromkeys(plan) if c is not None]
 
     def propose(self) -> Proposal | Stop:

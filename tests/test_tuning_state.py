@@ -163,6 +163,10 @@ def test_oneshot_measures_a_frontier_config_its_throughput_model_cannot_predict_
     assert Candidate(16, 1, 4, "recompute", "device", 0.5) in blind
     proposal = OneShotStrategy(st, 0).propose()
     assert proposal.candidate == Candidate(16, 1, 4, "recompute", "device", 0.5), proposal
+    # once: after a frontier trial the blind configs rank as predicted nothing, and the search may stop
+    st.add(Done(6, proposal.candidate, "frontier", {"status": "failed", "error": "x"}))
+    after = OneShotStrategy(st, 0).propose()
+    assert getattr(after, "candidate", None) not in blind, after
 
 
 def test_generation_probes_keep_the_most_weights_where_they_save_the_most():

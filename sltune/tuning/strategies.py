@@ -75,7 +75,8 @@ class OneShotStrategy(Strategy):
     one is predicted (allowing for the model's typical leave-one-out error) to beat the best by more than
     the best's own measured noise: a smaller predicted gain could not be told from noise anyway. A frontier
     config the throughput model cannot predict (a step time <= 0, which a few probes fitted exactly can give
-    far from them) is measured before the search may stop, the largest first: the model cannot rule it out.
+    far from them) cannot be ruled out by it: the largest such config is measured before the first frontier
+    trial, once, so the model sees beyond the probes before the search may stop.
 
     A config predicted to fit only inside the safety margin (within 5% of a limit, say) is tried too when
     it is the one predicted fastest: the fastest config often sits right at a limit (the grid's best in
@@ -122,8 +123,11 @@ class OneShotStrategy(Strategy):
             return Stop("no untried config is predicted to fit and to be faster")
         preds = {c: st.predict(c).tokens_per_s for c in options}
         blind = [c for c in options if preds[c] is None]
-        if blind:       # the throughput model fails there (a step time <= 0): it cannot rule them out
+        if blind and not any(d.role == "frontier" for d in st.history):
+            # the fitted probes fail there (a step time <= 0): the largest is measured once, so that the model
+            # sees beyond the probes; only once, which bounds what a poor fit costs in trials
             return Proposal(max(blind, key=lambda c: (c.batch, c.b, c.kv_on_device, c.w or 0.0, c.k)), "frontier")
+        preds = {c: p or 0.0 for c, p in preds.items()}
         best = st.best()
         top = max(options, key=lambda c: (preds[c], c.batch, c.b))
         noise = st.noise(best) if best is not None else 0.0

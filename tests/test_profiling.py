@@ -124,10 +124,11 @@ def test_measured_peaks_follow_the_resource_model():
                          profile=False).peak_device_bytes for b, k in [(1, 1), (4, 1), (1, 4)]}
     assert dev[(4, 1)] > dev[(1, 1)] and dev[(1, 4)] > dev[(1, 1)], dev
     host = [trial(sub_batch_size=b, num_sub_batches=n, seq_len=256, profile=False).peak_host_bytes
-            for n, b in [(1, 1), (8, 8), (16, 8)]]
+            for n, b in [(1, 1), (8, 8), (32, 8)]]
     assert host[0] < host[1] < host[2], host
-    # the host activation buffer alone grows by 4 stored edges * 16384 tokens * 64 * 4 bytes (16 MiB) between the
+    # the host activation buffer alone grows by 4 stored edges * 49152 tokens * 64 * 4 bytes (48 MiB) between the
     # last two (the turnaround edge is never stored). A resident-set peak is not an allocator's count: pages the
-    # trial freed earlier (model init, data) are reused by the buffer, and CI saw 14.6 MiB of the 16. Three
-    # quarters of the buffer still tells growth with N*b*s from the inputs, which grow by well under 1 MiB.
-    assert host[2] - host[1] > 12 * 2**20, host
+    # trial freed earlier (model init, data) are reused by the buffer; CI saw 11.3 and 14.6 MiB of a 16 MiB
+    # buffer grow, so the buffer is now large beside that slack. Three quarters of it still tells growth with
+    # N*b*s from the inputs, which grow by about 1 MiB.
+    assert host[2] - host[1] > 36 * 2**20, host

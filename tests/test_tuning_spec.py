@@ -121,6 +121,21 @@ def test_fit_variable_w_is_the_share_of_the_parameter_bytes_kept_in_whole_units(
     assert "W" not in MODELS["train"]["device"][1]
 
 
+@pytest.mark.parametrize("preset", ["llama-tiny", "llama-tiny-tied", "gpt2-tiny"])
+def test_the_tuners_kept_bytes_are_what_the_engine_keeps(preset):
+    """The fits and the pruning floor predict a share's kept bytes from the model's shape; the engine keeps
+    units of the built model: the same units, so the same bytes, for every k (3 does not divide 4 layers)."""
+    from sltune import SpeedLoaderConfig, SpeedLoaderEngine
+    from sltune.models import build
+
+    shape = shape_of(preset)
+    for k in (1, 2, 3):
+        for share in (0.0, 0.3, 0.5, 0.8, 1.0):
+            cfg = SpeedLoaderConfig(num_live_blocks=k, weights_on_device=share, memory_tracking="never")
+            engine = SpeedLoaderEngine(build(preset), cfg, optimizer=None)
+            assert sum(u.nbytes for u in engine.kept_units) == shape.kept_bytes(k, share), (k, share)
+
+
 def test_a_share_whose_kept_weights_cannot_fit_is_over_the_device_limit_before_any_trial():
     shape = shape_of("llama-tiny")
     spec = parse(workload={"mode": "generate"}, hardware={"device_memory_limit": 900_000},

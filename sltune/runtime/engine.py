@@ -79,7 +79,7 @@ from sltune.runtime.device import check_device, check_dtype
 from sltune.runtime.family import CausalLM, LayerCall, unique_params
 from sltune.runtime.kvcache import kv_store
 from sltune.runtime.memory import DeviceMemory, monitor_for
-from sltune.runtime.params import BufferPool, ParamStore, ParamUnit, kept_share
+from sltune.runtime.params import BufferPool, ParamStore, ParamUnit, keep_order, kept_share
 from sltune.runtime.regions import region, step_region
 from sltune.runtime.saved import KeptGraph, SavedTensors
 from sltune.runtime.sharding import ShardedParamStore
@@ -590,7 +590,7 @@ class SpeedLoaderEngine:
     def kept_units(self) -> list[ParamUnit]:
         """The units generation keeps on the device for a whole call: weights_on_device of the parameter
         bytes, first fit over tied weights, embedding, head, then the groups in order (params.kept_share)."""
-        order = [self.tied, self.embed, self.head, *(g.unit for g in self.groups)]
+        order = keep_order(self.tied, self.embed, self.head, [g.unit for g in self.groups])
         return [u for u, keep in zip(order, kept_share([u.nbytes for u in order], self.config.weights_on_device))
                 if keep]
 

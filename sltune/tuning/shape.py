@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from sltune.runtime.params import kept_share
+from sltune.runtime.params import keep_order, kept_share
 
 
 @dataclass(frozen=True)
@@ -39,8 +39,8 @@ class ModelShape:
         """The bytes of the units weights_on_device picks from, in the engine's order: tied weights,
         embedding, head, then the groups of k layers (the last one smaller when k does not divide them)."""
         full, rest = divmod(self.layers, k)
-        return ([self.tied_bytes, self.embed_bytes, self.head_bytes] + [k * self.layer_bytes] * full
-                + ([rest * self.layer_bytes] if rest else []))
+        groups = [k * self.layer_bytes] * full + ([rest * self.layer_bytes] if rest else [])
+        return keep_order(self.tied_bytes, self.embed_bytes, self.head_bytes, groups)
 
     def kept_bytes(self, k: int, share: float) -> int:
         """The parameter bytes a share keeps on the device, in whole units as the engine keeps them."""

@@ -5,8 +5,11 @@
 Every runner starts from the same weights and trains on the same batches in the same order, with AdamW, so
 their losses must agree step by step (checked). Rounds are interleaved (each round runs every runner once,
 the order alternating) so machine noise hits them alike; each figure is the median step time over the rounds
-with its min and max. Targets (issue #11): resident >= 0.97x plain; speedloader offload >= 0.92x and
-recompute >= 0.85x plain at k=1; speedloader's best >= 1.2x canonical.
+with its min and max. A target's ratio is printed twice: of the medians, and as the median over rounds of
+each round's ratio (the two runners measured side by side) with its 95% bootstrap interval; a target is
+"met" when the interval lies above it, "not met" below it, else "within the noise". Targets (issue #11):
+resident >= 0.97x plain; speedloader offload >= 0.92x and recompute >= 0.85x plain at k=1; speedloader's
+best >= 1.2x canonical.
 
 "plain + forced recompute" is the plain loop doing, besides, the work `activations: recompute` is there to
 do: a no-grad forward of all groups but the last per micro-batch. It is recompute's bound at this k, so
@@ -26,6 +29,7 @@ import torch
 
 from sltune import SpeedLoaderConfig, SpeedLoaderEngine
 from sltune.models import build, param_count
+from sltune.profiling.stats import paired_ratio_ci
 
 LR = 1e-4
 SLTUNE = [("resident", "recompute"), ("speedloader", "recompute"), ("speedloader", "offload"),
@@ -150,9 +154,13 @@ def report(runners: list[Runner], tokens: int, ratios: list[tuple[str, str, floa
         vs = f"{plain / med[r.name]:.3f}x" if plain else ""
         print(f"{r.name:<24} {tokens / med[r.name]:>9.1f} {tokens / max(r.seconds):>8.1f} {tokens / min(r.seconds):>8.1f} "
               f"{med[r.name]:>9.3f}  {vs}")
+    by_name = {r.name: r for r in runners}
     for a, b, target in ratios:
         if a in med and b in med:
-            print(f"{a} / {b} = {med[b] / med[a]:.3f}   (target >= {target})")
+            point, (lo, hi) = paired_ratio_ci([[t] for t in by_name[b].seconds], [[t] for t in by_name[a].seconds])
+            verdict = "met" if lo >= target else "not met" if hi < target else "within the noise"
+            print(f"{a} / {b} = {med[b] / med[a]:.3f}; per round {point:.3f} [{lo:.3f}, {hi:.3f}]   "
+                  f"(target >= {target}: {verdict})")
 
 
 def setup(argv=None) -> tuple[argparse.Namespace, torch.nn.Module, list[torch.Tensor]]:

@@ -26,6 +26,18 @@ def test_offload_awkward_shapes_over_two_steps(knobs):
     check(*run_engine("llama-tiny", [batch(6, 12, seed=1), batch(6, 12, seed=2)], activations="offload", **knobs))
 
 
+def test_offload_follows_a_changing_sequence_length():
+    """A key's saved tensors go into slabs sized by what it packed on the step before: a longer sequence
+    overflows them, a shorter one leaves them too large. Either way the result is exact, and once a length
+    repeats, host memory holds what the step packed and no more (the longer step's slabs are gone)."""
+    batches = [batch(6, 12, seed=1), batch(6, 20, seed=2), batch(6, 12, seed=3), batch(6, 12, seed=4)]
+    init, engine, results, *ref = run_engine("llama-tiny", batches, sub_batch_size=2, num_sub_batches=3,
+                                             num_live_blocks=1, activations="offload")
+    check(init, engine, results, *ref)
+    assert engine.saved.held_bytes == engine.saved.packed_bytes > 0
+    assert results[-1].io == engine.expected_io(12)
+
+
 @pytest.mark.parametrize("activations", ["recompute", "offload"])
 @pytest.mark.parametrize("schedule", ["speedloader", "canonical"])
 @pytest.mark.parametrize("frozen", [["model.embed_tokens", "model.layers.0"], ["model.layers.2"]],

@@ -48,7 +48,10 @@ def job(tmp_path_factory):
 def test_oneshot_finds_a_config_that_fits_in_a_fraction_of_the_space(job):
     r = job["result"]
     assert r["status"] == "succeeded", r["error"]
-    assert len(r["trials"]) < r["space_size"] / 4
+    # the search keeps to its budget, a fraction of the space; the confirmation re-runs two of its configs
+    # (how many rounds it needs depends on the machine's noise, so it is not counted against the budget)
+    searched = [t for t in r["trials"] if t["role"] != "confirm"]
+    assert len(searched) <= SPEC["search"]["max_trials"] < r["space_size"] / 4
     assert r["binding_limit"] == "device"
     roles = [t["role"] for t in r["trials"]]
     # after the probes it either spends trials on the frontier or stops because no untried config is predicted

@@ -154,7 +154,7 @@ class EmulatedStreams(Streams):
         if not recorded:
             raise RuntimeError(f"a device tensor is used on emulated stream {stream.name} without record(tensor, "
                                "stream): its memory could be reused while the copy still runs")
-        stream.enqueue(lambda: dst.copy_(src))
+        stream.enqueue(lambda: _copy(dst, src))
 
     def record(self, tensor: torch.Tensor, stream) -> None:
         with self._lock:
@@ -172,6 +172,12 @@ class EmulatedStreams(Streams):
         with self._lock:
             users = self._used.pop(_key(buf), set())
         return [self.record_event(s) for s in users]
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """A device copy is not an autograd op (the worker thread's grad mode is on, as every new thread's is)."""
+    with torch.no_grad():
+        dst.copy_(src)
 
 
 def _key(t: torch.Tensor) -> int:

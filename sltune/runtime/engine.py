@@ -162,7 +162,7 @@ class SpeedLoaderEngine:
             self.params = ParamStore(self.units, self.dtype, self.copier, self.pool, resident=resident)
         self.acts = HostActivations(self.copier, self.memory) if config.schedule == "speedloader" \
             else DeviceActivations()
-        self.saved = SavedTensors(self.copier, self.memory,
+        self.saved = SavedTensors(self.copier, self.memory, self.pool,
                                   host=config.schedule == "speedloader" and config.activations == "offload")
         self._anchor = torch.zeros((), device=self.device, requires_grad=True)
         self.kv = kv_store(config.schedule, config.kv_cache, self.copier, self.pool, self.memory)

@@ -16,6 +16,7 @@ import copy
 import os
 import socket
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -38,6 +39,8 @@ def deepspeed_or_none():
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "LOCAL_RANK": "0",
                        "WORLD_SIZE": "1"})
     deepspeed.init_distributed("gloo")
+    # DeepSpeed 0.19 calls collectives torch 2.13 renamed: one FutureWarning per call would bury the table
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
     return deepspeed
 
 

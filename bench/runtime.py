@@ -32,6 +32,7 @@ from sltune.models import build, param_count
 from sltune.profiling.stats import paired_ratio_ci
 
 LR = 1e-4
+MIN_ROUNDS = 5      # fewer rounds print the ratio of medians without an interval or a verdict
 SLTUNE = [("resident", "recompute"), ("speedloader", "recompute"), ("speedloader", "offload"),
           ("canonical", "recompute"), ("canonical", "offload")]
 
@@ -156,11 +157,17 @@ def report(runners: list[Runner], tokens: int, ratios: list[tuple[str, str, floa
               f"{med[r.name]:>9.3f}  {vs}")
     by_name = {r.name: r for r in runners}
     for a, b, target in ratios:
-        if a in med and b in med:
-            point, (lo, hi) = paired_ratio_ci([[t] for t in by_name[b].seconds], [[t] for t in by_name[a].seconds])
-            verdict = "met" if lo >= target else "not met" if hi < target else "within the noise"
-            print(f"{a} / {b} = {med[b] / med[a]:.3f}; per round {point:.3f} [{lo:.3f}, {hi:.3f}]   "
-                  f"(target >= {target}: {verdict})")
+        if a not in med or b not in med:
+            continue
+        rounds = len(by_name[a].seconds)
+        if rounds < MIN_ROUNDS:         # a bootstrap of 2 or 3 rounds is narrower than what it measures
+            print(f"{a} / {b} = {med[b] / med[a]:.3f}   (target >= {target}; {rounds} rounds: "
+                  f"{MIN_ROUNDS} give an interval)")
+            continue
+        point, (lo, hi) = paired_ratio_ci([[t] for t in by_name[b].seconds], [[t] for t in by_name[a].seconds])
+        verdict = "met" if lo >= target else "not met" if hi < target else "within the noise"
+        print(f"{a} / {b} = {med[b] / med[a]:.3f}; per round {point:.3f} [{lo:.3f}, {hi:.3f}]   "
+              f"(target >= {target}: {verdict})")
 
 
 def setup(argv=None) -> tuple[argparse.Namespace, torch.nn.Module, list[torch.Tensor]]:

@@ -82,7 +82,7 @@ class SavedTensors:
         live = {u.dev.untyped_storage().data_ptr(): u for u in units if u.dev is not None}
         bundle = self._bundles[key] = _Bundle(dict(self._layout.get(key, {})), self._spare(key))
         self.nbytes[key] = 0
-        seen: dict[tuple, tuple[torch.Tensor, tuple]] = {}   # one copy of a tensor saved by several ops
+        seen: dict[tuple, tuple[torch.Tensor, Any]] = {}     # one copy of a tensor saved by several ops
 
         def pack(t: torch.Tensor):
             storage = t.untyped_storage()

@@ -18,7 +18,9 @@ KVCache = Literal["host", "device"]
 
 # Sections a best-config YAML carries besides the knobs: reports, read by `sltune plan`, ignored here.
 REPORT_SECTIONS = ("effective_batch_size", "workload", "measured", "predicted", "resource_models",
-                   "limits", "binding_limit", "search_space", "provenance", "trials", "confidence")
+                   "limits", "binding_limit", "search_space", "provenance", "trials", "confidence", "optimizer")
+# ...of which `optimizer` is read by `sltune train` (sltune.training.OptimizerConfig): the optimizer the job
+# was tuned with and will train with
 
 
 class SpeedLoaderConfig(BaseModel):
@@ -37,6 +39,10 @@ class SpeedLoaderConfig(BaseModel):
         "The resident schedule recomputes nothing either way")
     device: str = "cpu"
     dtype: DType = "float32"
+    mixed_precision: bool = Field(
+        True, description="with dtype bfloat16 or float16: float32 master weights, gradients and optimizer state on "
+        "the host, the device computing in dtype (float16 adds dynamic loss scaling). False keeps one copy in "
+        "dtype, stepped in dtype. float32 is unaffected either way; generation never needs the master")
     device_memory_limit: int | None = Field(None, description="bytes, or a string such as '2GiB'")
     world_size: int | None = Field(None, ge=1, description="ranks the config was tuned for; None: any")
     kv_cache: KVCache = Field(
@@ -70,6 +76,11 @@ class SpeedLoaderConfig(BaseModel):
     @property
     def effective_batch_size(self) -> int:
         return self.sub_batch_size * self.num_sub_batches
+
+    @property
+    def has_master(self) -> bool:
+        """Whether training keeps float32 master weights beside the dtype copy."""
+        return self.mixed_precision and self.dtype != "float32"
 
     # -- YAML ---------------------------------------------------------------------------------
     @classmethod

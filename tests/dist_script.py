@@ -19,6 +19,9 @@ PARTLY_FROZEN = "model.layers.0.input_layernorm"
 RUNS = [("llama-tiny", "speedloader", "recompute"), ("gpt2-tiny", "canonical", "recompute"),
         ("frozen", "speedloader", "recompute"), ("llama-tiny", "speedloader", "offload"),
         ("gpt2-tiny", "canonical", "offload"), ("frozen", "speedloader", "offload")]
+# bfloat16 with float32 masters, gradients clipped on the global norm over both ranks' shards
+MIXED_RUNS = [("llama-tiny", "speedloader", "recompute"), ("gpt2-tiny", "canonical", "offload")]
+MAX_GRAD_NORM = 0.05
 
 
 def freeze_all_but(model, keep: str):
@@ -45,6 +48,19 @@ def main(out: str) -> None:
         if rank == 0:
             torch.save(state, f"{out}.{preset}.{schedule}.{acts}.pt")
         report["runs"][f"{preset}/{schedule}/{acts}"] = losses
+    for preset, schedule, acts in MIXED_RUNS:
+        engine = SpeedLoaderEngine(build(preset), SpeedLoaderConfig(
+            sub_batch_size=2, num_sub_batches=2, num_live_blocks=3, schedule=schedule, activations=acts,
+            dtype="bfloat16"), optimizer=adamw, max_grad_norm=MAX_GRAD_NORM)
+        results = [engine.train_step(batch(step, rank)) for step in range(2)]
+        state = engine.state_dict()
+        if rank == 0:
+            torch.save(state, f"{out}.{preset}.{schedule}.{acts}.mixed.pt")
+        report["runs"][f"{preset}/{schedule}/{acts}/mixed"] = {
+            "losses": [r.loss for r in results], "norms": [r.grad_norm for r in results]}
+        every = [None] * world
+        dist.all_gather_object(every, {"io": results[-1].io.as_dict(), "expected": engine.expected_io(SEQ).as_dict()})
+        report["io"][f"{schedule}-mixed/2"] = every
     for schedule, acts in (("speedloader", "recompute"), ("canonical", "recompute"), ("speedloader", "offload")):
         for n in (1, 4):
             engine = SpeedLoaderEngine(build("llama-tiny"), SpeedLoaderConfig(sub_batch_size=1, num_sub_batches=n,

@@ -59,3 +59,33 @@ def assert_same_updates(init, ours, ref, ref_grads, steps, rtol=1e-4):
         worst = max(worst, err / max(bound, 1e-30) * rtol)
         assert err <= bound, f"{name}: update differs by {err:.3e} (bound {bound:.3e}, reference {d_ref.norm():.3e})"
     return worst
+
+
+def mixed_training(model, batches, rows, dtype, make_optimizer=adamw, max_grad_norm=None, loss_scale=1.0):
+    """Mixed precision the plain way: a float32 master, a `dtype` copy per micro-batch of `rows` rows, each
+    micro-batch's gradients (of the loss times loss_scale) cast to float32 and summed, unscaled and clipped on
+    the master, the optimizer on the master. Returns (master model, losses, grad norms)."""
+    master = copy.deepcopy(model).float()
+    opt = make_optimizer(list(master.parameters()))
+    losses, norms = [], []
+    for ids in batches:
+        num_items = int((ids[:, 1:] != -100).sum())
+        total = {n: torch.zeros_like(p) for n, p in master.named_parameters()}
+        loss = 0.0
+        for start in range(0, ids.shape[0], rows):
+            low = copy.deepcopy(master).to(dtype)
+            micro = ids[start:start + rows]
+            out = low(input_ids=micro, labels=micro, num_items_in_batch=num_items)
+            (out.loss * loss_scale).backward()
+            loss += out.loss.item()
+            for name, p in low.named_parameters():
+                if p.grad is not None:
+                    total[name] += p.grad.float()
+        for name, p in master.named_parameters():
+            p.grad = total[name] / loss_scale
+        if max_grad_norm is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(master.parameters(), max_grad_norm)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss)
+    return master, losses, norms

@@ -16,9 +16,9 @@ from sltune.models import build
 from sltune.profiling import run_trial
 from sltune.settings import Settings
 from sltune.service.local import tune
-from tests.dist_script import PARTLY_FROZEN, RUNS, SEQ, batch, freeze_all_but
+from tests.dist_script import MAX_GRAD_NORM, MIXED_RUNS, PARTLY_FROZEN, RUNS, SEQ, batch, freeze_all_but
 from tests.conftest import free_port
-from tests.reference import assert_same_updates, plain_training, snapshot
+from tests.reference import assert_same_updates, mixed_training, plain_training, snapshot
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,6 +49,28 @@ def test_two_ranks_equal_one_process_on_the_concatenated_batch(sharded, preset, 
     ours = torch.load(f"{out}.{preset}.{schedule}.{acts}.pt")
     assert ours.keys() == ref_model.state_dict().keys()
     assert_same_updates(snapshot(model), ours, snapshot(ref_model), ref_grads, steps=2)
+
+
+@pytest.mark.parametrize("preset,schedule,acts", MIXED_RUNS)
+def test_two_ranks_mixed_bfloat16_with_clipping_equal_the_plain_recipe(sharded, preset, schedule, acts):
+    """float32 masters sharded over the ranks, bfloat16 compute, the global norm over both ranks' shards: equal
+    to one process's float32 master with a bfloat16 copy per micro-batch and clip_grad_norm_ on the whole
+    model (the float32 sums are added in another order: equal to float32 rounding, seen through bfloat16).
+    canonical reduce-scatters each micro-batch's bfloat16 gradients, as ZeRO does, so the two ranks' sum is
+    rounded to bfloat16 once more before the float32 sum: a looser bound."""
+    out, report = sharded
+    model = build(preset)
+    init = snapshot(model)
+    union = [torch.cat([batch(step, r) for r in range(report["world"])]) for step in range(2)]
+    ref, ref_losses, ref_norms = mixed_training(model, union, 2, torch.bfloat16, max_grad_norm=MAX_GRAD_NORM)
+    run = report["runs"][f"{preset}/{schedule}/{acts}/mixed"]
+    assert run["losses"] == pytest.approx(ref_losses, rel=1e-4)
+    assert run["norms"] == pytest.approx(ref_norms, rel=2e-3) and min(ref_norms) > MAX_GRAD_NORM
+    ours = torch.load(f"{out}.{preset}.{schedule}.{acts}.mixed.pt")
+    bound = 1e-2 if schedule == "speedloader" else 5e-2
+    for name, value in ref.state_dict().items():
+        assert ours[name].dtype == torch.float32
+        assert (ours[name] - value).norm() <= bound * (value - init[name]).norm(), name
 
 
 def test_collectives_do_not_grow_with_sub_batches_but_canonical_ones_do(sharded):

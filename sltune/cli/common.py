@@ -37,12 +37,16 @@ def add_knobs(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(flag, dest=field, type=typ, default=None,
                             help=f"{help_} (default: the --config file's, else "
                                  f"{'none' if default is None else default})")
+    parser.add_argument("--no-mixed-precision", dest="mixed_precision", action="store_const", const=False,
+                        default=None, help="with --dtype bfloat16/float16, keep one copy of the weights and the "
+                        "optimizer state in that dtype instead of float32 masters (default: the --config file's, "
+                        "else mixed precision)")
 
 
 def config_from_args(args: argparse.Namespace, base: SpeedLoaderConfig | None = None) -> SpeedLoaderConfig:
     """The config file (if any) with flags given on the command line taking precedence."""
     data: dict[str, Any] = base.model_dump() if base is not None else {}
-    data.update({f: getattr(args, f) for f in KNOB_FLAGS if getattr(args, f, None) is not None})
+    data.update({f: getattr(args, f) for f in (*KNOB_FLAGS, "mixed_precision") if getattr(args, f, None) is not None})
     return SpeedLoaderConfig.from_dict(data, source="command line")
 
 

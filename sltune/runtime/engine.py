@@ -39,6 +39,10 @@ every group below the last and of the embedding, each tensor once, parameters ex
     canonical    N times speedloader's param_load and grad_offload at N=1; no activation traffic
     resident     nothing
 
+Under mixed precision (a float32 master on the host) P_u stays in dtype bytes: the device loads the dtype copy,
+refreshed from the master after each step. G_u is in float32 bytes (the device sums the sub-batches' gradients in
+float32 and offloads the sum once), except canonical's, which offloads each micro-batch's dtype gradients.
+
 A frozen prefix drops the backward (its loads, its gradient edges) of the units below the lowest trainable one.
 Sharded over W ranks (torch.distributed initialised), P_u above is this rank's shard of unit u, and the
 collectives see whole (padded) units: allgather = the same count of loads times the unit's bytes,
@@ -67,6 +71,7 @@ import itertools
 import time
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
@@ -80,10 +85,13 @@ from sltune.runtime.family import CausalLM, LayerCall, unique_params
 from sltune.runtime.kvcache import kv_store
 from sltune.runtime.memory import DeviceMemory, monitor_for
 from sltune.runtime.params import BufferPool, ParamStore, ParamUnit, keep_order, kept_share
+from sltune.runtime.precision import GradStep, LossScaler, finish_grads
 from sltune.runtime.regions import region, step_region
 from sltune.runtime.saved import KeptGraph, SavedTensors
 from sltune.runtime.sharding import ShardedParamStore
 from sltune.runtime.transfer import Copier, IOCounters
+
+from sltune.models.checkpoint import Checkpoint, materialize, write_pretrained
 
 if TYPE_CHECKING:
     from sltune.runtime.generate import GenerationStats
@@ -99,6 +107,9 @@ class StepResult:
     seconds: float
     io: IOCounters
     peak_device_bytes: int | None = None   # measured on this step, or on the first step of this shape
+    grad_norm: float | None = None         # the unscaled global norm before clipping, when it was computed
+    skipped: bool = False                  # float16: the gradients overflowed, no optimizer step was taken
+    loss_scale: float | None = None        # float16: the scale this step's loss was multiplied by
 
 
 @dataclass
@@ -124,7 +135,12 @@ class SpeedLoaderEngine:
     """Wraps a transformers causal LM; the model keeps its code, its parameters and their names."""
 
     def __init__(self, model: nn.Module, config: SpeedLoaderConfig | dict,
-                 optimizer: OptimizerFactory | None = None):
+                 optimizer: OptimizerFactory | None = None, *, max_grad_norm: float | None = None,
+                 track_grad_norm: bool = False, weights: "Checkpoint | None" = None):
+        """`optimizer` builds the host optimizer from the parameters it steps (the float32 masters under mixed
+        precision); None: an engine that only generates. `max_grad_norm` clips the global gradient norm as
+        torch.nn.utils.clip_grad_norm_ on the whole model; `track_grad_norm` reports it without clipping.
+        `weights`: a checkpoint whose tensors fill the parameters (meta ones included): from_pretrained."""
         if isinstance(config, dict):
             config = SpeedLoaderConfig(**config)
         if not isinstance(config, SpeedLoaderConfig):
@@ -144,11 +160,13 @@ class SpeedLoaderEngine:
         if self.world > 1 and config.schedule == "resident":
             raise ValueError("the resident schedule keeps every parameter on every device; with torch.distributed "
                              "use schedule 'speedloader' or 'canonical'")
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be > 0 (or None: no clipping), got {max_grad_norm!r}")
         self.lm = CausalLM(model)
         self.model = model
-        model.to(dtype=self.dtype)
-        if self.device.type != "cpu":
-            _move_buffers(model, self.device)
+        if weights is not None:
+            materialize(model)
+        self.checkpoint = weights
 
         self.io = IOCounters()
         self.memory: DeviceMemory = monitor_for(self.device, config.device_memory_limit)
@@ -156,10 +174,18 @@ class SpeedLoaderEngine:
         self.pool = BufferPool(self.device, self.memory, self.copier.streams)
         self._build_units()
         resident = config.schedule == "resident"
-        if self.world > 1:
-            self.params = ShardedParamStore(self.units, self.dtype, self.copier, self.pool)
-        else:
-            self.params = ParamStore(self.units, self.dtype, self.copier, self.pool, resident=resident)
+        train = optimizer is not None
+        with weights.reader(model) if weights else contextlib.nullcontext() as read:
+            store = dict(train=train, master=config.has_master, read=read,
+                         on_device_accumulate=config.schedule != "canonical")
+            if self.world > 1:
+                self.params = ShardedParamStore(self.units, self.dtype, self.copier, self.pool, **store)
+            else:
+                self.params = ParamStore(self.units, self.dtype, self.copier, self.pool, resident=resident,
+                                         **store)
+        model.to(dtype=self.dtype)    # the buffers: the parameters point at the store's dtype copies by now
+        if self.device.type != "cpu":
+            _move_buffers(model, self.device)
         self.acts = HostActivations(self.copier, self.memory) if config.schedule == "speedloader" \
             else DeviceActivations()
         self.saved = SavedTensors(self.copier, self.memory, self.pool,
@@ -168,16 +194,65 @@ class SpeedLoaderEngine:
         self.kv = kv_store(config.schedule, config.kv_cache, self.copier, self.pool, self.memory)
         self.last_generation: "GenerationStats | None" = None
         self.optimizer: torch.optim.Optimizer | None = None
+        self.max_grad_norm = max_grad_norm
+        self.track_grad_norm = track_grad_norm
+        self.scaler = LossScaler() if train and config.has_master and self.dtype == torch.float16 else None
         if optimizer is not None:
-            # sharded: this rank's flat shard of each unit (same update for element-wise optimizers)
-            trainable = self.params.shard_params if self.world > 1 else \
-                [p for p in unique_params(model.parameters()) if p.requires_grad]
-            opt = optimizer(trainable)
+            # sharded: this rank's flat shard of each unit (same update for element-wise optimizers); under
+            # mixed precision the float32 masters, in the model's parameter order
+            if self.world > 1:
+                stepped = self.params.shard_params
+            else:
+                trainable = [p for p in unique_params(model.parameters()) if p.requires_grad]
+                masters = self.params.master_params()
+                stepped = [masters[id(p)] for p in trainable] if masters else trainable
+            opt = optimizer(stepped)
             if not isinstance(opt, torch.optim.Optimizer):
                 raise TypeError(f"optimizer factory returned {type(opt).__name__}, not a torch.optim.Optimizer")
-            _warn_vanishing_eps(opt, self.dtype)
+            if not config.has_master:
+                _warn_vanishing_eps(opt, self.dtype)
             self.optimizer = opt
         self._measured: dict[tuple, int] = {}
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, config: SpeedLoaderConfig | dict,
+                        optimizer: OptimizerFactory | None = None, seed: int = 0, **kwargs) -> "SpeedLoaderEngine":
+        """An engine over a Hugging Face folder's model: its config.json, and its safetensors read straight into
+        the engine's buffers (the model is built on the meta device; nothing is initialised twice). A folder
+        with a config and no weights gets seeded random weights instead."""
+        checkpoint = Checkpoint(path)
+        if not checkpoint.has_weights:
+            from sltune.models import build
+
+            return cls(build(checkpoint.config, seed=seed), config, optimizer, **kwargs)
+        return cls(checkpoint.empty_model(), config, optimizer, weights=checkpoint, **kwargs)
+
+    def save_pretrained(self, path: str | Path, dtype: str | torch.dtype | None = None,
+                        max_shard_size: int | str = "5GB") -> list[Path]:
+        """Write the current weights as a Hugging Face folder AutoModelForCausalLM.from_pretrained loads:
+        safetensors (sharded with an index above max_shard_size), config.json, and the tokenizer files of the
+        folder the weights came from. dtype defaults to the source checkpoint's, else the weights' own (the
+        float32 master under mixed precision). Sharded, a collective; rank 0 writes."""
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype)
+        if dtype is None:
+            source = self.checkpoint.dtype if self.checkpoint is not None else None
+            dtype = source or (torch.float32 if self.params.master else self.dtype)
+        state = self.state_dict()
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        seen: set[int] = set()
+        for name in list(state):                       # a tied weight once, under its first name
+            if name in params:
+                if id(params[name]) in seen:
+                    del state[name]
+                seen.add(id(params[name]))
+        files: list[Path] = []
+        if self.world == 1 or dist.get_rank() == 0:
+            files = write_pretrained(path, self.model, state, dtype, max_shard_size,
+                                     source=self.checkpoint.path if self.checkpoint is not None else None)
+        if self.world > 1:
+            dist.barrier()
+        return files
 
     # -- units -------------------------------------------------------------------------------------
     def _build_units(self) -> None:
@@ -211,16 +286,18 @@ class SpeedLoaderEngine:
         track = mode == "always" or (mode == "first" and shape not in self._measured)
         try:
             with step_region(), self.memory.tracking(track):
-                loss = self._train(ids, labels, mask)
+                loss, grads = self._train(ids, labels, mask)
         except BaseException:
             self._recover()
             raise
         if track or self.device.type == "cuda":
             self._measured[shape] = self.memory.peak
         return StepResult(loss=loss, tokens=ids.numel(), seconds=time.perf_counter() - start,
-                          io=self.io - before, peak_device_bytes=self._measured.get(shape))
+                          io=self.io - before, peak_device_bytes=self._measured.get(shape), grad_norm=grads.norm,
+                          skipped=grads.skip, loss_scale=self._scale_used)
 
-    def _train(self, ids: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor | None) -> float:
+    def _train(self, ids: torch.Tensor, labels: torch.Tensor,
+               mask: torch.Tensor | None) -> tuple[float, GradStep]:
         b, n = self.config.sub_batch_size, self.config.num_sub_batches
         num_items = (labels[:, 1:] != IGNORE_INDEX).sum()
         if self.world > 1:     # the loss is the mean over the union of every rank's batch
@@ -229,6 +306,7 @@ class SpeedLoaderEngine:
         subs = [_SubBatch(ids[i * b:(i + 1) * b], labels[i * b:(i + 1) * b],
                           None if mask is None else mask[i * b:(i + 1) * b]) for i in range(n)]
         self._rng = _RngStash(self.device, enabled=self.model.training)
+        self._scale_used = self.scaler.scale if self.scaler is not None else None
         self.saved.start_step()
         if self.config.schedule == "canonical":
             loss = sum(self._pass([sb], num_items, accumulate=j > 0) for j, sb in enumerate(subs))
@@ -241,7 +319,61 @@ class SpeedLoaderEngine:
         host_side = self.config.schedule != "resident"
         with self.memory.paused() if host_side else contextlib.nullcontext(), \
                 region("cpu" if host_side else "compute", "optimizer"):
-            self.optimizer.step()
+            grads = finish_grads(self.params.grad_buffers(), scale=self._scale_used or 1.0,
+                                 max_norm=self.max_grad_norm, need_norm=self.track_grad_norm, world=self.world)
+            if not grads.skip:
+                self.optimizer.step()
+                self.params.refresh()
+        if self.scaler is not None:
+            self.scaler.update(grads.skip)
+            if grads.skip:
+                warnings.warn(f"float16 gradients overflowed at loss scale {self._scale_used:g}: step skipped, "
+                              f"scale now {self.scaler.scale:g}", RuntimeWarning, stacklevel=3)
+        if self.world > 1:
+            dist.all_reduce(loss)
+        return float(loss), grads
+
+    def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                 attention_mask: torch.Tensor | None = None) -> float:
+        """The mean token loss on b*N rows without training: each unit loaded once, every sub-batch through it
+        (sharded, over the union of the ranks' rows). Dropout is off while it runs."""
+        ids, labels, mask = self._check_batch(input_ids, labels, attention_mask)
+        b, n = self.config.sub_batch_size, self.config.num_sub_batches
+        num_items = (labels[:, 1:] != IGNORE_INDEX).sum()
+        if self.world > 1:
+            dist.all_reduce(num_items)
+        subs = [_SubBatch(ids[i * b:(i + 1) * b], labels[i * b:(i + 1) * b],
+                          None if mask is None else mask[i * b:(i + 1) * b]) for i in range(n)]
+        training = self.model.training
+        self.model.eval()
+        self._rng = _RngStash(self.device, enabled=False)
+        store, lm = self.params, self.lm
+        *body, last = self.groups
+        trains = [False] * (len(self.groups) + 1)
+        loss = torch.zeros((), dtype=torch.float32, device=self.device)
+        try:
+            with torch.no_grad(), step_region():
+                self.acts.prepare(len(self.groups), n, (*subs[0].ids.shape, lm.config.hidden_size), self.dtype)
+                store.activate(self.tied)
+                for unit, run in [(self.embed, lambda: self._embed_forward(subs, trains, {})),
+                                  *((g.unit, lambda g=g: self._group_forward(g, subs, trains, {})) for g in body)]:
+                    store.activate(unit)
+                    run()
+                    store.release(unit)
+                store.activate(last.unit)
+                store.activate(self.head)
+                for i, (x, _) in self._each(last.index, None, n):
+                    with region("compute", "eval"):
+                        y = lm.run_layers(last.first, last.last, x.wait(), subs[i].calls)
+                        loss += lm.loss(lm.logits(y), subs[i].labels, int(num_items)).float()
+                for unit in (last.unit, self.head, self.tied):
+                    store.release(unit)
+        except BaseException:
+            self._recover()
+            raise
+        finally:
+            self.acts.clear()
+            self.model.train(training)
         if self.world > 1:
             dist.all_reduce(loss)
         return float(loss)
@@ -255,7 +387,8 @@ class SpeedLoaderEngine:
                 y = lm.run_layers(0, len(lm.layers), hidden, calls)
                 loss = lm.loss(lm.logits(y), sb.labels, num_items)
                 if loss.requires_grad:
-                    loss.backward()
+                    self._scaled(loss).backward()
+            self.params.flush_grads(self.units)
             losses.append(loss.detach())
         return torch.stack(losses).sum()
 
@@ -343,7 +476,8 @@ class SpeedLoaderEngine:
                 y = lm.run_layers(group.first, group.last, x, subs[i].calls)
                 loss = lm.loss(lm.logits(y), subs[i].labels, num_items)
                 if loss.requires_grad:
-                    loss.backward()
+                    self._scaled(loss).backward()
+            self.params.flush_grads((group.unit, self.head, self.tied))
             if x.grad is not None:
                 self.acts.put(e, i, x.grad)
             losses.append(loss.detach())
@@ -356,6 +490,7 @@ class SpeedLoaderEngine:
             for i, (_, gy) in self._each(None, e + 1, len(subs), saved=e):
                 with region("compute", "bwd"):
                     gx = graphs.pop((e, i)).backward(gy.wait())
+                self.params.flush_grads((group.unit,))
                 self.saved.release((e, i))
                 if gx is not None:
                     self.acts.put(e, i, gx)
@@ -367,14 +502,20 @@ class SpeedLoaderEngine:
             with torch.enable_grad(), self._rng.replay((e, i)), region("compute", "bwd"):
                 y = lm.run_layers(group.first, group.last, x, subs[i].calls)
                 torch.autograd.backward(y, gy)
+            self.params.flush_grads((group.unit,))
             if x.grad is not None:
                 self.acts.put(e, i, x.grad)
             self.acts.drop(e + 1, i)
+
+    def _scaled(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss the backward starts from: times the loss scale under float16 mixed precision."""
+        return loss if self._scale_used is None else loss * self._scale_used
 
     def _embed_backward(self, subs: list[_SubBatch], graphs: dict) -> None:
         for i, (_, gy) in self._each(None, 0, len(subs), saved="embed"):
             with region("compute", "embed_bwd"):
                 graphs.pop(("embed", i)).backward(gy.wait())
+            self.params.flush_grads((self.embed, self.tied))
             self.saved.release(("embed", i))
             self.acts.drop(0, i)
 
@@ -531,10 +672,18 @@ class SpeedLoaderEngine:
 
     # -- results -----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The current parameters (and buffers) under the model's own names; sharded, the full parameters
-        gathered on every rank (a collective: call it on all ranks)."""
+        """The current parameters (and buffers) under the model's own names: the float32 masters under mixed
+        precision, else the model's own. Sharded, the full parameters gathered on every rank (a collective:
+        call it on all ranks)."""
         if self.world == 1:
-            return self.model.state_dict()
+            state = self.model.state_dict()
+            views = {id(p): v for unit in self.units if unit.master is not None
+                     for p, v in zip(unit.params, unit._views(unit.master, unit.offsets))}
+            if not views:
+                return state
+            params = dict(self.model.named_parameters(remove_duplicate=False))
+            return {name: views.get(id(params[name]), value) if name in params else value
+                    for name, value in state.items()}
         full = self.params.full_state()
         params = dict(self.model.named_parameters(remove_duplicate=False))
         return {name: (full[id(params[name])] if name in params else value.detach().cpu())
@@ -554,11 +703,13 @@ class SpeedLoaderEngine:
         loaded = [u for _, units, _ in phases for u in units] + [self.tied]      # tied: once per pass
         backward = [u for kind, units, _ in phases if kind in _BACKWARD for u in units] + [self.tied]
         loads = sum(u.nbytes for u in loaded)
-        grads = sum(u.grad_nbytes for u in backward)
+        # gradients move as the device sums them: float32 under a master (dtype per micro-batch in canonical)
+        grad_size = 4 if self.params.accumulate32 else itemsize
+        grads = sum(u.host_grad.numel() * grad_size for u in backward if u.host_grad is not None)
         gathered = scattered = 0
         if self.world > 1:   # sharded: the loads above are this rank's shards; collectives see whole units
             gathered = sum(u.padded * itemsize for u in loaded if u.host is not None)
-            scattered = sum(u.padded * itemsize for u in backward if u.host is not None and u.has_grads)
+            scattered = sum(u.padded * grad_size for u in backward if u.host is not None and u.has_grads)
         if cfg.schedule == "canonical":
             return IOCounters(param_load_bytes=n * loads, grad_offload_bytes=n * grads,
                               allgather_bytes=n * gathered, reduce_scatter_bytes=n * scattered)

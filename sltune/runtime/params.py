@@ -7,18 +7,28 @@ the current weights. Gradients accumulate on the device across sub-batches, in a
 and are offloaded once. In the resident schedule the "host" buffers live on the device and nothing moves;
 its gradients are autograd's own, dropped before each step as zero_grad(set_to_none=True) does, so the first
 sub-batch writes them rather than adding to zeros.
+
+Mixed precision (a training engine with dtype bfloat16/float16 and mixed_precision), as ZeRO-Offload keeps it:
+each unit also has a float32 master on the host, which the optimizer steps, and float32 host gradients. The
+dtype copy the device loads is refreshed from the master after every step, so parameter traffic stays in dtype
+bytes. Autograd computes each sub-batch's gradients in dtype; they are added into a float32 accumulator on the
+device after every sub-batch (`flush_grads`), which is offloaded once: the sum over sub-batches is a float32 sum
+of dtype gradients, as in plain PyTorch with a float32 master and a dtype copy per micro-batch. The canonical
+schedule offloads each micro-batch's dtype gradients and adds them on the host in float32; resident keeps the
+master, the accumulators and the optimizer on the device.
 """
 
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence, TypeVar
+from typing import Callable, Iterator, Sequence, TypeVar
 
 import torch
 from torch import nn
 
 from sltune.runtime.memory import DeviceMemory
+from sltune.runtime.regions import region
 from sltune.runtime.streams import Event, Streams
 from sltune.runtime.transfer import Copier, Pending
 
@@ -29,12 +39,14 @@ class ParamUnit:
 
     name: str
     params: list[nn.Parameter]
-    host: torch.Tensor | None = None            # flat parameters (pinned on CUDA)
-    host_grad: torch.Tensor | None = None       # flat gradients of the trainable ones
+    host: torch.Tensor | None = None            # flat parameters in dtype (pinned on CUDA): what the device loads
+    master: torch.Tensor | None = None          # mixed precision: the float32 master of `host`, which is stepped
+    host_grad: torch.Tensor | None = None       # flat gradients of the trainable ones (float32 under a master)
     offsets: list[int] = field(default_factory=list)
     grad_offsets: list[int | None] = field(default_factory=list)
     dev: torch.Tensor | None = None             # the live device copy
     dev_grad: torch.Tensor | None = None
+    dev_grad32: torch.Tensor | None = None      # mixed precision: this step's float32 sum of dev_grad
     pending: Pending | None = None
     shapes: list[torch.Size] = field(default_factory=list)   # recorded: sharded parameters are emptied
     parts: list[int] = field(default_factory=list)    # a group's layer boundaries in the flat buffer: [0, .., numel]
@@ -67,12 +79,22 @@ class ParamUnit:
     def grad_nbytes(self) -> int:
         return self.host_grad.numel() * self.host_grad.element_size() if self.host_grad is not None else 0
 
+    @property
+    def stepped(self) -> torch.Tensor | None:
+        """The flat values the optimizer steps: the master, else the dtype copy itself."""
+        return self.master if self.master is not None else self.host
+
     def _views(self, flat: torch.Tensor, offsets) -> list[torch.Tensor | None]:
         return [None if off is None else flat[off:off + shape.numel()].view(shape)
                 for shape, off in zip(self.shapes, offsets)]
 
 
 T = TypeVar("T")
+WeightReader = Callable[[nn.Parameter], torch.Tensor] | None
+
+
+def _own_data(p: nn.Parameter) -> torch.Tensor:
+    return p.data
 
 
 def keep_order(tied: T, embed: T, head: T, groups: Sequence[T]) -> list[T]:
@@ -141,19 +163,29 @@ class ParamStore:
     _complete: frozenset[int] | set[int] = frozenset() # ... whose device buffer holds all their weights
 
     def __init__(self, units: list[ParamUnit], dtype: torch.dtype, copier: Copier, pool: BufferPool,
-                 resident: bool):
+                 resident: bool, train: bool = True, master: bool = False, read: WeightReader = None,
+                 on_device_accumulate: bool = True):
+        """`train`: allocate gradients (an engine that only generates needs none). `master`: float32 master
+        weights and gradients beside the dtype copy. `read(p)` gives a parameter's initial values in any dtype
+        (a checkpoint's tensor, cast as it is copied); default its own data. `on_device_accumulate`: under a
+        master, sum the sub-batches' gradients on the device in float32 (the canonical schedule offloads
+        every micro-batch's instead)."""
         self.units = units
         self.copier = copier
         self.pool = pool
         self.resident = resident
+        self.master = master and train
+        self.accumulate32 = self.master and on_device_accumulate and not resident
+        read = read or _own_data
         device = copier.device
+
+        def alloc(numel: int, dt: torch.dtype) -> torch.Tensor:
+            return torch.empty(numel, dtype=dt, device=device) if resident else copier.host_empty(numel, dt)
+
         for unit in units:
             if not unit.params:
                 continue
-            if resident:
-                unit.host = torch.empty(unit.numel, dtype=dtype, device=device)
-            else:
-                unit.host = copier.host_empty(unit.numel, dtype)
+            unit.host = alloc(unit.numel, dtype)
             unit.offsets, unit.grad_offsets = [], []
             off = goff = 0
             for p in unit.params:
@@ -164,18 +196,32 @@ class ParamStore:
                     goff += p.numel()
                 else:
                     unit.grad_offsets.append(None)
-            for p, view in zip(unit.params, unit._views(unit.host, unit.offsets)):
-                view.copy_(p.data)
+            if self.master:
+                unit.master = alloc(unit.numel, torch.float32)
+            for p, view in zip(unit.params, unit._views(unit.stepped, unit.offsets)):
+                view.copy_(read(p))
+            if unit.master is not None:
+                unit.host.copy_(unit.master)
             unit.has_grads = goff > 0
-            if goff and not resident:
-                unit.host_grad = copier.host_empty(goff, dtype).zero_()
+            if goff and train and (self.master or not resident):
+                unit.host_grad = alloc(goff, torch.float32 if self.master else dtype).zero_()
             self._point(unit, unit.host, unit.host_grad)
+            if resident and unit.master is not None and unit.host_grad is not None:
+                # each sub-batch's dtype gradients, flushed into the float32 host_grad (on the device here)
+                unit.dev_grad = torch.zeros(goff, dtype=dtype, device=device)
+                for p, g in zip(unit.params, unit._views(unit.dev_grad, unit.grad_offsets)):
+                    p.grad = g
         if resident:
             for unit in units:
-                pool.memory.alloc(unit.nbytes)
+                extra = [unit.master, unit.dev_grad]
+                pool.memory.alloc(unit.nbytes + unit.grad_nbytes + sum(t.numel() * t.element_size()
+                                                                       for t in extra if t is not None))
 
     @staticmethod
     def _point(unit: ParamUnit, flat: torch.Tensor, grad_flat: torch.Tensor | None) -> None:
+        """Parameters onto `flat`, their .grad onto `grad_flat` (None where it is a float32 master's)."""
+        if grad_flat is not None and grad_flat.dtype != flat.dtype:
+            grad_flat = None
         grads = unit._views(grad_flat, unit.grad_offsets) if grad_flat is not None else [None] * len(unit.params)
         for p, view, g in zip(unit.params, unit._views(flat, unit.offsets), grads):
             p.grad = None
@@ -227,7 +273,7 @@ class ParamStore:
                 self._complete.add(id(unit))
             return
         self._home(unit)
-        for attr in ("dev", "dev_grad"):
+        for attr in ("dev", "dev_grad", "dev_grad32"):
             buf = getattr(unit, attr)
             if buf is not None:
                 self.pool.release(buf)
@@ -257,25 +303,69 @@ class ParamStore:
     def begin_grads(self, unit: ParamUnit) -> None:
         """Give the live parameters zeroed device gradient buffers to accumulate into."""
         if unit.host_grad is None or self.resident:
-            return  # resident: autograd's gradients, on the device
+            return  # resident: autograd's own gradients, on the device (flat in dtype under a master)
         self._device_grads(unit, unit.host_grad.numel())
 
     def _device_grads(self, unit: ParamUnit, numel: int) -> None:
         unit.dev_grad = self.pool.acquire(numel, unit.host.dtype).zero_()
+        if self.accumulate32:
+            unit.dev_grad32 = self.pool.acquire(numel, torch.float32).zero_()
         for p, g in zip(unit.params, unit._views(unit.dev_grad, unit.grad_offsets)):
             p.grad = g
+
+    def flush_grads(self, units: Sequence[ParamUnit]) -> None:
+        """After a sub-batch's backward under a master: add its dtype gradients into the float32 sum."""
+        if not self.master:
+            return
+        for unit in units:
+            acc = unit.host_grad if self.resident else unit.dev_grad32
+            if acc is None or unit.dev_grad is None:
+                continue
+            with region("compute", "grad_sum"):
+                acc.add_(unit.dev_grad)
+                unit.dev_grad.zero_()
 
     def offload_grads(self, unit: ParamUnit, accumulate: bool) -> None:
         """Copy (or, for later micro-batches, add) the unit's device gradients into its host gradients."""
         if self.resident or unit.dev_grad is None:
             return
-        self.copier.to_host(unit.dev_grad, unit.host_grad, "grad_offload_bytes", accumulate=accumulate)
+        src = unit.dev_grad32 if unit.dev_grad32 is not None else unit.dev_grad
+        self.copier.to_host(src, unit.host_grad, "grad_offload_bytes", accumulate=accumulate)
 
     def drop_resident_grads(self) -> None:
         if self.resident:
             for unit in self.units:
+                if self.master and unit.host_grad is not None:
+                    unit.host_grad.zero_()
+                    continue
                 for p in unit.params:
                     p.grad = None
+
+    # -- the optimizer's side ------------------------------------------------------------------------
+    def master_params(self) -> dict[int, nn.Parameter]:
+        """Under a master: a float32 Parameter per trainable model parameter (keyed by the model parameter's
+        id), viewing the master with its float32 gradient, for the optimizer to step."""
+        out: dict[int, nn.Parameter] = {}
+        for unit in self.units:
+            if unit.master is None or unit.host_grad is None:
+                continue
+            views = unit._views(unit.master, unit.offsets)
+            grads = unit._views(unit.host_grad, unit.grad_offsets)
+            for p, view, g in zip(unit.params, views, grads):
+                if g is not None:
+                    out[id(p)] = param = nn.Parameter(view)
+                    param.grad = g
+        return out
+
+    def grad_buffers(self) -> list[torch.Tensor]:
+        """The flat gradients the optimizer reads, once each: what clipping and loss scaling act on."""
+        return [u.host_grad for u in self.units if u.host_grad is not None and u.host_grad.numel()]
+
+    def refresh(self) -> None:
+        """After an optimizer step under a master: the dtype copy the device loads, from the stepped master."""
+        for unit in self.units:
+            if unit.master is not None and unit.has_grads:
+                unit.host.copy_(unit.master)
 
     def reset(self) -> None:
         """After a failed step: everything back on the host copy, no device buffers held."""

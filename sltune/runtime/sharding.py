@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.distributed.nn.functional  # noqa: F401
 from torch import nn
 
-from sltune.runtime.params import BufferPool, ParamStore, ParamUnit
+from sltune.runtime.params import BufferPool, ParamStore, ParamUnit, WeightReader
 from sltune.runtime.regions import region
 from sltune.runtime.transfer import Copier
 
@@ -36,13 +36,18 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 class ShardedParamStore(ParamStore):
     """The ParamStore interface over sharded units; the model's parameters hold no data between loads."""
 
-    def __init__(self, units: list[ParamUnit], dtype: torch.dtype, copier: Copier, pool: BufferPool):
+    def __init__(self, units: list[ParamUnit], dtype: torch.dtype, copier: Copier, pool: BufferPool,
+                 train: bool = True, master: bool = False, read: WeightReader = None,
+                 on_device_accumulate: bool = True):
         self.units = units
         self.copier = copier
         self.pool = pool
         self.resident = False
+        self.master = master and train
+        self.accumulate32 = self.master and on_device_accumulate
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.shard_params: list[nn.Parameter] = []
+        read = read or (lambda p: p.data)
         device = copier.device
         for unit in units:
             if not unit.params:
@@ -51,11 +56,11 @@ class ShardedParamStore(ParamStore):
             unit.record_shapes()
             numel, trainable = unit.numel, unit.grad_numel
             shard = -(-numel // self.world)                           # ceil
-            full = torch.zeros(shard * self.world, dtype=dtype, device=device)
+            full = torch.zeros(shard * self.world, dtype=torch.float32 if self.master else dtype, device=device)
             off = 0
             unit.offsets, unit.grad_offsets = [], []
             for p in unit.params:
-                full[off:off + p.numel()].copy_(p.data.reshape(-1).to(device))
+                full[off:off + p.numel()].copy_(read(p).reshape(-1))
                 unit.offsets.append(off)
                 unit.grad_offsets.append(off if p.requires_grad else None)
                 off += p.numel()
@@ -66,13 +71,16 @@ class ShardedParamStore(ParamStore):
             unit.trainable_here = max(0, min(shard, trainable - lo))
             unit.host = copier.host_empty(shard, dtype)
             unit.host.copy_(full[lo:lo + shard].cpu())
+            if self.master:
+                unit.master = full[lo:lo + shard].cpu().clone()
             del full
             unit.has_grads = trainable > 0
-            if unit.has_grads:
+            if unit.has_grads and train:
                 # a shard parameter on every rank, empty where the trainable prefix ends before this shard:
                 # every rank then builds the same optimizer, whatever its share
-                unit.host_grad = copier.host_empty(unit.trainable_here, dtype).zero_()
-                param = nn.Parameter(unit.host[:unit.trainable_here])
+                grad_dtype = torch.float32 if self.master else dtype
+                unit.host_grad = copier.host_empty(unit.trainable_here, grad_dtype).zero_()
+                param = nn.Parameter(unit.stepped[:unit.trainable_here])
                 param.grad = unit.host_grad
                 unit.shard_param = param
                 self.shard_params.append(param)
@@ -114,22 +122,24 @@ class ShardedParamStore(ParamStore):
         """Sum the unit's gradients over ranks into this rank's shard, then offload that shard."""
         if unit.dev_grad is None:
             return
-        mine = torch.empty(unit.shard, dtype=unit.dev_grad.dtype, device=unit.dev_grad.device)
-        self.copier.counters.reduce_scatter_bytes += unit.dev_grad.numel() * unit.dev_grad.element_size()
+        src = unit.dev_grad32 if unit.dev_grad32 is not None else unit.dev_grad
+        mine = torch.empty(unit.shard, dtype=src.dtype, device=src.device)
+        self.copier.counters.reduce_scatter_bytes += src.numel() * src.element_size()
         with region("reduce_scatter", unit.name):
-            _reduce_scatter(mine, unit.dev_grad)
+            _reduce_scatter(mine, src)
         if unit.trainable_here:
             self.copier.to_host(mine[:unit.trainable_here], unit.host_grad, "grad_offload_bytes",
                                 accumulate=accumulate)
 
     # -- results -----------------------------------------------------------------------------------
     def full_state(self) -> dict[int, torch.Tensor]:
-        """Every parameter, gathered from all shards onto the host of every rank (keyed by id)."""
+        """Every parameter (its float32 master under mixed precision), gathered from all shards onto the host
+        of every rank (keyed by id)."""
         out: dict[int, torch.Tensor] = {}
         for unit in self.units:
             if unit.host is None:
                 continue
-            mine = unit.host.to(self.copier.device)
+            mine = unit.stepped.to(self.copier.device)
             full = torch.empty(unit.padded, dtype=mine.dtype, device=mine.device)
             _all_gather(full, mine)
             full = full.cpu()

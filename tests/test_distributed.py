@@ -89,14 +89,26 @@ def test_collectives_do_not_grow_with_sub_batches_but_canonical_ones_do(sharded)
     assert s1["allgather_bytes"] == c1["allgather_bytes"]         # at N=1 the schedules coincide
 
 
-def test_torchrun_train_cli(tmp_path):
-    r = torchrun("-m", "sltune", "train", "--model", "llama-tiny", "--seq-len", "16", "--steps", "2",
-                 "--sub-batch-size", "1", "--num-sub-batches", "2", "--json")
+def test_torchrun_train_cli_resumes_exactly_on_two_ranks(tmp_path):
+    """Two gloo ranks train bf16 with float32 master shards, clipping on the global norm and a warmup; a run
+    resumed from its step-2 checkpoint (each rank its own optimizer shard) continues the straight run exactly."""
+    common = ["-m", "sltune", "train", "--model", "llama-tiny", "--seq-len", "16", "--steps", "4",
+              "--sub-batch-size", "1", "--num-sub-batches", "2", "--dtype", "bfloat16", "--max-grad-norm", "0.5",
+              "--warmup-steps", "1", "--lr-schedule", "linear", "--json"]
+    r = torchrun(*common, "--save-every", "2", "--save", str(tmp_path / "a"), "--log-jsonl", str(tmp_path / "a.jsonl"))
     assert r.returncode == 0, r.stderr[-3000:]
     lines = [line for line in r.stdout.splitlines() if line.startswith("{")]
     assert len(lines) == 1                                         # rank 0 reports
     summary = json.loads(lines[0])
     assert summary["world_size"] == 2 and summary["io_per_step"]["allgather_bytes"] > 0
+    state = tmp_path / "a" / "checkpoint-2" / "training_state"
+    assert sorted(p.name for p in state.glob("optimizer-*")) == ["optimizer-rank0-of-2.pt", "optimizer-rank1-of-2.pt"]
+    r = torchrun(*common, "--resume", str(tmp_path / "a" / "checkpoint-2"), "--log-jsonl", str(tmp_path / "b.jsonl"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    straight = [json.loads(line) for line in (tmp_path / "a.jsonl").read_text().splitlines()]
+    resumed = [json.loads(line) for line in (tmp_path / "b.jsonl").read_text().splitlines()]
+    assert [(s["step"], s["loss"], s["lr"], s["grad_norm"]) for s in straight[2:]] == \
+        [(s["step"], s["loss"], s["lr"], s["grad_norm"]) for s in resumed]
 
 
 def test_a_two_rank_trial_reports_collective_time_and_every_rank():

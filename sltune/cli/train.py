@@ -1,115 +1,183 @@
-"""`sltune train`: train a model with the SpeedLoader runtime, with a progress bar and tokens/s."""
+"""`sltune train`: train a model with the SpeedLoader runtime: a preset or a Hugging Face folder in, a Hugging
+Face folder out, with a schedule, clipping, evaluation, metrics, checkpoints and exact resume
+(sltune.training.loop); a progress bar and tokens/s."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import time
 from typing import Any
 
-import torch
 from tqdm import tqdm
 
 from sltune.cli.common import add_knobs, config_from_args
 from sltune.config import SpeedLoaderConfig
-from sltune.data import batches, load_tokens
 from sltune.runtime.memory import DeviceMemoryExceeded
 from sltune.sizes import format_bytes
+from sltune.training.optimizer import OptimizerConfig
+from sltune.training.schedule import SCHEDULES
 from sltune.yamlfile import read_yaml
 
-DEFAULT_MODEL, DEFAULT_SEQ_LEN = "llama-tiny", 128
+DEFAULT_MODEL, DEFAULT_SEQ_LEN, DEFAULT_HOLDOUT = "llama-tiny", 128, 0.05
+OPTIMIZER_FLAGS = {"name": "optimizer", "lr": "lr", "eps": "eps", "weight_decay": "weight_decay",
+                   "momentum": "momentum"}
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train with the SpeedLoader runtime",
-                       description="Train a preset or config.json model (random init) on synthetic or given tokens.")
+                       description="Train a preset, a config.json (random weights) or a Hugging Face model folder "
+                                   "(its weights) on synthetic tokens, token files or text; write a Hugging Face "
+                                   "folder with --save, resume exactly with --resume.")
     p.add_argument("--config", help="a best-config YAML (sltune tune --out / sltune export): its model, seq_len, "
-                                    "dtype and knobs are the defaults; flags override them")
-    p.add_argument("--model", help=f"preset name or path to a transformers config.json (default: the --config "
-                                   f"file's model, else {DEFAULT_MODEL})")
+                                    "dtype, knobs and optimizer are the defaults; flags override them")
+    p.add_argument("--model", help=f"preset name, a transformers config.json (random weights), or a Hugging Face "
+                                   f"model folder whose safetensors are loaded (default: the --config file's model, "
+                                   f"else {DEFAULT_MODEL})")
     p.add_argument("--seq-len", type=int, help=f"tokens per row (default: the --config file's workload.seq_len, "
                                                f"else {DEFAULT_SEQ_LEN})")
-    p.add_argument("--steps", type=int, default=20, help="optimizer steps")
-    p.add_argument("--data", help="token ids: .npy, .pt or uint16 .bin; synthetic when omitted")
-    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
-    p.add_argument("--seed", type=int, default=0, help="seeds the random weights and the batches")
-    p.add_argument("--save", help="write the trained state_dict here (torch.save)")
+    p.add_argument("--steps", type=int, default=20, help="optimizer steps in all: a --resume runs the rest")
+    p.add_argument("--data", help="token ids (.npy, .pt, uint16 .bin) or text (.txt, .jsonl with a 'text' field, "
+                                  ".parquet with a 'text' column; tokenized and cached beside it); synthetic when "
+                                  "omitted")
+    p.add_argument("--tokenizer", help="the Hugging Face tokenizer folder for text --data (default: --model's "
+                                       "folder)")
+    p.add_argument("--holdout", type=float, help=f"share of --data's rows held out for --eval-every (default: "
+                                                 f"{DEFAULT_HOLDOUT} with --eval-every, else 0)")
+    p.add_argument("--seed", type=int, default=0, help="seeds random weights and the data order")
+    opt = p.add_argument_group("optimizer (default: the --config file's optimizer section, else AdamW)")
+    opt.add_argument("--optimizer", choices=["adamw", "sgd"], help="adamw | sgd")
+    opt.add_argument("--lr", type=float, help=f"the peak learning rate (default {OptimizerConfig().lr:g})")
+    opt.add_argument("--weight-decay", type=float, help="decoupled weight decay (AdamW; default 0.01) or L2 (SGD; "
+                                                        "default 0)")
+    opt.add_argument("--eps", type=float, help="AdamW's eps (default 1e-8)")
+    opt.add_argument("--momentum", type=float, help="SGD's momentum (default 0)")
+    opt.add_argument("--warmup-steps", type=int, default=0, help="linear warmup from 0 to --lr")
+    opt.add_argument("--lr-schedule", choices=SCHEDULES, default="constant",
+                     help="after warmup: constant, linear or cosine decay to --min-lr (transformers' schedules)")
+    opt.add_argument("--min-lr", type=float, default=0.0, help="where linear and cosine decay end")
+    opt.add_argument("--max-grad-norm", type=float, help="clip the global gradient norm (over every rank) to this")
+    out = p.add_argument_group("evaluation, metrics and checkpoints")
+    out.add_argument("--eval-every", type=int, help="evaluate the mean loss on the held-out rows every K steps")
+    out.add_argument("--log", "--log-jsonl", dest="log",
+                     help="append a JSON line per step here: step, loss, lr, grad_norm, tokens_per_s, loss_scale, "
+                          "skipped (and eval_loss). Under torchrun write --log-jsonl: torchrun takes --log as the "
+                          "start of its own --log-dir")
+    out.add_argument("--save", help="write a Hugging Face folder here at the end (config.json, safetensors, the "
+                                    "tokenizer files), with the state --resume needs")
+    out.add_argument("--save-every", type=int, help="also write DIR/checkpoint-N every N steps")
+    out.add_argument("--keep", type=int, default=3, help="checkpoint-N folders to keep")
+    out.add_argument("--save-dtype", choices=["float32", "bfloat16", "float16"],
+                     help="the saved weights' dtype (default: the source checkpoint's, else the trained weights')")
+    out.add_argument("--max-shard-size", default="5GB", help="shard the safetensors above this size")
+    out.add_argument("--resume", help="continue the run whose --save folder this is, from its newest checkpoint")
+    p.add_argument("--world-size", type=int, help="the ranks to run on (default: the --config file's world_size); "
+                                                   "launch that many with torchrun --nproc-per-node")
     p.add_argument("--json", action="store_true", help="print a JSON summary instead of text")
     add_knobs(p)
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from sltune import SpeedLoaderEngine
-    from sltune.models import build
+    from sltune.training.loop import TrainJob, run as train
 
     tuned = read_yaml(args.config) if args.config else {}
     base = SpeedLoaderConfig.from_dict(tuned, source=args.config) if args.config else None
     cfg = config_from_args(args, base)
+    if args.world_size is not None:
+        if args.world_size < 1:
+            raise ValueError(f"--world-size must be >= 1, got {args.world_size}")
+        cfg = cfg.replace(world_size=args.world_size)
     model_source, model_name = _model(args, tuned)
-    seq_len = args.seq_len or _tuned_seq_len(tuned) or DEFAULT_SEQ_LEN
-    if args.steps < 1 or seq_len < 2:
-        raise ValueError("--steps must be >= 1 and --seq-len >= 2")
-    rank, world = _join_torchrun(cfg)
-    model = build(model_source, seed=args.seed)
-    model.train()
-    engine = SpeedLoaderEngine(model, cfg, optimizer=lambda ps: torch.optim.AdamW(ps, lr=args.lr))
-    tokens = load_tokens(args.data) if args.data else None
-    data = batches(cfg.effective_batch_size, seq_len, model.config.vocab_size, tokens, seed=args.seed + rank)
+    rank, world = _join_torchrun(cfg, args)
+    job = TrainJob(
+        model=model_source, config=cfg, optimizer=_optimizer(args, tuned),
+        seq_len=args.seq_len or _tuned_seq_len(tuned) or DEFAULT_SEQ_LEN, steps=args.steps, seed=args.seed,
+        data=args.data, tokenizer=args.tokenizer,
+        holdout=args.holdout if args.holdout is not None else (DEFAULT_HOLDOUT if args.eval_every else 0.0),
+        warmup_steps=args.warmup_steps, lr_schedule=args.lr_schedule, min_lr=args.min_lr,
+        max_grad_norm=args.max_grad_norm, eval_every=args.eval_every, log=args.log, save=args.save,
+        save_every=args.save_every, keep=args.keep, save_dtype=args.save_dtype, max_shard_size=args.max_shard_size,
+        resume=args.resume)
     quiet = args.json or rank != 0
-
-    results = []
-    start = time.perf_counter()
-    bar = tqdm(range(args.steps), desc=f"train {model_name} s={seq_len} ({cfg.schedule} b={cfg.sub_batch_size} "
+    bar = tqdm(total=job.steps, desc=f"train {model_name} s={job.seq_len} ({cfg.schedule} b={cfg.sub_batch_size} "
                f"N={cfg.num_sub_batches} k={cfg.num_live_blocks}" + (f" x{world} ranks" if world > 1 else "") + ")",
                unit="step", disable=quiet)
-    for _ in bar:
-        try:
-            res = engine.train_step(next(data))
-        except DeviceMemoryExceeded as err:
-            bar.close()
-            raise ValueError(f"{err} ({_limit_source(args)})") from None
-        results.append(res)
-        bar.set_postfix(loss=f"{res.loss:.4f}", tok_s=f"{res.tokens / res.seconds:,.0f}")
-    wall = time.perf_counter() - start
-    timed = results[1:] or results   # the first step warms up (and measures device memory)
-    summary = {
-        "model": model_name, "seq_len": seq_len, "config": cfg.to_dict(), "steps": len(results), "world_size": world,
-        "first_loss": results[0].loss, "final_loss": results[-1].loss,
-        "tokens_per_s": sum(r.tokens for r in timed) / sum(r.seconds for r in timed),
-        "wall_seconds": wall, "peak_device_bytes": results[0].peak_device_bytes,
-        "io_per_step": results[-1].io.as_dict(),
-    }
-    state = engine.state_dict() if args.save else None      # a collective when sharded: every rank calls it
-    if world > 1:
-        import torch.distributed as dist
 
-        dist.destroy_process_group()
+    def progress(line: dict[str, Any]) -> None:
+        if bar.n == 0 and line["step"] > 1:
+            bar.update(line["step"] - 1)             # resumed: the steps done before
+        bar.update(1)
+        bar.set_postfix(loss=f"{line['loss']:.4f}", tok_s=f"{line['tokens_per_s']:,.0f}",
+                        **({"eval": f"{line['eval_loss']:.4f}"} if "eval_loss" in line else {}))
+
+    try:
+        report = train(job, rank, world, progress)
+    except DeviceMemoryExceeded as err:
+        bar.close()
+        raise ValueError(f"{err} ({_limit_source(args)})") from None
+    finally:
+        bar.close()
+        if world > 1:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
     if rank != 0:
         return 0
-    if args.save:
-        torch.save(state, args.save)
+    steps = report.steps
+    timed = steps[1:] or steps       # the first step warms up (and measures device memory)
+    summary = {
+        "model": model_name, "seq_len": job.seq_len, "config": cfg.to_dict(), "optimizer": job.optimizer.to_dict(),
+        "steps": len(steps), "first_step": report.first_step, "world_size": world,
+        "first_loss": steps[0]["loss"], "final_loss": steps[-1]["loss"],
+        "tokens_per_s": sum(s["tokens_per_s"] * s["seconds"] for s in timed) / sum(s["seconds"] for s in timed),
+        "wall_seconds": report.wall_seconds, "peak_device_bytes": steps[0]["peak_device_bytes"],
+        "io_per_step": steps[-1]["io"].as_dict(), "evals": report.evals, "saved": report.saved,
+    }
     if args.json:
         print(json.dumps(summary))
-    else:
-        io = results[-1].io
-        ranks = f" on each of {world} ranks" if world > 1 else ""
-        print(f"trained {len(results)} steps in {wall:.1f}s: loss {summary['first_loss']:.4f} -> "
-              f"{summary['final_loss']:.4f}, {summary['tokens_per_s']:,.0f} tokens/s{ranks}")
-        print(f"per step: params loaded {format_bytes(io.param_load_bytes)}, grads offloaded "
-              f"{format_bytes(io.grad_offload_bytes)}, activations {format_bytes(io.act_offload_bytes)} out / "
-              f"{format_bytes(io.act_load_bytes)} in; device peak {format_bytes(summary['peak_device_bytes'])}")
+        return 0
+    io = steps[-1]["io"]
+    ranks = f" on each of {world} ranks" if world > 1 else ""
+    resumed = f" (steps {report.first_step}-{job.steps}, resumed)" if report.first_step > 1 else ""
+    print(f"trained {len(steps)} steps{resumed} in {report.wall_seconds:.1f}s: loss {summary['first_loss']:.4f} -> "
+          f"{summary['final_loss']:.4f}, {summary['tokens_per_s']:,.0f} tokens/s{ranks}")
+    if report.evals:
+        print(f"held-out loss {report.evals[0]['eval_loss']:.4f} (step {report.evals[0]['step']}) -> "
+              f"{report.evals[-1]['eval_loss']:.4f} (step {report.evals[-1]['step']})")
+    print(f"per step: params loaded {format_bytes(io.param_load_bytes)}, grads offloaded "
+          f"{format_bytes(io.grad_offload_bytes)}, activations {format_bytes(io.act_offload_bytes)} out / "
+          f"{format_bytes(io.act_load_bytes)} in; device peak {format_bytes(summary['peak_device_bytes'])}")
+    if report.saved:
+        print(f"saved a Hugging Face folder to {report.saved}: AutoModelForCausalLM.from_pretrained({report.saved!r})"
+              f"; continue with --resume {report.saved}")
     return 0
 
 
+def _optimizer(args: argparse.Namespace, tuned: dict[str, Any]) -> OptimizerConfig:
+    """The --config file's optimizer section with the flags given on top."""
+    section = dict(tuned.get("optimizer") or {})
+    section.update({field: getattr(args, flag) for field, flag in OPTIMIZER_FLAGS.items()
+                    if getattr(args, flag) is not None})
+    try:
+        return OptimizerConfig.from_dict(section, source="optimizer")
+    except ValueError as err:     # name the flag a user typed, not the section's field
+        message = str(err)
+        for field, flag in OPTIMIZER_FLAGS.items():
+            if getattr(args, flag) is not None:
+                message = message.replace(f"optimizer.{field}:", f"--{flag.replace('_', '-')}:")
+        raise ValueError(message) from None
+
+
 def _model(args: argparse.Namespace, tuned: dict[str, Any]) -> tuple[Any, str]:
-    """What to build and what to call it: --model, else the model the config was tuned on (a preset or an
-    inline config.json, as the job's spec gave it), else the default preset."""
+    """What to build and what to call it: --model, else the model the config was tuned on (a preset, a model
+    folder or an inline config.json, as the job's spec gave it), else the default preset."""
     if args.model:
         return args.model, args.model
     model = (tuned.get("provenance") or {}).get("model") or {}
     if model.get("preset"):
         return model["preset"], model["preset"]
+    if model.get("path"):
+        return model["path"], model["path"]
     if model.get("hf_config"):
         return model["hf_config"], f"{model['hf_config'].get('model_type', 'model')} (inline config in {args.config})"
     return DEFAULT_MODEL, DEFAULT_MODEL
@@ -126,14 +194,20 @@ def _limit_source(args: argparse.Namespace) -> str:
     return "the limit is --device-memory-limit"
 
 
-def _join_torchrun(cfg: SpeedLoaderConfig) -> tuple[int, int]:
+def _join_torchrun(cfg: SpeedLoaderConfig, args: argparse.Namespace) -> tuple[int, int]:
     """Under torchrun (WORLD_SIZE > 1 in the environment) join the process group: the engine then shards
     parameters over the ranks, each of which trains on its own rows."""
     import os
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    if cfg.world_size is not None and cfg.world_size != world:
+        where = f"{args.config} was tuned for" if args.config and args.world_size is None else "--world-size is"
+        raise ValueError(f"{where} world_size {cfg.world_size} but {world} rank{'s' if world > 1 else ''} "
+                         f"{'are' if world > 1 else 'is'} running; pass --world-size {world}, or launch "
+                         f"{cfg.world_size} with torchrun --nproc-per-node {cfg.world_size}")
     if world <= 1:
         return 0, 1
+    import torch
     import torch.distributed as dist
 
     backend = "nccl" if cfg.device.startswith("cuda") else "gloo"

@@ -60,6 +60,10 @@ class Checkpoint:
             raise ValueError(f"{self.path} holds pytorch_model.bin weights; sltune reads safetensors only: re-save "
                              "them with model.save_pretrained(folder) (safetensors is transformers' default)")
 
+    def use_weights(self, file: Path) -> None:
+        """Read the tensors from this safetensors file instead (a resumed job's exact float32 weights)."""
+        self.files = dict.fromkeys(_keys(file), file)
+
     @property
     def has_weights(self) -> bool:
         return bool(self.files)

@@ -183,7 +183,8 @@ class SpeedLoaderEngine:
             else:
                 self.params = ParamStore(self.units, self.dtype, self.copier, self.pool, resident=resident,
                                          **store)
-        model.to(dtype=self.dtype)    # the buffers: the parameters point at the store's dtype copies by now
+        # the parameters point at the store's dtype copies now; buffers keep their dtype, as transformers keeps
+        # them for a bfloat16 model (rotary frequencies stay float32)
         if self.device.type != "cpu":
             _move_buffers(model, self.device)
         self.acts = HostActivations(self.copier, self.memory) if config.schedule == "speedloader" \
@@ -228,7 +229,7 @@ class SpeedLoaderEngine:
         return cls(checkpoint.empty_model(), config, optimizer, weights=checkpoint, **kwargs)
 
     def save_pretrained(self, path: str | Path, dtype: str | torch.dtype | None = None,
-                        max_shard_size: int | str = "5GB") -> list[Path]:
+                        max_shard_size: int | str = "5GB", state: dict[str, torch.Tensor] | None = None) -> list[Path]:
         """Write the current weights as a Hugging Face folder AutoModelForCausalLM.from_pretrained loads:
         safetensors (sharded with an index above max_shard_size), config.json, and the tokenizer files of the
         folder the weights came from. dtype defaults to the source checkpoint's, else the weights' own (the
@@ -238,7 +239,7 @@ class SpeedLoaderEngine:
         if dtype is None:
             source = self.checkpoint.dtype if self.checkpoint is not None else None
             dtype = source or (torch.float32 if self.params.master else self.dtype)
-        state = self.state_dict()
+        state = dict(self.state_dict() if state is None else state)   # state: a state_dict() already gathered
         params = dict(self.model.named_parameters(remove_duplicate=False))
         seen: set[int] = set()
         for name in list(state):                       # a tied weight once, under its first name

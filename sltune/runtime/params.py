@@ -155,6 +155,12 @@ class BufferPool:
     def clear(self) -> None:
         self._free.clear()
 
+    @property
+    def held_bytes(self) -> int:
+        """Released buffers kept for reuse: device memory the pool holds beyond what is live (on the CPU, part
+        of the process's resident memory)."""
+        return sum(buf.numel() * buf.element_size() for free in self._free.values() for buf, _ in free)
+
 
 class ParamStore:
     """Moves units between host and device and keeps every Parameter pointing at the right copy."""

@@ -1,0 +1,182 @@
+"""The training loop `sltune train` runs: a model in, steps with a schedule, clipping, evaluation, metrics and
+checkpoints, a Hugging Face folder out; resumable exactly.
+
+Read top to bottom: where the weights come from, the data, the engine, the resume, the loop.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from sltune.config import SpeedLoaderConfig
+from sltune.training.optimizer import OptimizerConfig
+from sltune.training.schedule import LRSchedule, lr_scheduler
+from sltune.training import state as checkpoints
+
+
+@dataclass
+class TrainJob:
+    """Everything a training run is given (the CLI's flags, a best.yaml's sections)."""
+
+    model: Any                                  # preset name, config.json, dict, or a Hugging Face folder
+    config: SpeedLoaderConfig
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    seq_len: int = 128
+    steps: int = 20                             # the total: a resumed run runs the rest
+    seed: int = 0
+    data: str | None = None                     # token ids or text (.txt/.jsonl/.parquet); synthetic when None
+    tokenizer: str | None = None                # default: the model folder's own
+    holdout: float = 0.0                        # share of the data's rows kept for evaluation
+    warmup_steps: int = 0
+    lr_schedule: LRSchedule = "constant"
+    min_lr: float = 0.0
+    max_grad_norm: float | None = None
+    eval_every: int | None = None
+    log: str | None = None                      # a JSON line per step
+    save: str | None = None                     # the Hugging Face folder written at the end
+    save_every: int | None = None               # ...and checkpoint-{step} folders in it every N steps
+    keep: int = 3
+    save_dtype: str | None = None
+    max_shard_size: str | int = "5GB"
+    resume: str | None = None
+
+
+@dataclass
+class TrainReport:
+    steps: list[dict[str, Any]]                 # the metrics of each step this run took
+    evals: list[dict[str, Any]]
+    first_step: int                             # 1, or the step after the resumed checkpoint's
+    engine: Any
+    saved: str | None
+    wall_seconds: float
+
+
+def run(job: TrainJob, rank: int = 0, world: int = 1,
+        progress: Callable[[dict[str, Any]], None] | None = None) -> TrainReport:
+    from sltune import SpeedLoaderEngine
+    from sltune.data import TokenBatches, load_tokens
+    from sltune.models import build
+    from sltune.models.checkpoint import Checkpoint
+
+    _check(job)
+    start = time.perf_counter()
+
+    # where the weights come from: a resumed checkpoint, a Hugging Face folder, or a preset with random weights
+    resumed, trainer = (checkpoints.latest(job.resume) if job.resume else (None, None))
+    source = resumed or (Path(job.model) if _is_folder(job.model) else None)
+    checkpoint = Checkpoint(source) if source is not None else None
+    if resumed is not None and checkpoints.exact_weights(resumed) is not None:
+        checkpoint.use_weights(checkpoints.exact_weights(resumed))
+    engine_kwargs = dict(max_grad_norm=job.max_grad_norm, track_grad_norm=True)
+    if checkpoint is not None and checkpoint.has_weights:
+        model = checkpoint.empty_model()
+        engine = SpeedLoaderEngine(model, job.config, optimizer=job.optimizer.factory, weights=checkpoint,
+                                   **engine_kwargs)
+    else:
+        model = build(checkpoint.config if checkpoint is not None else job.model, seed=job.seed)
+        engine = SpeedLoaderEngine(model, job.config, optimizer=job.optimizer.factory, **engine_kwargs)
+    model.train()
+    vocab = model.config.vocab_size
+    save_dtype = _save_dtype(job, trainer, checkpoint, engine)
+
+    # the data: every rank the same stream and seed, each its own rows of a step
+    tokenizer = job.tokenizer or (str(source) if source is not None else None)
+    tokens = load_tokens(job.data, tokenizer) if job.data else None
+    data = TokenBatches(job.config.effective_batch_size, job.seq_len, vocab, tokens, seed=job.seed,
+                        holdout=job.holdout, rank=rank, world=world)
+    held_out = data.eval_batches(job.config.effective_batch_size, drop_last=True) if job.eval_every else []
+    if job.eval_every and not held_out:
+        raise ValueError(f"--eval-every needs held-out rows: --holdout {job.holdout} keeps {data.eval_rows}, fewer "
+                         f"than one batch of {job.config.effective_batch_size}; raise --holdout")
+
+    done = 0
+    if trainer is not None:
+        done = int(trainer["step"])
+        if done >= job.steps:
+            raise ValueError(f"--resume {job.resume}: the checkpoint is at step {done}, and --steps {job.steps} is "
+                             f"the total; pass a larger --steps to train on")
+        checkpoints.restore(resumed, trainer, engine)
+        data.load_state_dict(trainer["data"])
+    scheduler = lr_scheduler(engine.optimizer, job.lr_schedule, job.warmup_steps, job.steps, job.min_lr, done)
+
+    log = open(job.log, "a") if job.log and rank == 0 else None
+    steps: list[dict[str, Any]] = []
+    evals: list[dict[str, Any]] = []
+
+    def save(path: Path, step: int) -> None:
+        state = {"step": step, "data": data.state_dict()}
+        checkpoints.save_checkpoint(path, engine, state, save_dtype, job.max_shard_size)
+
+    try:
+        for step in range(done + 1, job.steps + 1):
+            lr = engine.optimizer.param_groups[0]["lr"]
+            res = engine.train_step(next(data))
+            scheduler.step()
+            line = {"step": step, "loss": res.loss, "lr": lr, "grad_norm": res.grad_norm,
+                    "tokens_per_s": res.tokens * world / res.seconds, "loss_scale": res.loss_scale,
+                    "skipped": res.skipped, "seconds": res.seconds}
+            if job.eval_every and (step % job.eval_every == 0 or step == job.steps):
+                line["eval_loss"] = sum(engine.evaluate(b) for b in held_out) / len(held_out)
+                evals.append({"step": step, "eval_loss": line["eval_loss"]})
+            steps.append({**line, "io": res.io, "peak_device_bytes": res.peak_device_bytes})
+            if log is not None:
+                log.write(json.dumps(line) + "\n")
+                log.flush()
+            if progress is not None:
+                progress(line)
+            if job.save and job.save_every and step % job.save_every == 0 and step < job.steps:
+                save(Path(job.save) / f"checkpoint-{step}", step)
+                if rank == 0:
+                    checkpoints.prune(job.save, job.keep)
+        if job.save:
+            save(Path(job.save), job.steps)
+    finally:
+        if log is not None:
+            log.close()
+    return TrainReport(steps=steps, evals=evals, first_step=done + 1, engine=engine, saved=job.save,
+                       wall_seconds=time.perf_counter() - start)
+
+
+def _is_folder(model: Any) -> bool:
+    return isinstance(model, (str, Path)) and Path(model).is_dir()
+
+
+def _save_dtype(job: TrainJob, trainer: dict[str, Any] | None, checkpoint, engine) -> torch.dtype:
+    """--save-dtype, else what the run started from saved (on resume), else the source checkpoint's dtype,
+    else the weights as stepped (float32 masters under mixed precision)."""
+    if job.save_dtype:
+        return getattr(torch, job.save_dtype)
+    if trainer is not None:
+        return getattr(torch, trainer["save_dtype"])
+    if checkpoint is not None and checkpoint.has_weights and checkpoint.dtype is not None:
+        return checkpoint.dtype
+    return torch.float32 if engine.params.master else engine.dtype
+
+
+def _check(job: TrainJob) -> None:
+    """The flags' own ranges, each named with its fix, before anything is built."""
+    if job.steps < 1:
+        raise ValueError(f"--steps must be >= 1 (the total, resumed steps included), got {job.steps}")
+    if job.seq_len < 2:
+        raise ValueError(f"--seq-len must be >= 2 (a next-token loss needs two tokens), got {job.seq_len}")
+    if job.seed < 0:
+        raise ValueError(f"--seed must be >= 0, got {job.seed}")
+    if job.max_grad_norm is not None and not job.max_grad_norm > 0:
+        raise ValueError(f"--max-grad-norm must be > 0 (omit it to not clip), got {job.max_grad_norm}")
+    for flag, value in (("--eval-every", job.eval_every), ("--save-every", job.save_every)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be >= 1 (omit it to never), got {value}")
+    if job.keep < 1:
+        raise ValueError(f"--keep must be >= 1, got {job.keep}")
+    if job.save_every and not job.save:
+        raise ValueError("--save-every writes checkpoint-N folders inside --save DIR; pass --save DIR too")
+    if job.save_dtype is not None and job.save_dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"--save-dtype {job.save_dtype!r}: use float32, bfloat16 or float16")
+    if job.eval_every and job.holdout == 0:
+        raise ValueError("--eval-every evaluates on held-out rows: pass --holdout (e.g. 0.05) to keep some")

@@ -1,0 +1,149 @@
+"""Hugging Face folders in and out: weights read straight into the engine from (sharded) safetensors, trained, and
+written back as a folder transformers loads with equal logits."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from sltune import SpeedLoaderConfig, SpeedLoaderEngine
+from sltune.models import build
+from sltune.training import OptimizerConfig
+
+
+def save_gqa_checkpoint(path, dtype=torch.bfloat16, shard="200KB"):
+    """llama-tiny (4 query heads over 2 key/value heads: GQA), saved as transformers saves it."""
+    model = build("llama-tiny", seed=3).to(dtype)
+    model.save_pretrained(path, max_shard_size=shard)
+    return model
+
+
+def batch(rows=4, seq=16):
+    return torch.randint(3, 512, (rows, seq), generator=torch.Generator().manual_seed(7))
+
+
+def test_train_from_a_sharded_bfloat16_checkpoint_and_save_a_folder_transformers_loads(tmp_path):
+    source = tmp_path / "src"
+    save_gqa_checkpoint(source)
+    assert (source / "model.safetensors.index.json").is_file()             # sharded, with an index
+    config = json.loads((source / "config.json").read_text())
+    assert {"transformers_version", "architectures"} <= set(config)         # accepted as transformers wrote it
+    hf = AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16)
+    x = batch()
+    with torch.no_grad():
+        expected = hf(input_ids=x, labels=x).loss.item()
+
+    engine = SpeedLoaderEngine.from_pretrained(source, SpeedLoaderConfig(dtype="bfloat16", sub_batch_size=4),
+                                               optimizer=OptimizerConfig(lr=1e-3).factory)
+    for name, value in hf.state_dict().items():       # the weights arrived, bit for bit
+        assert torch.equal(engine.state_dict()[name].to(torch.bfloat16), value), name
+    first = engine.train_step(x)
+    assert first.loss == pytest.approx(expected, rel=1e-6)
+    engine.train_step(x)
+
+    out = tmp_path / "out"
+    files = engine.save_pretrained(out, max_shard_size="300KB")
+    assert len(files) > 1 and (out / "model.safetensors.index.json").is_file()
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["dtype"] == "bfloat16"                                     # the source checkpoint's dtype
+    trained = AutoModelForCausalLM.from_pretrained(out)
+    assert trained.dtype == torch.bfloat16
+    with torch.no_grad():
+        ours = engine.model(input_ids=x).logits
+        theirs = trained(input_ids=x).logits
+    assert torch.equal(ours, theirs)
+    assert not torch.equal(theirs, hf(input_ids=x).logits)                 # and they did train
+
+
+def test_tied_weights_are_saved_once_and_float32_saves_the_masters(tmp_path):
+    model = build("llama-tiny-tied", seed=0)
+    engine = SpeedLoaderEngine(model, SpeedLoaderConfig(dtype="bfloat16", sub_batch_size=2, num_sub_batches=2),
+                               optimizer=OptimizerConfig().factory)
+    engine.train_step(batch())
+    engine.save_pretrained(tmp_path / "out")                # no source checkpoint: the float32 masters
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert loaded.dtype == torch.float32
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    masters = engine.state_dict()
+    for name, value in loaded.state_dict().items():
+        assert torch.equal(value, masters[name]), name
+
+
+def test_the_tokenizer_files_travel_with_the_weights(tmp_path):
+    source = tmp_path / "src"
+    save_gqa_checkpoint(source, shard="10MB")
+    (source / "tokenizer.json").write_text("{}")
+    (source / "tokenizer_config.json").write_text("{}")
+    engine = SpeedLoaderEngine.from_pretrained(source, SpeedLoaderConfig(dtype="bfloat16"), optimizer=None)
+    engine.save_pretrained(tmp_path / "out", dtype="float32")
+    assert (tmp_path / "out" / "tokenizer.json").read_text() == "{}"
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+    assert not (tmp_path / "out" / "model.safetensors.index.json").exists()
+
+
+def test_bad_folders_name_the_fix(tmp_path):
+    with pytest.raises(ValueError, match="not a folder"):
+        SpeedLoaderEngine.from_pretrained(tmp_path / "nope", SpeedLoaderConfig())
+    source = tmp_path / "src"
+    save_gqa_checkpoint(source, shard="10MB")
+    other = tmp_path / "other"
+    build({"model_type": "llama", "vocab_size": 512, "hidden_size": 32, "intermediate_size": 64,
+           "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2}).save_pretrained(other)
+    (source / "model.safetensors").replace(tmp_path / "keep.safetensors")
+    (other / "model.safetensors").replace(source / "model.safetensors")
+    with pytest.raises(ValueError, match="has shape .* different models"):
+        SpeedLoaderEngine.from_pretrained(source, SpeedLoaderConfig())
+    (source / "model.safetensors").unlink()
+    torch.save({}, source / "pytorch_model.bin")
+    with pytest.raises(ValueError, match="safetensors only"):
+        SpeedLoaderEngine.from_pretrained(source, SpeedLoaderConfig())
+
+
+def test_a_folder_with_only_a_config_gets_seeded_random_weights(tmp_path):
+    build("llama-tiny").config.save_pretrained(tmp_path)
+    a = SpeedLoaderEngine.from_pretrained(tmp_path, SpeedLoaderConfig(), seed=1).state_dict()
+    b = build("llama-tiny", seed=1).state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in b)
+
+
+# Measured in a fresh process: the peak resident memory of loading a checkpoint and taking the first step, over
+# the process's own before it (its imports included), against the documented sum (sltune.tuning.shape
+# host_terms: the dtype copy, the float32 master, gradients, AdamW's moments). On the CPU the "device" is the
+# same memory: the buffers the engine's device pool holds are subtracted (on a GPU they are HBM).
+_PEAK = textwrap.dedent("""
+    import json, sys
+    import torch
+    from sltune import SpeedLoaderConfig, SpeedLoaderEngine
+    from sltune.models.checkpoint import Checkpoint
+    from sltune.profiling.child import forget_fork_server_heap, resident_bytes
+    from sltune.training import OptimizerConfig
+    Checkpoint(sys.argv[1]).empty_model()            # the imports a load needs: the process's baseline
+    forget_fork_server_heap()
+    before = resident_bytes()
+    engine = SpeedLoaderEngine.from_pretrained(sys.argv[1], SpeedLoaderConfig(dtype="bfloat16"),
+                                               optimizer=OptimizerConfig().factory)
+    loaded = resident_bytes(peak=True) - before
+    engine.train_step(torch.randint(3, 100, (1, 8)))
+    print(json.dumps({"loaded": loaded, "grown": resident_bytes(peak=True) - before,
+                      "device_pool": engine.pool.held_bytes}))
+""")
+
+
+def test_loading_a_checkpoint_to_train_holds_the_documented_bytes(tmp_path):
+    from sltune.tuning.shape import shape_of
+
+    build("llama-small", seed=0).to(torch.bfloat16).save_pretrained(tmp_path, max_shard_size="20MB")
+    out = subprocess.run([sys.executable, "-c", _PEAK, str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    measured = json.loads(out.stdout)
+    terms = dict(shape_of("llama-small", "bfloat16").host_terms("train", True, OptimizerConfig()))
+    formula = sum(terms.values())
+    host = measured["grown"] - measured["device_pool"]
+    assert abs(host - formula) <= 0.10 * formula, (measured, terms)
+    # loading alone holds the weights, the master and the gradients; AdamW's moments come with the first step
+    at_load = formula - terms["AdamW's two moments in float32"]
+    assert abs(measured["loaded"] - at_load) <= 0.10 * at_load, (measured, terms)

@@ -290,8 +290,13 @@ def _job_summary(job, detail: dict[str, Any], spec: dict[str, Any], progress: di
     hw = spec.get("hardware") or {}
     search = spec.get("search") or {}
     items = [
-        ("model", e(str(model.get("preset") or (model.get("hf_config") or {}).get("model_type", "?")))
-         + f" ({e(str(model.get('dtype', '')))})"),
+        ("model", e(str(model.get("preset") or (f"{Path(str(model['path'])).name} (model folder)" if model.get("path")
+                        else (model.get("hf_config") or {}).get("model_type", "?"))))
+         + f" ({e(str(model.get('dtype', '')))}"
+         + (", mixed precision" if model.get("mixed_precision", True) and model.get("dtype", "float32") != "float32"
+            else "") + ")"),
+        ("optimizer", e(", ".join(f"{k}={v}" for k, v in (spec.get("optimizer") or {"name": "adamw"}).items()
+                                  if v is not None))),
         ("workload", e(", ".join(f"{k}={v}" for k, v in wl.items()))),
         ("hardware", e(f"{hw.get('device', '?')}, device limit {_bytes(hw.get('device_memory_limit'))}, host limit "
                        f"{_bytes(hw.get('host_memory_limit'))}, world size {hw.get('world_size', 1)}")),

@@ -18,6 +18,10 @@ class Settings(BaseSettings):
     data_dir: Path = Field(Path("sltune-data"), description="SQLite file, traces and other artifacts")
     db: str | None = Field(None, description="SQLAlchemy URL; default: a SQLite file in data_dir")
     api_token: str | None = Field(None, description="bearer token every write to the API needs")
+    models_dir: Path | None = Field(None, description="the folder under which POST /tune may name Hugging Face "
+                                    "model folders (model.path, relative to it or absolute inside it); unset: a "
+                                    "spec naming model.path is refused, since the server reads no path a request "
+                                    "names outside it")
     host: str = "127.0.0.1"
     port: int = 8000
     access_log: bool = Field(False, description="log every request (uvicorn's access log); off, it costs "
@@ -64,6 +68,12 @@ class Settings(BaseSettings):
         server bind beyond loopback as if writes were protected. A trailing newline (a token read
         from a file) is not part of it."""
         return (value or "").strip() or None
+
+    @field_validator("models_dir", mode="before")
+    @classmethod
+    def _models_dir(cls, value: Any) -> Any:
+        """An empty SLTUNE_MODELS_DIR is unset, not the current directory."""
+        return None if value is None or (isinstance(value, str) and not value.strip()) else value
 
     @field_validator("max_device_memory", mode="before")
     @classmethod

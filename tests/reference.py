@@ -73,7 +73,9 @@ def mixed_training(model, batches, rows, dtype, make_optimizer=adamw, max_grad_n
         total = {n: torch.zeros_like(p) for n, p in master.named_parameters()}
         loss = 0.0
         for start in range(0, ids.shape[0], rows):
-            low = copy.deepcopy(master).to(dtype)
+            low = copy.deepcopy(master)
+            for p in low.parameters():       # buffers keep their dtype, as in transformers' bf16 models
+                p.data = p.data.to(dtype)
             micro = ids[start:start + rows]
             out = low(input_ids=micro, labels=micro, num_items_in_batch=num_items)
             (out.loss * loss_scale).backward()

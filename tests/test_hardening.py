@@ -155,3 +155,35 @@ def test_api_docs_are_served_without_a_cdn(api):
             src = next(part.split('"')[0] for part in html.split('src="')[1:] if asset in part.split('"')[0])
             js = c.get(src)
             assert js.status_code == 200 and len(js.content) > 100_000, (src, js.status_code)
+
+
+def test_model_path_is_read_only_inside_the_servers_models_dir(tmp_path):
+    """POST /tune's check (sltune.service.validation.check, what the pool runs) before anything reads the path:
+    no models_dir, no path at all; outside it, with '..' or a symlink leading out, refused naming models_dir;
+    inside it (relative to it, or absolute) the job runs the folder's absolute path."""
+    from sltune.models import build
+    from sltune.service.validation import check
+    from sltune.settings import Settings
+
+    models, outside = tmp_path / "models", tmp_path / "elsewhere"
+    build("llama-tiny").config.save_pretrained(models / "tiny")
+    build("llama-tiny").config.save_pretrained(outside)
+    (models / "link").symlink_to(outside)
+    spec = {k: v for k, v in tiny_spec().items() if k != "model"}
+
+    def verdict(path: str, models_dir=models):
+        return check({**spec, "model": {"path": path}}, Settings(models_dir=models_dir))
+
+    assert verdict("tiny", models_dir=None).errors == [("model.path", (
+        "this server has no models_dir, so it reads no model folder a request names; give model.preset or "
+        "model.hf_config, or ask its operator to set SLTUNE_MODELS_DIR (sltune serve --models-dir)"))]
+    for path in (str(outside), "../elsewhere", "tiny/../../elsewhere", "link", "/etc"):
+        errors = verdict(path).errors
+        assert errors and errors[0][0] == "model.path" and "outside this server's models_dir" in errors[0][1], path
+        assert str(tmp_path) not in errors[0][1]          # the server's own paths stay its own
+    for path in ("tiny", str(models / "tiny"), "./tiny/../tiny"):
+        job = verdict(path).job
+        assert job is not None and job["spec"]["model"]["path"] == str((models / "tiny").resolve()), path
+    assert verdict("nothing-here").errors == [("model.path", "no such folder; give a Hugging Face model folder "
+                                               "(config.json, and model.safetensors or its shards for the weights)")]
+    assert Settings(models_dir="").models_dir is None

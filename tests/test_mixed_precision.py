@@ -57,12 +57,15 @@ def test_mixed_bfloat16_equals_the_plain_master_recipe(knobs):
 def test_tied_weights_sum_their_two_uses_in_float32():
     """The plain recipe adds a tied weight's head and embedding gradients in bfloat16 before the float32 sum;
     the engine sums each use in float32: equal up to bfloat16's rounding of that one addition."""
-    init, engine, results, ref, ref_losses, _ = run_mixed("llama-tiny-tied", num_live_blocks=2)
-    assert [r.loss for r in results] == pytest.approx(ref_losses, rel=1e-5)
+    init, engine, results, ref, ref_losses, _ = run_mixed("llama-tiny-tied", num_live_blocks=2, data=batches(1))
+    assert [r.loss for r in results] == pytest.approx(ref_losses, rel=1e-6)
     ours, theirs = engine.state_dict(), ref.state_dict()
+    tied = "model.embed_tokens.weight"
     for name, value in theirs.items():
-        moved = (value - init[name]).norm()
-        assert (ours[name] - value).norm() <= 2e-3 * moved, name
+        if name not in (tied, "lm_head.weight"):   # one step: only the tied weight's gradient saw the other rounding
+            assert torch.equal(ours[name], value), name
+    moved = (theirs[tied] - init[tied]).norm()
+    assert 0 < (ours[tied] - theirs[tied]).norm() <= 1e-2 * moved
 
 
 def test_a_bfloat16_step_at_a_fine_tuning_rate_moves_every_weight():

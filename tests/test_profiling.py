@@ -27,7 +27,8 @@ def test_cli_json_is_a_trial_result_whose_fractions_sum_to_one(tmp_path):
     trace = tmp_path / "trace.json"
     out = subprocess.run([sys.executable, "-m", "sltune", "profile", "--model", "llama-tiny", "--sub-batch-size",
                           "2", "--num-sub-batches", "3", "--num-live-blocks", "2", "--seq-len", "32", "--trace",
-                          str(trace), "--json"], capture_output=True, text=True, timeout=300)
+                          str(trace), "--optimizer", "sgd", "--momentum", "0.9", "--lr", "0.01", "--json"],
+                         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
     result = TrialResult.model_validate(data)
@@ -62,6 +63,57 @@ def test_a_generate_trial_keeps_the_share_of_the_weights_it_is_given():
     assert runs[0.0].io.param_load_bytes == 4 * runs[1.0].io.param_load_bytes
     assert runs[1.0].peak_device_bytes > runs[1.0].io.param_load_bytes > runs[0.0].peak_device_bytes
     assert describe(runs[1.0]).splitlines()[0].endswith(" kv_cache=host weights_on_device=1")
+
+
+def test_a_trial_builds_the_engine_the_training_job_will_run(tmp_path, monkeypatch):
+    """The trial body (in this process, its engine replaced by a recorder): the spec's optimizer and
+    mixed_precision reach the engine; a model folder is loaded with from_pretrained (a generation trial with no
+    optimizer), a config.json file is built like a preset."""
+    import torch
+
+    import sltune.runtime.engine as engine_module
+    from sltune.models import build
+    from sltune.profiling import child
+    from sltune.profiling.schema import TrialSpec
+
+    calls = []
+
+    class Built(Exception):
+        pass
+
+    class Recorder:
+        def __init__(self, model, config, optimizer=None):
+            calls.append(("engine", model, config, optimizer))
+            raise Built
+
+        @classmethod
+        def from_pretrained(cls, path, config, optimizer=None, seed=0):
+            calls.append(("from_pretrained", path, config, optimizer))
+            raise Built
+
+    monkeypatch.setattr(engine_module, "SpeedLoaderEngine", Recorder)
+    monkeypatch.setattr(child, "forget_fork_server_heap", lambda: None)
+
+    def run(**spec):
+        with pytest.raises(Built):
+            child.run(TrialSpec(**{"seq_len": 8, **spec}))
+        return calls.pop()
+
+    kind, model, cfg, factory = run(dtype="bfloat16", optimizer={"name": "sgd", "lr": 0.5, "momentum": 0.9})
+    opt = factory([torch.nn.Parameter(torch.zeros(2))])
+    assert isinstance(opt, torch.optim.SGD) and opt.defaults["lr"] == 0.5 and opt.defaults["momentum"] == 0.9
+    assert cfg.dtype == "bfloat16" and cfg.has_master and next(model.parameters()).dtype == torch.float32
+    kind, model, cfg, factory = run(dtype="bfloat16", mixed_precision=False)
+    assert not cfg.mixed_precision and next(model.parameters()).dtype == torch.bfloat16
+    assert isinstance(factory([torch.nn.Parameter(torch.zeros(2))]), torch.optim.AdamW)
+
+    folder = tmp_path / "ckpt"
+    build("llama-tiny").save_pretrained(folder)
+    assert run(model=str(folder))[:2] == ("from_pretrained", str(folder))
+    kind, path, cfg, factory = run(model=str(folder), mode="generate", dtype="bfloat16")
+    assert (kind, factory, cfg.dtype) == ("from_pretrained", None, "bfloat16")
+    kind, model, cfg, factory = run(model=str(folder / "config.json"))
+    assert kind == "engine" and model.config.num_key_value_heads == 2
 
 
 def test_device_limit_below_the_measured_peak_is_oom_with_the_peak():

@@ -1,5 +1,7 @@
 """Bad input fails early with a message that says what to change."""
 
+import warnings
+
 import pytest
 import torch
 from transformers import BertConfig, BertLMHeadModel
@@ -77,7 +79,12 @@ def test_half_precision_trains_on_cpu(dtype):
 
 
 def test_an_optimizer_eps_that_vanishes_in_float16_is_flagged():
+    """Only where the optimizer steps float16 itself: a float32 master keeps eps=1e-8 as it is."""
     with pytest.warns(UserWarning, match="eps=1e-08 is 0 in float16"):
+        SpeedLoaderEngine(build("llama-tiny"), SpeedLoaderConfig(dtype="float16", mixed_precision=False),
+                          optimizer=lambda ps: torch.optim.AdamW(ps))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         SpeedLoaderEngine(build("llama-tiny"), SpeedLoaderConfig(dtype="float16"),
                           optimizer=lambda ps: torch.optim.AdamW(ps))
 

@@ -1,5 +1,6 @@
 """A bad spec fails before any trial, naming the field and the fix."""
 
+import re
 import subprocess
 import sys
 
@@ -165,6 +166,28 @@ def test_a_limit_below_what_the_smallest_config_needs_says_that_minimum():
     need_host = shape.min_host_bytes("train")
     with pytest.raises(ValueError, match=rf"host_memory_limit .*\({need_host} bytes\).*AdamW"):
         parse(hardware={"host_memory_limit": need_host - 1})
+    # what training holds per parameter: the weights in dtype; under a float32 master (mixed bfloat16) the
+    # master, float32 gradients and the optimizer's state in float32, else gradients and state in dtype
+    n = shape.param_bytes // 4
+    for model, optimizer, per_param, terms in (
+            ({"dtype": "bfloat16"}, {}, 2 + 4 + 4 + 8, "the weights in bfloat16 (489.1 KiB), a float32 master copy "
+             "(978.2 KiB), float32 gradients (978.2 KiB) and AdamW's two moments in float32 (1.9 MiB)"),
+            ({"dtype": "bfloat16", "mixed_precision": False}, {}, 2 + 2 + 4, "the weights in bfloat16 (489.1 KiB), "
+             "bfloat16 gradients (489.1 KiB) and AdamW's two moments in bfloat16 (978.2 KiB)"),
+            ({"dtype": "float16"}, {"name": "sgd", "momentum": 0.9}, 2 + 4 + 4 + 4, "SGD's momentum buffer in "
+             "float32 (978.2 KiB)"),
+            ({}, {"name": "sgd"}, 4 + 4, "the weights in float32 (978.2 KiB) and float32 gradients (978.2 KiB);")):
+        model = {"preset": "llama-tiny", **model}
+        need = n * per_param
+        assert shape_of("llama-tiny", model.get("dtype", "float32")).min_host_bytes(
+            "train", model.get("mixed_precision", True), parse(optimizer=optimizer).optimizer) == need
+        with pytest.raises(ValueError, match=rf"\({need} bytes\) any config needs in host memory: .*" + re.escape(terms)):
+            parse(model=model, optimizer=optimizer, hardware={"host_memory_limit": need - 1})
+        parse(model=model, optimizer=optimizer, hardware={"host_memory_limit": need})
+    with pytest.raises(ValueError, match=rf"\({2 * n} bytes\) any config needs in host memory: the weights in "
+                                         r"bfloat16 \(489.1 KiB\); raise"):     # generation: the weights only
+        parse(model={"preset": "llama-tiny", "dtype": "bfloat16"}, workload={"mode": "generate"},
+              hardware={"host_memory_limit": 2 * n - 1})
 
 
 def test_cli_refuses_a_bad_spec_before_any_trial(tmp_path):
@@ -192,3 +215,78 @@ def test_space_expands_ranges_and_derives_n_from_a_fixed_effective_batch():
 
 def test_digest_identifies_a_spec():
     assert parse().digest() == parse().digest() != parse(name="other").digest()
+
+
+def test_a_checkpoint_folder_is_a_model_source_and_its_saved_config_json_is_accepted_as_is(tmp_path):
+    """model: {path: DIR} beside preset and hf_config; the config.json transformers writes (its version, dtype,
+    architectures; older ones' _name_or_path and torch_dtype) is metadata, accepted and dropped, in load_config,
+    a spec's path and a spec's inline hf_config alike; keys that can load code stay refused."""
+    import json
+
+    from sltune.models import build, load_config
+    from sltune.models.presets import hf_config_schema
+
+    folder = tmp_path / "ckpt"
+    build("llama-tiny").config.save_pretrained(folder)
+    saved = json.loads((folder / "config.json").read_text())
+    assert {"transformers_version", "dtype"} <= set(saved)
+    saved.update(_name_or_path="meta-llama/x", torch_dtype="bfloat16", architectures=["LlamaForCausalLM"])
+    (folder / "config.json").write_text(json.dumps(saved))
+    assert load_config(folder).num_key_value_heads == 2
+    spec = parse(model={"path": str(folder / ".." / "ckpt"), "dtype": "bfloat16"})
+    assert spec.model.source == str(folder.resolve()) and spec.model.describe() == "ckpt (model folder)"
+    assert shape_of(spec.model.source) == shape_of("llama-tiny")         # the shape is the folder's config.json
+    assert parse(model={"hf_config": saved}).model.hf_config == saved
+    for bad, message in (({"auto_map": {"x": "y"}}, "'auto_map' is not accepted"),
+                         ({"_commit_hash": "abc"}, "'_commit_hash' is not accepted"),
+                         ({"name_or_path": "x"}, "'name_or_path' is not accepted")):
+        with pytest.raises(ValueError, match=message):
+            parse(model={"hf_config": {**saved, **bad}})
+    (folder / "config.json").write_text(json.dumps({**saved, "trust_remote_code": True}))
+    with pytest.raises(ValueError, match="model.path: its config.json: 'trust_remote_code' is not accepted"):
+        parse(model={"path": str(folder)})
+    with pytest.raises(ValueError, match="model.path: no such folder; give a Hugging Face model folder"):
+        parse(model={"path": str(tmp_path / "nowhere")})
+    with pytest.raises(ValueError, match="model.path: the folder has no config.json"):
+        parse(model={"path": str(tmp_path)})
+    with pytest.raises(ValueError, match="exactly one of model.preset .*, model.hf_config .* or model.path"):
+        parse(model={"preset": "llama-tiny", "hf_config": saved})
+    refused = hf_config_schema()["propertyNames"]["not"]["anyOf"]     # the OpenAPI document says the same
+    assert "transformers_version" not in refused[0]["enum"] and "auto_map" in refused[0]["enum"]
+    assert refused[1] == {"allOf": [{"pattern": "^_"}, {"not": {"enum": ["_name_or_path"]}}]}
+
+
+def test_the_optimizer_and_mixed_precision_reach_the_trials_and_best_yaml():
+    import yaml
+
+    from sltune.config import SpeedLoaderConfig
+    from sltune.training.optimizer import OptimizerConfig
+    from sltune.tuning.result import export_yaml
+    from sltune.tuning.runner import trial_spec
+
+    default = parse()
+    assert default.optimizer == OptimizerConfig() and default.model.mixed_precision is True
+    spec = parse(model={"preset": "llama-tiny", "dtype": "bfloat16", "mixed_precision": False},
+                 optimizer={"name": "sgd", "lr": 0.05, "momentum": 0.9})
+    assert spec.digest() != parse(model={"preset": "llama-tiny", "dtype": "bfloat16"},
+                                  optimizer={"name": "sgd", "lr": 0.05, "momentum": 0.9}).digest()
+    trial = trial_spec(spec, Candidate(2, 1, 1), None)
+    assert trial.mixed_precision is False and trial.dtype == "bfloat16"
+    assert trial.optimizer == OptimizerConfig(name="sgd", lr=0.05, momentum=0.9)
+    best = {"config": {**Candidate(2, 1, 1).knobs(), "schedule": "speedloader"}, "trial_number": 0}
+    text = export_yaml(spec, {"job_id": "j", "strategy": "oneshot", "best": best, "trials": [], "predicted": {},
+                              "margins": {}, "binding_limit": None, "models": {}, "search_space": {}})
+    data = yaml.safe_load(text)
+    cfg = SpeedLoaderConfig.from_dict(data)             # what `sltune train --config` reads
+    assert cfg.mixed_precision is False and cfg.dtype == "bfloat16" and not cfg.has_master
+    assert OptimizerConfig.from_dict(data["optimizer"]) == spec.optimizer
+    assert data["provenance"]["model"] == {"preset": "llama-tiny", "dtype": "bfloat16", "mixed_precision": False}
+    for bad, message in (({"name": "adam"}, "optimizer.name"), ({"lr": 0}, "optimizer.lr"),
+                         ({"lr": True}, "optimizer: lr is true or false; give a number"),
+                         ({"betas": [0.9, 1.5]}, "optimizer.betas: each beta must be in"),
+                         ({"lr_schedule": "cosine"}, "optimizer.lr_schedule: unknown field")):
+        with pytest.raises(ValueError, match=message):
+            parse(optimizer=bad)
+    schema = TuningSpec.model_json_schema()        # POST /tune's body in /openapi.json
+    assert schema["properties"]["optimizer"]["$ref"].endswith("OptimizerConfig")
+    assert {"path", "mixed_precision"} <= set(schema["$defs"]["ModelSpec"]["properties"])

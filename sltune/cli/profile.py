@@ -3,17 +3,24 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+
+from pydantic import ValidationError
 
 from sltune.profiling import run_trial
 from sltune.profiling.schema import TrialSpec
 from sltune.sizes import format_bytes
+from sltune.training.optimizer import OptimizerConfig
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("profile", help="run one isolated, profiled trial",
                        description="Run one config in its own process: throughput, measured peaks and a time "
                                    "breakdown. Exit code 0 when the trial is ok, 3 when it is oom/failed/timeout.")
-    p.add_argument("--model", default="llama-tiny", help="preset name or path to a transformers config.json")
+    p.add_argument("--model", default="llama-tiny",
+                   help="preset name, a Hugging Face model folder (its weights are loaded: model.safetensors or the "
+                        "shards its index lists; a folder with only config.json gets random weights) or a "
+                        "transformers config.json")
     p.add_argument("--sub-batch-size", type=int, default=1, help="rows per sub-batch (b)")
     p.add_argument("--num-sub-batches", type=int, default=1, help="sub-batches per step (N)")
     p.add_argument("--num-live-blocks", type=int, default=1, help="layers live on the device at once (k)")
@@ -38,6 +45,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--world-size", type=int, default=1, help="ranks the trial launches (gloo on the CPU)")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
+    p.add_argument("--no-mixed-precision", dest="mixed_precision", action="store_const", const=False,
+                   help="with --dtype bfloat16/float16, keep one copy of the weights and the optimizer state in that "
+                        "dtype instead of float32 masters (default: mixed precision)")
+    p.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd"),
+                   help="what the host parameters are stepped with, as the training job will (default: adamw)")
+    p.add_argument("--lr", type=float, help="learning rate (default: OptimizerConfig's, 1e-3)")
+    p.add_argument("--weight-decay", type=float, help="weight decay (default: torch's, 0.01 for AdamW, 0 for SGD)")
+    p.add_argument("--momentum", type=float, help="SGD's momentum (default: 0, which keeps no state)")
     p.add_argument("--device-memory-limit", help="bytes or e.g. 2GiB (default: no limit)")
     p.add_argument("--host-memory-limit", help="stop the trial as oom above this resident memory (default: no "
                                                "limit)")
@@ -52,7 +67,8 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.weights_on_device <= 1:
         raise ValueError(f"--weights-on-device {args.weights_on_device:g}: give a share from 0 (no weights kept on "
                          "the device) to 1 (all of them)")
-    spec = TrialSpec(model=args.model, sub_batch_size=args.sub_batch_size, num_sub_batches=args.num_sub_batches,
+    spec = TrialSpec(model=_model(args.model), optimizer=_optimizer(args), mixed_precision=args.mixed_precision is not False,
+                     sub_batch_size=args.sub_batch_size, num_sub_batches=args.num_sub_batches,
                      num_live_blocks=args.num_live_blocks, schedule=args.schedule,
                      activations=args.activations, mode=args.mode, kv_cache=args.kv_cache,
                      weights_on_device=args.weights_on_device,
@@ -67,6 +83,30 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(describe(result))
     return 0 if result.status == "ok" else 3
+
+
+def _model(model: str) -> str:
+    """A preset's name as it is; a folder or config.json as an absolute path, once its config.json is one sltune
+    accepts (a mistake is one line here, not a failed trial)."""
+    from sltune.models import PRESETS, load_config
+
+    if model in PRESETS:
+        return model
+    load_config(model)
+    return str(Path(model).resolve())
+
+
+def _optimizer(args: argparse.Namespace) -> OptimizerConfig:
+    """--optimizer and its hyperparameters; a bad value names its flag."""
+    if args.momentum is not None and args.optimizer != "sgd":
+        raise ValueError(f"--momentum is SGD's; add --optimizer sgd, or drop --momentum ({args.optimizer} has none)")
+    given = {"name": args.optimizer, "lr": args.lr, "weight_decay": args.weight_decay, "momentum": args.momentum}
+    try:
+        return OptimizerConfig(**{k: v for k, v in given.items() if v is not None})
+    except ValidationError as err:
+        raise ValueError("; ".join(f"--{str(e['loc'][0]).replace('_', '-')} "
+                                   f"{given.get(str(e['loc'][0]))}: {e['msg'].removeprefix('Value error, ')}"
+                                   for e in err.errors())) from None
 
 
 def describe(r) -> str:

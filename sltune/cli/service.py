@@ -32,6 +32,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--port", type=int, default=None, help="port to bind (default: $SLTUNE_PORT, else 8000)")
     s.add_argument("--db", help=DB_HELP)
     s.add_argument("--data-dir", help=DATA_DIR_HELP)
+    s.add_argument("--models-dir", default=None, metavar="DIR",
+                   help="the folder whose Hugging Face model folders a spec may name as model.path (relative to "
+                        "it, or absolute inside it); default: $SLTUNE_MODELS_DIR, else none: specs naming "
+                        "model.path are refused")
     s.add_argument("--no-worker", action="store_true", help="serve only; run workers separately")
     s.add_argument("--workers", type=int, default=None, metavar="N",
                    help="API server processes sharing the port (default: $SLTUNE_API_WORKERS, else 1); the job "
@@ -80,7 +84,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     m.set_defaults(run=run_compare)
 
 
-FLAGS = {"db": "db", "data_dir": "data_dir", "host": "host", "port": "port", "api_workers": "workers"}   # setting: flag
+FLAGS = {"db": "db", "data_dir": "data_dir", "host": "host", "port": "port", "api_workers": "workers",
+         "models_dir": "models_dir"}   # setting: flag
 
 
 def _settings(args: argparse.Namespace) -> Settings:
@@ -101,6 +106,10 @@ def run_serve(args: argparse.Namespace) -> int:
     settings = _settings(args)
     if settings.api_token is None and not _loopback(settings.host):
         raise ValueError(f"refusing to serve on {settings.host} without SLTUNE_API_TOKEN: anyone could submit jobs")
+    if settings.models_dir is not None and not settings.models_dir.expanduser().is_dir():
+        where = "--models-dir" if args.models_dir is not None else "SLTUNE_MODELS_DIR"
+        raise ValueError(f"{where} {settings.models_dir}: no such folder; give the folder of the model folders "
+                         "specs may name, or leave it unset")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     serving = {"host": settings.host, "port": settings.port, "log_level": "info", "access_log": settings.access_log}
     # the job worker and the spec checkers' fork server start first: each imports torch and transformers in
@@ -111,6 +120,8 @@ def run_serve(args: argparse.Namespace) -> int:
         if settings.api_workers > 1:
             # uvicorn starts each process from an import string; they read their settings from the environment
             os.environ.update(SLTUNE_DB=settings.db_url(), SLTUNE_DATA_DIR=str(settings.data_dir))
+            if settings.models_dir is not None:
+                os.environ["SLTUNE_MODELS_DIR"] = str(settings.models_dir)
             uvicorn.run("sltune.api.app:serving_process", factory=True, workers=settings.api_workers, **serving)
             return 0
         forks.start()
@@ -147,17 +158,16 @@ def run_worker(args: argparse.Namespace) -> int:
 
 def run_submit(args: argparse.Namespace) -> int:
     from sltune.service.client import Client, ServiceError
-    from sltune.tuning.spec import TuningSpec
 
-    spec = TuningSpec.load(args.spec)            # refuse a bad spec here, before the network
+    body, max_trials = _submission(args.spec)
     client = Client(args.server)
     try:
-        job_id = client.submit(spec.model_dump(mode="json"))
+        job_id = client.submit(body)
         print(f"submitted job {job_id} to {args.server}", file=sys.stderr)
         if not args.wait:
             print(job_id)
             return 0
-        bar = JobBar(f"job {job_id}", spec.search.max_trials)
+        bar = JobBar(f"job {job_id}", max_trials)
 
         def show(job: dict) -> None:
             bar.show(job.get("progress") or {}, job["status"], job.get("waiting_for"))
@@ -178,6 +188,26 @@ def run_submit(args: argparse.Namespace) -> int:
         print(f"wrote {args.out}: train with `sltune train --config {args.out}`", file=sys.stderr)
     print(job_id)
     return 0
+
+
+def _submission(path: str) -> tuple[dict, int]:
+    """The body to post and its trial count. A bad spec is refused here, before the network, except for a
+    model.path: that folder is the server's (inside its models_dir, relative to it), so such a spec goes as
+    written and the server checks it."""
+    from sltune.tuning.spec import Search, TuningSpec
+    from sltune.yamlfile import read_yaml
+
+    data = read_yaml(path)
+    model = data.get("model") if isinstance(data, dict) else None
+    if not (isinstance(model, dict) and model.get("path") is not None):
+        spec = TuningSpec.parse(data, source=path)
+        return spec.model_dump(mode="json"), spec.search.max_trials
+    try:
+        body = json.loads(json.dumps(data))
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{path}: not expressible as JSON ({err})") from None
+    search = data.get("search") if isinstance(data.get("search"), dict) else {}
+    return body, search.get("max_trials") or Search.model_fields["max_trials"].default
 
 
 def run_compare(args: argparse.Namespace) -> int:

@@ -72,17 +72,19 @@ PRESETS: dict[str, Preset] = {
 }
 
 
-def load_config(model: Any):
+def load_config(model: Any, source: str | None = None):
     """A transformers config from a preset name, a path to a config.json (or its folder), a dict, or a config.
 
-    Only the families sltune supports are accepted, and no remote code is ever run.
+    Only the families sltune supports are accepted, and no remote code is ever run. The file
+    save_pretrained writes is accepted as it is: its metadata (METADATA_KEYS) is dropped. `source` names
+    the dict or file in error messages (default: "hf_config", or the file's path).
     """
-    from transformers import AutoConfig, PretrainedConfig
+    from transformers import PretrainedConfig
 
     if isinstance(model, PretrainedConfig):
         config = model
     elif isinstance(model, dict):
-        config = _from_dict(model, "hf_config")
+        config = _from_dict(model, source or "hf_config")
     elif isinstance(model, str) and model in PRESETS:
         config = PRESETS[model].config()
     else:
@@ -93,11 +95,17 @@ def load_config(model: Any):
             raise ValueError(
                 f"model {model!r} is neither a preset nor a config.json file; presets: {', '.join(PRESETS)}"
             )
+        source = source or str(path)
         try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path}: not valid JSON ({err})") from None
-        config = _from_dict(data, str(path))
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ValueError(f"{source}: not valid JSON ({err})") from None
+        except OSError as err:
+            raise ValueError(f"{source}: cannot be read ({err.strerror or type(err).__name__})") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{source}: expected a JSON object (a transformers config.json), got "
+                             f"{type(data).__name__}")
+        config = _from_dict(data, source)
     if config.model_type not in SUPPORTED_FAMILIES:
         raise ValueError(
             f"model family {config.model_type!r} is not supported; supported families: {', '.join(SUPPORTED_FAMILIES)}"
@@ -118,21 +126,26 @@ MAX_PARAMS = 2 * 10**12
 
 # keys through which a config can pull in code, kernels or quantizers from outside transformers itself
 _CODE_KEYS = {"auto_map", "trust_remote_code", "attn_implementation", "quantization_config", "use_kernels",
-              "kernel_config", "custom_pipelines", "name_or_path", "transformers_version"}
+              "kernel_config", "custom_pipelines", "name_or_path"}
+# what transformers' save_pretrained writes about the file rather than the model: which version wrote it,
+# where it came from, the class that saved it and the dtype of the weights beside it. Metadata, not code:
+# accepted and dropped (sltune builds the family's standard class, in the dtype the config or flags give).
+METADATA_KEYS = ("transformers_version", "_name_or_path", "architectures", "torch_dtype", "dtype")
 
 
 def hf_config_schema() -> dict[str, Any]:
     """The JSON schema of an inline config as _from_dict checks it, for the API's OpenAPI document."""
     sizes = {key: {"type": "integer", "minimum": 1, "maximum": bound} for key, bound in _BOUNDS.items()}
+    private = {"allOf": [{"pattern": "^_"}, {"not": {"enum": [k for k in METADATA_KEYS if k.startswith("_")]}}]}
     return {"type": "object", "required": ["model_type"],
             "properties": {"model_type": {"enum": list(SUPPORTED_FAMILIES)}, **sizes},
-            "propertyNames": {"not": {"anyOf": [{"enum": sorted(_CODE_KEYS)}, {"pattern": "^_"}]}}}
+            "propertyNames": {"not": {"anyOf": [{"enum": sorted(_CODE_KEYS)}, private]}}}
 
 
 def _from_dict(data: dict[str, Any], source: str):
     from transformers import AutoConfig
 
-    data = dict(data)
+    data = {key: value for key, value in data.items() if key not in METADATA_KEYS}
     for key, bound in _BOUNDS.items():
         value = data.get(key)
         if value is None:

@@ -78,6 +78,19 @@ def host_peak_bytes() -> int:
     return peak if sys.platform == "darwin" else peak * 1024
 
 
+def resident_bytes(peak: bool = False) -> int:
+    """This process's resident memory now, or its high-water mark (Linux; 0 where /proc is missing)."""
+    key = "VmHWM:" if peak else "VmRSS:"
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 def forget_fork_server_heap() -> None:
     """A trial is forked from a server whose heap holds memory it freed, and inherits its resident high-water
     mark: the trial's own allocations then reuse resident pages and its peak hides what it needs. Give the
@@ -90,6 +103,15 @@ def forget_fork_server_heap() -> None:
             f.write("5")            # 5: reset the peak resident set size to the current one
     except OSError:
         pass
+
+
+def model_folder(model: Any) -> str | None:
+    """The Hugging Face folder a trial's model is (not a preset's name, an inline config or a config.json)."""
+    from sltune.models import PRESETS
+
+    if not isinstance(model, str) or model in PRESETS or not os.path.isdir(model):
+        return None
+    return model
 
 
 def run(spec: TrialSpec, rank: int = 0) -> dict[str, Any]:
@@ -106,13 +128,25 @@ def run(spec: TrialSpec, rank: int = 0) -> dict[str, Any]:
     cfg = SpeedLoaderConfig(sub_batch_size=spec.sub_batch_size, num_sub_batches=spec.num_sub_batches,
                             num_live_blocks=spec.num_live_blocks, schedule=spec.schedule,
                             activations=spec.activations, device=spec.device,
-                            dtype=spec.dtype, device_memory_limit=spec.device_memory_limit,
+                            dtype=spec.dtype, mixed_precision=spec.mixed_precision,
+                            device_memory_limit=spec.device_memory_limit,
                             kv_cache=spec.kv_cache, weights_on_device=spec.weights_on_device)
-    model = build(spec.model, seed=spec.seed, dtype=spec.dtype)
-    if spec.mode == "generate":
-        return _run_generate(spec, cfg, model)
+    train = spec.mode == "train"
+    optimizer = spec.optimizer.factory if train else None     # the optimizer the training job will step with
+    folder = model_folder(spec.model)
+    if folder is not None:      # its weights straight into the engine's host buffers (none: seeded random ones)
+        engine = SpeedLoaderEngine.from_pretrained(folder, cfg, optimizer=optimizer, seed=spec.seed)
+        model = engine.model
+    else:
+        # under a float32 master the weights are made in float32, as `sltune train` makes them, and the engine
+        # keeps its dtype copy beside them; otherwise in dtype (a second full copy would only inflate the peak)
+        model = build(spec.model, seed=spec.seed, dtype="float32" if train and cfg.has_master else spec.dtype)
+        engine = None
+    if not train:
+        return _run_generate(spec, cfg, model, engine)
     model.train()
-    engine = SpeedLoaderEngine(model, cfg, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-5))
+    if engine is None:
+        engine = SpeedLoaderEngine(model, cfg, optimizer=optimizer)
     data = batches(spec.rows, spec.seq_len, model.config.vocab_size, seed=spec.seed + rank)   # each rank its own rows
 
     peak_device = None
@@ -154,7 +188,7 @@ def _headline(timing: dict[str, Any]) -> dict[str, Any]:
     return {"tokens_per_s": timing.pop("tokens_per_s"), "step_seconds": timing["median_s"], "timing": timing}
 
 
-def _run_generate(spec: TrialSpec, cfg, model) -> dict[str, Any]:
+def _run_generate(spec: TrialSpec, cfg, model, engine=None) -> dict[str, Any]:
     """Generation throughput: spec.rows random prompts of prompt_len tokens, new_tokens each per call.
 
     End-of-sequence stopping is off so every call generates the same number of tokens."""
@@ -162,7 +196,8 @@ def _run_generate(spec: TrialSpec, cfg, model) -> dict[str, Any]:
     from sltune.profiling.breakdown import profile_call
     from sltune.runtime.engine import SpeedLoaderEngine
 
-    engine = SpeedLoaderEngine(model, cfg, optimizer=None)
+    if engine is None:
+        engine = SpeedLoaderEngine(model, cfg, optimizer=None)
     prompts = batches(spec.rows, spec.prompt_len, model.config.vocab_size, seed=spec.seed)
 
     def call(ids):

@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from sltune.config import Activations, DType, KVCache, Schedule
 from sltune.runtime.transfer import IOCounters
 from sltune.sizes import parse_bytes
+from sltune.training.optimizer import OptimizerConfig
 
 Status = Literal["ok", "oom", "failed", "timeout"]
 
@@ -18,7 +19,8 @@ class TrialSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str | dict[str, Any] = Field("llama-tiny", description="preset, config.json path, or inline config")
+    model: str | dict[str, Any] = Field("llama-tiny", description="preset, config.json path, inline config, or a "
+                                        "Hugging Face model folder (whose weights the trial loads, if it has any)")
     sub_batch_size: int = Field(1, ge=1)
     num_sub_batches: int = Field(1, ge=1)
     num_live_blocks: int = Field(1, ge=1)
@@ -34,6 +36,10 @@ class TrialSpec(BaseModel):
     world_size: int = Field(1, ge=1)
     device: str = "cpu"
     dtype: DType = "float32"
+    mixed_precision: bool = Field(True, description="train: float32 master weights, gradients and optimizer "
+                                  "state under a bfloat16/float16 dtype (SpeedLoaderConfig.mixed_precision)")
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="train: what the engine steps "
+                                       "the host parameters with, as the training job will")
     device_memory_limit: int | None = None
     host_memory_limit: int | None = Field(None, description="the trial is stopped as 'oom' above this RSS")
     steps: int = Field(2, ge=1, description="timed steps at least")

@@ -79,6 +79,7 @@ import torch.distributed as dist
 from torch import nn
 
 from sltune.config import SpeedLoaderConfig
+from sltune.models.checkpoint import Checkpoint, materialize, write_pretrained
 from sltune.runtime.activations import DeviceActivations, HostActivations
 from sltune.runtime.device import check_device, check_dtype
 from sltune.runtime.family import CausalLM, LayerCall, unique_params
@@ -90,8 +91,6 @@ from sltune.runtime.regions import region, step_region
 from sltune.runtime.saved import KeptGraph, SavedTensors
 from sltune.runtime.sharding import ShardedParamStore
 from sltune.runtime.transfer import Copier, IOCounters
-
-from sltune.models.checkpoint import Checkpoint, materialize, write_pretrained
 
 if TYPE_CHECKING:
     from sltune.runtime.generate import GenerationStats
@@ -778,7 +777,7 @@ class _RngStash:
 
 
 def _warn_vanishing_eps(opt: torch.optim.Optimizer, dtype: torch.dtype) -> None:
-    """Parameters and optimizer state stay in the engine's dtype (no float32 master copy), so an eps that
+    """Without a float32 master (mixed_precision false) the optimizer steps the engine's dtype, so an eps that
     rounds to 0 there turns zero gradients into 0/0 = NaN, as it would for model.half() in plain PyTorch."""
     for group in opt.param_groups:
         eps = group.get("eps")

@@ -15,6 +15,7 @@ import signal
 from collections import OrderedDict
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from pebble import ProcessExpired, ProcessPool
@@ -45,6 +46,10 @@ def check(data: Any, settings: Settings) -> Verdict:
     if not isinstance(data, dict):
         return Verdict(errors=[("", "expected a JSON object with model, workload, hardware and search")])
     try:
+        data = inside_models_dir(data, settings)
+    except Refused as err:
+        return Verdict(errors=err.errors)
+    try:
         spec, limits = admit(TuningSpec.model_validate(data), settings)
     except ValidationError as err:
         return Verdict(errors=field_errors(err))
@@ -52,6 +57,31 @@ def check(data: Any, settings: Settings) -> Verdict:
         return Verdict(errors=err.errors)
     return Verdict(job={"name": spec.name, "spec": spec.model_dump(mode="json"), "spec_hash": spec.digest(),
                         "requirements": requirements(spec), "limits": limits})
+
+
+def inside_models_dir(data: dict[str, Any], settings: Settings) -> dict[str, Any]:
+    """A spec naming model.path, with the path made absolute inside the server's models_dir (a relative path
+    is read from there); Refused when the server has no models_dir or the folder lies outside it, symlinks
+    and '..' resolved. Runs before anything reads the path: a server reads no folder a request names
+    anywhere else. Other specs come back as they are."""
+    model = data.get("model")
+    if not isinstance(model, dict) or not isinstance(model.get("path"), str) or not model["path"]:
+        return data        # no path, or not a string: the spec's own validation says what is wrong
+    if settings.models_dir is None:
+        raise Refused([("model.path", "this server has no models_dir, so it reads no model folder a request "
+                                      "names; give model.preset or model.hf_config, or ask its operator to set "
+                                      "SLTUNE_MODELS_DIR (sltune serve --models-dir)")])
+    try:
+        root = Path(settings.models_dir).expanduser().resolve()
+        folder = (root / model["path"]).resolve()          # an absolute path stays itself
+        inside = folder.is_relative_to(root)
+    except (OSError, ValueError, RuntimeError):             # NUL, undecodable, a symlink loop: not a folder
+        inside = False
+    if not inside:
+        raise Refused([("model.path", "the folder is outside this server's models_dir; give a path inside "
+                                      "models_dir (relative to it, or absolute), with no symlink or '..' "
+                                      "leading out of it")])
+    return {**data, "model": {**model, "path": str(folder)}}
 
 
 def _start_worker() -> None:
@@ -77,6 +107,8 @@ class SpecChecker:
         if not isinstance(data, dict):         # no need to queue behind heavy specs for this one
             return check(data, self.settings)
         key = json.dumps(data, sort_keys=True, separators=(",", ":"))
+        # a verdict on a model folder holds only as long as the folder does: never cached
+        cacheable = not (isinstance(data.get("model"), dict) and data["model"].get("path") is not None)
         if key in self.cache:
             self.cache.move_to_end(key)
             return self.cache[key]
@@ -94,6 +126,8 @@ class SpecChecker:
                                              "model, or retry")])
         finally:
             self.pending -= 1
+        if not cacheable:
+            return verdict
         self.cache[key] = verdict
         if len(self.cache) > self.cache_size:
             self.cache.popitem(last=False)

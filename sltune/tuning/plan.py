@@ -36,7 +36,8 @@ def plan(path: str | Path, device_memory_limit: int | str | None = None,
               **{k: v for k, v in space_desc.items()}}
     spec = TuningSpec.parse({"name": f"plan from {prov.get('job_id')}", "model": prov["model"],
                              "workload": {k: v for k, v in work.items() if k != "world_size"},
-                             "hardware": hardware, "search": search}, source=str(path))
+                             "hardware": hardware, "search": search,
+                             **({"optimizer": data["optimizer"]} if data.get("optimizer") else {})}, source=str(path))
     shape = shape_of(spec.model.source, spec.model.dtype)
     state = SearchState(spec, shape, SearchSpace(spec, shape))
     state.fits = {k: LinearFit.from_dict(v) for k, v in data["resource_models"].items()}

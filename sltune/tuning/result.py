@@ -66,6 +66,7 @@ def best_config(spec: TuningSpec, result: dict[str, Any]) -> SpeedLoaderConfig:
                              kv_cache=c.get("kv_cache", "host"),
                              weights_on_device=c.get("weights_on_device", 0.0),
                              device=spec.hardware.device, dtype=spec.model.dtype,
+                             mixed_precision=spec.model.mixed_precision,
                              device_memory_limit=spec.hardware.device_memory_limit,
                              world_size=spec.hardware.world_size)
 
@@ -79,6 +80,7 @@ def export_yaml(spec: TuningSpec, result: dict[str, Any], path: str | Path | Non
     return cfg.to_yaml(
         path,
         workload={**spec.workload.model_dump(), "world_size": spec.hardware.world_size},
+        optimizer=spec.optimizer.to_dict(),      # what the trials stepped with: `sltune train` reads it
         measured={k: best.get(k) for k in ("tokens_per_s", "tokens_per_s_ci95", "step_seconds", "peak_device_bytes",
                                            "peak_host_bytes")},
         confidence=result.get("confidence"),

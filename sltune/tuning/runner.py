@@ -249,7 +249,8 @@ def _failures(state: SearchState) -> str:
 
 def trial_spec(spec: TuningSpec, c: Candidate, trace: Path | None, default_host_limit: int | None = None) -> TrialSpec:
     w, hw, s = spec.workload, spec.hardware, spec.search
-    return TrialSpec(model=spec.model.source, dtype=spec.model.dtype, sub_batch_size=c.b, num_sub_batches=c.n,
+    return TrialSpec(model=spec.model.source, dtype=spec.model.dtype, mixed_precision=spec.model.mixed_precision,
+                     optimizer=spec.optimizer, sub_batch_size=c.b, num_sub_batches=c.n,
                      num_live_blocks=c.k, schedule=s.schedule, activations=c.a, mode=w.mode,
                      kv_cache=c.kv_cache or "host", weights_on_device=c.w or 0.0, seq_len=w.seq_len,
                      prompt_len=w.prompt_len, new_tokens=w.new_tokens, world_size=hw.world_size, device=hw.device,

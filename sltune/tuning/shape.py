@@ -11,6 +11,7 @@ import json
 import math
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,6 +32,7 @@ class ModelShape:
     tied_bytes: int
     param_bytes: int        # every parameter once
     max_positions: int | None = None
+    dtype: str = "float32"
 
     def groups(self, k: int) -> int:
         return math.ceil(self.layers / k)
@@ -63,20 +65,54 @@ class ModelShape:
         return (sum(size for size, keep in zip(sizes, kept) if keep),
                 max((size for size, keep in zip(sizes, kept) if not keep), default=0))
 
-    def min_host_bytes(self, mode: str) -> int:
-        """Parameters in host memory; training adds gradients and AdamW's two moments."""
-        return self.param_bytes * (4 if mode == "train" else 1)
+    def host_terms(self, mode: str, mixed_precision: bool = True, optimizer: Any = None) -> list[tuple[str, int]]:
+        """What any config holds in host memory, term by term: the weights in dtype; training adds, per
+        parameter (all are trained), under a float32 master (mixed precision in bfloat16/float16) the master's
+        4 bytes, 4 bytes of float32 gradients and the optimizer's state in float32, else gradients and state in
+        dtype. `optimizer` is an OptimizerConfig (default AdamW: two moments)."""
+        from sltune.training.optimizer import OptimizerConfig
+
+        terms = [(f"the weights in {self.dtype}", self.param_bytes)]
+        if mode != "train":
+            return terms
+        opt = optimizer if optimizer is not None else OptimizerConfig()
+        count = self.param_bytes // self.itemsize
+        master = mixed_precision and self.dtype != "float32"
+        kind, size = ("float32", 4) if master else (self.dtype, self.itemsize)
+        if master:
+            terms.append(("a float32 master copy", 4 * count))
+        terms.append((f"{kind} gradients", size * count))
+        state = opt.state_bytes_per_param(size) * count
+        if state:
+            what = "AdamW's two moments" if opt.name == "adamw" else "SGD's momentum buffer"
+            terms.append((f"{what} in {kind}", state))
+        return terms
+
+    def min_host_bytes(self, mode: str, mixed_precision: bool = True, optimizer: Any = None) -> int:
+        """The weights in host memory; training adds the master, gradients and optimizer state (host_terms)."""
+        return sum(n for _, n in self.host_terms(mode, mixed_precision, optimizer))
 
 
 def shape_of(model: Any, dtype: str = "float32") -> ModelShape:
-    """Cached by the model's description: every spec validation asks, and big models take a second."""
+    """Cached by the model's description (a folder's by its config.json's modification time too): every spec
+    validation asks, and big models take a second."""
     if isinstance(model, (str, dict)):
-        return _cached(json.dumps(model, sort_keys=True, default=str), dtype)
+        return _cached(json.dumps(model, sort_keys=True, default=str), dtype, _modified(model))
     return _build(model, dtype)
 
 
+def _modified(model: Any) -> int | None:
+    if not isinstance(model, str):
+        return None
+    path = Path(model)
+    try:
+        return (path / "config.json" if path.is_dir() else path).stat().st_mtime_ns
+    except (OSError, ValueError):
+        return None      # a preset's name
+
+
 @lru_cache(maxsize=64)
-def _cached(key: str, dtype: str) -> ModelShape:
+def _cached(key: str, dtype: str, modified: int | None) -> ModelShape:
     return _build(json.loads(key), dtype)
 
 
@@ -105,5 +141,5 @@ def _build(model: Any, dtype: str) -> ModelShape:
         head_bytes=nbytes(p for p in head if id(p) not in tied),
         tied_bytes=nbytes(p for p in prologue if id(p) in tied),
         param_bytes=nbytes(every.values()),
-        max_positions=getattr(config, "max_position_embeddings", None),
+        max_positions=getattr(config, "max_position_embeddings", None), dtype=dtype,
     )

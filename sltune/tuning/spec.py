@@ -18,6 +18,7 @@ from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationE
 from sltune.config import Activations, DType, KVCache, Schedule
 from sltune.models.presets import hf_config_schema
 from sltune.sizes import SIZE_SCHEMA, format_bytes, parse_bytes
+from sltune.training.optimizer import OptimizerConfig
 from sltune.tuning.knobs import MAX_KNOB_VALUES, Range, knob_values
 from sltune.yamlfile import read_yaml
 
@@ -36,33 +37,79 @@ def _preset_names():
     return Literal[tuple(PRESETS)]
 
 
+MAX_PATH = 4096
+
+
 class ModelSpec(_Strict):
-    """A preset name or an inline transformers config.json; never code, never a server-side path."""
+    """A preset name, an inline transformers config.json, or a Hugging Face model folder (its config.json, and
+    its weights for the trials); never code. The server reads a folder only inside its models_dir setting
+    (sltune.service.validation)."""
 
     model_config = ConfigDict(json_schema_extra={"oneOf": [  # exactly one source, as _one_source checks
         {"required": ["preset"], "properties": {"preset": {"type": "string"}}},
-        {"required": ["hf_config"], "properties": {"hf_config": hf_config_schema()}}]})
+        {"required": ["hf_config"], "properties": {"hf_config": hf_config_schema()}},
+        {"required": ["path"], "properties": {"path": {"type": "string"}}}]})
 
     preset: _preset_names() | None = None  # type: ignore[valid-type]
     hf_config: dict[str, Any] | None = None
+    path: str | None = Field(None, min_length=1, max_length=MAX_PATH, description=(
+        "a Hugging Face model folder: config.json, and model.safetensors or the shards model.safetensors.index.json "
+        "lists, whose weights the trials load (a folder without weights trains random ones). A relative path is "
+        "read from the current directory (`sltune tune`) or from the server's models_dir (POST /tune), which "
+        "refuses any folder outside it"))
     dtype: DType = "float32"
+    mixed_precision: bool = Field(True, description=(
+        "with dtype bfloat16 or float16: float32 master weights, gradients and optimizer state on the host, "
+        "the device computing in dtype (as SpeedLoaderConfig.mixed_precision); false keeps one copy in dtype"))
 
     @model_validator(mode="after")
     def _one_source(self) -> "ModelSpec":
-        from sltune.models import PRESETS, load_config
+        from sltune.models import load_config
 
-        if (self.preset is None) == (self.hf_config is None):
-            raise ValueError("give exactly one of model.preset (e.g. llama-tiny) or model.hf_config (a config.json)")
+        if sum(x is not None for x in (self.preset, self.hf_config, self.path)) != 1:
+            raise ValueError("give exactly one of model.preset (e.g. llama-tiny), model.hf_config (an inline "
+                             "config.json) or model.path (a Hugging Face model folder)")
         if self.hf_config is not None:
             load_config(self.hf_config)    # checks family, refuses auto_map / remote code
         return self
 
+    @field_validator("path")
+    @classmethod
+    def _folder(cls, value: str | None) -> str | None:
+        return None if value is None else _model_folder(value)
+
     @property
     def source(self) -> str | dict[str, Any]:
-        return self.preset if self.preset is not None else self.hf_config
+        """What sltune.models.load_config and build take: the preset's name, the inline config, or the folder."""
+        if self.preset is not None:
+            return self.preset
+        return self.hf_config if self.hf_config is not None else self.path
 
     def describe(self) -> str:
+        if self.path is not None:
+            return f"{Path(self.path).name} (model folder)"
         return self.preset or f"{self.hf_config.get('model_type')} (inline config)"
+
+
+def _model_folder(path: str) -> str:
+    """The folder as an absolute path without symlinks, once its config.json is one sltune accepts. The messages
+    never echo the path: on a server it is below the models_dir, which is the server's own business."""
+    from sltune.models import load_config
+
+    try:
+        folder = Path(path).expanduser().resolve()
+        is_dir = folder.is_dir()
+        has_config = is_dir and (folder / "config.json").is_file()
+    except (OSError, ValueError, RuntimeError):     # a path the system cannot even look up (a symlink loop, ...)
+        is_dir = has_config = False
+    if not is_dir:
+        raise ValueError("no such folder; give a Hugging Face model folder (config.json, and "
+                         "model.safetensors or its shards for the weights)")
+    if not has_config:
+        raise ValueError("the folder has no config.json; give a Hugging Face model folder (one "
+                         "save_pretrained wrote)")
+    load_config(folder, source="its config.json")    # checks family, refuses auto_map / remote code
+    return str(folder)
 
 
 class Workload(_Strict):
@@ -198,12 +245,25 @@ class Search(_Strict):
         return self.weights_on_device or [0.0, 0.5, 1.0]     # _shares made it a list
 
 
+def _no_bools(value: Any) -> Any:
+    """JSON's true is not a number: every field of the optimizer section is a name or numbers."""
+    if isinstance(value, dict):
+        for key in (f for f in OptimizerConfig.model_fields if f != "name"):    # the name is a Literal
+            v = value.get(key)
+            if isinstance(v, bool) or (isinstance(v, (list, tuple)) and any(isinstance(x, bool) for x in v)):
+                raise ValueError(f"{key} is true or false; give a number")
+    return value
+
+
 class TuningSpec(_Strict):
     name: str = Field("tuning-job", min_length=1, max_length=200, pattern=r"^[^\x00-\x1f]+$")
     model: ModelSpec
     workload: Workload = Field(default_factory=Workload)
     hardware: Hardware = Field(default_factory=Hardware)
     search: Search = Field(default_factory=Search)
+    optimizer: Annotated[OptimizerConfig, BeforeValidator(_no_bools)] = Field(
+        default_factory=OptimizerConfig, description="what the training job steps with, and so what the trials "
+        "run: adamw (default) or sgd with their hyperparameters; best.yaml carries it to `sltune train`")
     objective: Literal["tokens_per_s"] = "tokens_per_s"
 
     @model_validator(mode="after")
@@ -226,13 +286,17 @@ class TuningSpec(_Strict):
                 f"hardware.device_memory_limit {format_bytes(hw.device_memory_limit)} is below the "
                 f"{format_bytes(need_dev)} ({need_dev} bytes) the smallest config (num_live_blocks=1) needs for the "
                 f"largest unit's parameters{' and gradients' if mode == 'train' else ''}; raise it to at least that")
-        need_host = shape.min_host_bytes(mode) // max(1, hw.world_size)
+        ranks = max(1, hw.world_size)         # each rank holds 1/W of every term
+        terms = [(what, n // ranks) for what, n in
+                 shape.host_terms(mode, self.model.mixed_precision, self.optimizer)]
+        need_host = sum(n for _, n in terms)
         if hw.host_memory_limit is not None and hw.host_memory_limit < need_host:
-            what = "parameters, gradients and AdamW's two moments" if mode == "train" else "parameters"
+            parts = [f"{what} ({format_bytes(n)})" for what, n in terms]
+            listed = parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
             raise ValueError(
                 f"hardware.host_memory_limit {format_bytes(hw.host_memory_limit)} is below the "
-                f"{format_bytes(need_host)} ({need_host} bytes) any config needs in host memory for the {what}; "
-                "raise it to at least that")
+                f"{format_bytes(need_host)} ({need_host} bytes) any config needs in host memory"
+                + (f" on each of {ranks} ranks" if ranks > 1 else "") + f": {listed}; raise it to at least that")
         if hw.world_size > 1 and self.workload.mode == "generate":
             raise ValueError("hardware.world_size > 1 is for training; generation runs on one process")
         if mode == "train" and self.search.kv_cache is not None:

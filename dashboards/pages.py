@@ -27,6 +27,7 @@ from sqlalchemy import select
 from sltune.dashboards import figures
 from sltune.tuning import compare as comparing
 from sltune.service.jobs import job_detail
+from sltune.service.progress import trial_counts, trials_run
 from sltune.sizes import format_bytes
 from sltune.store.schema import Artifact
 from sltune.tuning.runner import optuna_storage
@@ -178,9 +179,10 @@ def job_list(request: Request, status: str | None = None, limit: int = 200) -> H
         best = r.get("best") or {}
         best_tps = best.get("tokens_per_s", p.get("best_tokens_per_s"))
         best_cfg = best.get("config") or p.get("best_config")
-        done, total = p.get("trials_done", 0) or 0, p.get("max_trials") or 0
-        if j.status not in ACTIVE:
-            total = done            # a finished job ran all it will run, even when it stopped before its max
+        done, finished = trials_run(p), j.status not in ACTIVE
+        total = (done if finished      # a finished job ran all it will run, even when it stopped before its max
+                 else int(p.get("trials_done") or 0) + p["confirm_planned"] if p.get("confirm_planned")
+                 else p.get("max_trials") or 0)
         bar = f'<progress max="{int(total)}" value="{int(done)}"></progress> ' if total else ""
         qid = _q(j.id)
         links = [f"<a href='/dashboard/jobs/{qid}'>dashboard</a>", f"<a href='/jobs/{qid}'>JSON</a>",
@@ -189,7 +191,7 @@ def job_list(request: Request, status: str | None = None, limit: int = 200) -> H
             links.append(f"<a href='/jobs/{qid}/config.yaml'>config.yaml</a>")
         rows.append(
             f"<tr><td><a href='/dashboard/jobs/{qid}'><code>{e(j.id)}</code></a></td><td class='wrap'>{e(j.name)}</td>"
-            f"<td>{_badge(j.status)}</td><td>{bar}{int(done)}/{int(total) if total else '-'}"
+            f"<td>{_badge(j.status)}</td><td>{bar}{trial_counts(p, finished) if p else '-'}"
             f"{' · ' + e(str(p.get('phase'))) if j.status == 'running' and p.get('phase') else ''}</td>"
             f"<td class='num'>{_num(best_tps)}</td><td>{_knobs(best_cfg) if best_cfg else '-'}</td>"
             f"<td>{_ts(j.created_at)}</td><td>{_duration(j.started_at, j.finished_at) if j.started_at else '-'}</td>"
@@ -301,8 +303,8 @@ def _job_summary(job, detail: dict[str, Any], spec: dict[str, Any], progress: di
         ("hardware", e(f"{hw.get('device', '?')}, device limit {_bytes(hw.get('device_memory_limit'))}, host limit "
                        f"{_bytes(hw.get('host_memory_limit'))}, world size {hw.get('world_size', 1)}")),
         ("strategy", e(str(search.get("strategy", "?")))),
-        ("progress", (f"{int(progress.get('trials_done') or 0)}/{int(progress.get('max_trials') or 0)} trials"
-                      if job.status in ACTIVE else f"{int(progress.get('trials_done') or 0)} trials, finished")
+        ("progress", f"{trial_counts(progress, job.status not in ACTIVE)} trials"
+                     + ("" if job.status in ACTIVE else ", finished")
                      + (f", phase {e(str(progress.get('phase')))}" if progress.get("phase") and job.status in ACTIVE
                         else "")
                      + (f", {_num(progress.get('elapsed_s'), '.0f')}s elapsed" if progress.get("elapsed_s") else "")
@@ -352,9 +354,21 @@ def _best_section(job, best: dict[str, Any] | None, result: dict[str, Any], prog
     limit = result.get("binding_limit")
     if result.get("confidence"):
         link += f"<p class='confidence'>Confidence: <b>{e(str(result['confidence']))}</b></p>"
-    return (f"{link}<p>Trial #{e(str(best.get('trial_number')))}; the limit that stops a larger config: "
+    return (f"{link}<p>{_measured_in(best)}; the limit that stops a larger config: "
             f"<b>{e(str(limit or '-'))}</b> (device {_bytes(hw.get('device_memory_limit'))}, host "
             f"{_bytes(hw.get('host_memory_limit'))}).</p>{table}")
+
+
+def _measured_in(best: dict[str, Any]) -> str:
+    """Which trials the best's figure pools: "Trials #9, #13, #15 (1 search + 2 confirm): tokens/s is the
+    median of all their steps, 95% interval [...]"."""
+    numbers = best.get("from_trials") or [best.get("trial_number")]
+    ci = best.get("tokens_per_s_ci95")
+    interval = f", 95% interval [{_num(ci[0])}, {_num(ci[1])}]" if ci else ""
+    if len(numbers) < 2:
+        return f"Trial #{e(str(numbers[0]))}{interval}"
+    return (f"Trials {', '.join('#' + e(str(n)) for n in numbers)} ({int(best.get('search_trials') or 0)} search + "
+            f"{int(best.get('confirm_trials') or 0)} confirm): tokens/s is the median of all their steps{interval}")
 
 
 TABLE_JS = """
@@ -389,11 +403,13 @@ def _trials_table(trials: list[dict[str, Any]], best_number: int | None) -> str:
     """Every trial; a click on a heading sorts by it, the box keeps the rows that contain every word typed."""
     if not trials:
         return "<p class='note'>No trials yet.</p>"
-    heads = ["#", "role", "status", "config", "tokens/s", "device peak", "host peak", "duration", "trace", "error"]
+    heads = ["#", "role", "status", "config", "tokens/s", "device peak", "host peak", "setup", "host at start",
+             "duration", "trace", "error"]
     head = "".join(f"<th onclick='sltuneSort(this)' title='sort'>{h}</th>" for h in heads)
     rows = []
     for t in trials:
         r = t.get("result") or {}
+        timing = r.get("timing") or {}      # setup: fork to first step; host at start: RSS then
         trace = (f"<a href='{e(t['trace_url'])}'>trace.json</a>" if t.get("trace_url") else "-")
         star = " ★" if t.get("number") == best_number else ""
         a, b = _utc(t.get("started_at")), _utc(t.get("finished_at"))
@@ -408,9 +424,13 @@ def _trials_table(trials: list[dict[str, Any]], best_number: int | None) -> str:
             + num(r.get("tokens_per_s"), _num(r.get("tokens_per_s")))
             + num(r.get("peak_device_bytes"), _bytes(r.get("peak_device_bytes")))
             + num(r.get("peak_host_bytes"), _bytes(r.get("peak_host_bytes")))
+            + num(timing.get("setup_s"), "-" if timing.get("setup_s") is None else f"{timing['setup_s']:.1f} s")
+            + num(timing.get("host_bytes_at_start"), _bytes(timing.get("host_bytes_at_start")))
             + num(seconds, _duration(t.get("started_at"), t.get("finished_at")))
             + f"<td>{trace}</td><td class='wrap'>{e(str(r.get('error') or ''))}</td></tr>")
-    return ("<p class='note'>Traces are Chrome trace JSON: open them in Perfetto (ui.perfetto.dev, "
+    return ("<p class='note'><b>setup</b> is a trial's time from its fork to its first step (building the model "
+            "on the meta device and filling the engine's buffers, or reading a checkpoint); <b>host at start</b> its "
+            "resident memory then. Traces are Chrome trace JSON: open them in Perfetto (ui.perfetto.dev, "
             "“Open trace file”) or chrome://tracing. Click a heading to sort; a link keeps the view with "
             "<code>?filter=oom&amp;sort=tokens/s</code>.</p>"
             "<p><input id='trials-filter' size='40' placeholder='filter: ok, probe, b=4, oom ...' "

@@ -36,7 +36,10 @@ class Settings(BaseSettings):
     max_trials: int = Field(200, ge=1)
     max_time_budget_s: float = Field(24 * 3600, gt=0)
     max_trial_timeout_s: float = Field(3600, gt=0)
-    max_trial_steps: int = Field(1000, ge=1, description="timed steps one trial may run")
+    max_trial_steps: int = Field(1000, ge=1, description="timed steps one trial may run (search.trial_steps and "
+                                 "search.trial_max_steps; a spec naming no trial_max_steps gets at most this)")
+    max_confirm_rounds: int = Field(20, ge=0, description="ceiling on search.confirm_rounds; confirmation trials "
+                                    "also count against max_trials with the search's")
     max_device_memory: int | None = Field(None, description="ceiling on a job's device_memory_limit (bytes or "
                                                              "e.g. '24GiB'); unset: what the worker's device has")
     max_tokens_per_step: int = Field(1 << 20, description="largest sub_batch_size*num_sub_batches*tokens a "
@@ -55,11 +58,29 @@ class Settings(BaseSettings):
     forget_workers_after_s: float = Field(600.0, gt=0, description="rows of workers silent this long are "
                                           "deleted (a live worker touches its row every few seconds)")
     jobs_per_worker: int = Field(1, ge=1, le=64, description="jobs one worker runs at once")
+    db_retry_s: float | None = Field(None, ge=0, description="how long a worker retries a store call through a "
+                                     "lost database connection (a restart, a failover) or a full disk before it "
+                                     "hands the job back; unset: lease_seconds")
+    embedded_worker_restarts: int = Field(5, ge=0, description="times `sltune serve` restarts its embedded worker "
+                                          "within 10 minutes before it exits non-zero itself")
+    # /healthz
+    health_interval_s: float = Field(1.0, gt=0, le=60, description="how often /healthz's answer is refreshed "
+                                     "(database, live workers, free space), off the event loop")
+    healthz_min_workers: int | None = Field(None, ge=0, description="live workers below which /healthz answers "
+                                            "503; unset: 1 for `sltune serve` with its embedded worker, 0 for "
+                                            "--no-worker (its workers run elsewhere)")
+    min_free_bytes: int = Field(256 * 2**20, ge=0, description="free space in data_dir (bytes or e.g. '256MiB') "
+                                "below which /healthz answers 503: traces and a SQLite store need room")
 
     @property
     def alive_within_s(self) -> float:
         """How recently a worker must have touched its row to count as live: three polls, or a lease."""
         return max(3 * self.poll_seconds, self.lease_seconds)
+
+    @property
+    def store_retry_s(self) -> float:
+        """How long a worker's store calls retry through database failures (db_retry_s, else the lease)."""
+        return self.lease_seconds if self.db_retry_s is None else self.db_retry_s
 
     @field_validator("api_token")
     @classmethod
@@ -75,13 +96,20 @@ class Settings(BaseSettings):
         """An empty SLTUNE_MODELS_DIR is unset, not the current directory."""
         return None if value is None or (isinstance(value, str) and not value.strip()) else value
 
-    @field_validator("max_device_memory", mode="before")
+    @field_validator("max_device_memory", "min_free_bytes", mode="before")
     @classmethod
     def _bytes(cls, value: Any, info) -> int | None:
         return None if value in (None, "") else parse_bytes(value, f"SLTUNE_{info.field_name.upper()}")
 
     def trial_host_limit(self) -> int:
         return int(psutil.virtual_memory().total * self.trial_host_memory_fraction)
+
+    def trial_host_limit_source(self) -> str:
+        """How a message names the ceiling a spec or trial without a host limit gets."""
+        from sltune.sizes import format_bytes
+
+        return (f"this machine's trial ceiling ({self.trial_host_memory_fraction:.0%} of its "
+                f"{format_bytes(psutil.virtual_memory().total)}; SLTUNE_TRIAL_HOST_MEMORY_FRACTION)")
 
     def db_url(self) -> str:
         if self.db:

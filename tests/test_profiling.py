@@ -43,6 +43,8 @@ def test_cli_json_is_a_trial_result_whose_fractions_sum_to_one(tmp_path):
     assert result.tokens_per_s > 0 and result.step_seconds > 0
     assert result.peak_device_bytes > 0 and result.peak_host_bytes > result.peak_device_bytes
     assert result.io.param_load_bytes > 0 and result.top_ops[0]["name"].startswith("aten::")
+    assert 0 < result.timing.setup_s < result.wall_seconds            # fork to first step
+    assert 0 < result.timing.host_bytes_at_start <= result.peak_host_bytes
     events = json.loads(trace.read_text())["traceEvents"]      # opens in Perfetto: Chrome trace JSON
     assert any(e.get("name") == "sltune.step" for e in events)
     assert any(str(e.get("name", "")).startswith("sltune.memcpy.param_load_bytes") for e in events)

@@ -77,12 +77,28 @@ def run(args: argparse.Namespace) -> int:
                      cpu_threads=args.cpu_threads, world_size=args.world_size, device=args.device, dtype=args.dtype,
                      device_memory_limit=args.device_memory_limit, host_memory_limit=args.host_memory_limit,
                      timeout_s=args.timeout, trace_path=args.trace, profile=not args.no_profile)
+    _fits_host(spec)
     result = run_trial(spec)
     if args.json:
         print(result.model_dump_json())
     else:
         print(describe(result))
     return 0 if result.status == "ok" else 3
+
+
+def _fits_host(spec: TrialSpec) -> None:
+    """What the trial would hold in host memory, from the model's shape: refused before anything is built when
+    it cannot fit (--host-memory-limit, else this machine's trial ceiling)."""
+    from sltune.settings import Settings
+    from sltune.tuning.shape import host_shortfall, shape_of
+
+    settings = Settings()
+    limit = spec.host_memory_limit or settings.trial_host_limit()
+    short = host_shortfall(shape_of(spec.model, spec.dtype), spec.mode, spec.mixed_precision, spec.optimizer,
+                           spec.world_size, limit)
+    if short:
+        where = "--host-memory-limit" if spec.host_memory_limit else settings.trial_host_limit_source()
+        raise ValueError(f"this trial cannot fit {where}: {short}")
 
 
 def _model(model: str) -> str:
@@ -92,7 +108,7 @@ def _model(model: str) -> str:
 
     if model in PRESETS:
         return model
-    load_config(model)
+    load_config(model, source=f"--model {model}")
     return str(Path(model).resolve())
 
 

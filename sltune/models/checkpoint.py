@@ -88,9 +88,10 @@ class Checkpoint:
             return AutoModelForCausalLM.from_config(self.config)
 
     @contextlib.contextmanager
-    def reader(self, model: nn.Module) -> Iterator[Callable[[nn.Parameter], torch.Tensor]]:
-        """`read(p)`: parameter p's tensor from the checkpoint (under any of its names, for tied weights),
-        one file mapped at a time. Every parameter must be there with the model's shape."""
+    def reader(self, model: nn.Module) -> Iterator[Callable[[nn.Parameter, torch.Tensor], None]]:
+        """`fill(p, dst)`: parameter p's tensor from the checkpoint (under any of its names, for tied weights)
+        copied into dst, cast as it is copied, one file mapped at a time. Every parameter must be there with the
+        model's shape."""
         from safetensors import safe_open
 
         names: dict[int, list[str]] = {}
@@ -110,7 +111,7 @@ class Checkpoint:
                              f"{self.config.model_type} checkpoint saved by transformers?")
         state = {"file": None, "handle": None}
 
-        def read(p: nn.Parameter) -> torch.Tensor:
+        def fill(p: nn.Parameter, dst: torch.Tensor) -> None:
             name = chosen[id(p)]
             file = self.files[name]
             if state["file"] != file:
@@ -121,7 +122,7 @@ class Checkpoint:
             if tuple(tensor.shape) != tuple(p.shape):
                 raise ValueError(f"{file}: {name} has shape {tuple(tensor.shape)} but config.json makes it "
                                  f"{tuple(p.shape)}; the weights and the config are of different models")
-            return tensor
+            dst.copy_(tensor)
 
         def close() -> None:
             if state["handle"] is not None:
@@ -129,7 +130,7 @@ class Checkpoint:
             state["file"] = state["handle"] = None
 
         try:
-            yield read
+            yield fill
         finally:
             close()
 

@@ -22,12 +22,13 @@ from sltune.profiling.schema import TrialSpec
 
 def main(spec_data: dict[str, Any], conn, rank: int = 0, world: int = 1, port: int | None = None) -> None:
     """Entry point in a trial process: run the trial (as one rank of `world`), send one result dict, exit."""
+    started = time.perf_counter()     # just forked: setup_s counts from here
     exit_when_unread(conn)         # the worker that waits for this result died: stop at once
     spec = TrialSpec.model_validate(spec_data)
     try:
         if world > 1:
             _join(spec, rank, world, port)
-        result = run(spec, rank)
+        result = run(spec, rank, started)
         if world > 1:
             import torch.distributed as dist
 
@@ -114,13 +115,15 @@ def model_folder(model: Any) -> str | None:
     return model
 
 
-def run(spec: TrialSpec, rank: int = 0) -> dict[str, Any]:
+def run(spec: TrialSpec, rank: int = 0, started: float | None = None) -> dict[str, Any]:
     from sltune.config import SpeedLoaderConfig
     from sltune.data import batches
-    from sltune.models import build
+    from sltune.models import load_config
+    from sltune.models.seeded import SeededWeights
     from sltune.profiling.breakdown import profile_call
     from sltune.runtime.engine import SpeedLoaderEngine
 
+    started = time.perf_counter() if started is None else started
     forget_fork_server_heap()
     torch.manual_seed(spec.seed)
     if spec.cpu_threads is not None:
@@ -136,17 +139,14 @@ def run(spec: TrialSpec, rank: int = 0) -> dict[str, Any]:
     folder = model_folder(spec.model)
     if folder is not None:      # its weights straight into the engine's host buffers (none: seeded random ones)
         engine = SpeedLoaderEngine.from_pretrained(folder, cfg, optimizer=optimizer, seed=spec.seed)
-        model = engine.model
-    else:
-        # under a float32 master the weights are made in float32, as `sltune train` makes them, and the engine
-        # keeps its dtype copy beside them; otherwise in dtype (a second full copy would only inflate the peak)
-        model = build(spec.model, seed=spec.seed, dtype="float32" if train and cfg.has_master else spec.dtype)
-        engine = None
+    else:   # a preset or a config: built on the meta device, the engine's buffers filled in place, each once
+        weights = SeededWeights(load_config(spec.model), spec.seed)
+        engine = SpeedLoaderEngine(weights.empty_model(), cfg, optimizer=optimizer, weights=weights)
+    model = engine.model
+    setup = {"setup_s": time.perf_counter() - started, "host_bytes_at_start": resident_bytes()}
     if not train:
-        return _run_generate(spec, cfg, model, engine)
+        return _run_generate(spec, engine, setup)
     model.train()
-    if engine is None:
-        engine = SpeedLoaderEngine(model, cfg, optimizer=optimizer)
     data = batches(spec.rows, spec.seq_len, model.config.vocab_size, seed=spec.seed + rank)   # each rank its own rows
 
     peak_device = None
@@ -159,7 +159,7 @@ def run(spec: TrialSpec, rank: int = 0) -> dict[str, Any]:
         last[:] = [engine.train_step(next(data))]
         return last[0].seconds, last[0].tokens
 
-    timing = _measure(spec, step)
+    timing = {**_measure(spec, step), **setup}
     result: dict[str, Any] = {
         "status": "ok",
         **_headline(timing),
@@ -188,16 +188,14 @@ def _headline(timing: dict[str, Any]) -> dict[str, Any]:
     return {"tokens_per_s": timing.pop("tokens_per_s"), "step_seconds": timing["median_s"], "timing": timing}
 
 
-def _run_generate(spec: TrialSpec, cfg, model, engine=None) -> dict[str, Any]:
+def _run_generate(spec: TrialSpec, engine, setup: dict[str, Any]) -> dict[str, Any]:
     """Generation throughput: spec.rows random prompts of prompt_len tokens, new_tokens each per call.
 
     End-of-sequence stopping is off so every call generates the same number of tokens."""
     from sltune.data import batches
     from sltune.profiling.breakdown import profile_call
-    from sltune.runtime.engine import SpeedLoaderEngine
 
-    if engine is None:
-        engine = SpeedLoaderEngine(model, cfg, optimizer=None)
+    model = engine.model
     prompts = batches(spec.rows, spec.prompt_len, model.config.vocab_size, seed=spec.seed)
 
     def call(ids):
@@ -212,7 +210,7 @@ def _run_generate(spec: TrialSpec, cfg, model, engine=None) -> dict[str, Any]:
         last[:] = [call(next(prompts))]
         return last[0].seconds, last[0].new_tokens
 
-    timing = _measure(spec, step)
+    timing = {**_measure(spec, step), **setup}
     result: dict[str, Any] = {
         "status": "ok",
         **_headline(timing),

@@ -118,6 +118,12 @@ class Timing(BaseModel):
     unstable_reasons: list[str] = Field(default_factory=list)
     interference: Interference
     rounds: int = Field(1, description="timed rounds run (an unstable round is measured again)")
+    setup_s: float | None = Field(None, description="seconds from the trial's fork to its first step: building "
+                                  "the model on the meta device and filling the engine's buffers (or reading a "
+                                  "checkpoint)")
+    host_bytes_at_start: int | None = Field(None, description="the trial's resident memory when its first step "
+                                            "starts: the weights and what training keeps beside them, plus the "
+                                            "process")
 
 
 class TrialResult(BaseModel):

@@ -93,6 +93,7 @@ from sltune.runtime.sharding import ShardedParamStore
 from sltune.runtime.transfer import Copier, IOCounters
 
 if TYPE_CHECKING:
+    from sltune.models.seeded import SeededWeights
     from sltune.runtime.generate import GenerationStats
 
 IGNORE_INDEX = -100
@@ -135,11 +136,12 @@ class SpeedLoaderEngine:
 
     def __init__(self, model: nn.Module, config: SpeedLoaderConfig | dict,
                  optimizer: OptimizerFactory | None = None, *, max_grad_norm: float | None = None,
-                 track_grad_norm: bool = False, weights: "Checkpoint | None" = None):
+                 track_grad_norm: bool = False, weights: "Checkpoint | SeededWeights | None" = None):
         """`optimizer` builds the host optimizer from the parameters it steps (the float32 masters under mixed
         precision); None: an engine that only generates. `max_grad_norm` clips the global gradient norm as
         torch.nn.utils.clip_grad_norm_ on the whole model; `track_grad_norm` reports it without clipping.
-        `weights`: a checkpoint whose tensors fill the parameters (meta ones included): from_pretrained."""
+        `weights`: what fills the parameters (meta ones included): a checkpoint (from_pretrained) or
+        sltune.models.seeded.SeededWeights (a trial's)."""
         if isinstance(config, dict):
             config = SpeedLoaderConfig(**config)
         if not isinstance(config, SpeedLoaderConfig):
@@ -165,7 +167,7 @@ class SpeedLoaderEngine:
         self.model = model
         if weights is not None:
             materialize(model)
-        self.checkpoint = weights
+        self.checkpoint = weights if isinstance(weights, Checkpoint) else None   # the folder saves default to
 
         self.io = IOCounters()
         self.memory: DeviceMemory = monitor_for(self.device, config.device_memory_limit)
@@ -174,8 +176,8 @@ class SpeedLoaderEngine:
         self._build_units()
         resident = config.schedule == "resident"
         train = optimizer is not None
-        with weights.reader(model) if weights else contextlib.nullcontext() as read:
-            store = dict(train=train, master=config.has_master, read=read,
+        with weights.reader(model) if weights else contextlib.nullcontext() as fill:
+            store = dict(train=train, master=config.has_master, fill=fill,
                          on_device_accumulate=config.schedule != "canonical")
             if self.world > 1:
                 self.params = ShardedParamStore(self.units, self.dtype, self.copier, self.pool, **store)

@@ -90,11 +90,11 @@ class ParamUnit:
 
 
 T = TypeVar("T")
-WeightReader = Callable[[nn.Parameter], torch.Tensor] | None
+WeightFill = Callable[[nn.Parameter, torch.Tensor], None] | None
 
 
-def _own_data(p: nn.Parameter) -> torch.Tensor:
-    return p.data
+def copy_own_data(p: nn.Parameter, dst: torch.Tensor) -> None:
+    dst.copy_(p.data)
 
 
 def keep_order(tied: T, embed: T, head: T, groups: Sequence[T]) -> list[T]:
@@ -169,11 +169,11 @@ class ParamStore:
     _complete: frozenset[int] | set[int] = frozenset() # ... whose device buffer holds all their weights
 
     def __init__(self, units: list[ParamUnit], dtype: torch.dtype, copier: Copier, pool: BufferPool,
-                 resident: bool, train: bool = True, master: bool = False, read: WeightReader = None,
+                 resident: bool, train: bool = True, master: bool = False, fill: WeightFill = None,
                  on_device_accumulate: bool = True):
         """`train`: allocate gradients (an engine that only generates needs none). `master`: float32 master
-        weights and gradients beside the dtype copy. `read(p)` gives a parameter's initial values in any dtype
-        (a checkpoint's tensor, cast as it is copied); default its own data. `on_device_accumulate`: under a
+        weights and gradients beside the dtype copy. `fill(p, dst)` writes a parameter's initial values into its
+        view of the buffer (a checkpoint's tensor cast as it is copied, a seeded init); default its own data. `on_device_accumulate`: under a
         master, sum the sub-batches' gradients on the device in float32 (the canonical schedule offloads
         every micro-batch's instead)."""
         self.units = units
@@ -182,7 +182,7 @@ class ParamStore:
         self.resident = resident
         self.master = master and train
         self.accumulate32 = self.master and on_device_accumulate and not resident
-        read = read or _own_data
+        fill = fill or copy_own_data
         device = copier.device
 
         def alloc(numel: int, dt: torch.dtype) -> torch.Tensor:
@@ -205,7 +205,7 @@ class ParamStore:
             if self.master:
                 unit.master = alloc(unit.numel, torch.float32)
             for p, view in zip(unit.params, unit._views(unit.stepped, unit.offsets)):
-                view.copy_(read(p))
+                fill(p, view)
             if unit.master is not None:
                 unit.host.copy_(unit.master)
             unit.has_grads = goff > 0

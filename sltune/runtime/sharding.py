@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.distributed.nn.functional  # noqa: F401
 from torch import nn
 
-from sltune.runtime.params import BufferPool, ParamStore, ParamUnit, WeightReader
+from sltune.runtime.params import BufferPool, ParamStore, ParamUnit, WeightFill, copy_own_data
 from sltune.runtime.regions import region
 from sltune.runtime.transfer import Copier
 
@@ -37,7 +37,7 @@ class ShardedParamStore(ParamStore):
     """The ParamStore interface over sharded units; the model's parameters hold no data between loads."""
 
     def __init__(self, units: list[ParamUnit], dtype: torch.dtype, copier: Copier, pool: BufferPool,
-                 train: bool = True, master: bool = False, read: WeightReader = None,
+                 train: bool = True, master: bool = False, fill: WeightFill = None,
                  on_device_accumulate: bool = True):
         self.units = units
         self.copier = copier
@@ -47,7 +47,7 @@ class ShardedParamStore(ParamStore):
         self.accumulate32 = self.master and on_device_accumulate
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.shard_params: list[nn.Parameter] = []
-        read = read or (lambda p: p.data)
+        fill = fill or copy_own_data
         device = copier.device
         for unit in units:
             if not unit.params:
@@ -60,7 +60,7 @@ class ShardedParamStore(ParamStore):
             off = 0
             unit.offsets, unit.grad_offsets = [], []
             for p in unit.params:
-                full[off:off + p.numel()].copy_(read(p).reshape(-1))
+                fill(p, full[off:off + p.numel()].view(p.shape))
                 unit.offsets.append(off)
                 unit.grad_offsets.append(off if p.requires_grad else None)
                 off += p.numel()

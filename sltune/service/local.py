@@ -32,6 +32,7 @@ def tune(spec: TuningSpec | dict[str, Any] | str | Path, db: str | None = None, 
                                                                           "strategy": strategy}})
     if db:
         settings = settings.model_copy(update={"db": db})
+    _fits_this_machine(spec, settings)
     store = Store(settings.db_url())
     job = store.job(job_id) if job_id else store.resumable(spec.digest())
     if job is None:
@@ -54,3 +55,19 @@ def tune(spec: TuningSpec | dict[str, Any] | str | Path, db: str | None = None, 
         store.interrupt_running_trials(job.id, worker.id)
         store.set_status(job.id, "queued", holder=worker.id, worker_id=None, lease_expires_at=None)
         raise
+
+
+def _fits_this_machine(spec: TuningSpec, settings: Settings) -> None:
+    """A spec with no host_memory_limit runs its trials under this machine's ceiling: refused before any trial
+    when no config can fit it, as the server refuses it under its own (a 70B spec's trials would each grow to
+    the ceiling and be killed)."""
+    if spec.hardware.host_memory_limit is not None:
+        return
+    from sltune.tuning.shape import host_shortfall, shape_of
+
+    shape = shape_of(spec.model.source, spec.model.dtype)
+    short = host_shortfall(shape, spec.workload.mode, spec.model.mixed_precision, spec.optimizer,
+                           spec.hardware.world_size, settings.trial_host_limit())
+    if short:
+        raise ValueError(f"hardware.host_memory_limit is not set, so {settings.trial_host_limit_source()} is the "
+                         f"limit: {short}")

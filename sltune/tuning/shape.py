@@ -7,6 +7,7 @@ lower bounds a limit must clear.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -91,6 +92,41 @@ class ModelShape:
     def min_host_bytes(self, mode: str, mixed_precision: bool = True, optimizer: Any = None) -> int:
         """The weights in host memory; training adds the master, gradients and optimizer state (host_terms)."""
         return sum(n for _, n in self.host_terms(mode, mixed_precision, optimizer))
+
+
+def host_shortfall(shape: ModelShape, mode: str, mixed_precision: bool, optimizer: Any, ranks: int,
+                   limit: int) -> str | None:
+    """None when what any config holds in host memory fits `limit` on each of `ranks` ranks; else the line
+    that says what it needs, term by term, and what would fit: more ranks, or a smaller recipe."""
+    from sltune.sizes import format_bytes
+    from sltune.training.optimizer import OptimizerConfig
+
+    def need(mixed: bool, opt: Any, world: int) -> tuple[int, list[tuple[str, int]]]:
+        terms = [(what, n // world) for what, n in shape.host_terms(mode, mixed, opt)]
+        return sum(n for _, n in terms), terms
+
+    total, terms = need(mixed_precision, optimizer, ranks)
+    if total <= limit:
+        return None
+    listed = ", ".join(f"{what} {format_bytes(n)}" for what, n in terms)
+    per = f" on each of {ranks} ranks" if ranks > 1 else ""
+    would = []
+    whole = need(mixed_precision, optimizer, 1)[0]
+    if mode == "train":
+        world = -(-whole // max(limit, 1))
+        would.append(f"hardware.world_size {world} (each rank holds 1/{world})")
+        if mixed_precision and shape.dtype != "float32" and need(False, optimizer, ranks)[0] <= limit:
+            would.append(f"model.mixed_precision false (one {shape.dtype} copy, no float32 master)")
+        sgd = OptimizerConfig(name="sgd")
+        if (optimizer is None or optimizer.name != "sgd" or optimizer.momentum) and \
+                need(mixed_precision, sgd, ranks)[0] <= limit:
+            would.append("optimizer sgd without momentum (no optimizer state)")
+    if shape.dtype == "float32":
+        half = dataclasses.replace(shape, dtype="bfloat16", itemsize=2, param_bytes=shape.param_bytes // 2)
+        if sum(n for _, n in half.host_terms(mode, mixed_precision, optimizer)) // ranks <= limit:
+            would.append("model.dtype bfloat16")
+    return (f"needs {format_bytes(total)} host{per}: {listed}; the limit is {format_bytes(limit)}. "
+            f"What would fit: {'; or '.join(would) if would else 'a smaller model'}")
 
 
 def shape_of(model: Any, dtype: str = "float32") -> ModelShape:

@@ -147,3 +147,19 @@ def test_loading_a_checkpoint_to_train_holds_the_documented_bytes(tmp_path):
     # loading alone holds the weights, the master and the gradients; AdamW's moments come with the first step
     at_load = formula - terms["AdamW's two moments in float32"]
     assert abs(measured["loaded"] - at_load) <= 0.10 * at_load, (measured, terms)
+
+
+@pytest.mark.parametrize("preset", ["gpt2-tiny", "opt-tiny", "qwen2-tiny", "mistral-tiny", "llama-tiny-tied"])
+def test_every_family_trains_from_and_saves_to_a_folder_transformers_wrote(tmp_path, preset):
+    """config.json as each family's save_pretrained writes it (OPT's private _remove_final_layer_norm too); the
+    saved masters are what transformers loads back."""
+    build(preset, seed=1).save_pretrained(tmp_path / "src")
+    engine = SpeedLoaderEngine.from_pretrained(tmp_path / "src", SpeedLoaderConfig(dtype="bfloat16", sub_batch_size=2,
+                                               num_sub_batches=2), optimizer=OptimizerConfig().factory)
+    engine.train_step(batch())
+    engine.save_pretrained(tmp_path / "out")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    ours = engine.state_dict()
+    assert loaded.dtype == torch.float32                    # the source's dtype
+    for name, value in loaded.state_dict().items():
+        assert torch.equal(value, ours[name]), name

@@ -93,12 +93,17 @@ def load_config(model: Any, source: str | None = None):
             path = path / "config.json"
         if not path.is_file():
             raise ValueError(
-                f"model {model!r} is neither a preset nor a config.json file; presets: {', '.join(PRESETS)}"
+                f"{source + ': ' if source else f'model {model!r} is '}neither a preset nor a config.json file; "
+                f"presets: {', '.join(PRESETS)}"
             )
         source = source or str(path)
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        except UnicodeDecodeError:
+            raise ValueError(f"{source}: {_binary(path)}, not a model config; give a preset ({', '.join(PRESETS)}), "
+                             "a transformers config.json or a Hugging Face model folder (config.json and "
+                             "model.safetensors, as `sltune train --save DIR` writes)") from None
+        except json.JSONDecodeError as err:
             raise ValueError(f"{source}: not valid JSON ({err})") from None
         except OSError as err:
             raise ValueError(f"{source}: cannot be read ({err.strerror or type(err).__name__})") from None
@@ -111,6 +116,16 @@ def load_config(model: Any, source: str | None = None):
             f"model family {config.model_type!r} is not supported; supported families: {', '.join(SUPPORTED_FAMILIES)}"
         )
     return config
+
+
+def _binary(path: Path) -> str:
+    """What a file that is not text probably is: torch.save writes a zip archive (or, before torch 1.6 and
+    with _use_new_zipfile_serialization=False, a pickle)."""
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if head.startswith(b"PK\x03\x04") or head[:1] == b"\x80":
+        return "a PyTorch checkpoint (torch.save: a zip or pickle of tensors)"
+    return "a binary file"
 
 
 # Sizes beyond any real model: a config above them is refused before anything is built from it.
@@ -131,12 +146,16 @@ _CODE_KEYS = {"auto_map", "trust_remote_code", "attn_implementation", "quantizat
 # where it came from, the class that saved it and the dtype of the weights beside it. Metadata, not code:
 # accepted and dropped (sltune builds the family's standard class, in the dtype the config or flags give).
 METADATA_KEYS = ("transformers_version", "_name_or_path", "architectures", "torch_dtype", "dtype")
+# private fields a family's own config class declares (OPT's save_pretrained writes _remove_final_layer_norm):
+# the family's standard options, accepted as any other field of its config
+FAMILY_PRIVATE_KEYS = {"opt": ("_remove_final_layer_norm",)}
 
 
 def hf_config_schema() -> dict[str, Any]:
     """The JSON schema of an inline config as _from_dict checks it, for the API's OpenAPI document."""
     sizes = {key: {"type": "integer", "minimum": 1, "maximum": bound} for key, bound in _BOUNDS.items()}
-    private = {"allOf": [{"pattern": "^_"}, {"not": {"enum": [k for k in METADATA_KEYS if k.startswith("_")]}}]}
+    allowed = [k for k in METADATA_KEYS if k.startswith("_")] + [k for ks in FAMILY_PRIVATE_KEYS.values() for k in ks]
+    private = {"allOf": [{"pattern": "^_"}, {"not": {"enum": allowed}}]}
     return {"type": "object", "required": ["model_type"],
             "properties": {"model_type": {"enum": list(SUPPORTED_FAMILIES)}, **sizes},
             "propertyNames": {"not": {"anyOf": [{"enum": sorted(_CODE_KEYS)}, private]}}}
@@ -162,7 +181,7 @@ def _from_dict(data: dict[str, Any], source: str):
             f"{source}: model family {family!r} is not supported; supported families: {', '.join(SUPPORTED_FAMILIES)}"
         )
     for key in data:
-        if key in _CODE_KEYS or key.startswith("_"):
+        if key in _CODE_KEYS or (key.startswith("_") and key not in FAMILY_PRIVATE_KEYS.get(family, ())):
             raise ValueError(f"{source}: '{key}' is not accepted: it can load code or kernels from outside; "
                              "sltune builds the standard families with their standard attention")
     try:

@@ -10,14 +10,17 @@ import anyio.to_thread
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi_offline import FastAPIOffline
+from sqlalchemy.exc import SQLAlchemyError
 
 from sltune import __version__
-from sltune.api.errors import SpecInvalid, on_request_invalid, on_spec_invalid
+from sltune.api.errors import SpecInvalid, on_request_invalid, on_spec_invalid, on_store_error, on_unexpected
 from sltune.api.limits import BodyLimit, NoNul
 from sltune.api.routes import router
 from sltune.dashboards.pages import router as dashboard_router
 from sltune.profiling import forks
 from sltune.profiling.lifeline import die_with_parent
+from sltune.service.ceilings import schema_maxima
+from sltune.service.health import HealthWatch
 from sltune.service.validation import SpecChecker
 from sltune.settings import Settings
 from sltune.store import Store
@@ -38,6 +41,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         anyio.to_thread.current_default_thread_limiter().total_tokens = settings.api_threads
         app.state.checker = SpecChecker(settings)
         await app.state.checker.warm_up()
+        app.state.health = HealthWatch(app.state.store, settings)
+        await app.state.health.start()
         # torch and transformers (loaded for the dashboards and the spec checks) leave millions of objects
         # that a full garbage collection walks: 150-250 ms pauses, the whole p99 at 32 clients. They live
         # as long as the server, so they leave the collector's view.
@@ -46,6 +51,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         try:
             yield
         finally:
+            app.state.health.close()
             app.state.checker.close()
 
     # Swagger UI and ReDoc from files fastapi-offline installs: /docs works without internet access
@@ -56,6 +62,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.store = Store(settings.db_url())
     app.add_exception_handler(SpecInvalid, on_spec_invalid)
     app.add_exception_handler(RequestValidationError, on_request_invalid)
+    app.add_exception_handler(SQLAlchemyError, on_store_error)       # 503 unreachable, 507 full
+    app.add_exception_handler(Exception, on_unexpected)              # a 500 is JSON too
     app.add_middleware(BodyLimit, limit=settings.max_request_bytes)
     app.add_middleware(NoNul)
     app.include_router(router)
@@ -81,6 +89,7 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
         components = schema.setdefault("components", {}).setdefault("schemas", {})
         components.update(spec.pop("$defs", {}))
         components["TuningSpec"] = spec
+        _state_maxima(components, schema_maxima(app.state.settings))
         for operation in (op for item in schema["paths"].values() for op in item.values()):
             for code, response in operation.get("responses", {}).items():
                 if code.isdigit() and int(code) >= 400:     # errors are JSON whatever the route's media type
@@ -90,3 +99,13 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
             "operationId": schema["paths"]["/jobs/{job_id}"]["get"]["operationId"],
             "parameters": {"job_id": "$response.body#/job_id"}}}
     return app.openapi_schema
+
+
+def _state_maxima(components: dict[str, Any], maxima: dict[str, dict[str, float]]) -> None:
+    """This server's ceilings as each field's `maximum` (on its number branch, for an optional field)."""
+    for model, fields in maxima.items():
+        for name, ceiling in fields.items():
+            prop = components[model]["properties"][name]
+            for branch in prop.get("anyOf", [prop]):
+                if branch.get("type") in ("integer", "number"):
+                    branch["maximum"] = min(branch.get("maximum", ceiling), ceiling)

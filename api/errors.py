@@ -3,10 +3,16 @@ the CLI prints for a spec; never the offending input (NaN, say, would not even e
 
 from __future__ import annotations
 
+import logging
+
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
+
+from sltune.store.faults import describe, is_full, is_unreachable
+
+log = logging.getLogger("sltune.api")
 
 
 class Problem(BaseModel):
@@ -51,6 +57,27 @@ async def on_request_invalid(request: Request, exc: RequestValidationError) -> J
     return JSONResponse({"detail": detail}, status_code=422)
 
 
+async def on_store_error(request: Request, exc: Exception) -> JSONResponse:
+    """The store failed under a request: 507 when it cannot write (a full disk), 503 when the database cannot
+    be reached (retry later); anything else is a 500, in JSON like every other answer."""
+    if is_full(exc):
+        log.error("%s %s: the store cannot write: %s", request.method, request.url.path, describe(exc))
+        return JSONResponse({"detail": "the server's storage is full, so nothing can be stored; free space in its "
+                                       "data directory (or on the database's disk) and retry"}, status_code=507)
+    if is_unreachable(exc):
+        log.error("%s %s: the database is unreachable: %s", request.method, request.url.path, describe(exc))
+        return JSONResponse({"detail": "the database is unreachable; retry in a few seconds"}, status_code=503,
+                            headers={"Retry-After": "5"})
+    log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+    return await on_unexpected(request, exc)
+
+
+async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+    """Any other failure: a JSON 500 (Starlette then logs the traceback)."""
+    return JSONResponse({"detail": f"internal error ({type(exc).__name__}); the server's log has the details"},
+                        status_code=500)
+
+
 RESPONSES = {
     401: {"model": Problem, "description": "missing or wrong bearer token"},
     404: {"model": Problem, "description": "no such job, trial or trace"},
@@ -58,6 +85,7 @@ RESPONSES = {
     413: {"model": Problem, "description": "request body over SLTUNE_MAX_REQUEST_BYTES"},
     422: {"model": Invalid, "description": "a field is invalid; each msg names it and the fix"},
     503: {"model": Problem, "description": "busy or the database is unreachable; retry later"},
+    507: {"model": Problem, "description": "the server's storage is full; nothing was stored"},
 }
 
 

@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any, Literal
 
 from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request, status
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import FileResponse, PlainTextResponse
-from sqlalchemy import text
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
 
-from sltune import __version__
 from sltune.api.auth import require_token
 from sltune.api.errors import SpecInvalid, responses
+from sltune.api.examples import TUNE_EXAMPLE
 from sltune.api.schemas import Accepted, Health, JobDetail, JobSummary, TrialOut
 from sltune.service.jobs import job_detail, job_summary
 from sltune.service.validation import Busy
@@ -22,9 +20,10 @@ from sltune.tuning.spec import TuningSpec
 router = APIRouter()
 JobId = Path(min_length=1, max_length=32, description="a job id, as POST /tune returned it")
 Status = Literal["queued", "running", "succeeded", "failed", "cancelled"]
-# POST /tune reads its body itself (checked off the event loop), so its schema is given here
+# POST /tune reads its body itself (checked off the event loop), so its schema is given here, with the
+# README's spec as the example /docs and /redoc show and "Try it out" sends
 TUNE_BODY = {"requestBody": {"required": True, "content": {
-    "application/json": {"schema": {"$ref": "#/components/schemas/TuningSpec"}}}}}
+    "application/json": {"schema": {"$ref": "#/components/schemas/TuningSpec"}, "example": TUNE_EXAMPLE}}}}
 
 
 def store(request: Request):
@@ -33,12 +32,11 @@ def store(request: Request):
 
 @router.post("/tune", status_code=status.HTTP_202_ACCEPTED, response_model=Accepted,
              dependencies=[Depends(require_token)], openapi_extra=TUNE_BODY,
-             responses=responses(401, 413, 422, 503),
+             responses=responses(401, 413, 422, 503, 507),
              summary="Queue a tuning job (the body is the tuning spec)")
 async def post_tune(request: Request) -> Accepted:
-    data = _json(await request.body())
     try:
-        verdict = await request.app.state.checker.check(data)
+        verdict = await request.app.state.checker.check(await request.body())    # parsed off the event loop
     except Busy as err:
         raise HTTPException(503, str(err), headers={"Retry-After": "5"}) from None
     if verdict.errors:
@@ -87,17 +85,22 @@ def get_trace(request: Request, job_id: str = JobId, number: int = Path(ge=0, le
     return FileResponse(path, media_type="application/json", filename=f"{job_id}-trial-{number}.json")
 
 
-@router.get("/jobs/{job_id}/config.yaml", response_class=PlainTextResponse,
-            responses={200: {"content": {"application/yaml": {"schema": {"type": "string"}}},
-                             "description": "the YAML SpeedLoaderConfig.from_yaml reads"},
-                       **responses(404, 409, 422)},
+class YamlResponse(PlainTextResponse):
+    media_type = "application/yaml"
+
+
+# declared as what a YAML parser reads from it (a mapping), in the one media type it is served as
+@router.get("/jobs/{job_id}/config.yaml", response_class=YamlResponse,
+            responses={200: {"content": {"application/yaml": {"schema": {
+                "type": "object", "description": "the knobs, schedule, device and dtype; the measured and "
+                "predicted peaks and throughput; the fitted models; where it came from"}}},
+                "description": "the YAML SpeedLoaderConfig.from_yaml reads"}, **responses(404, 409, 422)},
             summary="The best config, as the YAML SpeedLoaderConfig.from_yaml reads")
-def get_config(request: Request, job_id: str = JobId) -> PlainTextResponse:
+def get_config(request: Request, job_id: str = JobId) -> YamlResponse:
     job = _job(request, job_id)
     if job.status != "succeeded":
         raise HTTPException(409, f"job {job_id} is {job.status}; the config exists once it has succeeded")
-    return PlainTextResponse(export_yaml(TuningSpec.model_validate(job.spec), job.result),
-                             media_type="application/yaml")
+    return YamlResponse(export_yaml(TuningSpec.model_validate(job.spec), job.result))
 
 
 @router.post("/jobs/{job_id}/cancel", response_model=JobSummary, dependencies=[Depends(require_token)],
@@ -109,25 +112,14 @@ def cancel(request: Request, job_id: str = JobId) -> Any:
     return job_summary(job)
 
 
-@router.get("/healthz", response_model=Health, responses=responses(503))
-def healthz(request: Request) -> Health:
-    try:
-        with store(request).Session() as s:
-            s.execute(text("SELECT 1"))
-    except Exception as err:  # noqa: BLE001 - reported, not raised
-        raise HTTPException(503, f"database unreachable: {type(err).__name__}") from None
-    return Health(status="ok", database="ok", version=__version__)
-
-
-def _json(body: bytes) -> Any:
-    """The body as JSON; NaN and Infinity, which Python's parser would take, are refused like any typo."""
-    def no_constants(name: str) -> Any:
-        raise ValueError(f"{name} is not a JSON number; give a finite number")
-
-    try:
-        return json.loads(body, parse_constant=no_constants)
-    except ValueError as err:       # JSONDecodeError is a ValueError too
-        raise SpecInvalid([("", f"the body is not valid JSON: {err}")]) from None
+@router.get("/healthz", response_model=Health,
+            responses={503: {"model": Health, "description": "the database is unreachable, too few workers are "
+                                                             "alive, or the data directory is short of space: "
+                                                             "`problems` says which"}},
+            summary="The database, the live workers and the free space (503 when any is wrong)")
+async def healthz(request: Request) -> Any:
+    code, body = request.app.state.health.answer()        # kept fresh by a thread of its own
+    return body if code == 200 else JSONResponse(body, status_code=code)
 
 
 def _job(request: Request, job_id: str):

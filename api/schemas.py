@@ -56,6 +56,9 @@ class TrialOut(BaseModel):
 
 
 class Health(BaseModel):
-    status: str
-    database: str
+    status: str = Field(description="ok, or unavailable (503) with the reasons in problems")
+    database: str = Field(description="ok, or why it cannot be reached")
+    workers: int | None = Field(None, description="live workers (those that touched the store within a lease)")
+    free_bytes: int | None = Field(None, description="free space in the data directory")
+    problems: list[str] = Field(default_factory=list, description="what makes this server unavailable")
     version: str

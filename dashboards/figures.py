@@ -26,6 +26,7 @@ BREAKDOWN_COLORS = {"compute": "#4c78a8", "memcpy": "#f58518", "cpu": "#54a24b",
                     "reduce_scatter": "#e45756", "other": "#bab0ac"}
 STATUS_COLORS = {"ok": "#2ca02c", "oom": "#d62728", "failed": "#7f7f7f", "timeout": "#ff7f0e",
                  "running": "#1f77b4", "interrupted": "#bcbd22"}
+CONFIRM_COLOR = "#9467bd"     # confirmation trials: re-measurements of the finalists, not search steps
 LIVE_BLOCK_COLORS = ["#4c78a8", "#f58518", "#54a24b", "#b279a2", "#e45756", "#72b7b2", "#eeca3b", "#9d755d"]
 PIE_LIMIT = 12
 MIB = 1024 * 1024
@@ -95,13 +96,14 @@ def _fmt_bytes(v: float | None) -> str:
 
 
 def _log_toggle(fig: go.Figure, log: bool = False) -> go.Figure:
-    """Buttons that switch every y axis between linear and log: one outlier no longer squashes the rest."""
+    """Buttons that switch every y axis between linear and log: one outlier no longer squashes the rest. They
+    sit above the plot's top-left corner: Plotly's mode bar takes the top-right one."""
     axes = [k for k in fig.layout.to_plotly_json() if k.startswith("yaxis")] or ["yaxis"]
 
     def scale(kind: str) -> dict[str, str]:
         return {f"{a}.type": kind for a in axes} | {f"{a}.autorange": True for a in axes}
 
-    fig.update_layout(updatemenus=[dict(type="buttons", direction="right", x=1.0, xanchor="right", y=1.13,
+    fig.update_layout(updatemenus=[dict(type="buttons", direction="right", x=0.0, xanchor="left", y=1.13,
                                         yanchor="bottom", showactive=True, active=1 if log else 0,
                                         buttons=[dict(label="linear y", method="relayout", args=[scale("linear")]),
                                                  dict(label="log y", method="relayout", args=[scale("log")])])])
@@ -219,24 +221,33 @@ def _short(text: Any, n: int = 160) -> str:
 
 # -- history, importance, parallel coordinates, seconds per trial -------------------------------------
 def history_figure(trials: Iterable[dict[str, Any]]) -> go.Figure | None:
-    """tokens/s of each trial in the order they ran, and the best so far: how fast the search got there."""
+    """tokens/s of each trial in the order they ran, and the best so far: how fast the search got there.
+    Confirmation trials re-measure the finalists at other moments: they get their own marker and stay out of
+    the best-so-far line, which is the search's (a round the machine ran faster would lift it past anything
+    the search found)."""
     done = sorted((t for t in trials if status_of(t) not in ("running", "interrupted")),
                   key=lambda t: t.get("number") or 0)
     if not done:
         return None
     fig = go.Figure()
     for status in ("ok", "oom", "failed", "timeout"):
-        sel = [t for t in done if status_of(t) == status]
-        if not sel:
-            continue
-        ok = status == "ok"
-        fig.add_trace(go.Scatter(
-            x=[t.get("number") for t in sel], y=[tokens_per_s(t) if ok else 0.0 for t in sel], mode="markers",
-            name="trial" if ok else status, text=[_hover_config(t) for t in sel],
-            marker=dict(size=10 if ok else 12, symbol="circle" if ok else "x", color=STATUS_COLORS[status]),
-            hovertemplate="%{text}<br>" + ("%{y:,.1f} tokens/s" if ok else status) + "<extra></extra>"))
+        for confirm in (False, True):
+            sel = [t for t in done if status_of(t) == status and (t.get("role") == "confirm") == confirm]
+            if not sel:
+                continue
+            ok = status == "ok"
+            name = ("confirmation trial" if confirm else "search trial") if ok else status
+            fig.add_trace(go.Scatter(
+                x=[t.get("number") for t in sel], y=[tokens_per_s(t) if ok else 0.0 for t in sel], mode="markers",
+                name=name, legendgroup=name, showlegend=ok or not any(tr.name == name for tr in fig.data),
+                text=[_hover_config(t) for t in sel],
+                marker=dict(size=10 if ok else 12, symbol=("diamond" if confirm else "circle") if ok else "x",
+                            color=CONFIRM_COLOR if ok and confirm else STATUS_COLORS[status]),
+                hovertemplate="%{text}<br>" + ("%{y:,.1f} tokens/s" if ok else status) + "<extra></extra>"))
     best, xs, ys = None, [], []
     for t in done:
+        if t.get("role") == "confirm":
+            continue
         v = tokens_per_s(t) if status_of(t) == "ok" else None
         if v is not None and (best is None or v > best):
             best = v
@@ -244,8 +255,9 @@ def history_figure(trials: Iterable[dict[str, Any]]) -> go.Figure | None:
             xs.append(t.get("number"))
             ys.append(best)
     if xs:
-        fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines", name="best so far", line=dict(color="#d62728", shape="hv"),
-                                 hovertemplate="best so far %{y:,.1f} tokens/s<extra></extra>"))
+        fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines", name="best so far (search trials only)",
+                                 line=dict(color="#d62728", shape="hv"),
+                                 hovertemplate="best search trial so far %{y:,.1f} tokens/s<extra></extra>"))
     fig.update_xaxes(title_text="trial #", dtick=1 if len(done) <= 30 else None)
     fig.update_yaxes(title_text="tokens/s", rangemode="tozero")
     fig.update_layout(legend=dict(orientation="h", y=-0.2, x=0))

@@ -132,7 +132,7 @@ def _describe(err: ValidationError) -> str:
     parts = []
     for e in err.errors():
         where = ".".join(str(p) for p in e["loc"]) or "config"
-        msg = e["msg"].removeprefix("Value error, ")
+        msg = e["msg"].removeprefix("Value error, ").removeprefix(f"{where}: ")   # a validator's own naming
         if e["type"] == "extra_forbidden":
             msg = "unknown field; check the spelling (fields: " + ", ".join(SpeedLoaderConfig.model_fields) + ")"
         parts.append(f"{where}: {msg}")

@@ -107,7 +107,8 @@ def _fresh_pg_database(server_url: str):
 
     from sltune.store.db import normalize_url
 
-    admin = sa.create_engine(normalize_url(server_url), isolation_level="AUTOCOMMIT")
+    # pre-pinged: a test may restart the server between this database's creation and its drop
+    admin = sa.create_engine(normalize_url(server_url), isolation_level="AUTOCOMMIT", pool_pre_ping=True)
     name = f"sltune_t_{uuid.uuid4().hex[:10]}"
     with admin.connect() as c:
         c.execute(sa.text(f'CREATE DATABASE "{name}"'))

@@ -5,6 +5,7 @@ import io
 import json
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -129,15 +130,40 @@ def test_the_process_exit_codes(jobs):
                                            "--db", db], capture_output=True, text=True, timeout=300).stdout
 
 
-def test_remeasure_runs_both_bests_here_interleaved(jobs):
-    """The two jobs' stored figures say 30% slower; re-measured side by side (the same spec, so the same
-    speed) the paired interval decides, and it does not say regression beyond 25%."""
+def test_remeasure_runs_both_bests_here_interleaved(jobs, monkeypatch):
+    """The two jobs' stored figures say 30% slower; re-measured side by side the paired interval decides. The
+    re-measurements are set here (issue #23: real ones beside a busy process once judged a same-spec re-run a
+    regression beyond 25%): the new side runs a known 10% slower, and the machine changes between rounds
+    (0.6x, then 1.3x, the way another process comes and goes). Paired, the ratio is the 10% whatever the
+    machine did: within a 25% allowance, a regression against 5%."""
+    import sltune.profiling
+
     db, ids = jobs
-    code, r, err = _compare(db, ids["base"], ids["slower"], "--remeasure", "--rounds", "2", "--max-regression", "25%")
+    order = ["old", "new", "new", "old", "old", "new"]           # interleaved: each round swaps who goes first
+    machine = [1.0, 0.6, 1.3]
+    ran = []
+
+    def run_trial(spec, stop=None):
+        i = len(ran)
+        ran.append(spec)
+        speed = 1800.0 * machine[i // 2] * (0.9 if order[i] == "new" else 1.0)
+        tokens = spec.sub_batch_size * spec.num_sub_batches * spec.seq_len
+        steps = (tokens / speed * np.random.default_rng(i).lognormal(0.0, 0.01, 20)).tolist()
+        return SimpleNamespace(model_dump=lambda mode=None: {
+            "status": "ok", "tokens_per_s": speed, "step_seconds": float(np.median(steps)),
+            "timing": {"steps_s": steps, "median_s": float(np.median(steps)), "tokens_per_step": tokens}})
+
+    monkeypatch.setattr(sltune.profiling, "run_trial", run_trial)
+    code, r, err = _compare(db, ids["base"], ids["slower"], "--remeasure", "--rounds", "3", "--max-regression", "25%")
     assert code == 0, (r, err)
-    assert r["remeasured"]["rounds"] == 2 and len(r["remeasured"]["new_round_medians"]) == 2
+    assert len(ran) == 6 and all(s.sub_batch_size == 2 and not s.profile for s in ran)   # each job's best, as specced
+    assert r["remeasured"]["rounds"] == 3 and len(r["remeasured"]["new_round_medians"]) == 3
     assert r["remeasured"]["from_jobs"]["verdict"] == "regression"
-    assert r["verdict"] != "regression" and r["ci95"][1] > 0.75
+    assert r["ratio"] == pytest.approx(0.9, rel=0.01) and r["ci95"][0] < 0.9 < r["ci95"][1] < 1.0
+    assert r["verdict"] == "no regression"
+    ran.clear()
+    code, r, err = _compare(db, ids["base"], ids["slower"], "--remeasure", "--rounds", "3")
+    assert code == 1 and r["verdict"] == "regression" and r["ratio"] == pytest.approx(0.9, rel=0.01), (r, err)
 
 
 def test_trials_from_before_weights_on_device_compare_as_keeping_none():
@@ -154,7 +180,16 @@ def test_trials_from_before_weights_on_device_compare_as_keeping_none():
 
 
 def test_help_texts_render():
-    for argv in (["--help"], ["compare", "--help"], ["profile", "--help"]):
+    """Every command's -h; none shows argparse's escaped "%%" (a description, unlike a help, is printed as
+    written: `compare -h` said "95%%")."""
+    import argparse
+
+    from sltune.cli.main import parser
+
+    commands = next(a for a in parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    for argv in [["--help"]] + [[name, "--help"] for name in commands]:
         with contextlib.redirect_stdout(io.StringIO()) as out, pytest.raises(SystemExit) as done:
             main(argv)
-        assert done.value.code == 0 and "usage" in out.getvalue()
+        assert done.value.code == 0 and "usage" in out.getvalue() and "%%" not in out.getvalue(), argv
+        if argv[0] == "compare":
+            assert "the 95% interval of new/old" in " ".join(out.getvalue().split())

@@ -3,6 +3,7 @@ headless Chromium against a real server with a real (tiny) tuning job."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
@@ -122,11 +123,29 @@ def test_history_draws_every_trial_in_order_and_the_best_so_far():
     trials = realistic_trials()
     fig = figures.history_figure(trials)
     by_name = {tr.name: tr for tr in fig.data}
-    assert list(by_name["trial"].x) == [0, 1, 2, 4, 5, 6, 7, 8] and list(by_name["oom"].x) == [3]
-    best = by_name["best so far"]
+    assert list(by_name["search trial"].x) == [0, 1, 2, 4, 5, 6, 7, 8] and list(by_name["oom"].x) == [3]
+    best = by_name["best so far (search trials only)"]
     assert list(best.x) == list(range(9))
     assert list(best.y) == [74.2, 97.6, 372.2, 372.2, 372.2, 372.2, 372.2, 372.2, 1618.8]
     assert [b.label for b in fig.layout.updatemenus[0].buttons] == ["linear y", "log y"]
+
+
+def test_history_draws_confirmation_trials_apart_and_keeps_them_out_of_the_best_so_far():
+    """Issue #23: the confirmation round re-measured the pick while the machine ran faster; plotted as search
+    trials, they lifted the best-so-far line past anything the search found."""
+    trials = realistic_trials()
+    last = trials[-1]
+    for number, tps in ((9, 2500.0), (10, 400.0), (11, 2400.0)):
+        trials.append({**last, "number": number, "role": "confirm",
+                       "result": {**last["result"], "tokens_per_s": tps}})
+    fig = figures.history_figure(trials)
+    by_name = {tr.name: tr for tr in fig.data}
+    assert list(by_name["search trial"].x) == [0, 1, 2, 4, 5, 6, 7, 8]
+    confirm = by_name["confirmation trial"]
+    assert list(confirm.x) == [9, 10, 11] and list(confirm.y) == [2500.0, 400.0, 2400.0]
+    assert confirm.marker.symbol != by_name["search trial"].marker.symbol
+    best = by_name["best so far (search trials only)"]
+    assert list(best.x) == list(range(9)) and max(best.y) == 1618.8
 
 
 def test_parallel_coordinates_and_seconds_per_trial_cover_the_ok_trials():
@@ -312,9 +331,9 @@ def test_job_list_shows_every_job_with_status_progress_best_and_links(site):
     assert "1,618.8" in r.text and "s-succeeded" in r.text and "s-queued" in r.text and "<progress" in r.text
     # a finished job that stopped before max_trials (12) has a full bar; a running one counts to its max
     done_row = r.text.split(f"/dashboard/jobs/{ids['done']}'>")[1].split("</tr>")[0]
-    assert '<progress max="8" value="8">' in done_row and "8/8" in done_row
+    assert '<progress max="8" value="8">' in done_row and "8 search + 0 confirm" in done_row
     running_row = r.text.split(f"/dashboard/jobs/{ids['running']}'>")[1].split("</tr>")[0]
-    assert '<progress max="12" value="3">' in running_row
+    assert '<progress max="12" value="3">' in running_row and "3/12 search" in running_row
     assert XSS not in r.text and html_escaped(XSS) in r.text
     assert 'http-equiv="refresh"' in r.text            # a job is still running
     _no_cdn(r.text)
@@ -342,7 +361,7 @@ def test_job_page_has_every_section_and_the_links(site):
         assert f">{heading}</h2>" in text
     assert "Not enough successful trials with different knobs to say yet." in text
     assert "<table id='trials'>" in text and "sltuneSort(this)" in text and "oninput='sltuneFilter(this)'" in text
-    assert "8 trials, finished" in text and "s left" not in text      # a finished job: no time left
+    assert "8 search + 0 confirm trials, finished" in text and "s left" not in text   # finished: no time left
     assert f"href='/jobs/{ids['done']}/config.yaml'" in text
     for n in (0, 1, 2, 4, 5, 6, 7, 8):
         assert f"/jobs/{ids['done']}/trials/{n}/trace" in text
@@ -407,6 +426,115 @@ def test_plotly_js_is_served_by_the_app_with_caching_headers(site):
     assert plain.content == bundled and "content-encoding" not in plain.headers
     again = client.get("/dashboard/static/plotly.min.js", headers={"if-none-match": r.headers["etag"]})
     assert again.status_code == 304
+
+
+# -- one job, one best figure (issue #23) ----------------------------------------------------------
+def test_the_post_tune_example_is_the_readme_spec_and_the_server_accepts_it(site):
+    """Swagger's and ReDoc's example body was made up from the schema (preset "string", sub_batch_size 0) and
+    refused; it is the README's spec now, and "Try it out" queues a job."""
+    import yaml
+
+    client, _ = site
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = readme.split("A tuning spec (`examples/tiny-llama-cpu.yaml`", 1)[1].split("```yaml\n", 1)[1]
+    body = client.get("/openapi.json").json()["paths"]["/tune"]["post"]["requestBody"]["content"]
+    example = body["application/json"]["example"]
+    assert example == yaml.safe_load(block.split("```", 1)[0])
+    r = client.post("/tune", json=example)
+    assert r.status_code == 202, r.text
+
+
+def test_one_job_reports_one_best_figure_everywhere(site, monkeypatch, tmp_path, capsys):
+    """Issue #23: the pick's search trial said one figure, its confirmation trials (the machine got faster
+    mid-job) others, and each surface quoted a different one. Here the confirmation measures the pick 1.5x
+    its search trial, by construction, and every surface shows the one figure: the median of every step of
+    all the pick's trials, search and confirm. The Optuna study holds the confirmation trials and names the
+    pick."""
+    import io
+    import json
+    from statistics import median
+
+    import optuna
+    import yaml
+
+    import sltune.tuning.runner as runner
+    from sltune.cli.main import main
+    from sltune.cli.progress import JobBar
+    from sltune.cli.tune import describe
+    from sltune.service.local import tune
+    from sltune.store.optuna import optuna_location
+    from tests.fake_trials import FakeTrials
+
+    client, _ = site
+    store = client.app.state.store
+    monkeypatch.setattr(runner, "run_trial", FakeTrials({1: 1900.0, 2: 2000.0}, later=(1.5,)))
+    spec = {**tiny_spec("one-truth"), "search": {**tiny_spec()["search"], "strategy": "grid", "sub_batch_size": [1, 2],
+                                                 "num_sub_batches": [1], "num_live_blocks": [1], "max_trials": 2,
+                                                 "confirm_rounds": 2}}
+    calls = []
+    r = tune(spec, store.url, progress=calls.append, settings=Settings(data_dir=tmp_path))
+    assert r["status"] == "succeeded", r
+    best = r["best"]
+    job_id, pick = r["job_id"], best["config"]["sub_batch_size"]
+    rows = [t for t in store.trials(job_id) if t.config["sub_batch_size"] == pick]
+    search = [t for t in rows if t.role != "confirm"]
+    confirms = [t for t in rows if t.role == "confirm"]
+    assert len(search) == 1 and len(confirms) == 2
+    assert all(t.tokens_per_s > 1.4 * search[0].tokens_per_s for t in confirms)    # measured differently
+    steps = [t.result["timing"]["tokens_per_step"] / s for t in rows for s in t.result["timing"]["steps_s"]]
+    figure = median(steps)
+    assert best["tokens_per_s"] == figure and best["from_trials"] == sorted(t.number for t in rows)
+    assert figure not in {t.tokens_per_s for t in rows}       # no one trial's figure: all of them pooled
+    lo, hi = best["tokens_per_s_ci95"]
+    assert lo < figure < hi
+    shown = f"{figure:,.1f}"
+
+    # the API, its job list and best.yaml
+    assert client.get(f"/jobs/{job_id}").json()["best"]["tokens_per_s"] == figure
+    assert next(j for j in client.get("/jobs").json() if j["id"] == job_id)["best"]["tokens_per_s"] == figure
+    measured = yaml.safe_load(client.get(f"/jobs/{job_id}/config.yaml").text)["measured"]
+    assert measured["tokens_per_s"] == figure and measured["tokens_per_s_ci95"] == [lo, hi]
+    # the job list and the job page (with counts that tell search and confirm trials apart)
+    row = client.get("/dashboard").text.split(f"/dashboard/jobs/{job_id}'>")[1].split("</tr>")[0]
+    assert shown in row and "2 search + 4 confirm" in row
+    page = client.get(f"/dashboard/jobs/{job_id}").text
+    section = page.split(">Best config</h2>")[1].split("<h2")[0]
+    assert f"<th>tokens/s</th><td class='num'>{shown}</td>" in section                  # measured (then predicted)
+    assert "1 search + 2 confirm" in section and "2 search + 4 confirm trials, finished" in page
+    # the compare page and `sltune compare` (the job against itself: both sides are its best)
+    cmp_page = client.get("/dashboard/compare", params={"a": job_id, "b": job_id}).text
+    assert cmp_page.split("</table>")[0].count(f"<td class='num'>{shown}</td>") == 2
+    for args in (["--json"], []):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert main(["compare", job_id, job_id, "--db", store.url, *args]) == 0
+        if args:
+            assert json.loads(out.getvalue())["best_a"] == figure
+        else:
+            assert f"best: {shown} -> {shown} tokens/s" in out.getvalue()
+    # the CLI: `tune`'s text and its bar's last frame, from the last progress report
+    assert f"best: b={pick} N=1 k=1 (speedloader): {shown} [" in describe(r)
+    assert calls[-1]["best_tokens_per_s"] == figure and calls[-1]["phase"] == "finished"
+    capsys.readouterr()
+    bar = JobBar("tune one-truth", 2)
+    bar.show(calls[-1])
+    bar.close()
+    frame = capsys.readouterr().err.strip().split("\r")[-1]
+    assert f"best={shown} tok/s" in frame and "2 search + 4 confirm" in frame and "6/6" in frame, frame
+
+    # Optuna's own API: every trial, confirmation ones with their role, and the pick as the study's attributes
+    study = optuna.load_study(study_name=f"sltune-{job_id}", storage=optuna_location(store.url)[0])
+    by_number = {t.user_attrs["sltune_trial"]: t for t in study.trials}
+    assert sorted(by_number) == sorted(t.number for t in store.trials(job_id))
+    for t in store.trials(job_id):
+        assert by_number[t.number].user_attrs["role"] == t.role and by_number[t.number].value == t.tokens_per_s
+    attrs = study.user_attrs
+    assert attrs["pick"] == best["config"] and attrs["pick_tokens_per_s"] == figure
+    assert attrs["pick_tokens_per_s_ci95"] == [lo, hi] and attrs["pick_trials"] == best["from_trials"]
+    assert sorted(attrs["pick_optuna_trials"]) == sorted(by_number[n].number for n in best["from_trials"])
+    assert attrs["pick_confidence"] == r["confidence"]
+    # Optuna's best_trial is one trial, here a confirmation trial of a faster round: not the pick's figure
+    assert study.best_trial.value > figure and study.best_trial.user_attrs["role"] == "confirm"
 
 
 # -- a real browser against a real server ------------------------------------------------------------
@@ -482,7 +610,7 @@ def test_job_page_renders_its_plots_in_headless_chromium(tmp_path):
         assert slices >= 4 * min(len(ok), figures.PIE_LIMIT)          # compute, memcpy, CPU, other at least
         assert "all-gather" not in dom.split("Time breakdown per trial")[1]   # one rank: no empty slices
         assert points >= len(ok) and bars >= len(trials) + len(ok)    # timeline bars, stacked seconds
-        assert "<table id=\"trials\">" in dom and dom.count("sltuneSort(this)") == 10
+        assert "<table id=\"trials\">" in dom and dom.count("sltuneSort(this)") == 12   # a sortable heading per column
         assert "browser-check" in dom and f"/jobs/{job_id}/config.yaml" in dom
 
         # the table sorts and filters in the browser: ok trials with b=2, by tokens/s
@@ -505,3 +633,48 @@ def test_job_page_renders_its_plots_in_headless_chromium(tmp_path):
             shutil.copy(shot, Path(keep) / shot.name)
     finally:
         server.kill(signal.SIGTERM)
+
+
+MEASURE_JS = """<script>
+setTimeout(() => {
+  const box = el => { const r = el.getBoundingClientRect(); return [r.left, r.top, r.right, r.bottom]; };
+  const out = [...document.querySelectorAll(".js-plotly-plot")].map(div => ({
+    modebar: [...div.querySelectorAll(".modebar")].map(box),
+    buttons: [...div.querySelectorAll(".updatemenu-button")].map(box),
+    titles: [...div.querySelectorAll(".annotation")].map(box)}));
+  const pre = document.createElement("pre"); pre.id = "geometry"; pre.textContent = JSON.stringify(out);
+  document.body.appendChild(pre);
+}, 1000);
+</script>"""
+
+
+@pytest.mark.slow
+def test_the_log_y_buttons_stay_clear_of_plotlys_mode_bar_in_a_browser(tmp_path):
+    """Issue #23: the "linear y / log y" buttons sat under Plotly's mode bar. Every figure that has them is
+    drawn as the job page draws it, in headless Chromium, and the boxes the browser laid out must not meet
+    (neither the mode bar nor the subplot titles)."""
+    import json
+
+    from sltune.dashboards.pages import _fig_html
+
+    binary = chromium()
+    if binary is None:
+        pytest.skip("no chromium binary: install chromium (apt-get install -y chromium) to run the browser test")
+    trials = realistic_trials()
+    figs = [figures.history_figure(trials), figures.throughput_figure(trials, 8), figures.seconds_figure(trials)]
+    js = Path(plotly.__file__).parent / "package_data" / "plotly.min.js"
+    page = tmp_path / "figures.html"
+    page.write_text(f'<!doctype html><html><head><meta charset="utf-8"><script src="{js.as_uri()}"></script></head>'
+                    f'<body><main style="max-width:1400px">{"".join(_fig_html(f, "") for f in figs)}</main>'
+                    f"{MEASURE_JS}</body></html>")
+    dom = run_chromium(binary, tmp_path / "chromium", "--window-size=1000,1600", "--dump-dom", page.as_uri())
+    drawn = json.loads(re.search(r'<pre id="geometry">(.*?)</pre>', dom).group(1))
+    assert len(drawn) == 3
+
+    def meet(a, b) -> bool:
+        return a[0] < b[2] and b[0] < a[2] and a[1] < b[3] and b[1] < a[3]
+
+    for fig in drawn:
+        assert len(fig["buttons"]) == 2 and len(fig["modebar"]) == 1, fig
+        for button in fig["buttons"]:
+            assert not any(meet(button, other) for other in fig["modebar"] + fig["titles"]), fig

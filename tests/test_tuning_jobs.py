@@ -199,11 +199,24 @@ def test_plan_lists_what_it_cannot_predict_and_prints_its_errors(job, tmp_path):
     path = tmp_path / "best.yaml"
     export_yaml(job["spec"], job["result"], path)
     roomy = plan(path, device_memory_limit="64MiB")
-    assert roomy["best"]["measured"] is False and "never measured" in roomy["confidence"]["summary"]
     measured = {(t["config"]["sub_batch_size"], t["config"]["num_sub_batches"], t["config"]["num_live_blocks"])
                 for t in job["result"]["trials"] if t["status"] == "ok"}
     assert {(c["config"]["sub_batch_size"], c["config"]["num_sub_batches"], c["config"]["num_live_blocks"])
             for c in roomy["configs"] if c["measured"]} <= measured
+
+    def key(k):
+        return int(k.get("sub_batch_size", k.get("b"))), int(k.get("num_sub_batches", k.get("N"))), \
+            int(k.get("num_live_blocks", k.get("k")))
+    best = key(roomy["best"]["config"])
+    assert roomy["best"]["measured"] == (best in measured)
+    # by construction, whatever the job happened to measure: a best none of the fits' points is at is flagged
+    doc = yaml.safe_load(path.read_text())
+    for fit in doc["resource_models"].values():
+        fit["residuals"] = [r for r in fit["residuals"] if key(r["vars"]) != best]
+    path.write_text(yaml.safe_dump(doc))
+    unseen = plan(path, device_memory_limit="64MiB")
+    assert key(unseen["best"]["config"]) == best and unseen["best"]["measured"] is False
+    assert "never measured" in unseen["confidence"]["summary"]
     # a throughput model that predicts negative step times for larger configs: listed, not dropped
     doc = yaml.safe_load(path.read_text())
     t = doc["resource_models"]["throughput"]
@@ -326,3 +339,30 @@ def test_a_spec_sweeping_activations_runs_both_and_exports_the_winner(tmp_path):
     cfg = SpeedLoaderConfig.from_yaml(path)
     assert cfg.activations == result["best"]["config"]["activations"] == yaml.safe_load(path.read_text())["activations"]
 
+
+
+def test_time_left_counts_the_confirmation_rounds_at_the_finalists_own_trial_times(tmp_path, monkeypatch):
+    """Issue #23: the confirmation round showed 6-8 s left while 25 s ran (its finalists are the slow, large
+    configs; the estimate was the search's average over quick probes). Here the trials' times are set: a quick
+    probe (b=1) and two slow finalists whose figures tie (b=2, b=4, so all 2 x 2 confirm trials run). From the
+    last search trial on, every estimate is held to the time that did remain."""
+    import sltune.tuning.runner as runner
+    from tests.fake_trials import FakeTrials
+
+    monkeypatch.setattr(runner, "run_trial", FakeTrials({1: 500.0, 2: 1000.0, 4: 1000.0},
+                                                        wall={1: 0.01, 2: 0.5, 4: 0.5}))
+    spec = {**SPEC, "name": "time-left", "search": {**SPEC["search"], "strategy": "grid", "sub_batch_size": [1, 2, 4],
+                                                    "num_sub_batches": [1], "num_live_blocks": [1], "max_trials": 3,
+                                                    "confirm_rounds": 2}}
+    calls = []
+    r = tune(spec, f"sqlite:///{tmp_path / 'jobs.db'}", progress=calls.append, settings=Settings(data_dir=tmp_path))
+    assert r["status"] == "succeeded" and sum(t["role"] == "confirm" for t in r["trials"]) == 4, r["trials"]
+    end = calls[-1]["elapsed_s"]
+    after = [c for c in calls if c["trials_done"] == 3 and c["phase"] != "finished"
+             and (c["last_trial"] or {}).get("status") != "running"]      # after the last search trial, each trial
+    assert [c["confirm_done"] for c in after] == [0, 1, 2, 3, 4]
+    assert all(c["confirm_planned"] == 4 for c in after[1:])
+    for c in after:
+        remaining = end - c["elapsed_s"]
+        assert 0.5 * remaining - 0.25 <= c["time_left_s"] <= 2 * remaining + 1.0, (c, remaining)
+    assert calls[-1]["time_left_s"] == 0 and calls[-1]["confirm_done"] == 4

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from typing import Any
 
@@ -44,10 +45,19 @@ def add_knobs(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace, base: SpeedLoaderConfig | None = None) -> SpeedLoaderConfig:
-    """The config file (if any) with flags given on the command line taking precedence."""
+    """The config file (if any) with flags given on the command line taking precedence. The file was checked
+    when it was read, so a bad value here came from a flag: the message names the flag."""
     data: dict[str, Any] = base.model_dump() if base is not None else {}
-    data.update({f: getattr(args, f) for f in (*KNOB_FLAGS, "mixed_precision") if getattr(args, f, None) is not None})
-    return SpeedLoaderConfig.from_dict(data, source="command line")
+    given = {f: getattr(args, f) for f in (*KNOB_FLAGS, "mixed_precision") if getattr(args, f, None) is not None}
+    data.update(given)
+    try:
+        return SpeedLoaderConfig.from_dict(data, source="command line")
+    except ValueError as err:
+        message = str(err).removeprefix("command line: ")
+        for field in given:
+            flag = KNOB_FLAGS[field][0] if field in KNOB_FLAGS else "--no-mixed-precision"
+            message = re.sub(rf"(^|; ){field}:", rf"\g<1>{flag}:", message)
+        raise ValueError(message) from None
 
 
 def fail(message: str, code: int = 2) -> None:

@@ -7,6 +7,8 @@ from typing import Any
 
 from tqdm import tqdm
 
+from sltune.service.progress import trial_counts, trials_run
+
 FINISHED = ("succeeded", "failed", "cancelled")
 
 
@@ -16,16 +18,18 @@ class JobBar:
         self.bar = tqdm(total=total, unit="trial", desc=label, disable=disable)
 
     def show(self, progress: dict[str, Any], status: str | None = None, waiting_for: str | None = None) -> None:
-        done = progress.get("trials_done", 0)
+        done = trials_run(progress)        # search and confirm trials alike; the postfix tells them apart
         finished = status in FINISHED or progress.get("phase") == "finished"
         if finished:
             self.bar.total = done          # a job may stop before max_trials: what it ran is all it will run
+        elif progress.get("confirm_planned"):
+            self.bar.total = int(progress.get("trials_done") or 0) + progress["confirm_planned"]
         self.bar.n = done
         if status is not None:
             state = f"queued, waiting for {waiting_for}" if status == "queued" and waiting_for else status
             self.bar.set_description(f"{self.label} {state}", refresh=False)
         best = progress.get("best_tokens_per_s")
-        postfix = {"best": f"{best:,.1f} tok/s" if best else "-"}
+        postfix = {"trials": trial_counts(progress, finished), "best": f"{best:,.1f} tok/s" if best else "-"}
         if not finished:
             postfix["left"] = f"{progress.get('time_left_s') or 0:.0f}s"
             if progress.get("phase"):

@@ -67,7 +67,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.set_defaults(run=run_submit)
 
     m = sub.add_parser("compare", help="the two jobs' bests compared with 95%% intervals; exit 1 on a regression",
-                       description="Flags a regression only when the 95%% interval of new/old best tokens/s lies "
+                       description="Flags a regression only when the 95% interval of new/old best tokens/s lies "
                                    "wholly below 1 - max-regression. Exit codes: 0 no regression (including "
                                    "'within noise', and 'inconclusive' when the two bests were measured under different "
                                    "interference), 1 regression, 2 error.")
@@ -110,24 +110,30 @@ def run_serve(args: argparse.Namespace) -> int:
         where = "--models-dir" if args.models_dir is not None else "SLTUNE_MODELS_DIR"
         raise ValueError(f"{where} {settings.models_dir}: no such folder; give the folder of the model folders "
                          "specs may name, or leave it unset")
+    if settings.healthz_min_workers is None:       # its own worker must be alive; with --no-worker, none here
+        settings = settings.model_copy(update={"healthz_min_workers": 0 if args.no_worker else 1})
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     serving = {"host": settings.host, "port": settings.port, "log_level": "info", "access_log": settings.access_log}
     # the job worker and the spec checkers' fork server start first: each imports torch and transformers in
     # a process of its own while this one imports the app
-    with contextlib.nullcontext() if args.no_worker else job_worker(settings):
+    with contextlib.nullcontext() if args.no_worker else job_worker(settings) as worker:
         import uvicorn
 
         if settings.api_workers > 1:
             # uvicorn starts each process from an import string; they read their settings from the environment
-            os.environ.update(SLTUNE_DB=settings.db_url(), SLTUNE_DATA_DIR=str(settings.data_dir))
+            os.environ.update(SLTUNE_DB=settings.db_url(), SLTUNE_DATA_DIR=str(settings.data_dir),
+                              SLTUNE_HEALTHZ_MIN_WORKERS=str(settings.healthz_min_workers))
             if settings.models_dir is not None:
                 os.environ["SLTUNE_MODELS_DIR"] = str(settings.models_dir)
             uvicorn.run("sltune.api.app:serving_process", factory=True, workers=settings.api_workers, **serving)
-            return 0
-        forks.start()
-        from sltune.api.app import create_app
+        else:
+            forks.start()
+            from sltune.api.app import create_app
 
-        uvicorn.run(create_app(settings), **serving)
+            uvicorn.run(create_app(settings), **serving)
+    if worker is not None and worker.gave_up:
+        print(f"sltune serve: error: {worker.gave_up}", file=sys.stderr)
+        return 1
     return 0
 
 

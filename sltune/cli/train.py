@@ -172,6 +172,10 @@ def _model(args: argparse.Namespace, tuned: dict[str, Any]) -> tuple[Any, str]:
     """What to build and what to call it: --model, else the model the config was tuned on (a preset, a model
     folder or an inline config.json, as the job's spec gave it), else the default preset."""
     if args.model:
+        from sltune.models import PRESETS, load_config
+
+        if args.model not in PRESETS:
+            load_config(args.model, source=f"--model {args.model}")     # a mistake is one line, before any work
         return args.model, args.model
     model = (tuned.get("provenance") or {}).get("model") or {}
     if model.get("preset"):

@@ -74,8 +74,9 @@ def run_tune(args: argparse.Namespace) -> int:
 
 
 def describe(r: dict, out: str | None = None, mode: str = "train") -> str:
-    lines = [f"job {r['job_id']} {r['status']}: {len(r['trials'])} trials of {r['space_size']} configs "
-             f"in {r['wall_seconds']:.0f}s ({r['stop_reason']})"]
+    confirms = sum(t["role"] == "confirm" for t in r["trials"])
+    lines = [f"job {r['job_id']} {r['status']}: {len(r['trials']) - confirms} search + {confirms} confirm trials of "
+             f"{r['space_size']} configs in {r['wall_seconds']:.0f}s ({r['stop_reason']})"]
     if r.get("error"):
         lines.append(f"  {r['error']}")
     if r["best"]:
@@ -83,7 +84,9 @@ def describe(r: dict, out: str | None = None, mode: str = "train") -> str:
         c = b["config"]
         ci = b.get("tokens_per_s_ci95")
         ci_text = f" [{ci[0]:,.1f}, {ci[1]:,.1f}]" if ci else ""
-        lines.append(f"  best: {describe_config(c)}: {b['tokens_per_s']:,.1f}{ci_text} tokens/s measured")
+        lines.append(f"  best: {describe_config(c)}: {b['tokens_per_s']:,.1f}{ci_text} tokens/s measured"
+                     + (f" (the median of its {len(b['from_trials'])} trials)" if len(b.get("from_trials") or []) > 1
+                        else ""))
         if r.get("confidence"):
             lines.append(f"  confidence: {r['confidence']}")
         lines.append(f"  peaks: device {format_bytes(b['peak_device_bytes'])} (predicted "

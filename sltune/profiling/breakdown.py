@@ -22,6 +22,7 @@ costs seconds for the ~35k events of a small step; nesting them here costs a ten
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -64,8 +65,22 @@ def profile_call(fn: Callable[[], Any], trace_path: str | None = None, top: int 
     with _kineto_quiet(), profile(activities=activities) as prof:
         fn()
     if trace_path:
-        prof.export_chrome_trace(str(trace_path))
+        _export(prof, str(trace_path))
     return attribute(_events(prof), top)
+
+
+def _export(prof, path: str) -> None:
+    """Write the trace, or nothing: a full disk costs the call its trace (the caller finds no file), not its
+    figures. Kineto reports no write error (a full disk leaves an empty file, and its cut-off PATH.tmp), so the
+    file is read back, and neither is left behind."""
+    try:
+        prof.export_chrome_trace(path)
+        with open(path, "rb") as f:
+            json.load(f)
+    except (OSError, ValueError, RuntimeError):
+        for leftover in (path, path + ".tmp"):
+            with contextlib.suppress(OSError):
+                os.unlink(leftover)
 
 
 @contextlib.contextmanager

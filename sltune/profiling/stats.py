@@ -41,15 +41,21 @@ def boot_medians(groups: Sequence[Sequence[float]], resamples: int = RESAMPLES, 
     if not groups:
         raise ValueError("no samples")
     if len(groups) == 1:
-        x = groups[0]
-        idx = rng.integers(0, x.size, size=(resamples, x.size))
-        return np.median(x[idx], axis=1)
-    out = np.empty(resamples)
+        return _resampled_medians(groups[0], resamples, rng)
+    # replicate i pools, for each slot s, a resample of group picks[i, s]: drawn a group at a time (vectorized;
+    # a Python loop over replicates took 0.1-0.2 s a call), padded with NaN where a group is shorter
+    width = max(g.size for g in groups)
     picks = rng.integers(0, len(groups), size=(resamples, len(groups)))
-    for i in range(resamples):
-        chosen = [groups[j] for j in picks[i]]
-        out[i] = np.median(np.concatenate([g[rng.integers(0, g.size, size=g.size)] for g in chosen]))
-    return out
+    pooled = np.full((resamples, len(groups), width), np.nan)
+    for j, g in enumerate(groups):
+        rows, slots = np.nonzero(picks == j)
+        pooled[rows, slots, :g.size] = g[rng.integers(0, g.size, size=(rows.size, g.size))]
+    return np.nanmedian(pooled.reshape(resamples, -1), axis=1)
+
+
+def _resampled_medians(x: np.ndarray, count: int, rng: np.random.Generator) -> np.ndarray:
+    """Medians of `count` bootstrap resamples of x."""
+    return np.median(x[rng.integers(0, x.size, size=(count, x.size))], axis=1)
 
 
 def interval(replicates: np.ndarray, level: float = LEVEL) -> tuple[float, float]:
@@ -84,13 +90,14 @@ def paired_ratio_ci(new: Sequence[Sequence[float]], old: Sequence[Sequence[float
     na = [np.asarray(g, float) for g in new]
     oa = [np.asarray(g, float) for g in old]
     point = float(np.median([np.median(x) / np.median(y) for x, y in zip(na, oa)]))
-    reps = np.empty(resamples)
     picks = rng.integers(0, len(na), size=(resamples, len(na)))
-    for i in range(resamples):
-        ratios = [np.median(na[j][rng.integers(0, na[j].size, na[j].size)]) /
-                  np.median(oa[j][rng.integers(0, oa[j].size, oa[j].size)]) for j in picks[i]]
-        reps[i] = np.median(ratios)
-    return point, interval(reps, level)
+    ratios = np.empty(picks.shape)
+    for j in range(len(na)):       # every draw of round j at once (a loop over replicates took 0.2 s a call)
+        where = picks == j
+        count = int(where.sum())
+        if count:
+            ratios[where] = _resampled_medians(na[j], count, rng) / _resampled_medians(oa[j], count, rng)
+    return point, interval(np.median(ratios, axis=1), level)
 
 
 def _as_groups(samples) -> list[Sequence[float]]:

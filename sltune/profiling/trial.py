@@ -59,6 +59,7 @@ def _wait(ranks, spec: TrialSpec, start: float, stop: StopFn | None) -> dict[str
     """Every rank's result merged, or the first reason there is none."""
     deadline = start + spec.timeout_s
     watchers = [_Watcher(proc.pid) for proc, _ in ranks]
+    together = _Together(watchers) if len(ranks) > 1 else None
     results: dict[int, dict[str, Any]] = {}
     last_check = 0.0
     while True:
@@ -78,7 +79,7 @@ def _wait(ranks, spec: TrialSpec, start: float, stop: StopFn | None) -> dict[str
                         return _from_rank(got, r, ranks)
                     continue
                 who = "the trial process" if len(ranks) == 1 else f"rank {r} of {len(ranks)}"
-                peak = max(w.peak for w in watchers)
+                peak = max([w.peak for w in watchers] + [together.peak if together is not None else 0])
                 if proc.exitcode == -signal.SIGKILL and peak > 0.5 * psutil.virtual_memory().total:
                     # the kernel's out-of-memory killer: a host memory overrun, not a crash
                     return {"status": "oom", "peak_host_bytes": peak, "oom_resource": "host",
@@ -87,7 +88,10 @@ def _wait(ranks, spec: TrialSpec, start: float, stop: StopFn | None) -> dict[str
                                      "num_sub_batches or sub_batch_size, or set host_memory_limit"}
                 return {"status": "failed", "error": _death(who, proc.exitcode)}
         if len(results) == len(ranks):
-            return merge([results[r] for r in range(len(ranks))])
+            merged = merge([results[r] for r in range(len(ranks))])
+            if together is not None:     # the trial's figure is all its ranks' memory together
+                merged["peak_host_bytes"] = max(together.peak, merged.get("peak_host_bytes") or 0)
+            return merged
         if stop is not None and time.monotonic() - last_check > 0.5:
             last_check = time.monotonic()
             if why := stop():
@@ -96,6 +100,16 @@ def _wait(ranks, spec: TrialSpec, start: float, stop: StopFn | None) -> dict[str
             return {"status": "timeout",
                     "error": f"no result within timeout_s={spec.timeout_s:g}s; the trial was stopped. Use fewer "
                              "steps or a smaller config, or raise timeout_s"}
+        if together is not None:
+            total = together.pss()
+            if spec.host_memory_limit is not None and total > spec.host_memory_limit:
+                return {"status": "oom", "peak_host_bytes": total, "oom_resource": "host",
+                        "error": f"host memory limit exceeded: the trial's {len(ranks)} ranks together held "
+                                 f"{format_bytes(total)} ({total} bytes, proportional set size) against "
+                                 f"host_memory_limit {format_bytes(spec.host_memory_limit)} "
+                                 f"({spec.host_memory_limit} bytes), which is for the whole trial; lower "
+                                 "num_sub_batches or sub_batch_size"}
+            continue
         for r, w in enumerate(watchers):
             rss = w.rss()
             if spec.host_memory_limit is not None and rss > spec.host_memory_limit:
@@ -179,6 +193,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+class _Together:
+    """A multi-rank trial's memory, all ranks together: the sum of their proportional set sizes (PSS: a page
+    the ranks share, such as the libraries they inherit from the fork server, counts once among its sharers,
+    where a sum of resident sizes would count it once per rank), and the most it has been."""
+
+    def __init__(self, watchers: list["_Watcher"]):
+        self.watchers = watchers
+        self.peak = 0
+
+    def pss(self) -> int:
+        total = sum(w.pss() for w in self.watchers)
+        self.peak = max(self.peak, total)
+        return total
+
+
 class _Watcher:
     """Resident memory of a trial process and any processes it started, and the most it has been."""
 
@@ -188,6 +217,26 @@ class _Watcher:
             self.proc = psutil.Process(pid)
         except psutil.Error:
             self.proc = None
+
+    def pss(self) -> int:
+        """The proportional set size of the process and its children (Linux; their RSS elsewhere)."""
+        if self.proc is None:
+            return 0
+        try:
+            procs = [self.proc, *self.proc.children(recursive=True)]
+        except psutil.Error:
+            return 0
+        total = 0
+        for p in procs:
+            try:
+                with open(f"/proc/{p.pid}/smaps_rollup", "rb") as f:
+                    total += next(int(line.split()[1]) * 1024 for line in f if line.startswith(b"Pss:"))
+            except (OSError, StopIteration, ValueError):
+                try:
+                    total += p.memory_info().rss
+                except psutil.Error:
+                    pass
+        return total
 
     def rss(self) -> int:
         if self.proc is None:

@@ -14,6 +14,8 @@ from pydantic import ValidationError
 
 from sltune.settings import Settings
 from sltune.sizes import format_bytes
+from sltune.tuning.confirm import MAX_FINALISTS
+from sltune.tuning.runner import machine_cores
 from sltune.tuning.shape import shape_of
 from sltune.tuning.space import SearchSpace
 from sltune.tuning.spec import TuningSpec, describe_errors
@@ -31,35 +33,76 @@ def admit(spec: TuningSpec, settings: Settings) -> tuple[TuningSpec, dict[str, A
     """The spec as the server will run it, and the record of which limit applies to each resource;
     Refused if it asks for more than the server allows."""
     spec, limits = _memory(spec, settings, _counts(spec, settings))
+    hw = spec.hardware
     biggest = max(c.batch for c in SearchSpace(spec, shape_of(spec.model.source, spec.model.dtype)).candidates)
-    tokens = biggest * spec.workload.tokens_per_row
+    tokens = biggest * spec.workload.tokens_per_row * hw.world_size      # every rank runs its own batch
     if tokens > settings.max_tokens_per_step:
+        ranks = f"*world_size {hw.world_size}" if hw.world_size > 1 else ""
         raise Refused([("search", f"the largest config runs {tokens} tokens per step (sub_batch_size*"
-                                  f"num_sub_batches*tokens per row), above this server's limit of "
-                                  f"{settings.max_tokens_per_step}; lower the largest batch or the sequence length")])
+                                  f"num_sub_batches*tokens per row{ranks}), above this server's limit of "
+                                  f"{settings.max_tokens_per_step}; lower the largest batch or the sequence length"
+                                  + (" or hardware.world_size" if ranks else ""))])
+    threads = max_cpu_threads(hw.world_size)
+    if hw.cpu_threads is not None and hw.cpu_threads > threads:
+        raise Refused([("hardware.cpu_threads", f"{hw.cpu_threads} is more than this server's {machine_cores()} "
+                                                f"cores give each of {hw.world_size} rank(s); ask for at most "
+                                                f"{threads}, or leave it unset for all of them")])
+    s = spec.search
+    most = s.max_trials + MAX_FINALISTS * s.confirm_rounds       # the search's trials, then the confirmation's
+    applied = min(most, settings.max_trials)
+    limits["trials_in_all"] = {"requested": most, "applied": applied,
+                               "by": "request" if applied == most else "server"}
     return spec, limits
 
 
+def schema_maxima(settings: Settings) -> dict[str, dict[str, float]]:
+    """The ceilings JSON schema can state, per spec section and field, for this server's OpenAPI document: a
+    spec within them is refused only for what a schema cannot say (a model's max_position_embeddings, the
+    tokens of a whole step, what fits in memory)."""
+    tokens = settings.max_tokens_per_step
+    return {"Search": {"max_trials": settings.max_trials, "time_budget_s": settings.max_time_budget_s,
+                       "trial_timeout_s": settings.max_trial_timeout_s, "trial_steps": settings.max_trial_steps,
+                       "trial_max_steps": settings.max_trial_steps, "confirm_rounds": settings.max_confirm_rounds},
+            "Workload": {"seq_len": tokens, "prompt_len": tokens, "new_tokens": tokens},
+            "Hardware": {"cpu_threads": machine_cores(), "world_size": max(1, tokens // 2)}}
+
+
+def max_cpu_threads(world_size: int) -> int:
+    """The intra-op threads a trial's rank may ask for: this machine's cores, shared by the ranks."""
+    return max(1, machine_cores() // world_size)
+
+
 def _counts(spec: TuningSpec, settings: Settings) -> dict[str, Any]:
-    """Trials, budget, timeout and steps: refused above the ceiling."""
+    """Trials, budget, timeout, steps and confirmation rounds: refused above the ceiling."""
     s = spec.search
     limits: dict[str, Any] = {}
     refused = []
     for field, asked, ceiling in (("search.max_trials", s.max_trials, settings.max_trials),
                                   ("search.time_budget_s", s.time_budget_s, settings.max_time_budget_s),
                                   ("search.trial_timeout_s", s.trial_timeout_s, settings.max_trial_timeout_s),
-                                  ("search.trial_steps", s.trial_steps, settings.max_trial_steps)):
+                                  ("search.trial_steps", s.trial_steps, settings.max_trial_steps),
+                                  ("search.trial_max_steps", s.trial_max_steps, settings.max_trial_steps),
+                                  ("search.confirm_rounds", s.confirm_rounds, settings.max_confirm_rounds),
+                                  # each is at most the tokens of a step, whichever the mode reads (as the
+                                  # server's OpenAPI document states)
+                                  ("workload.seq_len", spec.workload.seq_len, settings.max_tokens_per_step),
+                                  ("workload.prompt_len", spec.workload.prompt_len, settings.max_tokens_per_step),
+                                  ("workload.new_tokens", spec.workload.new_tokens, settings.max_tokens_per_step)):
+        if field == "search.trial_max_steps" and "trial_max_steps" not in s.model_fields_set:
+            continue            # not asked for: the default is lowered to the ceiling instead (_memory)
         if asked > ceiling:
             refused.append((field, f"{asked:g} is above this server's limit of {ceiling:g}; "
                                    f"ask for at most {ceiling:g}"))
-        limits[field] = {"requested": asked, "applied": asked, "by": "request"}
+        if field.startswith("search."):
+            limits[field] = {"requested": asked, "applied": asked, "by": "request"}
     if refused:
         raise Refused(refused)
     return limits
 
 
 def _memory(spec: TuningSpec, settings: Settings, limits: dict[str, Any]) -> tuple[TuningSpec, dict[str, Any]]:
-    """Host and device memory limits: lowered to the ceiling (a job naming none gets the server's)."""
+    """Host and device memory limits: lowered to the ceiling (a job naming none gets the server's); so is the
+    default trial_max_steps, when the request names none."""
     hw = spec.hardware
     hardware = {}
     for field, asked, ceiling in (("host_memory_limit", hw.host_memory_limit, settings.trial_host_limit()),
@@ -68,10 +111,18 @@ def _memory(spec: TuningSpec, settings: Settings, limits: dict[str, Any]) -> tup
         limits[f"hardware.{field}"] = {"requested": asked, "applied": applied,
                                        "by": "request" if applied == asked else "server"}
         hardware[field] = applied
-    if all(hardware[f] == getattr(hw, f) for f in hardware):
+    search = {}
+    if "search.trial_max_steps" not in limits:
+        steps = min(spec.search.trial_max_steps, settings.max_trial_steps)
+        limits["search.trial_max_steps"] = {"requested": None, "applied": steps,
+                                            "by": "request" if steps == spec.search.trial_max_steps else "server"}
+        search["trial_max_steps"] = steps
+    if all(hardware[f] == getattr(hw, f) for f in hardware) and \
+            all(v == getattr(spec.search, f) for f, v in search.items()):
         return spec, limits
     data = spec.model_dump(mode="json")
     data["hardware"].update(hardware)
+    data["search"].update(search)
     try:
         return TuningSpec.model_validate(data), limits
     except ValidationError as err:     # the lowered limit is below what the model needs at all

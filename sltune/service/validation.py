@@ -9,6 +9,7 @@ which its process is killed, and the verdicts are cached, since CI posts the sam
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import signal
@@ -21,6 +22,7 @@ from typing import Any
 from pebble import ProcessExpired, ProcessPool
 from pydantic import ValidationError
 
+from sltune.plaindata import problems
 from sltune.profiling import forks
 from sltune.service.ceilings import Refused, admit
 from sltune.settings import Settings
@@ -32,19 +34,54 @@ Errors = list[tuple[str, str]]      # (field path, one-line message naming the f
 class Verdict:
     job: dict[str, Any] | None = None        # Store.create_job's arguments: the spec as the server runs it
     errors: Errors | None = None
+    cacheable: bool = True                   # a verdict on a model folder holds only as long as the folder does
 
 
 class Busy(RuntimeError):
     """More specs are waiting to be checked than the server queues: retry later."""
 
 
+def parse(body: bytes) -> tuple[Any, Errors | None]:
+    """A POST /tune body as data, or why it is not a spec's: not JSON (NaN and Infinity, which Python's parser
+    would take, included), nested past any spec, or holding what could never be stored and read back (a lone
+    surrogate, a number beyond a double's range: see sltune.plaindata)."""
+    def no_constants(name: str) -> Any:
+        raise ValueError(f"{name} is not a JSON number; give a finite number")
+
+    try:
+        data = json.loads(body, parse_constant=no_constants)
+    except RecursionError:
+        return None, [("", "the body is nested deeper than a spec can be (about 1,000 levels); a spec needs a "
+                           "few: flatten it")]
+    except ValueError as err:       # JSONDecodeError and UnicodeDecodeError are ValueErrors too
+        return None, [("", f"the body is not valid JSON: {err}")]
+    return data, problems(data) or None
+
+
+def check_body(body: bytes, settings: Settings) -> Verdict:
+    """POST /tune's whole check, from the raw bytes: parsed here, in a pool process, so that neither a big body
+    nor a storm of them holds the server's event loop."""
+    data, errors = parse(body)
+    return Verdict(errors=errors) if errors else check(data, settings)
+
+
 def check(data: Any, settings: Settings) -> Verdict:
     """The whole admission check of one spec (validation, then the ceilings); runs in a pool process."""
+    if not isinstance(data, dict):
+        return Verdict(errors=[("", "expected a JSON object with model, workload, hardware and search")])
+    if isinstance(data.get("model"), dict) and data["model"].get("path") is not None:
+        return _uncached(_check(data, settings))
+    return _check(data, settings)
+
+
+def _uncached(verdict: Verdict) -> Verdict:
+    return Verdict(job=verdict.job, errors=verdict.errors, cacheable=False)
+
+
+def _check(data: dict[str, Any], settings: Settings) -> Verdict:
     from sltune.tuning.runner import requirements
     from sltune.tuning.spec import TuningSpec, field_errors
 
-    if not isinstance(data, dict):
-        return Verdict(errors=[("", "expected a JSON object with model, workload, hardware and search")])
     try:
         data = inside_models_dir(data, settings)
     except Refused as err:
@@ -103,12 +140,10 @@ class SpecChecker:
         self.pool = ProcessPool(max_workers=settings.spec_check_workers, initializer=_start_worker,
                                 context=forks.context())
 
-    async def check(self, data: Any) -> Verdict:
-        if not isinstance(data, dict):         # no need to queue behind heavy specs for this one
-            return check(data, self.settings)
-        key = json.dumps(data, sort_keys=True, separators=(",", ":"))
-        # a verdict on a model folder holds only as long as the folder does: never cached
-        cacheable = not (isinstance(data.get("model"), dict) and data["model"].get("path") is not None)
+    async def check(self, body: bytes) -> Verdict:
+        """The verdict on a POST /tune body. The event loop only hashes the bytes: parsing and checking run in
+        the pool, since 200 large bodies parsed on the loop at once held /healthz for over a second."""
+        key = hashlib.blake2b(body, digest_size=20).digest()
         if key in self.cache:
             self.cache.move_to_end(key)
             return self.cache[key]
@@ -117,7 +152,7 @@ class SpecChecker:
         self.pending += 1
         timeout = self.settings.spec_check_timeout_s
         try:
-            verdict = await asyncio.wrap_future(self.pool.schedule(check, (data, self.settings), timeout=timeout))
+            verdict = await asyncio.wrap_future(self.pool.schedule(check_body, (body, self.settings), timeout=timeout))
         except FutureTimeout:
             verdict = Verdict(errors=[("model", f"checking this spec took over {timeout:g}s (building the "
                                                 "model's shape); use a smaller model")])
@@ -126,7 +161,7 @@ class SpecChecker:
                                              "model, or retry")])
         finally:
             self.pending -= 1
-        if not cacheable:
+        if not verdict.cacheable:
             return verdict
         self.cache[key] = verdict
         if len(self.cache) > self.cache_size:

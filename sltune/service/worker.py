@@ -21,6 +21,7 @@ import psutil
 from sltune.service.capabilities import can_run, local_capabilities, why_not
 from sltune.settings import Settings
 from sltune.store import Store
+from sltune.store.faults import describe, is_transient
 from sltune.tuning.runner import run_job
 
 log = logging.getLogger("sltune.worker")
@@ -30,7 +31,10 @@ UNRUNNABLE_AFTER_S = 60.0   # a queued job no live worker can run fails after th
 class Worker:
     def __init__(self, settings: Settings, worker_id: str | None = None, capabilities: dict[str, Any] | None = None):
         self.settings = settings
-        self.store = Store(settings.db_url())
+        # every store call rides out a database restart or a full disk for settings.store_retry_s; the cancel
+        # check polled while a trial runs does not wait (a failed look is "not cancelled")
+        self.store = Store(settings.db_url(), retry_s=settings.store_retry_s)
+        self.quick = Store(settings.db_url())
         self.id = worker_id or self.default_id()
         self.caps = capabilities or local_capabilities()
         self.stop = threading.Event()
@@ -77,16 +81,22 @@ class Worker:
         backoff = self.settings.poll_seconds
         while not self.stop.is_set():
             try:
+                # touched at every turn: a worker running short jobs back to back (none outlasting a heartbeat)
+                # must not look dead to /healthz and waiting_for
+                self.store.touch_worker(self.id)
                 job = self.store.claim(self.id, lambda req: can_run(self.caps, req), self.settings.lease_seconds)
                 if job is None:
-                    self.store.touch_worker(self.id)
                     self.store.prune_workers(self.settings.forget_workers_after_s)
                     self._fail_unrunnable()
                     self.stop.wait(self.settings.poll_seconds)
                     continue
                 backoff = self.settings.poll_seconds
-            except Exception:  # noqa: BLE001 - a database hiccup must not end the worker
-                log.exception("worker %s: the store is unreachable; retrying in %.1fs", self.id, backoff)
+            except Exception as err:  # noqa: BLE001 - a database hiccup must not end the worker
+                if is_transient(err):
+                    log.warning("worker %s: the store is unreachable or full (%s); retrying in %.1fs", self.id,
+                                describe(err), backoff)
+                else:
+                    log.exception("worker %s: the store failed; retrying in %.1fs", self.id, backoff)
                 self.stop.wait(backoff)
                 backoff = min(backoff * 2, 30.0)
                 continue
@@ -104,16 +114,22 @@ class Worker:
                         lost.set()
                         return
                     self.store.touch_worker(self.id)
-                except Exception:  # noqa: BLE001 - a failed heartbeat is retried; the lease has slack
-                    log.exception("heartbeat for job %s failed", job_id)
+                except Exception as err:  # noqa: BLE001 - a failed heartbeat is retried; the lease has slack
+                    if is_transient(err):
+                        log.warning("heartbeat for job %s failed (%s)", job_id, describe(err))
+                    else:
+                        log.exception("heartbeat for job %s failed", job_id)
 
         def should_stop() -> str | None:
             if self.stop.is_set():
                 return "released: the worker is shutting down"
             if lost.is_set():
                 return "released: this worker lost its lease on the job"
-            if self.store.cancel_requested(job_id):
-                return "cancelled by request"
+            try:
+                if self.quick.cancel_requested(job_id):
+                    return "cancelled by request"
+            except Exception as err:  # noqa: BLE001 - the database is away; the trial goes on meanwhile
+                log.warning("job %s: cannot check for a cancel request (%s)", job_id, describe(err))
             return None
 
         beat = threading.Thread(target=heartbeat, name=f"heartbeat-{job_id}", daemon=True)
@@ -123,21 +139,36 @@ class Worker:
         try:
             result = run_job(self.store, job_id, progress=progress, should_stop=should_stop, worker_id=self.id,
                              artifact_dir=self.settings.artifact_dir(),
-                             default_host_limit=self.settings.trial_host_limit())
+                             default_host_limit=self.settings.trial_host_limit(),
+                             max_trial_steps=self.settings.max_trial_steps, max_trials=self.settings.max_trials)
             log.info("job %s %s", job_id, result["status"])
         except Exception as err:  # noqa: BLE001 - the job fails with the reason; the worker goes on
-            log.exception("job %s failed", job_id)
-            self.store.set_status(job_id, "failed", holder=self.id, error=f"{type(err).__name__}: {err}")
+            if is_transient(err):
+                # the database stayed away (or the disk full) past the retries: not the job's fault. It stays
+                # running under this worker's lease; when that runs out a worker (this one, say) resumes it
+                # from its stored trials
+                log.error("job %s: the store failed for over %.0fs (%s); the job is left to be resumed",
+                          job_id, self.settings.store_retry_s, describe(err))
+            else:
+                log.exception("job %s failed", job_id)
+                try:
+                    self.store.set_status(job_id, "failed", holder=self.id, error=f"{type(err).__name__}: {err}")
+                except Exception as again:  # noqa: BLE001 - the worker goes on; the lease hands the job on
+                    log.error("job %s: cannot record its failure (%s)", job_id, describe(again))
             if reraise:
                 raise
         finally:
             done.set()
             beat.join()
             if self.stop.is_set() and not lost.is_set():
-                job = self.store.job(job_id)
-                if job is not None and job.status == "running" and job.worker_id == self.id:
-                    # shutting down mid-job: hand it back now rather than when the lease runs out
-                    self.store.set_status(job_id, "queued", holder=self.id, worker_id=None, lease_expires_at=None)
+                try:
+                    job = self.store.job(job_id)
+                    if job is not None and job.status == "running" and job.worker_id == self.id:
+                        # shutting down mid-job: hand it back now rather than when the lease runs out
+                        self.store.set_status(job_id, "queued", holder=self.id, worker_id=None,
+                                              lease_expires_at=None)
+                except Exception as err:  # noqa: BLE001 - the lease hands it on instead
+                    log.error("job %s: cannot hand it back (%s); its lease will", job_id, describe(err))
         return result
 
     def _fail_unrunnable(self) -> None:

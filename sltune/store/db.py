@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fcntl
+import json
 import logging
 import os
 from contextlib import contextmanager
@@ -31,6 +32,19 @@ def normalize_url(url: str) -> str:
     return url
 
 
+def load_json(text: str | bytes) -> object:
+    """A JSON column's value, always answerable: strings holding a lone UTF-16 surrogate (stored before POST
+    /tune refused them, or by another writer; \\udxxx in the stored text) read back with U+FFFD in its place,
+    since no UTF-8 answer could hold them."""
+    value = json.loads(text)
+    marks = (b"\\ud", b"\\uD") if isinstance(text, bytes) else ("\\ud", "\\uD")
+    if marks[0] in text or marks[1] in text:
+        from sltune.plaindata import readable
+
+        value = readable(value)
+    return value
+
+
 @lru_cache(maxsize=16)
 def engine_for(url: str) -> Engine:
     url = normalize_url(url)
@@ -41,7 +55,7 @@ def engine_for(url: str) -> Engine:
         # a pool no smaller than the API's thread limit (Settings.api_threads, 4 by default) or a worker's
         # threads: a connection opened past the pool is closed after use, and opening one runs the pragmas below
         engine = create_engine(url, connect_args={"timeout": 30, "check_same_thread": False},
-                               pool_size=16, max_overflow=16)
+                               pool_size=16, max_overflow=16, json_deserializer=load_json)
 
         @event.listens_for(engine, "connect")
         def _sqlite_pragmas(conn, _record):
@@ -52,7 +66,7 @@ def engine_for(url: str) -> Engine:
             cur.execute("PRAGMA synchronous=NORMAL")
             cur.close()
     else:
-        engine = create_engine(url, pool_pre_ping=True)
+        engine = create_engine(url, pool_pre_ping=True, json_deserializer=load_json)
     _ensure_schema(engine)
     return engine
 

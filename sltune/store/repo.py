@@ -9,17 +9,24 @@ from typing import Any
 from sqlalchemy import and_, delete, func, or_, select, update
 
 from sltune.store.db import is_postgres, sessions
+from sltune.store.faults import durable
 from sltune.store.schema import Artifact, Fit, Job, Trial, Worker, now
 
 ACTIVE = ("queued", "running")
 FINISHED = ("succeeded", "failed", "cancelled")
 
 
+@durable
 class Store:
-    """A handle on one database (SQLite file or PostgreSQL), by URL."""
+    """A handle on one database (SQLite file or PostgreSQL), by URL.
 
-    def __init__(self, url: str):
+    With retry_s, every operation is retried through a lost connection or a full disk for that long
+    (sltune.store.faults): what workers use, so a database restart costs a job nothing. Operations a retry
+    could repeat after their first commit landed (creating a job or a trial) find their row and succeed."""
+
+    def __init__(self, url: str, retry_s: float = 0.0):
         self.url = url
+        self.retry_s = retry_s
         self.Session = sessions(url)
 
     # -- jobs --------------------------------------------------------------------------------------
@@ -30,6 +37,8 @@ class Store:
                   started_at=now() if status == "running" else None,
                   requirements=requirements, progress={"trials_done": 0, "max_trials": spec["search"]["max_trials"]})
         with self.Session.begin() as s:
+            if job_id is not None and (held := s.get(Job, job_id)) is not None and held.spec_hash == spec_hash:
+                return held          # a retry whose first attempt landed
             s.add(job)
         return job
 
@@ -211,6 +220,9 @@ class Store:
                 held = s.scalar(select(Job.id).where(Job.id == job_id, *self._held(worker_id)).with_for_update())
                 if held is None:
                     return False
+            if s.scalar(select(Trial.id).where(Trial.job_id == job_id, Trial.number == number,
+                                               Trial.worker_id == worker_id, Trial.status == "running")) is not None:
+                return True         # a retry whose first attempt landed
             s.add(Trial(job_id=job_id, number=number, role=role, config=config, status="running",
                         predicted=predicted, optuna_number=optuna_number, worker_id=worker_id))
             return True

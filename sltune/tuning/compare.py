@@ -27,6 +27,7 @@ from typing import Any, Callable
 
 from sltune.profiling.stats import paired_ratio_ci, ratio_ci
 from sltune.profiling.timing import step_tokens_per_s, timing_of
+from sltune.tuning.figure import median_of
 
 Key = tuple[int, int, int]
 CONFOUNDING_CORES = 0.5     # a difference in other processes' busy cores that makes two measurements incomparable
@@ -81,7 +82,8 @@ def by_config(job: JobData) -> dict[Key, list[list[float]]]:
 
 
 def _median(groups: list[list[float]]) -> float:
-    return median(x for g in groups for x in g)
+    """A config's figure: the one a job reports as its best (sltune.tuning.figure), so both say the same."""
+    return median_of(groups)
 
 
 def best_key(job: JobData, configs: dict[Key, list[list[float]]]) -> Key | None:

@@ -117,6 +117,27 @@ def winner_of(state: SearchState, confirmation: dict[str, Any] | None) -> Done |
     return max(ok, key=lambda d: d.tokens_per_s) if ok else best
 
 
+def time_left(state: SearchState, search: Any, elapsed: float, queue: list[Candidate] | None,
+              seconds: dict[Candidate, list[float]], avg: float | None) -> float:
+    """Seconds the job has left. The confirmation trials still to run (all of `queue` once the search has
+    ended, else the finalists as they stand, each `confirm_rounds` times) are counted at their own config's
+    median trial time so far: the finalists are the largest configs, and an average over the search's small
+    probes said 6-8 s where 25 s ran. The search's remaining trials count at the average; the time budget
+    caps both, except for a trial already started or about to start."""
+    budget = search.time_budget_s - elapsed
+
+    def cost(c: Candidate) -> float:
+        return median(seconds[c]) if seconds.get(c) else (avg or 0.0)
+
+    if queue is not None:
+        rest = queue[len(state.confirms):]
+        return min(sum(map(cost, rest)), max(budget, 0.0) + cost(rest[0])) if rest else 0.0
+    if avg is None:
+        return budget
+    coming = plan(state, search.confirm_rounds)
+    return min(budget, (search.max_trials - len(state.history)) * avg + sum(map(cost, coming)))
+
+
 def _ci(d: Done) -> tuple[float, float]:
     ci = timing_of(d.result).get("tokens_per_s_ci95")
     return tuple(ci) if ci else (d.tokens_per_s, d.tokens_per_s)

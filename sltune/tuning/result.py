@@ -9,13 +9,15 @@ from typing import Any
 
 from sltune.config import SpeedLoaderConfig
 from sltune.profiling.timing import timing_of
+from sltune.tuning.figure import figure
 from sltune.tuning.spec import TuningSpec
 from sltune.tuning.state import SearchState
 
 
 def job_result(job_id: str, spec: TuningSpec, state: SearchState, stop_reason: str | None,
                wall_seconds: float, confirmation: dict[str, Any] | None = None) -> dict[str, Any]:
-    """`confirmation` is confirm.verdict's answer: its winner is the best, its statement the confidence."""
+    """`confirmation` is confirm.verdict's answer: its winner is the best, its statement the confidence. The
+    best's tokens_per_s and interval are its one figure (sltune.tuning.figure) over all its trials."""
     from sltune.tuning.confirm import winner_of
 
     best = winner_of(state, confirmation)
@@ -37,14 +39,23 @@ def job_result(job_id: str, spec: TuningSpec, state: SearchState, stop_reason: s
     }
     if best is not None:
         c = best.candidate
+        mine = sorted((d for d in state.history + state.confirms if d.ok and d.candidate == c), key=lambda d: d.number)
+        fig = figure(d.result for d in mine) or {"tokens_per_s": best.tokens_per_s, "tokens_per_s_ci95": None,
+                                                 "step_seconds": best.result.get("step_seconds")}
         out["best"] = {"trial_number": best.number, "config": {**c.knobs(), "schedule": spec.search.schedule},
-                       "tokens_per_s": best.tokens_per_s, "step_seconds": best.result.get("step_seconds"),
-                       "tokens_per_s_ci95": timing_of(best.result).get("tokens_per_s_ci95"),
-                       "peak_device_bytes": best.result.get("peak_device_bytes"),
-                       "peak_host_bytes": best.result.get("peak_host_bytes")}
+                       **fig, "from_trials": [d.number for d in mine],
+                       "search_trials": sum(d.role != "confirm" for d in mine),
+                       "confirm_trials": sum(d.role == "confirm" for d in mine),
+                       # the largest each trial of the pick measured: what training must leave room for
+                       "peak_device_bytes": _peak(mine, "peak_device_bytes"),
+                       "peak_host_bytes": _peak(mine, "peak_host_bytes")}
         out["predicted"] = state.predict(c).to_dict()
         out["binding_limit"] = state.binding_limit(c)
     return out
+
+
+def _peak(done: list, key: str) -> int | None:
+    return max((d.result[key] for d in done if d.result.get(key) is not None), default=None)
 
 
 def _unconfirmed(state: SearchState) -> str | None:
@@ -82,7 +93,7 @@ def export_yaml(spec: TuningSpec, result: dict[str, Any], path: str | Path | Non
         workload={**spec.workload.model_dump(), "world_size": spec.hardware.world_size},
         optimizer=spec.optimizer.to_dict(),      # what the trials stepped with: `sltune train` reads it
         measured={k: best.get(k) for k in ("tokens_per_s", "tokens_per_s_ci95", "step_seconds", "peak_device_bytes",
-                                           "peak_host_bytes")},
+                                           "peak_host_bytes", "from_trials")},
         confidence=result.get("confidence"),
         predicted=result["predicted"],
         limits={"device_memory_limit": spec.hardware.device_memory_limit,

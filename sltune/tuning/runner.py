@@ -8,6 +8,8 @@ a trial that was running is marked interrupted and run again, nothing finished r
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -19,6 +21,8 @@ from sltune.profiling import run_trial
 from sltune.profiling.schema import TrialSpec
 from sltune.store import Store
 from sltune.store.db import normalize_url
+from sltune.sizes import format_bytes
+from sltune.store.faults import durable_rdb_storage, retrying
 from sltune.store.optuna import optuna_location
 from sltune.tuning import confirm
 from sltune.tuning.result import job_result
@@ -27,7 +31,7 @@ from sltune.tuning.space import Candidate, SearchSpace
 from sltune.tuning.spec import TuningSpec
 from sltune.tuning.state import Done, SearchState
 from sltune.tuning.strategies import STRATEGIES, Stop
-from sltune.tuning.study import name_metric, study_name, tell
+from sltune.tuning.study import add_confirms, name_metric, set_pick, study_name, tell
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 log = logging.getLogger("sltune.tuning")
@@ -40,6 +44,14 @@ StopFn = Callable[[], str | None]
 MAX_REPEATS = 200   # asks that return an already-tried or invalid config before the sampler is given up on
 
 
+def machine_cores() -> int:
+    """The cores this process may run on (its affinity), which its trials share."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:          # not Linux
+        return os.cpu_count() or 1
+
+
 def requirements(spec: TuningSpec) -> dict[str, Any]:
     """What a worker must offer to run this job."""
     hw = spec.hardware
@@ -50,30 +62,37 @@ _STORAGES: dict[str, optuna.storages.RDBStorage] = {}
 _STORAGE_LOCK = threading.Lock()
 
 
-def optuna_storage(url: str) -> optuna.storages.RDBStorage:
+def optuna_storage(url: str, retry_s: float = 0.0) -> optuna.storages.RDBStorage:
     """One Optuna storage per database and process. Creating it creates Optuna's tables, which two job
     threads (or two processes on a new database) must not do at once: a lock here, one retry across
-    processes."""
+    processes. With retry_s its calls ride out a database restart as the job store's do (a worker's)."""
     url, kwargs = optuna_location(url)       # beside the job store, never among its tables
     with _STORAGE_LOCK:
         if url not in _STORAGES:
             try:
-                _STORAGES[url] = optuna.storages.RDBStorage(url, engine_kwargs=kwargs)
+                _STORAGES[url] = retrying(lambda: durable_rdb_storage(url, kwargs), retry_s,
+                                          "opening Optuna's storage")
             except Exception:  # noqa: BLE001 - another process created the tables first; they exist now
                 time.sleep(1.0)
-                _STORAGES[url] = optuna.storages.RDBStorage(url, engine_kwargs=kwargs)
+                _STORAGES[url] = durable_rdb_storage(url, kwargs)
+        _STORAGES[url].retry_s = max(_STORAGES[url].retry_s, retry_s)
         return _STORAGES[url]
 
 
 def run_job(store: Store, job_id: str, *, progress: ProgressFn | None = None, should_stop: StopFn | None = None,
             worker_id: str | None = None, artifact_dir: Path | None = None,
-            default_host_limit: int | None = None) -> dict[str, Any]:
+            default_host_limit: int | None = None, max_trial_steps: int | None = None,
+            max_trials: int | None = None) -> dict[str, Any]:
     """Run (or resume) a job. With worker_id every write is fenced: a runner that lost the job writes
     nothing more. default_host_limit is this worker's ceiling on a trial's host memory, whatever the spec
-    says, so no trial can take the machine (and the server beside it) down."""
+    says, so no trial can take the machine (and the server beside it) down; max_trial_steps its ceiling on a
+    trial's timed steps, and max_trials on the job's trials in all, confirmation trials included (as is the
+    server's, recorded in the job's limits)."""
     job = store.job(job_id)
     if job is None:
         raise ValueError(f"no job {job_id!r} in {store.url}")
+    in_all = [n for n in (max_trials, ((job.limits or {}).get("trials_in_all") or {}).get("applied")) if n]
+    trials_cap = min(in_all) if in_all else None
     spec = TuningSpec.model_validate(job.spec)
     shape = shape_of(spec.model.source, spec.model.dtype)
     space = SearchSpace(spec, shape)
@@ -82,8 +101,11 @@ def run_job(store: Store, job_id: str, *, progress: ProgressFn | None = None, sh
         store.set_status(job_id, "running")
     store.interrupt_running_trials(job_id)          # left running by a previous holder that died
     finished = [t for t in store.trials(job_id) if t.status not in ("running", "interrupted")]
+    seconds: dict[Candidate, list[float]] = {}      # each config's trial times: what its next trial will take
     for t in finished:   # replayed in order: margins widened by past out-of-memory trials come back too
         done = Done(t.number, Candidate.from_knobs(t.config), t.role, t.result)
+        if t.started_at and t.finished_at:
+            seconds.setdefault(done.candidate, []).append((t.finished_at - t.started_at).total_seconds())
         if t.role == "confirm":
             state.confirms.append(done)         # not search history: they neither refit nor count as tried
         else:
@@ -92,7 +114,7 @@ def run_job(store: Store, job_id: str, *, progress: ProgressFn | None = None, sh
         state.refit()           # fits (empty) exist before the first proposal
     number = max((t.number for t in store.trials(job_id)), default=-1) + 1
 
-    study = optuna.create_study(study_name=study_name(job_id), storage=optuna_storage(store.url),
+    study = optuna.create_study(study_name=study_name(job_id), storage=optuna_storage(store.url, store.retry_s),
                                 direction="maximize", load_if_exists=True,
                                 sampler=STRATEGIES[spec.search.strategy](state, spec.search.seed).sampler())
     name_metric(study)
@@ -105,30 +127,33 @@ def run_job(store: Store, job_id: str, *, progress: ProgressFn | None = None, sh
             tell(study, optuna.Trial(study, stale._trial_id), row.result, row.role, row.number)
         else:
             study.tell(stale.number, state=optuna.trial.TrialState.FAIL)
+    add_confirms(study, space.params, space.distributions(), state.confirms)   # killed before adding them
     strategy = STRATEGIES[spec.search.strategy](state, spec.search.seed)
 
     search = spec.search
     elapsed_before = float(job.progress.get("elapsed_s", 0.0))
     start = time.monotonic()
     trial_seconds: list[float] = []
+    queue: list[Candidate] = []         # the confirmation round's trials, in order, once the search has ended
     repeats = 0
     stop_reason = None
 
     def elapsed() -> float:
         return elapsed_before + time.monotonic() - start
 
-    def report(last: dict[str, Any] | None = None, phase: str = "running", best: Done | None = None) -> None:
-        best = best or state.best()         # finished: the confirmed winner, which the result names
+    def report(last: dict[str, Any] | None = None, phase: str = "running", best: Done | None = None,
+               figure: float | None = None) -> None:
+        best = best or state.best()         # finished: the confirmed winner and its figure, as the result names
         done = len(state.history)
         avg = sum(trial_seconds) / len(trial_seconds) if trial_seconds else None
-        left = search.time_budget_s - elapsed()
-        if avg is not None:
-            left = min(left, (search.max_trials - done) * avg)
+        left = confirm.time_left(state, search, elapsed(), queue if phase in ("confirm", "finished") else None,
+                                 seconds, avg)
         if phase == "finished":
             left = 0.0
-        payload = {"trials_done": done, "max_trials": search.max_trials, "elapsed_s": round(elapsed(), 2),
+        payload = {"trials_done": done, "max_trials": search.max_trials, "confirm_done": len(state.confirms),
+                   "confirm_planned": len(queue) if queue else None, "elapsed_s": round(elapsed(), 2),
                    "time_left_s": max(0.0, round(left, 1)), "phase": phase, "stop_reason": stop_reason,
-                   "best_tokens_per_s": best.tokens_per_s if best else None,
+                   "best_tokens_per_s": figure if figure is not None else best.tokens_per_s if best else None,
                    "best_config": best.candidate.knobs() if best else None, "last_trial": last}
         store.update_progress(job_id, payload, holder=worker_id)
         if progress:
@@ -137,19 +162,27 @@ def run_job(store: Store, job_id: str, *, progress: ProgressFn | None = None, sh
     def measure(cand: Candidate, role: str, optuna_number: int | None) -> dict[str, Any] | None:
         """Run one trial and record it; None (stop_reason set) when the job was stopped or taken over."""
         nonlocal stop_reason
+        began = time.monotonic()       # the trial's whole cost, its records included: what the next will take
         pred = state.predict(cand)
-        trace = None
+        trace = trace_error = None
         if search.profile and artifact_dir is not None:
             trace = Path(artifact_dir) / job_id / f"trial-{number}.json"
-            trace.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                trace.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as err:          # a full disk costs the trial its trace, nothing more
+                trace, trace_error = None, f"no trace: its folder could not be made ({err.strerror})"
         if not store.start_trial(job_id, number, role, {**cand.knobs(), "schedule": search.schedule},
                                  pred.to_dict(), optuna_number, worker_id):
             stop_reason = "released: another worker holds the job now"
             return None
         report(last={"number": number, "config": cand.knobs(), "status": "running"}, phase=role)
         t0 = time.monotonic()
-        result = run_trial(trial_spec(spec, cand, trace, default_host_limit),
+        result = run_trial(trial_spec(spec, cand, trace, default_host_limit, max_trial_steps),
                            stop=should_stop).model_dump(mode="json")
+        if trace is not None and result["status"] == "ok" and not trace.exists():
+            trace, trace_error = None, f"no trace: it could not be written ({free_space(artifact_dir)})"
+        if trace_error:
+            result["trace_error"] = trace_error
         trial_seconds.append(time.monotonic() - t0)
         if should_stop and (why := should_stop()) and result["status"] == "failed":
             store.interrupt_running_trials(job_id, worker_id)   # killed mid-way: not a result, run it again
@@ -159,7 +192,11 @@ def run_job(store: Store, job_id: str, *, progress: ProgressFn | None = None, sh
             stop_reason = "released: another worker holds the job now"     # fenced: the job has a new holder
             return None
         if trace is not None and trace.exists():
-            store.add_artifact(job_id, number, "trace", str(trace.relative_to(artifact_dir)), trace.stat().st_size)
+            try:
+                store.add_artifact(job_id, number, "trace", str(trace.relative_to(artifact_dir)), trace.stat().st_size)
+            except Exception as err:  # noqa: BLE001 - the trial's result is stored; only its trace is lost
+                log.warning("job %s trial %d: its trace could not be recorded (%s)", job_id, number, err)
+        seconds.setdefault(cand, []).append(time.monotonic() - began)
         return result
 
     report(phase="starting")
@@ -208,7 +245,12 @@ def run_job(store: Store, job_id: str, *, progress: ProgressFn | None = None, sh
     confirmation = None
     if not stop_reason.startswith(("cancelled", "released")):
         picks = confirm.finalists(state) if search.confirm_rounds else []
-        for cand in confirm.plan(state, search.confirm_rounds)[len(state.confirms):]:
+        queue = confirm.plan(state, search.confirm_rounds)
+        for cand in queue[len(state.confirms):]:
+            if trials_cap is not None and len(state.history) + len(state.confirms) >= trials_cap:
+                stop_reason += (f"; confirmation cut short: this server allows {trials_cap} trials in all, "
+                                "confirmation included (SLTUNE_MAX_TRIALS)")
+                break
             if elapsed() >= search.time_budget_s:
                 stop_reason += f"; confirmation cut short: time_budget_s ({search.time_budget_s:g}s) used up"
                 break
@@ -219,6 +261,7 @@ def run_job(store: Store, job_id: str, *, progress: ProgressFn | None = None, sh
             if result is None:
                 break
             state.confirms.append(Done(number, cand, "confirm", result))
+            add_confirms(study, space.params, space.distributions(), state.confirms[-1:])
             report(last={"number": number, "config": cand.knobs(), "status": result["status"],
                          "tokens_per_s": result.get("tokens_per_s"), "error": result.get("error")}, phase="confirm")
             number += 1
@@ -235,7 +278,9 @@ def run_job(store: Store, job_id: str, *, progress: ProgressFn | None = None, sh
     cancelled = bool(stop_reason and stop_reason.startswith("cancelled"))
     status = "cancelled" if cancelled else ("succeeded" if out["best"] else "failed")
     error = None if out["best"] or cancelled else ("no config ran successfully: " + _failures(state))
-    report(phase="finished", best=confirm.winner_of(state, confirmation))
+    report(phase="finished", best=confirm.winner_of(state, confirmation),
+           figure=out["best"]["tokens_per_s"] if out["best"] else None)
+    set_pick(study, out)
     store.set_status(job_id, status, holder=worker_id, result=out, error=error)
     out["status"] = status
     out["error"] = error
@@ -247,8 +292,26 @@ def _failures(state: SearchState) -> str:
     return "; ".join(errs) or "no trial ran"
 
 
-def trial_spec(spec: TuningSpec, c: Candidate, trace: Path | None, default_host_limit: int | None = None) -> TrialSpec:
+def free_space(folder: Path | None) -> str:
+    try:
+        return f"{format_bytes(shutil.disk_usage(folder).free)} free in the data directory"
+    except (OSError, TypeError):
+        return "the data directory cannot be read"
+
+
+def trial_spec(spec: TuningSpec, c: Candidate, trace: Path | None, default_host_limit: int | None = None,
+               max_trial_steps: int | None = None) -> TrialSpec:
+    """What one trial runs. The worker's ceilings hold whatever the stored spec says: host memory; timed steps,
+    every round together (an unstable round is re-measured only while both fit); and intra-op threads, at most
+    this machine's cores shared by the ranks (more would only take turns on them)."""
     w, hw, s = spec.workload, spec.hardware, spec.search
+    steps, max_steps, remeasure = s.trial_steps, s.trial_max_steps, 1
+    if max_trial_steps is not None:
+        steps, max_steps = min(steps, max_trial_steps), min(max_steps, max_trial_steps)
+        remeasure = 1 if 2 * max(steps, max_steps) <= max_trial_steps else 0
+    threads = hw.cpu_threads
+    if threads is not None:
+        threads = min(threads, max(1, machine_cores() // hw.world_size))
     return TrialSpec(model=spec.model.source, dtype=spec.model.dtype, mixed_precision=spec.model.mixed_precision,
                      optimizer=spec.optimizer, sub_batch_size=c.b, num_sub_batches=c.n,
                      num_live_blocks=c.k, schedule=s.schedule, activations=c.a, mode=w.mode,
@@ -257,6 +320,6 @@ def trial_spec(spec: TuningSpec, c: Candidate, trace: Path | None, default_host_
                      device_memory_limit=hw.device_memory_limit,
                      host_memory_limit=min((x for x in (hw.host_memory_limit, default_host_limit) if x),
                                            default=None),
-                     steps=s.trial_steps, min_time_s=s.trial_min_time_s, max_steps=s.trial_max_steps,
-                     cpu_threads=hw.cpu_threads, profile=s.profile, trace_path=str(trace) if trace else None,
+                     steps=steps, min_time_s=s.trial_min_time_s, max_steps=max_steps, remeasure=remeasure,
+                     cpu_threads=threads, profile=s.profile, trace_path=str(trace) if trace else None,
                      timeout_s=s.trial_timeout_s, seed=s.seed)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal, get_args
 
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, WithJsonSchema,
                       field_validator, model_validator)
@@ -29,6 +29,24 @@ if TYPE_CHECKING:
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _booleans_are_booleans(cls, value: Any, info: Any) -> Any:
+        """JSON's true and false are no numbers, nor 0 and 1 booleans, though pydantic reads each as the other
+        (POST /tune queued jobs with search.seed false and search.profile 0): refused, as the schema says."""
+        kinds = _leaves(cls.model_fields[info.field_name].annotation)
+        if isinstance(value, bool) and not kinds & {bool, Any}:
+            raise ValueError(f"{str(value).lower()} is not a number; give a number")
+        if value is not None and not isinstance(value, bool) and kinds - {type(None)} == {bool}:
+            raise ValueError(f"{value!r} is not a boolean; give true or false")
+        return value
+
+
+def _leaves(annotation: Any) -> set:
+    """The types an annotation admits, through unions, Annotated and containers' items."""
+    args = get_args(annotation)
+    return {annotation} if not args else set().union(*map(_leaves, args))
 
 
 def _preset_names():

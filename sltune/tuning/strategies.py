@@ -54,13 +54,23 @@ class TPEStrategy(Strategy):
         return optuna.samplers.TPESampler(seed=self.seed, n_startup_trials=5)
 
 
+class _EnqueuedGrid(optuna.samplers.GridSampler):
+    """Optuna's grid sampler for a study whose every trial the runner enqueues (the grid strategy proposes
+    each candidate itself, in order). Optuna's end-of-grid bookkeeping after a trial looks up a grid id that
+    enqueued trials never get (a KeyError once a single grid point is left: a one-config grid failed after its
+    trial had run) and would stop a study driven by ask and tell; the strategy knows when the grid is done."""
+
+    def after_trial(self, study, trial, state, values) -> None:
+        return None
+
+
 class GridStrategy(Strategy):
     """Exhaustive: every candidate once (combinations that are not candidates are pruned unrun)."""
 
     name = "grid"
 
     def sampler(self) -> optuna.samplers.BaseSampler:
-        return optuna.samplers.GridSampler(self.state.space.grid(), seed=self.seed)
+        return _EnqueuedGrid(self.state.space.grid(), seed=self.seed)
 
     def propose(self) -> Proposal | Stop:
         untried = [c for c in self.state.space.candidates if c not in self.state.tried]

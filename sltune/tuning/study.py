@@ -5,7 +5,7 @@ sltune measured beyond the objective rides along as user attributes."""
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 import optuna
 
@@ -37,16 +37,53 @@ def name_metric(study: optuna.Study) -> None:
         study.set_metric_names([METRIC])
 
 
-def tell(study: optuna.Study, trial: optuna.Trial, result: dict[str, Any], role: str, number: int) -> None:
-    """An ok trial is COMPLETE with its tokens/s; oom, failed and timeout are FAIL (no throughput was
-    measured: a 0 would read as a real, terrible value), with the status and the reason as attributes."""
+def _attrs(result: dict[str, Any], role: str, number: int) -> dict[str, Any]:
     attrs = {"sltune_trial": number, "role": role, "status": result["status"],
              **{k: result[k] for k in ATTRS if result.get(k) is not None}}
     if result["status"] != "ok":
         attrs["reason"] = result.get("error")
-    for key, value in attrs.items():
+    return attrs
+
+
+def tell(study: optuna.Study, trial: optuna.Trial, result: dict[str, Any], role: str, number: int) -> None:
+    """An ok trial is COMPLETE with its tokens/s; oom, failed and timeout are FAIL (no throughput was
+    measured: a 0 would read as a real, terrible value), with the status and the reason as attributes."""
+    for key, value in _attrs(result, role, number).items():
         trial.set_user_attr(key, value)
     if result["status"] == "ok":
         study.tell(trial, result[METRIC])
     else:
         study.tell(trial, state=optuna.trial.TrialState.FAIL)
+
+
+def add_confirms(study: optuna.Study, params: Callable[[Any], dict[str, Any]],
+                 distributions: dict[str, optuna.distributions.BaseDistribution], confirms: list) -> None:
+    """The confirmation trials (sltune.tuning.state.Done, role "confirm") the study lacks, added as finished
+    trials: the sampler never proposed them, but Optuna's tools should see every measurement the pick rests
+    on. Ones already there (by their sltune_trial attribute) are skipped, so a resumed job adds only what a
+    killed one had not."""
+    have = {t.user_attrs.get("sltune_trial") for t in study.get_trials(deepcopy=False)}
+    for d in confirms:
+        if d.number in have:
+            continue
+        ok = d.result["status"] == "ok"
+        study.add_trial(optuna.trial.create_trial(
+            params=params(d.candidate), distributions=distributions, value=d.result[METRIC] if ok else None,
+            state=optuna.trial.TrialState.COMPLETE if ok else optuna.trial.TrialState.FAIL,
+            user_attrs=_attrs(d.result, d.role, d.number)))
+
+
+def set_pick(study: optuna.Study, result: dict[str, Any]) -> None:
+    """sltune's answer beside Optuna's own best_trial (which is the single fastest trial, and may be another
+    config, or a confirmation trial of a round the machine ran faster): the pick, its figure (the median of
+    all its trials) and interval, the trials it pools and how sure the pick is."""
+    best = result.get("best")
+    if not best:
+        return
+    numbers = set(best.get("from_trials") or [])
+    optuna_numbers = [t.number for t in study.get_trials(deepcopy=False) if t.user_attrs.get("sltune_trial") in numbers]
+    for key, value in (("pick", best["config"]), ("pick_tokens_per_s", best["tokens_per_s"]),
+                       ("pick_tokens_per_s_ci95", best.get("tokens_per_s_ci95")),
+                       ("pick_trials", sorted(numbers)), ("pick_optuna_trials", optuna_numbers),
+                       ("pick_confidence", result.get("confidence"))):
+        study.set_user_attr(key, value)

@@ -70,12 +70,13 @@ def test_a_generate_trial_keeps_the_share_of_the_weights_it_is_given():
 def test_a_trial_builds_the_engine_the_training_job_will_run(tmp_path, monkeypatch):
     """The trial body (in this process, its engine replaced by a recorder): the spec's optimizer and
     mixed_precision reach the engine; a model folder is loaded with from_pretrained (a generation trial with no
-    optimizer), a config.json file is built like a preset."""
+    optimizer), a preset or a config.json file is built on the meta device and filled from seeded weights."""
     import torch
 
     import sltune.runtime.engine as engine_module
     from sltune.models import build
     from sltune.profiling import child
+    from sltune.models.seeded import SeededWeights
     from sltune.profiling.schema import TrialSpec
 
     calls = []
@@ -84,7 +85,8 @@ def test_a_trial_builds_the_engine_the_training_job_will_run(tmp_path, monkeypat
         pass
 
     class Recorder:
-        def __init__(self, model, config, optimizer=None):
+        def __init__(self, model, config, optimizer=None, weights=None):
+            assert isinstance(weights, SeededWeights) and all(p.is_meta for p in model.parameters())
             calls.append(("engine", model, config, optimizer))
             raise Built
 
@@ -104,9 +106,9 @@ def test_a_trial_builds_the_engine_the_training_job_will_run(tmp_path, monkeypat
     kind, model, cfg, factory = run(dtype="bfloat16", optimizer={"name": "sgd", "lr": 0.5, "momentum": 0.9})
     opt = factory([torch.nn.Parameter(torch.zeros(2))])
     assert isinstance(opt, torch.optim.SGD) and opt.defaults["lr"] == 0.5 and opt.defaults["momentum"] == 0.9
-    assert cfg.dtype == "bfloat16" and cfg.has_master and next(model.parameters()).dtype == torch.float32
+    assert cfg.dtype == "bfloat16" and cfg.has_master
     kind, model, cfg, factory = run(dtype="bfloat16", mixed_precision=False)
-    assert not cfg.mixed_precision and next(model.parameters()).dtype == torch.bfloat16
+    assert not cfg.mixed_precision
     assert isinstance(factory([torch.nn.Parameter(torch.zeros(2))]), torch.optim.AdamW)
 
     folder = tmp_path / "ckpt"

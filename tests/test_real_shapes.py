@@ -39,7 +39,7 @@ def test_a_spec_no_config_of_which_fits_this_machine_is_refused_before_any_trial
     spec = tmp_path / "big.yaml"
     spec.write_text("name: big\nmodel: {preset: llama-2-7b, dtype: bfloat16}\nworkload: {seq_len: 64}\n")
     assert main(["tune", str(spec), "--db", f"sqlite:///{tmp_path / 'jobs.db'}"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()[-1]
+    err = next(line for line in capsys.readouterr().err.splitlines() if line.startswith("sltune tune: error:"))
     assert "hardware.host_memory_limit is not set, so this machine's trial ceiling" in err
     assert "a float32 master copy 25.1 GiB" in err and "AdamW's two moments in float32 50.2 GiB" in err
     assert "What would fit: hardware.world_size" in err

@@ -253,7 +253,7 @@ def test_a_checkpoint_folder_is_a_model_source_and_its_saved_config_json_is_acce
         parse(model={"preset": "llama-tiny", "hf_config": saved})
     refused = hf_config_schema()["propertyNames"]["not"]["anyOf"]     # the OpenAPI document says the same
     assert "transformers_version" not in refused[0]["enum"] and "auto_map" in refused[0]["enum"]
-    assert refused[1] == {"allOf": [{"pattern": "^_"}, {"not": {"enum": ["_name_or_path"]}}]}
+    assert refused[1] == {"allOf": [{"pattern": "^_"}, {"not": {"enum": ["_name_or_path", "_remove_final_layer_norm"]}}]}
 
 
 def test_the_optimizer_and_mixed_precision_reach_the_trials_and_best_yaml():

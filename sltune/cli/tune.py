@@ -54,13 +54,15 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run_tune(args: argparse.Namespace) -> int:
     forks.start()           # the trials' fork server imports torch and transformers beside this process
     from sltune.tuning.result import export_yaml
-    from sltune.service.local import tune
+    from sltune.service.local import fits_this_machine, tune
+    from sltune.settings import Settings
     from sltune.tuning.spec import TuningSpec
 
     spec = TuningSpec.load(args.spec)
     if args.strategy:
         spec = TuningSpec.model_validate({**spec.model_dump(), "search": {**spec.search.model_dump(),
                                                                           "strategy": args.strategy}})
+    fits_this_machine(spec, Settings())     # a refusal is one line, before the bar starts
     bar = JobBar(f"tune {spec.name} ({spec.search.strategy})", spec.search.max_trials, disable=args.json)
     result = tune(spec, args.db, job_id=args.job_id, progress=bar.show)
     bar.close()

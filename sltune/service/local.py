@@ -32,7 +32,7 @@ def tune(spec: TuningSpec | dict[str, Any] | str | Path, db: str | None = None, 
                                                                           "strategy": strategy}})
     if db:
         settings = settings.model_copy(update={"db": db})
-    _fits_this_machine(spec, settings)
+    fits_this_machine(spec, settings)
     store = Store(settings.db_url())
     job = store.job(job_id) if job_id else store.resumable(spec.digest())
     if job is None:
@@ -57,7 +57,7 @@ def tune(spec: TuningSpec | dict[str, Any] | str | Path, db: str | None = None, 
         raise
 
 
-def _fits_this_machine(spec: TuningSpec, settings: Settings) -> None:
+def fits_this_machine(spec: TuningSpec, settings: Settings) -> None:
     """A spec with no host_memory_limit runs its trials under this machine's ceiling: refused before any trial
     when no config can fit it, as the server refuses it under its own (a 70B spec's trials would each grow to
     the ceiling and be killed)."""

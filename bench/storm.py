@@ -1,7 +1,7 @@
 """/healthz latency while a storm of large POST /tune bodies arrives at once.
 
-    python bench/storm.py [--posts 200] [--kb 200] [--rounds 1] [--max-trials 2] [--db URL] [--url URL --token T]
-                          [--json]
+    python bench/storm.py [--posts 200] [--kb 200] [--rounds 1] [--max-trials 2] [--nice 0] [--db URL]
+                          [--url URL --token T] [--json]
 
 Starts `sltune serve --no-worker` on a free loopback port (or, with --url, measures a server already running),
 then, per round: a prober process of its own asks GET /healthz every 20 ms while this process sends --posts
@@ -101,7 +101,7 @@ async def storm(url: str, token: str, bodies: list[bytes]) -> tuple[list[tuple[f
         return list(answers), start, time.time()
 
 
-def round_(url: str, token: str, posts: int, kb: int, seed: int, max_trials: int = 2) -> dict:
+def round_(url: str, token: str, posts: int, kb: int, seed: int, max_trials: int = 2, nice: int = 0) -> dict:
     bodies = [body(seed * posts + i, kb, max_trials) for i in range(posts)]
     ctx = mp.get_context("spawn")
     stop = ctx.Event()
@@ -109,6 +109,8 @@ def round_(url: str, token: str, posts: int, kb: int, seed: int, max_trials: int
     prober = ctx.Process(target=probe, args=(url, stop, send))
     prober.start()
     time.sleep(1.0)                 # the prober's imports and first requests, before the storm
+    if nice:
+        os.nice(nice)               # the sender yields the cores to the server (and the prober) from now on
     answers, start, end = asyncio.run(storm(url, token, bodies))
     time.sleep(0.2)
     stop.set()
@@ -162,6 +164,9 @@ def main() -> None:
     ap.add_argument("--token", default=os.environ.get("SLTUNE_API_TOKEN", TOKEN), help="with --url: its token")
     ap.add_argument("--max-trials", type=int, default=2, help="each spec's search.max_trials (above the server's "
                     "SLTUNE_MAX_TRIALS: every spec is checked in full, then refused, and no job is queued)")
+    ap.add_argument("--nice", type=int, default=0, help="lower this sender's priority by this much once the prober "
+                    "runs (its first round): on a shared machine the sender, which stands for clients elsewhere, "
+                    "then takes no cores from the server")
     ap.add_argument("--json", action="store_true", help="print the figures as JSON")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="sltune-storm-") as tmp:
@@ -173,7 +178,7 @@ def main() -> None:
             rounds = []
             for r in range(args.rounds):
                 rounds.append(round_(url, args.token, args.posts, args.kb, seed=r + int(time.time()) % 100_000,
-                                     max_trials=args.max_trials))
+                                     max_trials=args.max_trials, nice=args.nice if r == 0 else 0))
                 if not args.json:
                     x = rounds[-1]
                     print(f"round {r + 1}: {x['posts']} POSTs of {x['kb']} KB in {x['wall_s']} s {x['post_status']} "

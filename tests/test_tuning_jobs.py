@@ -52,7 +52,10 @@ def test_oneshot_finds_a_config_that_fits_in_a_fraction_of_the_space(job):
     # (how many rounds it needs depends on the machine's noise, so it is not counted against the budget)
     searched = [t for t in r["trials"] if t["role"] != "confirm"]
     assert len(searched) <= SPEC["search"]["max_trials"] < r["space_size"] / 4
-    assert r["binding_limit"] == "device"
+    # on this model the largest configs that fit are the fastest, so the pick sits at the device limit; beside
+    # another process a smaller config can measure faster, and then no limit binds the pick
+    assert r["binding_limit"] in ("device", "none")
+    assert r["best"]["peak_device_bytes"] <= TuningSpec.parse(SPEC).hardware.device_memory_limit
     roles = [t["role"] for t in r["trials"]]
     # after the probes it either spends trials on the frontier or stops because no untried config is predicted
     # to beat the best by more than the best's measured noise (issue #10: the tuner does not act on noise)
@@ -165,7 +168,7 @@ def test_exported_yaml_round_trips_and_trains(job, tmp_path):
     assert cfg.device_memory_limit == LIMIT
     doc = yaml.safe_load(out.read_text())
     assert doc["measured"]["tokens_per_s"] == job["result"]["best"]["tokens_per_s"]
-    assert doc["provenance"]["job_id"] == job["result"]["job_id"] and doc["binding_limit"] == "device"
+    assert doc["provenance"]["job_id"] == job["result"]["job_id"] and doc["binding_limit"] == job["result"]["binding_limit"]
     assert doc["confidence"] == job["result"]["confidence"] and "the runner-up" in doc["confidence"]
     assert set(doc["resource_models"]) == {"device", "host", "throughput"}
     assert SpeedLoaderConfig.from_yaml(out).to_yaml() == cfg.to_yaml()

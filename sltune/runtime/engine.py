@@ -240,14 +240,7 @@ class SpeedLoaderEngine:
         if dtype is None:
             source = self.checkpoint.dtype if self.checkpoint is not None else None
             dtype = source or (torch.float32 if self.params.master else self.dtype)
-        state = dict(self.state_dict() if state is None else state)   # state: a state_dict() already gathered
-        params = dict(self.model.named_parameters(remove_duplicate=False))
-        seen: set[int] = set()
-        for name in list(state):                       # a tied weight once, under its first name
-            if name in params:
-                if id(params[name]) in seen:
-                    del state[name]
-                seen.add(id(params[name]))
+        state = self.untied(self.state_dict() if state is None else state)  # state: a state_dict() already gathered
         files: list[Path] = []
         if self.world == 1 or dist.get_rank() == 0:
             files = write_pretrained(path, self.model, state, dtype, max_shard_size,
@@ -255,6 +248,18 @@ class SpeedLoaderEngine:
         if self.world > 1:
             dist.barrier()
         return files
+
+    def untied(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A state_dict with a tied weight once, under its first name, as transformers saves it."""
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        seen: set[int] = set()
+        out = {}
+        for name, value in state.items():
+            key = id(params[name]) if name in params else id(value)
+            if key not in seen:
+                seen.add(key)
+                out[name] = value
+        return out
 
     # -- units -------------------------------------------------------------------------------------
     def _build_units(self) -> None:

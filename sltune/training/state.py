@@ -59,14 +59,7 @@ def save_checkpoint(path: str | Path, engine, trainer: dict[str, Any], save_dtyp
         if any(t.dtype != save_dtype for t in stepped.values()):
             from safetensors.torch import save_file
 
-            params = dict(engine.model.named_parameters(remove_duplicate=False))
-            seen: set[int] = set()
-            exact = {}
-            for name, t in stepped.items():
-                key = id(params[name]) if name in params else id(t)
-                if key not in seen:
-                    seen.add(key)
-                    exact[name] = t.detach().contiguous()
+            exact = {name: t.detach().contiguous() for name, t in engine.untied(stepped).items()}
             save_file(exact, staging / WEIGHTS, metadata={"format": "pt"})
         torch.save({**trainer, "world_size": world, "save_dtype": str(save_dtype).removeprefix("torch."),
                     "scaler": engine.scaler.state_dict() if engine.scaler is not None else None,

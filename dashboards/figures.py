@@ -156,7 +156,8 @@ def breakdown_pies(trials: Iterable[dict[str, Any]], limit: int = PIE_LIMIT, col
 def throughput_figure(trials: Iterable[dict[str, Any]], best_number: int | None = None,
                       max_facets: int = 8) -> go.Figure | None:
     """tokens/s against sub_batch_size, one panel per num_sub_batches, coloured by num_live_blocks;
-    oom / failed / timeout trials as crosses on the zero line."""
+    confirmation trials as open diamonds beside the search's line; oom / failed / timeout trials as crosses
+    on the zero line."""
     trials = [t for t in trials if all(v is not None for v in knobs(t)) and status_of(t) != "running"]
     if not trials:
         return None
@@ -180,8 +181,18 @@ def throughput_figure(trials: Iterable[dict[str, Any]], best_number: int | None 
         row, col = place(n)
         in_panel = [t for t in trials if not facet or knobs(t)[1] == n]
         for ci, k in enumerate(ks):
-            pts = sorted((t for t in in_panel if knobs(t)[2] == k and status_of(t) == "ok" and tokens_per_s(t)),
-                         key=lambda t: knobs(t)[0])
+            ok = [t for t in in_panel if knobs(t)[2] == k and status_of(t) == "ok" and tokens_per_s(t)]
+            pts = sorted((t for t in ok if t.get("role") != "confirm"), key=lambda t: knobs(t)[0])
+            again = [t for t in ok if t.get("role") == "confirm"]
+            if again:       # re-measurements of a finalist: beside its search point, not another step of the line
+                fig.add_trace(go.Scatter(
+                    x=[knobs(t)[0] for t in again], y=[tokens_per_s(t) for t in again], mode="markers",
+                    name="confirmation trial", legendgroup="confirm", showlegend="confirm" not in seen_legend,
+                    marker=dict(symbol="diamond-open", size=11, line=dict(width=2),
+                                color=LIVE_BLOCK_COLORS[ci % len(LIVE_BLOCK_COLORS)]),
+                    text=[_hover_config(t) for t in again],
+                    hovertemplate="%{text}<br>%{y:,.1f} tokens/s (confirmation)<extra></extra>"), row=row, col=col)
+                seen_legend.add("confirm")
             if not pts:
                 continue
             name = f"num_live_blocks k={k}"

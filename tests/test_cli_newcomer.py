@@ -99,6 +99,16 @@ def test_a_bad_knob_flag_names_the_flag_once(capsys):
     assert str(err.value).count("device_memory_limit") == 1
 
 
+def test_a_bad_train_flag_is_refused_before_the_progress_bar_and_names_the_flag(capsys):
+    """Issue #23: `train --seed -1` was accepted (and then refused only once the bar had started), `--lr -1`
+    gave torch's "Invalid learning rate: -1.0", which names no flag."""
+    for flags, said in ((["--seed", "-1"], "--seed must be >= 0, got -1"), (["--lr", "-1"], "--lr")):
+        assert main(["train", "--model", "llama-tiny", "--steps", "1", *flags]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("sltune train: error: ") and said in err and err.count("\n") == 1, err
+        assert "step/s" not in err and "0/1" not in err            # no bar was drawn before the refusal
+
+
 def test_a_torch_checkpoint_as_model_is_one_line_naming_the_flag_and_what_to_give(tmp_path, capsys):
     """Issue #23: `--model trained.pt` said "'utf-8' codec can't decode byte 0x80", naming neither the flag
     nor a fix."""

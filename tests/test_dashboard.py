@@ -148,6 +148,21 @@ def test_history_draws_confirmation_trials_apart_and_keeps_them_out_of_the_best_
     assert list(best.x) == list(range(9)) and max(best.y) == 1618.8
 
 
+def test_throughput_draws_confirmation_trials_beside_the_search_line_not_on_it():
+    """Issue #23: the throughput figure joined a finalist's confirmation trials into its k's dotted line, so the
+    line zig-zagged at one b between the rounds' figures."""
+    trials = realistic_trials()
+    last = trials[-1]
+    for number, tps in ((9, 2500.0), (10, 2400.0)):
+        trials.append({**last, "number": number, "role": "confirm", "result": {**last["result"], "tokens_per_s": tps}})
+    fig = figures.throughput_figure(trials, best_number=8)
+    lines = [tr for tr in fig.data if tr.name.startswith("num_live_blocks")]
+    assert 2500.0 not in {y for tr in lines for y in tr.y} and 2400.0 not in {y for tr in lines for y in tr.y}
+    confirm = [tr for tr in fig.data if tr.name == "confirmation trial"]
+    assert len(confirm) == 1 and confirm[0].mode == "markers" and sorted(confirm[0].y) == [2400.0, 2500.0]
+    assert set(confirm[0].x) == {last["config"]["sub_batch_size"]}
+
+
 def test_parallel_coordinates_and_seconds_per_trial_cover_the_ok_trials():
     trials = realistic_trials()
     ok = [t for t in trials if t["status"] == "ok"]

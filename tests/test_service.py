@@ -10,11 +10,23 @@ import pytest
 import yaml
 
 from sltune import SpeedLoaderConfig
-from tests.conftest import TOKEN, tiny_spec, wait_for
+from tests.conftest import TOKEN, Services, tiny_spec, wait_for
 
 
-def test_post_tune_poll_and_fetch_the_config_as_ci_would(services, tmp_path):
-    services.serve(worker=True)
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    """One server with its embedded worker (two jobs at a time) for the tests that only use it: starting one
+    costs 20-30 s of imports on a busy 2-core machine. The tests that kill or restart processes start their own."""
+    tmp = tmp_path_factory.mktemp("shared")
+    svc = Services(tmp, f"sqlite:///{tmp / 'jobs.db'}")
+    svc.env["SLTUNE_JOBS_PER_WORKER"] = "2"
+    svc.serve(worker=True)
+    yield svc
+    svc.stop()
+
+
+def test_post_tune_poll_and_fetch_the_config_as_ci_would(shared, tmp_path):
+    services = shared
     with services.client() as c:
         r = c.post("/tune", json=tiny_spec("ci", trials=3, profile=True))
         assert r.status_code == 202 and r.json()["status"] == "queued"
@@ -36,8 +48,8 @@ def test_post_tune_poll_and_fetch_the_config_as_ci_would(services, tmp_path):
         assert c.get("/openapi.json").json()["paths"]["/tune"]["post"]
 
 
-def test_writes_need_the_token_and_bad_specs_get_field_errors(services):
-    services.serve()
+def test_writes_need_the_token_and_bad_specs_get_field_errors(shared):
+    services = shared
     with services.client(token=None) as anon, services.client(token="wrong") as wrong, services.client() as c:
         assert anon.post("/tune", json=tiny_spec()).status_code == 401
         assert wrong.post("/tune", json=tiny_spec()).status_code == 401
@@ -65,7 +77,8 @@ def test_writes_need_the_token_and_bad_specs_get_field_errors(services):
 
 
 def test_cancel_stops_a_running_job_promptly(services):
-    services.serve(worker=True)
+    services.serve()
+    worker = services.worker()
     with services.client() as c:
         job_id = c.post("/tune", json=tiny_spec("long", trials=50, sub_batch_size=[1], num_sub_batches=[1],
                                                 num_live_blocks=[1], trial_steps=1000)).json()["job_id"]
@@ -75,10 +88,8 @@ def test_cancel_stops_a_running_job_promptly(services):
         assert c.post(f"/jobs/{job_id}/cancel").status_code == 200
         job = wait_for(c, job_id, timeout=30)
         assert job["status"] == "cancelled" and time.monotonic() - t0 < 10
+        worker.kill()                    # no worker any more: a new job stays queued ...
         queued = c.post("/tune", json=tiny_spec("never")).json()["job_id"]
-        services.procs[0].kill()         # no worker any more: the job stays queued ...
-        services.serve()
-    with services.client() as c:
         assert c.get(f"/jobs/{queued}").json()["status"] == "queued"
         assert c.post(f"/jobs/{queued}/cancel").json()["status"] == "cancelled"   # ... and cancels at once
 
@@ -110,8 +121,8 @@ def test_killed_worker_job_is_taken_over_without_losing_or_repeating_trials(serv
         assert any(t["status"] == "interrupted" for t in after)    # the one killed mid-way, run again
 
 
-def test_a_job_no_worker_can_run_says_so(services):
-    services.serve(worker=True)
+def test_a_job_no_worker_can_run_says_so(shared):
+    services = shared
     with services.client() as c:
         spec = tiny_spec("gpu")
         spec["hardware"]["device"] = "cuda"
@@ -125,8 +136,9 @@ def test_a_job_no_worker_can_run_says_so(services):
         assert job["status"] == "queued" and "needs device 'cuda'" in job["waiting_for"]
 
 
-def test_submit_and_compare_cli(services, tmp_path):
-    url = services.serve(worker=True)
+def test_submit_and_compare_cli(shared, tmp_path):
+    services = shared
+    url = services.url
     spec = tmp_path / "spec.yaml"
     spec.write_text(yaml.safe_dump(tiny_spec("cli", trials=2)))
     env = {**services.env}
@@ -157,10 +169,8 @@ def test_compare_gate_flags_a_regression():
     assert [row["ratio"] for row in r["rows"]] == [pytest.approx(1.0), pytest.approx(0.9)]
 
 
-def test_a_worker_runs_as_many_jobs_at_once_as_configured(services):
-    services.env["SLTUNE_JOBS_PER_WORKER"] = "2"
-    services.serve()
-    services.worker()
+def test_a_worker_runs_as_many_jobs_at_once_as_configured(shared):
+    services = shared                  # its embedded worker takes two jobs at a time
     with services.client() as c:
         ids = [c.post("/tune", json=tiny_spec(f"par{i}", trials=3, trial_steps=20)).json()["job_id"]
                for i in range(2)]

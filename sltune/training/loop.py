@@ -46,6 +46,9 @@ class TrainJob:
     max_shard_size: str | int = "5GB"
     resume: str | None = None
 
+    def __post_init__(self) -> None:
+        _check(self)            # at construction: the CLI refuses a bad flag before its progress bar starts
+
 
 @dataclass
 class TrainReport:
@@ -64,7 +67,6 @@ def run(job: TrainJob, rank: int = 0, world: int = 1,
     from sltune.models import build
     from sltune.models.checkpoint import Checkpoint
 
-    _check(job)
     start = time.perf_counter()
 
     # where the weights come from: a resumed checkpoint, a Hugging Face folder, or a preset with random weights

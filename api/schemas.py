@@ -41,6 +41,8 @@ class JobDetail(JobSummary):
                                                      "the runner-up (b=4 N=4 k=2)'")
     confirmation: dict[str, Any] | None = Field(None, description="the confirmation round: finalists, rounds, "
                                                                   "paired ratio and its 95% interval")
+    depth: dict[str, Any] | None = Field(None, description="search.probe_layers: what was asked, the depths the "
+                                         "probes ran and each model's full_depth_error (as in models)")
 
 
 class TrialOut(BaseModel):

@@ -21,9 +21,9 @@ from plotly.subplots import make_subplots
 
 # the TrialResult breakdown keys, in drawing order, with their labels and fixed colours
 BREAKDOWN = {"compute": "compute", "memcpy": "memcpy", "cpu": "CPU", "all_gather": "all-gather",
-             "reduce_scatter": "reduce-scatter", "other": "other"}
+             "reduce_scatter": "reduce-scatter", "disk": "disk", "other": "other"}
 BREAKDOWN_COLORS = {"compute": "#4c78a8", "memcpy": "#f58518", "cpu": "#54a24b", "all_gather": "#b279a2",
-                    "reduce_scatter": "#e45756", "other": "#bab0ac"}
+                    "reduce_scatter": "#e45756", "disk": "#9d755d", "other": "#bab0ac"}
 STATUS_COLORS = {"ok": "#2ca02c", "oom": "#d62728", "failed": "#7f7f7f", "timeout": "#ff7f0e",
                  "running": "#1f77b4", "interrupted": "#bcbd22"}
 CONFIRM_COLOR = "#9467bd"     # confirmation trials: re-measurements of the finalists, not search steps
@@ -79,7 +79,9 @@ def seconds_of(trial: dict[str, Any]) -> dict[str, float] | None:
 
 def _hover_config(trial: dict[str, Any]) -> str:
     b, n, k = knobs(trial)
-    return f"trial #{trial.get('number', '?')} ({trial.get('role') or '?'})<br>b={b} N={n} k={k}"
+    layers = (trial.get("config") or {}).get("num_layers")      # a probe at reduced depth (search.probe_layers)
+    return (f"trial #{trial.get('number', '?')} ({trial.get('role') or '?'})<br>b={b} N={n} k={k}"
+            + (f" at {layers} layers" if layers else ""))
 
 
 def _mib(v: Any) -> float | None:
@@ -235,7 +237,7 @@ def history_figure(trials: Iterable[dict[str, Any]]) -> go.Figure | None:
     """tokens/s of each trial in the order they ran, and the best so far: how fast the search got there.
     Confirmation trials re-measure the finalists at other moments: they get their own marker and stay out of
     the best-so-far line, which is the search's (a round the machine ran faster would lift it past anything
-    the search found)."""
+    the search found); so do probes at reduced depth (search.probe_layers), which measured a smaller model."""
     done = sorted((t for t in trials if status_of(t) not in ("running", "interrupted")),
                   key=lambda t: t.get("number") or 0)
     if not done:
@@ -257,7 +259,7 @@ def history_figure(trials: Iterable[dict[str, Any]]) -> go.Figure | None:
                 hovertemplate="%{text}<br>" + ("%{y:,.1f} tokens/s" if ok else status) + "<extra></extra>"))
     best, xs, ys = None, [], []
     for t in done:
-        if t.get("role") == "confirm":
+        if t.get("role") == "confirm" or (t.get("config") or {}).get("num_layers"):    # a smaller model's figure
             continue
         v = tokens_per_s(t) if status_of(t) == "ok" else None
         if v is not None and (best is None or v > best):
@@ -354,9 +356,14 @@ def _model_predict(model: dict[str, Any] | None, trial: dict[str, Any], at: Vari
 
     if at is None or not model or not model.get("coef") or len(model["coef"]) != len(model.get("features") or []):
         return None
+    known = 0.0
+    if model.get("offset"):     # a fit of what trials measure beyond a known term: the prior the trial was given
+        known = (trial.get("predicted") or {}).get(f"{model['offset']}_bytes")
+        if known is None:
+            return None
     try:
         v = at(trial.get("config") or {})
-        return float(sum(c * FEATURES[f](v) for c, f in zip(model["coef"], model["features"])))
+        return float(known + sum(c * FEATURES[f](v) for c, f in zip(model["coef"], model["features"])))
     except (KeyError, TypeError, ValueError, ArithmeticError):
         return None
 

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from sltune.sizes import parse_bytes
 from sltune.yamlfile import read_yaml
@@ -15,6 +15,7 @@ Schedule = Literal["speedloader", "canonical", "resident"]
 DType = Literal["float32", "bfloat16", "float16"]
 Activations = Literal["recompute", "offload"]
 KVCache = Literal["host", "device"]
+OptimizerOffload = Literal["host", "disk"]
 
 # Sections a best-config YAML carries besides the knobs: reports, read by `sltune plan`, ignored here.
 REPORT_SECTIONS = ("effective_batch_size", "workload", "measured", "predicted", "resource_models",
@@ -53,6 +54,13 @@ class SpeedLoaderConfig(BaseModel):
         "whole generate call once loaded, in whole units (tied weights, embedding, head, then groups in order, "
         "each that still fits the share); the rest is copied in at every step. Device memory instead of "
         "parameter traffic; training ignores it, and the resident schedule keeps every weight there")
+    optimizer_offload: OptimizerOffload = Field(
+        "host", description="training: where the float32 master weights (mixed precision) and the optimizer state "
+        "live: 'host' memory, or files under offload_dir ('disk'), a bounded window of units in host memory, the "
+        "optimizer stepping unit by unit as gradients arrive (sltune.runtime.diskstate)")
+    offload_dir: str | None = Field(
+        None, description="optimizer_offload 'disk': the directory of the optimizer's files (a local disk with room "
+        "for the master and optimizer state twice: a step writes new files before it drops the old ones)")
     memory_tracking: Literal["first", "always", "never"] = Field(
         "first", description="CPU only: measure device allocations on the first step of each batch shape, "
         "on every step, or never (then device_memory_limit cannot be enforced)")
@@ -72,6 +80,17 @@ class SpeedLoaderConfig(BaseModel):
         except RuntimeError as err:
             raise ValueError(f"device {value!r} is not a torch device name; use 'cpu', 'cuda' or 'cuda:1'") from err
         return value
+
+    @model_validator(mode="after")
+    def _disk(self) -> "SpeedLoaderConfig":
+        if self.optimizer_offload == "disk":
+            if not self.offload_dir:
+                raise ValueError("offload_dir: optimizer_offload 'disk' keeps the optimizer's files there; give a "
+                                 "directory on a local disk (--offload-dir DIR)")
+            if self.schedule == "resident":
+                raise ValueError("optimizer_offload: the resident schedule steps its optimizer on the device; use "
+                                 "'host', or schedule 'speedloader' or 'canonical' for 'disk'")
+        return self
 
     @property
     def effective_batch_size(self) -> int:
@@ -135,5 +154,8 @@ def _describe(err: ValidationError) -> str:
         msg = e["msg"].removeprefix("Value error, ").removeprefix(f"{where}: ")   # a validator's own naming
         if e["type"] == "extra_forbidden":
             msg = "unknown field; check the spelling (fields: " + ", ".join(SpeedLoaderConfig.model_fields) + ")"
+        if not e["loc"]:        # a check across fields: its message names the field it blames
+            parts.append(msg)
+            continue
         parts.append(f"{where}: {msg}")
     return "; ".join(parts)

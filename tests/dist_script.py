@@ -71,7 +71,12 @@ def main(out: str) -> None:
             every = [None] * world
             dist.all_gather_object(every, mine)          # every rank's counters, not just rank 0's
             report["io"][(schedule if acts == "recompute" else f"{schedule}-{acts}") + f"/{n}"] = every
-    if rank == 0:
+    write_report(report, out)
+
+
+def write_report(report: dict, out: str) -> None:
+    """Rank 0 writes the report; every rank leaves the process group."""
+    if dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump(report, f)
     dist.destroy_process_group()

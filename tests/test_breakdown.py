@@ -54,7 +54,8 @@ def test_device_kernels_are_classified_by_kind_and_the_runtimes_labels_are_not_k
     #   memcpy   HtoD 250-350, DtoH 400-450                                           -> 100+50
     #   all_gather 50-100; reduce_scatter 700-780; other: all-reduce 800-820, broadcast 820-830
     #   busy     50-350, 400-480, 500-600, 700-780, 800-830, 990-1000 -> 300+80+100+80+30+10 = 600; cpu = 400
-    assert ns == {"compute": 340, "memcpy": 150, "cpu": 400, "all_gather": 50, "reduce_scatter": 80, "other": 30}
+    assert ns == {"compute": 340, "memcpy": 150, "cpu": 400, "all_gather": 50, "reduce_scatter": 80, "disk": 0,
+                  "other": 30}
     total = 340 + 150 + 400 + 50 + 80 + 30
     assert bd.fractions["compute"] == pytest.approx(340 / total)
     assert bd.fractions["cpu"] == pytest.approx(400 / total)

@@ -146,6 +146,7 @@ def test_ceilings_hold_for_every_rank_round_and_confirmation_at_admission(server
         # 4: tokens per step count every rank's batch (2 * 384 = 768 per rank, under 1024; 1536 on 2 ranks)
         one = tiny_spec("tokens", sub_batch_size=[1, 2], num_sub_batches=[1], num_live_blocks=[1])
         one["workload"] = {"seq_len": 384}
+        one["hardware"] = {"device_memory_limit": "8MiB"}    # a 384-token row's logits need more than 3 MiB
         queued = [post(c, one).json()["job_id"]]
         two = {**one, "hardware": {**one["hardware"], "world_size": 2}}
         r = post(c, two)

@@ -12,7 +12,8 @@ import pytest
 
 from tests.conftest import TOKEN, Services, tiny_spec
 
-FRACTION = 0.01
+FRACTION = 0.1      # a ceiling a tiny model's trial fits under (a trial process alone holds about 0.35 GiB), so
+                    # that a spec below it is admitted, not refused as predicted over it
 
 
 @pytest.fixture(scope="module", params=["sqlite", "postgresql"])
@@ -45,10 +46,14 @@ def test_a_request_above_a_ceiling_is_clamped_or_refused_and_the_job_says_which(
         assert job["limits"]["search.max_trials"]["by"] == "request"
 
         modest = tiny_spec("modest")
-        modest["hardware"] = {"host_memory_limit": "100MiB", "device_memory_limit": "3MiB"}
+        modest["hardware"] = {"host_memory_limit": "600MiB", "device_memory_limit": "3MiB"}
         job = c.get(f"/jobs/{c.post('/tune', json=modest).json()['job_id']}").json()
-        assert job["limits"]["hardware.host_memory_limit"] == {"requested": 100 * 2**20, "applied": 100 * 2**20,
+        assert job["limits"]["hardware.host_memory_limit"] == {"requested": 600 * 2**20, "applied": 600 * 2**20,
                                                                "by": "request"}
+        tight = tiny_spec("tight")      # below what a trial process holds: every trial would be killed as oom
+        tight["hardware"] = {"host_memory_limit": "100MiB"}
+        r = c.post("/tune", json=tight)
+        assert r.status_code == 422 and "hardware.host_memory_limit 100.0 MiB is below the" in r.text, r.text
 
         unnamed = c.get(f"/jobs/{c.post('/tune', json=tiny_spec('unnamed')).json()['job_id']}").json()
         assert unnamed["limits"]["hardware.host_memory_limit"]["applied"] == ceiling

@@ -35,7 +35,8 @@ def test_cli_json_is_a_trial_result_whose_fractions_sum_to_one(tmp_path):
     assert result.status == "ok" and result.error is None
     assert data["config"] == {"sub_batch_size": 2, "num_sub_batches": 3, "num_live_blocks": 2,
                               "schedule": "speedloader", "activations": "recompute", "seq_len": 32, "world_size": 1,
-                              "kv_cache": None, "weights_on_device": None}  # a training trial keeps neither
+                              "kv_cache": None, "weights_on_device": None,  # a training trial keeps neither
+                              "optimizer_offload": "host", "num_layers": 4}  # the depth it ran: llama-tiny's own
     assert set(data["breakdown"]) == set(SLICES)
     assert sum(data["breakdown"].values()) == pytest.approx(1.0, abs=1e-9)
     assert data["breakdown"]["compute"] > 0.1 and data["breakdown"]["memcpy"] > 0
@@ -121,16 +122,19 @@ def test_a_trial_builds_the_engine_the_training_job_will_run(tmp_path, monkeypat
 
 
 def test_device_limit_below_the_measured_peak_is_oom_with_the_peak():
+    """A trial holds its limit by measurement (oom, with the peak it reached); the CLI refuses the same config
+    before building anything, since its shape predicts it over the limit (issue #25)."""
     ok = trial(sub_batch_size=2, num_sub_batches=2, profile=False)
     limit = ok.peak_device_bytes // 2
-    out = subprocess.run([sys.executable, "-m", "sltune", "profile", "--model", "llama-tiny", "--sub-batch-size", "2",
-                          "--num-sub-batches", "2", "--seq-len", "32", "--steps", "1", "--device-memory-limit",
-                          str(limit), "--json"], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 3
-    result = TrialResult.model_validate_json(out.stdout)
+    result = trial(sub_batch_size=2, num_sub_batches=2, profile=False, device_memory_limit=limit)
     assert result.status == "oom" and result.tokens_per_s is None
     assert result.peak_device_bytes > limit
     assert str(result.peak_device_bytes) in result.error and str(limit) in result.error
+    out = subprocess.run([sys.executable, "-m", "sltune", "profile", "--model", "llama-tiny", "--sub-batch-size", "2",
+                          "--num-sub-batches", "2", "--seq-len", "32", "--steps", "1", "--device-memory-limit",
+                          str(limit), "--json"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and out.stdout == "" and out.stderr.count("\n") == 1, out.stderr
+    assert "--device-memory-limit" in out.stderr and "predicted to need on the device" in out.stderr
 
 
 def test_a_trial_that_hangs_times_out_on_time():

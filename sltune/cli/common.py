@@ -21,6 +21,9 @@ KNOB_FLAGS = {
     "kv_cache": ("--kv-cache", str, "generation: KV caches in host | device memory"),
     "weights_on_device": ("--weights-on-device", float, "generation: the share of the parameter bytes kept on the "
                                                         "device for a whole generate call, 0 to 1"),
+    "optimizer_offload": ("--optimizer-offload", str, "host | disk: where the float32 masters and the optimizer "
+                                                      "state live; disk keeps them in files under --offload-dir"),
+    "offload_dir": ("--offload-dir", str, "the directory of --optimizer-offload disk's files, on a local disk"),
 }
 
 
@@ -50,6 +53,9 @@ def config_from_args(args: argparse.Namespace, base: SpeedLoaderConfig | None = 
     data: dict[str, Any] = base.model_dump() if base is not None else {}
     given = {f: getattr(args, f) for f in (*KNOB_FLAGS, "mixed_precision") if getattr(args, f, None) is not None}
     data.update(given)
+    if "offload_dir" in given and data.get("optimizer_offload", "host") == "host":
+        raise ValueError("--offload-dir: the optimizer's files go there under --optimizer-offload disk; add "
+                         "--optimizer-offload disk (or drop --offload-dir)")
     try:
         return SpeedLoaderConfig.from_dict(data, source="command line")
     except ValueError as err:

@@ -53,6 +53,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lr", type=float, help="learning rate (default: OptimizerConfig's, 1e-3)")
     p.add_argument("--weight-decay", type=float, help="weight decay (default: torch's, 0.01 for AdamW, 0 for SGD)")
     p.add_argument("--momentum", type=float, help="SGD's momentum (default: 0, which keeps no state)")
+    p.add_argument("--optimizer-offload", default="host", choices=("host", "disk"),
+                   help="train: where the float32 masters and the optimizer state live: host memory, or files under "
+                        "--offload-dir stepped unit by unit through a bounded window")
+    p.add_argument("--offload-dir", help="the directory of --optimizer-offload disk's files, on a local disk")
     p.add_argument("--device-memory-limit", help="bytes or e.g. 2GiB (default: no limit)")
     p.add_argument("--host-memory-limit", help="stop the trial as oom above this resident memory (default: no "
                                                "limit)")
@@ -76,7 +80,8 @@ def run(args: argparse.Namespace) -> int:
                      steps=args.steps, min_time_s=args.min_time, max_steps=args.max_steps,
                      cpu_threads=args.cpu_threads, world_size=args.world_size, device=args.device, dtype=args.dtype,
                      device_memory_limit=args.device_memory_limit, host_memory_limit=args.host_memory_limit,
-                     timeout_s=args.timeout, trace_path=args.trace, profile=not args.no_profile)
+                     timeout_s=args.timeout, trace_path=args.trace, profile=not args.no_profile,
+                     optimizer_offload=args.optimizer_offload, offload_dir=_offload_dir(args))
     _fits_host(spec)
     result = run_trial(spec)
     if args.json:
@@ -87,18 +92,45 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _fits_host(spec: TrialSpec) -> None:
-    """What the trial would hold in host memory, from the model's shape: refused before anything is built when
-    it cannot fit (--host-memory-limit, else this machine's trial ceiling)."""
+    """What the trial would hold, predicted from the model's shape (sltune.tuning.prior): refused before anything
+    is built when over --host-memory-limit (else this machine's trial ceiling; all ranks together, as the trial
+    is held to it) or --device-memory-limit."""
     from sltune.settings import Settings
-    from sltune.tuning.shape import host_shortfall, shape_of
+    from sltune.tuning.baseline import trial_baseline
+    from sltune.tuning.feasible import shortfall
+    from sltune.tuning.prior import Recipe, at_depth
+    from sltune.tuning.shape import shape_of
+    from sltune.tuning.space import Candidate
 
     settings = Settings()
-    limit = spec.host_memory_limit or settings.trial_host_limit()
-    short = host_shortfall(shape_of(spec.model, spec.dtype), spec.mode, spec.mixed_precision, spec.optimizer,
-                           spec.world_size, limit)
+    shape = shape_of(spec.model, spec.dtype)
+    if spec.num_layers is not None and spec.num_layers < shape.layers:
+        shape = at_depth(shape, spec.num_layers)
+    generate = spec.mode == "generate"
+    config = Candidate(spec.sub_batch_size, spec.num_sub_batches, spec.num_live_blocks, spec.activations,
+                       spec.kv_cache if generate else None, spec.weights_on_device if generate else None)
+    recipe = Recipe.of_trial(spec, shape, trial_baseline(spec.device, spec.world_size, spec.mode, spec.cpu_threads))
+    where = "--host-memory-limit" if spec.host_memory_limit else settings.trial_host_limit_source()
+    short = shortfall(recipe, [config], spec.host_memory_limit or settings.trial_host_limit(),
+                      spec.device_memory_limit, host_name=where, device_name="--device-memory-limit",
+                      what="this trial")
     if short:
-        where = "--host-memory-limit" if spec.host_memory_limit else settings.trial_host_limit_source()
-        raise ValueError(f"this trial cannot fit {where}: {short}")
+        raise ValueError(f"this trial cannot fit: {short}")
+
+
+def _offload_dir(args: argparse.Namespace) -> str | None:
+    """--offload-dir, checked writable here (a mistake is one line, not a failed trial), and only with disk."""
+    from sltune.runtime.direct_io import writable_dir
+
+    if args.optimizer_offload == "host":
+        if args.offload_dir:
+            raise ValueError("--offload-dir: the optimizer's files go there under --optimizer-offload disk; add "
+                             "--optimizer-offload disk (or drop --offload-dir)")
+        return None
+    if not args.offload_dir:
+        raise ValueError("--offload-dir: --optimizer-offload disk keeps the optimizer's files there; give a "
+                         "directory on a local disk")
+    return str(writable_dir(args.offload_dir, "--offload-dir"))
 
 
 def _model(model: str) -> str:

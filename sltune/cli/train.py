@@ -146,7 +146,9 @@ def run(args: argparse.Namespace) -> int:
               f"{report.evals[-1]['eval_loss']:.4f} (step {report.evals[-1]['step']})")
     print(f"per step: params loaded {format_bytes(io.param_load_bytes)}, grads offloaded "
           f"{format_bytes(io.grad_offload_bytes)}, activations {format_bytes(io.act_offload_bytes)} out / "
-          f"{format_bytes(io.act_load_bytes)} in; device peak {format_bytes(summary['peak_device_bytes'])}")
+          f"{format_bytes(io.act_load_bytes)} in; device peak {format_bytes(summary['peak_device_bytes'])}"
+          + (f"; optimizer files {format_bytes(io.disk_read_bytes)} read, {format_bytes(io.disk_write_bytes)} written"
+             if io.disk_write_bytes else ""))
     if report.saved:
         print(f"saved a Hugging Face folder to {report.saved}: AutoModelForCausalLM.from_pretrained({report.saved!r})"
               f"; continue with --resume {report.saved}")

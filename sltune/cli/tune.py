@@ -40,13 +40,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--out", help="file to write (default: print it)")
     e.set_defaults(run=run_export)
 
-    pl = sub.add_parser("plan", help="predict the best config under other memory limits, no trials",
-                        description="Predict the fastest config under other memory limits from the fitted "
-                                    "models a best.yaml carries: no trial runs. Says how far to trust the "
-                                    "prediction (leave-one-out errors, knobs beyond the measured range).")
-    pl.add_argument("--from", dest="source", required=True, help="a best-config YAML exported by a job")
+    pl = sub.add_parser("plan", help="predict peaks before any trial (a spec), or the best config under other "
+                                      "memory limits (a best.yaml)",
+                        description="Given a tuning spec: every config's host and device peaks predicted from the "
+                                    "model's shape before any trial, which fit the spec's limits (or, with none, "
+                                    "this machine's trial ceiling), and the limit that binds the largest; a spec "
+                                    "none of whose configs fits is refused term by term, with what would fit "
+                                    "(exit code 1). Given a best.yaml: the fastest config under other memory limits "
+                                    "from the fitted models it carries, and how far to trust that (leave-one-out "
+                                    "errors, knobs beyond the measured range). No trial runs either way.")
+    pl.add_argument("source", nargs="?", help="a tuning spec YAML, or a best-config YAML exported by a job (told "
+                                              "apart by their content)")
+    pl.add_argument("--from", dest="from_file", metavar="FILE", help="the same as SOURCE")
     pl.add_argument("--device-memory-limit", help="bytes or e.g. 24GiB (default: the file's limit)")
-    pl.add_argument("--host-memory-limit", help="bytes or e.g. 64GiB (default: the file's limit)")
+    pl.add_argument("--host-memory-limit", help="bytes or e.g. 64GiB (default: the file's limit; a spec without "
+                                                "one: this machine's trial ceiling)")
     pl.add_argument("--json", action="store_true", help="print the prediction as JSON")
     pl.set_defaults(run=run_plan)
 
@@ -98,7 +106,26 @@ def describe(r: dict, out: str | None = None, mode: str = "train") -> str:
         r2 = f"{m['r2']:.3f}" if m.get("r2") is not None else "-"
         loo = f"{m['loo_rel_error']:.1%}" if m.get("loo_rel_error") is not None else "-"
         typical = f"{m['loo_typical_error']:.1%}" if m.get("loo_typical_error") is not None else "-"
-        lines.append(f"  model {kind}: {m['n']} points, R^2 {r2}, leave-one-out error {typical} typical, {loo} max")
+        deep = m.get("full_depth_error")
+        beside = (f"; the probes' fit at full depth: {deep['typical']:.1%} typical, {deep['max']:.1%} max over "
+                  f"{deep['n']} full-depth trials" if deep else "")
+        lines.append(f"  model {kind}: {m['n']} points, R^2 {r2}, leave-one-out error {typical} typical, {loo} max"
+                     + beside)
+    depth = r.get("depth")
+    if depth:
+        from sltune.tuning.depth import AUTO_STEP_S
+
+        ran, layers = ", ".join(map(str, depth["probes_ran_at"])), depth["layers"]
+        step = depth.get("first_probe_full_depth_step_s")
+        if not ran:
+            said = f"every trial ran the whole model ({layers} layers)"
+        elif depth.get("reduced", True):
+            said = (f"probes ran at {ran} of the model's {layers} layers, frontier and confirmation trials at all "
+                    f"{layers}")
+        else:       # auto, after its first probe
+            said = (f"the first probe, at {ran} layers, put a whole-model step at {step:.2f}s at most (under "
+                    f"{AUTO_STEP_S}s): the other trials ran all {layers} layers, and it stayed out of the fits")
+        lines.append(f"  probe_layers {depth['probe_layers']}: {said}")
     if out and r["best"]:
         use = (f"train with `sltune train --config {out}`" if mode == "train" else
                "generate with SpeedLoaderEngine(model, SpeedLoaderConfig.from_yaml(path)).generate(...)")
@@ -138,9 +165,20 @@ def _pct(x: float | None) -> str:
 
 def run_plan(args: argparse.Namespace) -> int:
     from sltune.tuning.plan import plan
+    from sltune.tuning.prior_plan import is_spec
+    from sltune.yamlfile import read_yaml
 
-    r = plan(args.source, *(None if value is None else parse_bytes(value, flag) for value, flag in (
-        (args.device_memory_limit, "--device-memory-limit"), (args.host_memory_limit, "--host-memory-limit"))))
+    if args.source and args.from_file and args.source != args.from_file:
+        raise ValueError("give the file once: SOURCE or --from FILE, not both")
+    source = args.source or args.from_file
+    if not source:
+        raise ValueError("plan needs a file: a tuning spec (sltune plan SPEC.yaml) or a best.yaml a job exported")
+    limits = [None if value is None else parse_bytes(value, flag) for value, flag in (
+        (args.device_memory_limit, "--device-memory-limit"), (args.host_memory_limit, "--host-memory-limit"))]
+    data = read_yaml(source)
+    if is_spec(data):
+        return _plan_spec(data, source, limits, args.json)
+    r = plan(source, *limits)
     if args.json:
         print(json.dumps(r))
         return 0 if r["best"] else 1
@@ -172,3 +210,30 @@ def run_plan(args: argparse.Namespace) -> int:
     print(f"  (the job measured {m['tokens_per_s']:,.1f} tokens/s at b={m['config']['sub_batch_size']} "
           f"N={m['config']['num_sub_batches']} k={m['config']['num_live_blocks']})")
     return 0
+
+
+def _plan_spec(data: dict, source: str, limits: list, as_json: bool) -> int:
+    """Every config of a spec with its predicted peaks; the refusal when none fits (exit code 1)."""
+    from sltune.tuning.prior_plan import plan_spec
+
+    r = plan_spec(data, source, *limits)
+    if as_json:
+        print(json.dumps(r))
+        return 0 if r["fitting"] else 1
+    lim = r["limits"]
+    print(f"{r['model']}: {r['fitting']} of {r['candidates']} configs predicted to fit device "
+          f"{format_bytes(lim['device_memory_limit'])}, host {format_bytes(lim['host_memory_limit'])} "
+          f"({lim['host_limit_from']}) with the {r['margin']:.0%} margin; no trial ran")
+    print(f"  host peaks include {format_bytes(r['trial_baseline_bytes'])} a trial process holds before its model "
+          "(as tune or profile last measured it here)")
+    for row in r["configs"]:
+        verdict = "fits" if row["fits"] else "over " + "+".join(row["over"])
+        print(f"  {describe_config(row['config'])}: host {format_bytes(row['peak_host_bytes'])}, device "
+              f"{format_bytes(row['peak_device_bytes'])}  {verdict}")
+    for big in r["largest"][:5]:
+        p = big["prior"]
+        print(f"  largest that fits: {describe_config(big['config'])} (host {format_bytes(p['peak_host_bytes'])}, "
+              f"device {format_bytes(p['peak_device_bytes'])}); binding limit: {big['binding_limit']}")
+    if r["refusal"]:
+        print(f"  refused: {r['refusal']}")
+    return 0 if r["fitting"] else 1

@@ -60,6 +60,7 @@ PRESETS: dict[str, Preset] = {
     "mistral-7b": Preset("mistral", "Mistral-7B-v0.1 shape",
                          _llama(32000, 4096, 14336, 32, 32, 8, sliding_window=4096, max_position_embeddings=32768)),
     "qwen2-0.5b": Preset("qwen2", "Qwen2-0.5B shape", _llama(151936, 896, 4864, 24, 14, 2, tie_word_embeddings=True)),
+    "qwen2-1.5b": Preset("qwen2", "Qwen2-1.5B shape", _llama(151936, 1536, 8960, 28, 12, 2, tie_word_embeddings=True)),
     "qwen2-7b": Preset("qwen2", "Qwen2-7B shape", _llama(152064, 3584, 18944, 28, 28, 4)),
     "gpt2": Preset("gpt2", "GPT-2 124M shape", {}),
     "gpt2-medium": Preset("gpt2", "GPT-2 355M shape", dict(n_embd=1024, n_layer=24, n_head=16)),
@@ -209,6 +210,20 @@ def implied_params(config) -> int:
     layer = (h + 1) * head_dim * 2 * (heads + kv) + 3 * h * inner + 2 * inner + 4 * h    # + biases, norms
     positions = (getattr(config, "max_position_embeddings", 0) or 0) if config.model_type in ("gpt2", "opt") else 0
     return config.num_hidden_layers * layer + 2 * config.vocab_size * width + positions * width
+
+
+def with_layers(config: Any, layers: int):
+    """A copy of `config` with `layers` decoder layers and every width unchanged: the tuner's reduced-depth probes.
+    A family whose layers differ by type (Qwen2's sliding-window ones, `layer_types`) keeps an even sample of
+    them, so the probe runs the same mix of layers as the whole model."""
+    import copy
+
+    out = copy.deepcopy(config)
+    types = getattr(config, "layer_types", None)
+    out.num_hidden_layers = layers          # GPT-2's n_layer, through the config's attribute_map
+    if types:
+        out.layer_types = [types[i * len(types) // layers] for i in range(layers)]
+    return out
 
 
 def build(model: Any = "llama-tiny", seed: int = 0, dtype: str | torch.dtype = "float32"):

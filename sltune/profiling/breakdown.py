@@ -8,6 +8,8 @@ step's thread and walking down from the step's event:
   reduce_scatter  the collective regions, whole
   cpu             host-side regions (the optimizer stepping host parameters), plus the time inside
                   compute regions not spent in an operator (Python, module calls, autograd bookkeeping)
+  disk            optimizer_offload disk: the step waiting, after the backward, for the optimizer's files to be
+                  written and committed (reads and writes under compute and stepping are not waited for)
   other           the step's time outside every region (the runtime's own bookkeeping between phases)
 Fractions are of the step's wall time and sum to 1. On CUDA the device timeline decides: kernels within
 the steps are classified by name (host<->device memcpy; NCCL all-gather, reduce-scatter, and its other
@@ -33,7 +35,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from sltune.runtime.regions import STEP, category_of
 
-SLICES = ("compute", "memcpy", "cpu", "all_gather", "reduce_scatter", "other")
+SLICES = ("compute", "memcpy", "cpu", "all_gather", "reduce_scatter", "disk", "other")
 
 
 @dataclass

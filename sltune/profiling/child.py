@@ -118,7 +118,7 @@ def model_folder(model: Any) -> str | None:
 def run(spec: TrialSpec, rank: int = 0, started: float | None = None) -> dict[str, Any]:
     from sltune.config import SpeedLoaderConfig
     from sltune.data import batches
-    from sltune.models import load_config
+    from sltune.models import load_config, with_layers
     from sltune.models.seeded import SeededWeights
     from sltune.profiling.breakdown import profile_call
     from sltune.runtime.engine import SpeedLoaderEngine
@@ -133,19 +133,25 @@ def run(spec: TrialSpec, rank: int = 0, started: float | None = None) -> dict[st
                             activations=spec.activations, device=spec.device,
                             dtype=spec.dtype, mixed_precision=spec.mixed_precision,
                             device_memory_limit=spec.device_memory_limit,
-                            kv_cache=spec.kv_cache, weights_on_device=spec.weights_on_device)
+                            kv_cache=spec.kv_cache, weights_on_device=spec.weights_on_device,
+                            optimizer_offload=spec.optimizer_offload if spec.mode == "train" else "host",
+                            offload_dir=spec.offload_dir)
     train = spec.mode == "train"
     optimizer = spec.optimizer.factory if train else None     # the optimizer the training job will step with
     folder = model_folder(spec.model)
-    if folder is not None:      # its weights straight into the engine's host buffers (none: seeded random ones)
+    if folder is not None and spec.num_layers is None:   # its weights into the engine's host buffers (none: seeded)
         engine = SpeedLoaderEngine.from_pretrained(folder, cfg, optimizer=optimizer, seed=spec.seed)
     else:   # a preset or a config: built on the meta device, the engine's buffers filled in place, each once
-        weights = SeededWeights(load_config(spec.model), spec.seed)
+        config = load_config(spec.model)
+        if spec.num_layers is not None:     # a probe at reduced depth: the shapes matter, not a checkpoint's values
+            config = with_layers(config, spec.num_layers)
+        weights = SeededWeights(config, spec.seed)
         engine = SpeedLoaderEngine(weights.empty_model(), cfg, optimizer=optimizer, weights=weights)
     model = engine.model
     setup = {"setup_s": time.perf_counter() - started, "host_bytes_at_start": resident_bytes()}
+    ran = {**spec.knobs(), "num_layers": model.config.num_hidden_layers}     # the depth it ran, reported
     if not train:
-        return _run_generate(spec, engine, setup)
+        return {**_run_generate(spec, engine, setup), "config": ran}
     model.train()
     data = batches(spec.rows, spec.seq_len, model.config.vocab_size, seed=spec.seed + rank)   # each rank its own rows
 
@@ -162,6 +168,7 @@ def run(spec: TrialSpec, rank: int = 0, started: float | None = None) -> dict[st
     timing = {**_measure(spec, step), **setup}
     result: dict[str, Any] = {
         "status": "ok",
+        "config": ran,
         **_headline(timing),
         "peak_device_bytes": peak_device,
         "peak_host_bytes": host_peak_bytes(),

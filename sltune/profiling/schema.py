@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from sltune.config import Activations, DType, KVCache, Schedule
+from sltune.config import Activations, DType, KVCache, OptimizerOffload, Schedule
 from sltune.runtime.transfer import IOCounters
 from sltune.sizes import parse_bytes
 from sltune.training.optimizer import OptimizerConfig
@@ -40,6 +40,9 @@ class TrialSpec(BaseModel):
                                   "state under a bfloat16/float16 dtype (SpeedLoaderConfig.mixed_precision)")
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="train: what the engine steps "
                                        "the host parameters with, as the training job will")
+    optimizer_offload: OptimizerOffload = Field("host", description="train: the float32 masters and optimizer "
+                                                "state in host memory, or in files under offload_dir")
+    offload_dir: str | None = Field(None, description="optimizer_offload disk: the directory of its files")
     device_memory_limit: int | None = None
     host_memory_limit: int | None = Field(None, description="the trial is stopped as 'oom' above this RSS")
     steps: int = Field(2, ge=1, description="timed steps at least")
@@ -52,6 +55,9 @@ class TrialSpec(BaseModel):
     trace_path: str | None = None
     timeout_s: float = Field(600.0, gt=0)
     seed: int = 0
+    num_layers: int | None = Field(None, ge=1, description="run this many decoder layers instead of the model's "
+                                   "own, every width unchanged (the tuner's reduced-depth probes; seeded random "
+                                   "weights, also for a model folder); None: the whole model")
 
     @field_validator("device_memory_limit", "host_memory_limit", mode="before")
     @classmethod
@@ -68,7 +74,9 @@ class TrialSpec(BaseModel):
                 "activations": self.activations,
                 "seq_len": self.seq_len if self.mode == "train" else self.prompt_len + self.new_tokens,
                 "world_size": self.world_size, "kv_cache": self.kv_cache if self.mode == "generate" else None,
-                "weights_on_device": self.weights_on_device if self.mode == "generate" else None}
+                "weights_on_device": self.weights_on_device if self.mode == "generate" else None,
+                "optimizer_offload": self.optimizer_offload if self.mode == "train" else None,
+                "num_layers": self.num_layers}
 
 
 class TrialConfig(BaseModel):
@@ -81,6 +89,9 @@ class TrialConfig(BaseModel):
     world_size: int = 1
     kv_cache: KVCache | None = None     # generation trials only
     weights_on_device: float | None = None  # generation trials only
+    optimizer_offload: OptimizerOffload | None = None   # training trials (None in results older than the field)
+    num_layers: int | None = Field(None, description="the decoder layers the trial ran (fewer than the model's in "
+                                   "a reduced-depth probe); None in results older than the field")
 
 
 class BreakdownFractions(BaseModel):
@@ -89,6 +100,7 @@ class BreakdownFractions(BaseModel):
     cpu: float = 0.0
     all_gather: float = 0.0
     reduce_scatter: float = 0.0
+    disk: float = 0.0
     other: float = 0.0
 
 

@@ -43,6 +43,12 @@ Under mixed precision (a float32 master on the host) P_u stays in dtype bytes: t
 refreshed from the master after each step. G_u is in float32 bytes (the device sums the sub-batches' gradients in
 float32 and offloads the sum once), except canonical's, which offloads each micro-batch's dtype gradients.
 
+optimizer_offload disk (sltune.runtime.diskstate) moves the float32 masters and the optimizer state through files,
+each block once each way per step (n_b values, m = 4 bytes of master or 0 without one, s the optimizer state's bytes
+per value; the first step reads only the masters):
+
+    disk_read = disk_write = sum_b pad4096(n_b * (m + s))
+
 A frozen prefix drops the backward (its loads, its gradient edges) of the units below the lowest trainable one.
 Sharded over W ranks (torch.distributed initialised), P_u above is this rank's shard of unit u, and the
 collectives see whole (padded) units: allgather = the same count of loads times the unit's bytes,
@@ -82,6 +88,8 @@ from sltune.config import SpeedLoaderConfig
 from sltune.models.checkpoint import Checkpoint, materialize, write_pretrained
 from sltune.runtime.activations import DeviceActivations, HostActivations
 from sltune.runtime.device import check_device, check_dtype
+from sltune.runtime.direct_io import padded
+from sltune.runtime.diskstate import DiskState, state_layout
 from sltune.runtime.family import CausalLM, LayerCall, unique_params
 from sltune.runtime.kvcache import kv_store
 from sltune.runtime.memory import DeviceMemory, monitor_for
@@ -90,6 +98,7 @@ from sltune.runtime.precision import GradStep, LossScaler, finish_grads
 from sltune.runtime.regions import region, step_region
 from sltune.runtime.saved import KeptGraph, SavedTensors
 from sltune.runtime.sharding import ShardedParamStore
+from sltune.runtime.stepping import StepTimeline, UnitStepper
 from sltune.runtime.transfer import Copier, IOCounters
 
 if TYPE_CHECKING:
@@ -136,12 +145,16 @@ class SpeedLoaderEngine:
 
     def __init__(self, model: nn.Module, config: SpeedLoaderConfig | dict,
                  optimizer: OptimizerFactory | None = None, *, max_grad_norm: float | None = None,
-                 track_grad_norm: bool = False, weights: "Checkpoint | SeededWeights | None" = None):
+                 track_grad_norm: bool = False, weights: "Checkpoint | SeededWeights | None" = None,
+                 overlap_optimizer: bool | None = None):
         """`optimizer` builds the host optimizer from the parameters it steps (the float32 masters under mixed
         precision); None: an engine that only generates. `max_grad_norm` clips the global gradient norm as
         torch.nn.utils.clip_grad_norm_ on the whole model; `track_grad_norm` reports it without clipping.
         `weights`: what fills the parameters (meta ones included): a checkpoint (from_pretrained) or
-        sltune.models.seeded.SeededWeights (a trial's)."""
+        sltune.models.seeded.SeededWeights (a trial's). `overlap_optimizer`: step each unit on a thread as soon
+        as its gradients are final, during the backward (sltune.runtime.stepping), where no clipping or loss
+        scaling needs every gradient first; default: under optimizer_offload disk (whose files let a failed step
+        roll back), not under host (a step that fails part-way would leave some units stepped)."""
         if isinstance(config, dict):
             config = SpeedLoaderConfig(**config)
         if not isinstance(config, SpeedLoaderConfig):
@@ -176,9 +189,13 @@ class SpeedLoaderEngine:
         self._build_units()
         resident = config.schedule == "resident"
         train = optimizer is not None
+        # optimizer_offload disk: the masters and the optimizer state in files (resident is refused by the config)
+        self.disk = DiskState(config.offload_dir, self.io, master=config.has_master,
+                              rank=dist.get_rank() if self.world > 1 else 0) \
+            if train and config.optimizer_offload == "disk" else None
         with weights.reader(model) if weights else contextlib.nullcontext() as fill:
             store = dict(train=train, master=config.has_master, fill=fill,
-                         on_device_accumulate=config.schedule != "canonical")
+                         on_device_accumulate=config.schedule != "canonical", disk=self.disk)
             if self.world > 1:
                 self.params = ShardedParamStore(self.units, self.dtype, self.copier, self.pool, **store)
             else:
@@ -214,6 +231,16 @@ class SpeedLoaderEngine:
             if not config.has_master:
                 _warn_vanishing_eps(opt, self.dtype)
             self.optimizer = opt
+            if self.disk is not None:
+                self.disk.configure(state_layout(optimizer, torch.float32 if config.has_master else self.dtype), opt)
+        overlap = self.disk is not None if overlap_optimizer is None else overlap_optimizer
+        # per-unit stepping: always under disk (early when it can roll back), under host when asked to overlap
+        self._stepper = UnitStepper(self.optimizer, self.params.stepped, self.disk,
+                                    master_in_memory=self.params.master and self.disk is None,
+                                    rollback=self.params.master_on_disk) \
+            if self.optimizer is not None and not resident and (self.disk is not None or overlap) else None
+        self._overlap = overlap
+        self.last_stepping: StepTimeline | None = None
         self._measured: dict[tuple, int] = {}
 
     @classmethod
@@ -315,8 +342,17 @@ class SpeedLoaderEngine:
         self._rng = _RngStash(self.device, enabled=self.model.training)
         self._scale_used = self.scaler.scale if self.scaler is not None else None
         self.saved.start_step()
+        stepper = self._stepper
+        # a unit steps as its gradients become final unless the step needs all of them first (clipping, loss
+        # scaling), or a failure part-way could not be undone (no master on disk, or host memory)
+        early = stepper is not None and self._overlap and self._scale_used is None and self.max_grad_norm is None \
+            and (stepper.rollback or self.disk is None)
+        if stepper is not None and (early or self.disk is not None):
+            stepper.begin(self._step_order(), early)
+        else:
+            stepper = None
         if self.config.schedule == "canonical":
-            loss = sum(self._pass([sb], num_items, accumulate=j > 0) for j, sb in enumerate(subs))
+            loss = sum(self._pass([sb], num_items, accumulate=j > 0, final=j == n - 1) for j, sb in enumerate(subs))
         elif self.config.schedule == "resident":
             self.params.drop_resident_grads()
             loss = self._resident(subs, num_items)
@@ -326,11 +362,18 @@ class SpeedLoaderEngine:
         host_side = self.config.schedule != "resident"
         with self.memory.paused() if host_side else contextlib.nullcontext(), \
                 region("cpu" if host_side else "compute", "optimizer"):
-            grads = finish_grads(self.params.grad_buffers(), scale=self._scale_used or 1.0,
-                                 max_norm=self.max_grad_norm, need_norm=self.track_grad_norm, world=self.world)
-            if not grads.skip:
-                self.optimizer.step()
-                self.params.refresh()
+            if early:       # the units stepped (or are stepping) already; the norm of what they stepped with
+                stepper.finish()
+                grads = finish_grads(self.params.grad_buffers(), need_norm=self.track_grad_norm, world=self.world)
+            else:
+                grads = finish_grads(self.params.grad_buffers(), scale=self._scale_used or 1.0,
+                                     max_norm=self.max_grad_norm, need_norm=self.track_grad_norm, world=self.world)
+                if stepper is not None:
+                    stepper.skip() if grads.skip else stepper.finish()
+                elif not grads.skip:
+                    self.optimizer.step()
+                    self.params.refresh()
+        self.last_stepping = stepper.timeline if stepper is not None else None
         if self.scaler is not None:
             self.scaler.update(grads.skip)
             if grads.skip:
@@ -399,8 +442,9 @@ class SpeedLoaderEngine:
             losses.append(loss.detach())
         return torch.stack(losses).sum()
 
-    def _pass(self, subs: list[_SubBatch], num_items: int, accumulate: bool) -> torch.Tensor:
-        """Forward, turnaround and backward of every unit over these sub-batches; gradients to the host."""
+    def _pass(self, subs: list[_SubBatch], num_items: int, accumulate: bool, final: bool = True) -> torch.Tensor:
+        """Forward, turnaround and backward of every unit over these sub-batches; gradients to the host (`final`:
+        the step's last pass, after which each unit's offloaded gradients are final)."""
         store = self.params
         hidden = self.lm.config.hidden_size
         self.acts.prepare(len(self.groups), len(subs), (*subs[0].ids.shape, hidden), self.dtype)
@@ -431,9 +475,13 @@ class SpeedLoaderEngine:
                 self._embed_backward(subs, graphs)
             for unit in units:
                 if backward:
-                    store.offload_grads(unit, accumulate)
+                    copied = store.offload_grads(unit, accumulate)
+                    if final and self._stepper is not None:
+                        self._stepper.ready(unit, copied)
                 store.release(unit)
-        store.offload_grads(self.tied, accumulate)
+        copied = store.offload_grads(self.tied, accumulate)
+        if final and self._stepper is not None:
+            self._stepper.ready(self.tied, copied)
         store.release(self.tied)
         self.saved.clear()
         return torch.stack(losses).sum()
@@ -544,6 +592,11 @@ class SpeedLoaderEngine:
                   + ([("embed_bwd", (self.embed,), None)] if trains[0] else []))
         return trains, phases
 
+    def _step_order(self) -> list[ParamUnit]:
+        """The units in the order a step makes their gradients final: the backward's, the tied weights last."""
+        _, phases = self._plan()
+        return [u for kind, units, _ in phases if kind in _BACKWARD for u in units] + [self.tied]
+
     def _each(self, edge: int | None, grad_edge: int | None, n: int, saved=None) -> Iterator:
         """Sub-batch indices with their inputs fetched one ahead (the next copy overlaps this compute), and
         with `saved` (a unit key) that unit's saved tensors for the sub-batch too."""
@@ -560,7 +613,10 @@ class SpeedLoaderEngine:
             yield i, cur
 
     def _recover(self) -> None:
-        """After a failed step (out of memory, interrupt): parameters back on the host copy, unchanged."""
+        """After a failed step (out of memory, interrupt): parameters back on the host copy, unchanged (stepping
+        per unit: undone where the master is on disk, sltune.runtime.stepping)."""
+        if self._stepper is not None:
+            self._stepper.abort()
         self.params.reset()
         self.acts.clear()
         self.saved.clear()
@@ -684,8 +740,9 @@ class SpeedLoaderEngine:
         call it on all ranks)."""
         if self.world == 1:
             state = self.model.state_dict()
-            views = {id(p): v for unit in self.units if unit.master is not None
-                     for p, v in zip(unit.params, unit._views(unit.master, unit.offsets))}
+            masters = {id(u): self.params.master_values(u) for u in self.units if u.host is not None}
+            views = {id(p): v for unit in self.units if masters.get(id(unit)) is not None
+                     for p, v in zip(unit.params, unit._views(masters[id(unit)], unit.offsets))}
             if not views:
                 return state
             params = dict(self.model.named_parameters(remove_duplicate=False))
@@ -717,9 +774,13 @@ class SpeedLoaderEngine:
         if self.world > 1:   # sharded: the loads above are this rank's shards; collectives see whole units
             gathered = sum(u.padded * itemsize for u in loaded if u.host is not None)
             scattered = sum(u.padded * grad_size for u in backward if u.host is not None and u.has_grads)
+        # optimizer_offload disk: every block's file read and written once (its master and optimizer state,
+        # padded to pages; the first step reads only the masters: the state does not exist yet)
+        disk = sum(padded(self.disk.nbytes(b, True)) for b in self.disk.blocks) if self.disk is not None else 0
         if cfg.schedule == "canonical":
             return IOCounters(param_load_bytes=n * loads, grad_offload_bytes=n * grads,
-                              allgather_bytes=n * gathered, reduce_scatter_bytes=n * scattered)
+                              allgather_bytes=n * gathered, reduce_scatter_bytes=n * scattered,
+                              disk_read_bytes=disk, disk_write_bytes=disk)
         # boundary activations per sub-batch, in edges of b*s*hidden values: forward puts the G group inputs
         # and fetches each once; the turnaround puts its input's gradient; each group's backward fetches its
         # output's gradient (and, recomputing, its input) and puts its input's gradient where one is needed;
@@ -738,7 +799,8 @@ class SpeedLoaderEngine:
         saved = self.saved.packed_bytes if offload else 0
         return IOCounters(param_load_bytes=loads, grad_offload_bytes=grads, allgather_bytes=gathered,
                           reduce_scatter_bytes=scattered, act_offload_bytes=n * edges_out * edge_bytes + saved,
-                          act_load_bytes=n * edges_in * edge_bytes + saved)
+                          act_load_bytes=n * edges_in * edge_bytes + saved, disk_read_bytes=disk,
+                          disk_write_bytes=disk)
 
     @property
     def param_bytes(self) -> int:

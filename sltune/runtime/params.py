@@ -27,6 +27,7 @@ from typing import Callable, Iterator, Sequence, TypeVar
 import torch
 from torch import nn
 
+from sltune.runtime.diskstate import DiskState, Stepped
 from sltune.runtime.memory import DeviceMemory
 from sltune.runtime.regions import region
 from sltune.runtime.streams import Event, Streams
@@ -170,18 +171,23 @@ class ParamStore:
 
     def __init__(self, units: list[ParamUnit], dtype: torch.dtype, copier: Copier, pool: BufferPool,
                  resident: bool, train: bool = True, master: bool = False, fill: WeightFill = None,
-                 on_device_accumulate: bool = True):
+                 on_device_accumulate: bool = True, disk: "DiskState | None" = None):
         """`train`: allocate gradients (an engine that only generates needs none). `master`: float32 master
         weights and gradients beside the dtype copy. `fill(p, dst)` writes a parameter's initial values into its
         view of the buffer (a checkpoint's tensor cast as it is copied, a seeded init); default its own data. `on_device_accumulate`: under a
         master, sum the sub-batches' gradients on the device in float32 (the canonical schedule offloads
-        every micro-batch's instead)."""
+        every micro-batch's instead). `disk` (optimizer_offload: disk): the masters go to its files, unit by
+        unit as they are filled, and the optimizer's Parameters are placeholders it binds when a unit steps."""
         self.units = units
         self.copier = copier
         self.pool = pool
         self.resident = resident
         self.master = master and train
         self.accumulate32 = self.master and on_device_accumulate and not resident
+        self.disk = disk if train else None
+        self.master_on_disk = self.master and self.disk is not None
+        self.stepped: dict[int, list[Stepped]] = {}      # per unit (by id): the tensors the optimizer steps
+        self._masters: dict[int, nn.Parameter] = {}     # model parameter id -> its master's Parameter
         fill = fill or copy_own_data
         device = copier.device
 
@@ -202,8 +208,9 @@ class ParamStore:
                     goff += p.numel()
                 else:
                     unit.grad_offsets.append(None)
-            if self.master:
-                unit.master = alloc(unit.numel, torch.float32)
+            if self.master:     # on its way to disk: filled here, then written out and freed (not pinned)
+                unit.master = (torch.empty(unit.numel, dtype=torch.float32) if self.master_on_disk
+                               else alloc(unit.numel, torch.float32))
             for p, view in zip(unit.params, unit._views(unit.stepped, unit.offsets)):
                 fill(p, view)
             if unit.master is not None:
@@ -212,6 +219,13 @@ class ParamStore:
             if goff and train and (self.master or not resident):
                 unit.host_grad = alloc(goff, torch.float32 if self.master else dtype).zero_()
             self._point(unit, unit.host, unit.host_grad)
+            if unit.host_grad is not None:
+                self.stepped[id(unit)] = self._stepped_of(unit)
+            if self.disk is not None:
+                frozen = [(off, shape.numel()) for off, g, shape in zip(unit.offsets, unit.grad_offsets, unit.shapes)
+                          if g is None]
+                self.disk.add_unit(unit, self.stepped.get(id(unit), []), unit.master, frozen)
+                unit.master = None
             if resident and unit.master is not None and unit.host_grad is not None:
                 # each sub-batch's dtype gradients, flushed into the float32 host_grad (on the device here)
                 unit.dev_grad = torch.zeros(goff, dtype=dtype, device=device)
@@ -222,6 +236,27 @@ class ParamStore:
                 extra = [unit.master, unit.dev_grad]
                 pool.memory.alloc(unit.nbytes + unit.grad_nbytes + sum(t.numel() * t.element_size()
                                                                        for t in extra if t is not None))
+
+    def _stepped_of(self, unit: ParamUnit) -> list[Stepped]:
+        """The unit's trainable tensors as the optimizer steps them: under a master a float32 Parameter viewing
+        it with its float32 gradient (a placeholder when the master is on disk), else the model's own."""
+        out = []
+        grads = unit._views(unit.host_grad, unit.grad_offsets)
+        masters = unit._views(unit.master, unit.offsets) if self.master else [None] * len(unit.params)
+        for p, off, shape, g, master in zip(unit.params, unit.offsets, unit.shapes, grads, masters):
+            if g is None:
+                continue
+            if self.master_on_disk:
+                param = nn.Parameter(torch.zeros((), dtype=torch.float32).expand(shape))
+            elif self.master:
+                param = nn.Parameter(master)
+                param.grad = g
+            else:
+                param = p
+            if self.master:
+                self._masters[id(p)] = param
+            out.append(Stepped(unit, off, shape.numel(), shape, g, param))
+        return out
 
     @staticmethod
     def _point(unit: ParamUnit, flat: torch.Tensor, grad_flat: torch.Tensor | None) -> None:
@@ -331,12 +366,13 @@ class ParamStore:
                 acc.add_(unit.dev_grad)
                 unit.dev_grad.zero_()
 
-    def offload_grads(self, unit: ParamUnit, accumulate: bool) -> None:
-        """Copy (or, for later micro-batches, add) the unit's device gradients into its host gradients."""
+    def offload_grads(self, unit: ParamUnit, accumulate: bool) -> Pending | None:
+        """Copy (or, for later micro-batches, add) the unit's device gradients into its host gradients; returns
+        the copy (its event, when asynchronous, says when the host may read them)."""
         if self.resident or unit.dev_grad is None:
-            return
+            return None
         src = unit.dev_grad32 if unit.dev_grad32 is not None else unit.dev_grad
-        self.copier.to_host(src, unit.host_grad, "grad_offload_bytes", accumulate=accumulate)
+        return self.copier.to_host(src, unit.host_grad, "grad_offload_bytes", accumulate=accumulate)
 
     def drop_resident_grads(self) -> None:
         if self.resident:
@@ -350,18 +386,16 @@ class ParamStore:
     # -- the optimizer's side ------------------------------------------------------------------------
     def master_params(self) -> dict[int, nn.Parameter]:
         """Under a master: a float32 Parameter per trainable model parameter (keyed by the model parameter's
-        id), viewing the master with its float32 gradient, for the optimizer to step."""
-        out: dict[int, nn.Parameter] = {}
-        for unit in self.units:
-            if unit.master is None or unit.host_grad is None:
-                continue
-            views = unit._views(unit.master, unit.offsets)
-            grads = unit._views(unit.host_grad, unit.grad_offsets)
-            for p, view, g in zip(unit.params, views, grads):
-                if g is not None:
-                    out[id(p)] = param = nn.Parameter(view)
-                    param.grad = g
-        return out
+        id), viewing the master with its float32 gradient (a placeholder when the master is on disk), for the
+        optimizer to step."""
+        return self._masters
+
+    def master_values(self, unit: ParamUnit) -> torch.Tensor | None:
+        """The unit's flat float32 master (a rank's shard of it when sharded): in memory, or read from the disk's
+        committed version. None without a master."""
+        if self.master_on_disk:
+            return self.disk.master_of(unit, unit.host.numel())
+        return unit.master
 
     def grad_buffers(self) -> list[torch.Tensor]:
         """The flat gradients the optimizer reads, once each: what clipping and loss scaling act on."""

@@ -2,7 +2,8 @@
 
 Every region is "sltune.<category>.<detail>"; the profiler's breakdown maps categories to the slices of
 its pie chart: compute (the model's math), memcpy (the runtime's copies), all_gather, reduce_scatter,
-cpu (host-side work such as the optimizer on host parameters). "sltune.step" spans one whole step.
+cpu (host-side work such as the optimizer on host parameters), disk (the step waiting for the optimizer's files
+under optimizer_offload disk). "sltune.step" spans one whole step.
 When no profiler runs, a region is a no-op (record_function alone costs ~9 us).
 """
 
@@ -13,7 +14,7 @@ import contextlib
 import torch
 from torch.autograd.profiler import record_function
 
-CATEGORIES = ("compute", "memcpy", "cpu", "all_gather", "reduce_scatter")
+CATEGORIES = ("compute", "memcpy", "cpu", "all_gather", "reduce_scatter", "disk")
 STEP = "sltune.step"
 _NULL = contextlib.nullcontext()
 

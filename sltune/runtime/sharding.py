@@ -24,9 +24,10 @@ import torch.distributed as dist
 import torch.distributed.nn.functional  # noqa: F401
 from torch import nn
 
+from sltune.runtime.diskstate import DiskState, Stepped
 from sltune.runtime.params import BufferPool, ParamStore, ParamUnit, WeightFill, copy_own_data
 from sltune.runtime.regions import region
-from sltune.runtime.transfer import Copier
+from sltune.runtime.transfer import Copier, Pending
 
 # torch 2.13 renamed the tensor collectives (*_single); older releases have only the old names
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -38,13 +39,17 @@ class ShardedParamStore(ParamStore):
 
     def __init__(self, units: list[ParamUnit], dtype: torch.dtype, copier: Copier, pool: BufferPool,
                  train: bool = True, master: bool = False, fill: WeightFill = None,
-                 on_device_accumulate: bool = True):
+                 on_device_accumulate: bool = True, disk: DiskState | None = None):
         self.units = units
         self.copier = copier
         self.pool = pool
         self.resident = False
         self.master = master and train
         self.accumulate32 = self.master and on_device_accumulate
+        self.disk = disk if train else None
+        self.master_on_disk = self.master and self.disk is not None
+        self.stepped: dict[int, list[Stepped]] = {}
+        self._masters: dict[int, nn.Parameter] = {}
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.shard_params: list[nn.Parameter] = []
         fill = fill or copy_own_data
@@ -80,13 +85,23 @@ class ShardedParamStore(ParamStore):
                 # every rank then builds the same optimizer, whatever its share
                 grad_dtype = torch.float32 if self.master else dtype
                 unit.host_grad = copier.host_empty(unit.trainable_here, grad_dtype).zero_()
-                param = nn.Parameter(unit.stepped[:unit.trainable_here])
-                param.grad = unit.host_grad
+                shape = torch.Size([unit.trainable_here])
+                if self.master_on_disk:         # bound to the slot's master when the unit steps
+                    param = nn.Parameter(torch.zeros((), dtype=torch.float32).expand(shape))
+                else:
+                    param = nn.Parameter(unit.stepped[:unit.trainable_here])
+                    param.grad = unit.host_grad
                 unit.shard_param = param
                 self.shard_params.append(param)
+                self.stepped[id(unit)] = [Stepped(unit, 0, unit.trainable_here, shape, unit.host_grad, param)]
             else:
                 unit.host_grad = None
                 unit.shard_param = None
+            if self.disk is not None:
+                mine = self.stepped.get(id(unit), [])
+                frozen = [(mine[0].numel if mine else 0, shard - (mine[0].numel if mine else 0))]
+                self.disk.add_unit(unit, mine, unit.master, frozen)
+                unit.master = None
             self._empty(unit)
 
     @staticmethod
@@ -118,18 +133,19 @@ class ShardedParamStore(ParamStore):
         if unit.host is not None and unit.has_grads:
             self._device_grads(unit, unit.padded)
 
-    def offload_grads(self, unit: ParamUnit, accumulate: bool) -> None:
+    def offload_grads(self, unit: ParamUnit, accumulate: bool) -> Pending | None:
         """Sum the unit's gradients over ranks into this rank's shard, then offload that shard."""
         if unit.dev_grad is None:
-            return
+            return None
         src = unit.dev_grad32 if unit.dev_grad32 is not None else unit.dev_grad
         mine = torch.empty(unit.shard, dtype=src.dtype, device=src.device)
         self.copier.counters.reduce_scatter_bytes += src.numel() * src.element_size()
         with region("reduce_scatter", unit.name):
             _reduce_scatter(mine, src)
-        if unit.trainable_here:
-            self.copier.to_host(mine[:unit.trainable_here], unit.host_grad, "grad_offload_bytes",
-                                accumulate=accumulate)
+        if not unit.trainable_here:
+            return None
+        return self.copier.to_host(mine[:unit.trainable_here], unit.host_grad, "grad_offload_bytes",
+                                   accumulate=accumulate)
 
     # -- results -----------------------------------------------------------------------------------
     def full_state(self) -> dict[int, torch.Tensor]:
@@ -139,7 +155,8 @@ class ShardedParamStore(ParamStore):
         for unit in self.units:
             if unit.host is None:
                 continue
-            mine = unit.stepped.to(self.copier.device)
+            values = self.master_values(unit)
+            mine = (values if values is not None else unit.host).to(self.copier.device)
             full = torch.empty(unit.padded, dtype=mine.dtype, device=mine.device)
             _all_gather(full, mine)
             full = full.cpu()

@@ -34,6 +34,8 @@ class IOCounters:
     reduce_scatter_bytes: int = 0   # gradients handed to reduce-scatter
     kv_load_bytes: int = 0          # host -> device KV cache (generation)
     kv_offload_bytes: int = 0       # device -> host KV cache (generation)
+    disk_read_bytes: int = 0        # optimizer_offload disk: masters and optimizer state read from files
+    disk_write_bytes: int = 0       # ... and written to new ones
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)

@@ -34,6 +34,7 @@ def admit(spec: TuningSpec, settings: Settings) -> tuple[TuningSpec, dict[str, A
     Refused if it asks for more than the server allows."""
     spec, limits = _memory(spec, settings, _counts(spec, settings))
     hw = spec.hardware
+    _fits(spec, limits)
     biggest = max(c.batch for c in SearchSpace(spec, shape_of(spec.model.source, spec.model.dtype)).candidates)
     tokens = biggest * spec.workload.tokens_per_row * hw.world_size      # every rank runs its own batch
     if tokens > settings.max_tokens_per_step:
@@ -53,6 +54,24 @@ def admit(spec: TuningSpec, settings: Settings) -> tuple[TuningSpec, dict[str, A
     limits["trials_in_all"] = {"requested": most, "applied": applied,
                                "by": "request" if applied == most else "server"}
     return spec, limits
+
+
+def _fits(spec: TuningSpec, limits: dict[str, Any]) -> None:
+    """Refused when the smallest config is predicted over the limits that apply (the server's ceiling where the
+    request named none or more), the process a trial runs in counted (sltune.tuning.baseline)."""
+    from sltune.tuning.baseline import trial_baseline
+    from sltune.tuning.feasible import shortfall
+    from sltune.tuning.prior import Recipe
+
+    hw = spec.hardware
+    shape = shape_of(spec.model.source, spec.model.dtype)
+    baseline = trial_baseline(hw.device, hw.world_size, spec.workload.mode, hw.cpu_threads, measure=False)
+    recipe = Recipe.of_spec(spec, shape, baseline)
+    short = shortfall(recipe, SearchSpace(spec, shape).candidates, hw.host_memory_limit, hw.device_memory_limit)
+    if short:
+        field = "hardware.host_memory_limit" if short.startswith("hardware.host") else "hardware.device_memory_limit"
+        by = (limits.get(field) or {}).get("by")
+        raise Refused([(field, ("this server's ceiling applies: " if by == "server" else "") + short)])
 
 
 def schema_maxima(settings: Settings) -> dict[str, dict[str, float]]:

@@ -26,7 +26,8 @@ def job_detail(store: Store, job: Job, settings: Settings) -> dict[str, Any]:
             "cancel_requested": job.cancel_requested, "limits": job.limits, "predicted": result.get("predicted"),
             "binding_limit": result.get("binding_limit"), "models": models,
             "stop_reason": result.get("stop_reason"), "waiting_for": waiting_for(store, job, settings),
-            "confidence": result.get("confidence"), "confirmation": result.get("confirmation")}
+            "confidence": result.get("confidence"), "confirmation": result.get("confirmation"),
+            "depth": result.get("depth")}
 
 
 def waiting_for(store: Store, job: Job, settings: Settings) -> str | None:

@@ -58,16 +58,23 @@ def tune(spec: TuningSpec | dict[str, Any] | str | Path, db: str | None = None, 
 
 
 def fits_this_machine(spec: TuningSpec, settings: Settings) -> None:
-    """A spec with no host_memory_limit runs its trials under this machine's ceiling: refused before any trial
-    when no config can fit it, as the server refuses it under its own (a 70B spec's trials would each grow to
-    the ceiling and be killed)."""
-    if spec.hardware.host_memory_limit is not None:
-        return
-    from sltune.tuning.shape import host_shortfall, shape_of
+    """Refuse, before any trial, a spec whose least config is predicted over a limit (sltune.tuning.feasible): the
+    spec's host limit, or without one this machine's trial ceiling (a 70B spec's trials would each grow to it and
+    be killed), for all the trial's ranks together; and its device limit. The host prior counts what a trial
+    process holds before its model, measured on this machine (once: sltune.tuning.baseline)."""
+    from sltune.tuning.baseline import trial_baseline
+    from sltune.tuning.feasible import shortfall
+    from sltune.tuning.prior import Recipe
+    from sltune.tuning.shape import shape_of
+    from sltune.tuning.space import SearchSpace
 
+    hw = spec.hardware
     shape = shape_of(spec.model.source, spec.model.dtype)
-    short = host_shortfall(shape, spec.workload.mode, spec.model.mixed_precision, spec.optimizer,
-                           spec.hardware.world_size, settings.trial_host_limit())
+    recipe = Recipe.of_spec(spec, shape, trial_baseline(hw.device, hw.world_size, spec.workload.mode, hw.cpu_threads))
+    unset = hw.host_memory_limit is None
+    short = shortfall(recipe, SearchSpace(spec, shape).candidates,
+                      settings.trial_host_limit() if unset else hw.host_memory_limit, hw.device_memory_limit,
+                      host_name="the ceiling" if unset else "hardware.host_memory_limit")
     if short:
-        raise ValueError(f"hardware.host_memory_limit is not set, so {settings.trial_host_limit_source()} is the "
-                         f"limit: {short}")
+        raise ValueError((f"hardware.host_memory_limit is not set, so {settings.trial_host_limit_source()} is the "
+                          f"limit: " if unset and short.startswith("the ceiling") else "") + short)

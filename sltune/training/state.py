@@ -3,6 +3,9 @@
     DIR/                               what transformers loads (config.json, safetensors, tokenizer files)
     DIR/training_state/trainer.pt      step, data position, scheduler, loss scale, RNG, the save dtype, world size
     DIR/training_state/optimizer-rank{r}-of-{W}.pt   each rank's optimizer state (its shard when sharded)
+    DIR/training_state/optimizer-rank{r}-of-{W}/     ... under optimizer_offload disk: the files of the engine's
+                                                     last committed step (hard links: no second copy), a
+                                                     manifest, and the optimizer's counters (optimizer.pt)
     DIR/training_state/weights.safetensors           the weights as stepped (the float32 masters), when the
                                                      folder's weights are in another dtype
 
@@ -52,7 +55,10 @@ def save_checkpoint(path: str | Path, engine, trainer: dict[str, Any], save_dtyp
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
     _barrier()
-    torch.save(engine.optimizer.state_dict(), staging / f"optimizer-rank{rank}-of-{world}.pt")
+    if getattr(engine, "disk", None) is not None:
+        engine.disk.link_into(staging / f"optimizer-rank{rank}-of-{world}", engine.optimizer.state_dict())
+    else:
+        torch.save(engine.optimizer.state_dict(), staging / f"optimizer-rank{rank}-of-{world}.pt")
     _barrier()
     if rank == 0:
         stepped = {n: t for n, t in state.items() if t.is_floating_point()}
@@ -110,11 +116,29 @@ def restore(folder: Path, trainer: dict[str, Any], engine) -> None:
         raise ValueError(f"--resume {folder}: saved by {trainer['world_size']} ranks but this run has {world}; "
                          f"resume under torchrun --nproc-per-node {trainer['world_size']} (the optimizer state is "
                          "sharded per rank)")
-    opt = torch.load(folder / TRAINING_STATE / f"optimizer-rank{rank}-of-{world}.pt", weights_only=True)
-    engine.optimizer.load_state_dict(opt)
+    saved = folder / TRAINING_STATE / f"optimizer-rank{rank}-of-{world}"
+    if saved.is_dir() and getattr(engine, "disk", None) is not None:    # disk to disk: the files, linked
+        engine.optimizer.load_state_dict(engine.disk.adopt(saved))
+    elif saved.is_dir():                                                # disk to host: read into memory
+        engine.optimizer.load_state_dict(_from_files(saved, engine.optimizer))
+    else:       # host to either: under disk the first step moves the loaded state into the files
+        engine.optimizer.load_state_dict(torch.load(saved.with_suffix(".pt"), weights_only=True))
     if trainer.get("scaler") is not None and engine.scaler is not None:
         engine.scaler.load_state_dict(trainer["scaler"])
     torch.set_rng_state(trainer["rng"])
+
+
+def _from_files(folder: Path, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """An optimizer state_dict from a disk checkpoint's files: its counters and its state tensors."""
+    from sltune.runtime.diskstate import read_committed
+
+    saved = read_committed(folder)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    small = saved["optimizer"]
+    for index, tensors in saved["tensors"].items():
+        entry = small["state"].setdefault(index, {})
+        entry.update({key: t.view(params[index].shape) for key, t in tensors.items() if key != "master"})
+    return small
 
 
 def exact_weights(folder: Path) -> Path | None:

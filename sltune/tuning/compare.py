@@ -73,8 +73,12 @@ def samples(trial: dict[str, Any]) -> list[float] | None:
 
 
 def by_config(job: JobData) -> dict[Key, list[list[float]]]:
+    """Each config's trials' step samples; a probe at reduced depth (its stored config names num_layers) measured
+    a smaller model, not the config, and is left out."""
     out: dict[Key, list[list[float]]] = {}
     for t in job.trials:
+        if (t.get("config") or {}).get("num_layers") is not None:
+            continue
         s = samples(t)
         if s:
             out.setdefault(_key(t["config"]), []).append(s)

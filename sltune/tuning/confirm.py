@@ -31,7 +31,8 @@ DECISIVE = 1.10     # the low end of the winner's paired interval over the runne
 def ranked(state: SearchState) -> list[Done]:
     """Each successfully measured config's best search trial, fastest first."""
     seen: dict[Candidate, Done] = {}
-    for d in sorted((d for d in state.history if d.ok), key=lambda d: d.tokens_per_s, reverse=True):
+    for d in sorted((d for d in state.history if d.ok and not state.reduced(d)), key=lambda d: d.tokens_per_s,
+                    reverse=True):
         seen.setdefault(d.candidate, d)
     return list(seen.values())
 
@@ -113,7 +114,7 @@ def winner_of(state: SearchState, confirmation: dict[str, Any] | None) -> Done |
     if not confirmation:
         return best
     w = confirmation["winner"]
-    ok = [d for d in state.history if d.ok and d.candidate.knobs() == w]
+    ok = [d for d in state.history if d.ok and d.candidate.knobs() == w and not state.reduced(d)]
     return max(ok, key=lambda d: d.tokens_per_s) if ok else best
 
 

@@ -31,6 +31,13 @@ Peak memory is close to linear in the knobs (../shared/design/speedloader.md):
              keeping every weight ran 1.39x faster at b=16 N=1 and 0.86x at b=1 N=16; a plain W term
              fitted to probes at large N predicted step times <= 0 at N=1.
 
+Across depths (search.probe_layers: oneshot's probes run fewer layers, sltune.tuning.depth) a training job's
+models are ACROSS_DEPTHS: each term carries its known depth scaling, so that probes of one depth fix every
+coefficient. The step's per-step cost grows with the parameter bytes P (loads, gradient offload, optimizer), a
+token's work with the weights it reads F (the layers and the head), the group terms with G and the offload
+terms with L-k. The peaks start from the prior at the trial's own depth (LinearFit.offset), whose terms carry
+L exactly; the device's fitted residual does not depend on L, and the host's is a constant.
+
 G = ceil(layers/k) groups, B = b*N rows. Throughput is tokens per step over step_time, so it rises with
 b and N and saturates. Each model reports its coefficients, R^2, residuals, leave-one-out error (how
 far to trust a prediction) and the range of every variable it saw (so extrapolation can be flagged).
@@ -78,6 +85,14 @@ FEATURES: dict[str, Callable[[dict[str, float]], float]] = {
     "D*B*s": lambda v: v["D"] * v["B"] * v["s"],
     "W": lambda v: v["W"],
     "W/N": lambda v: v["W"] / v["N"],
+    # across depths (search.probe_layers; sltune.tuning.depth): P the parameter bytes, F those a token's compute
+    # reads (the layers and the head)
+    "P": lambda v: v["P"],
+    "F*N*b*s": lambda v: v["F"] * v["N"] * v["b"] * v["s"],
+    # the prior (sltune.tuning.prior): each peak predicted from the shape before any trial; the memory models fit
+    # what the trials measure beyond it (LinearFit.offset), so with no trial the prior alone predicts
+    "prior_device": lambda v: v["prior_device"],
+    "prior_host": lambda v: v["prior_host"],
 }
 
 MODELS = {
@@ -93,6 +108,21 @@ MODELS = {
         "throughput": ("step_seconds", ["1", "G", "N", "N*b*s", "N*G", "W/N"]),
     },
 }
+
+
+# search.probe_layers (training): the step time's terms each with its depth scaling (sltune.tuning.depth): the
+# per-step costs grow with P, a token's work with F; over trials of one depth P and F are constants and this is the
+# model above. The peaks start from the prior at each trial's own depth, which counts the weights, master,
+# gradients, optimizer state and group-edge activations term by term; the device's residual terms do not depend
+# on L, and the host's is a constant: probes of one depth cannot tell a per-group residual from a per-sub-batch one,
+# and a wrong split grows by L/Lp at full depth (fitting (G+1)*B*s to 4-layer probes put 16-layer host peaks 47%
+# too high; the prior and a constant: 3-6% low, the same as at the probes' own b and N).
+ACROSS_DEPTHS = {
+    "device": MODELS["train"]["device"],
+    "host": ("peak_host_bytes", ["1"]),
+    "throughput": ("step_seconds", ["P", "G", "N", "F*N*b*s", "N*G", "[off]*(L-k)*N*b*s"]),
+}
+KNOWN_ACROSS_DEPTHS = {"device": "prior_device", "host": "prior_host"}
 
 
 def variables(c: Candidate, shape: ModelShape, tokens_per_row: int) -> dict[str, float]:
@@ -124,6 +154,7 @@ class LinearFit:
     robust: bool = False                        # precision-weighted robust fit (see the module docstring)
     residuals: list[dict[str, Any]] = field(default_factory=list)
     ranges: dict[str, list[float]] = field(default_factory=dict)
+    offset: str | None = None                   # a known term (a FEATURES name) with coefficient 1, not fitted
 
     @property
     def well_posed(self) -> bool:
@@ -131,22 +162,25 @@ class LinearFit:
 
     @classmethod
     def fit(cls, target: str, features: list[str], rows: list[tuple[dict[str, float], float]],
-            rel_sigma: list[float] | None = None) -> "LinearFit":
-        """rel_sigma: each row's relative standard error; given, the fit is precision-weighted and robust."""
-        model = cls(target=target, features=features, n=len(rows), robust=rel_sigma is not None)
+            rel_sigma: list[float] | None = None, offset: str | None = None) -> "LinearFit":
+        """rel_sigma: each row's relative standard error; given, the fit is precision-weighted and robust.
+        offset: a term known exactly (the host bytes of the parameters at the trial's depth, say), added to
+        the fitted ones rather than fitted; over rows of one depth it is a constant the intercept absorbs."""
+        model = cls(target=target, features=features, n=len(rows), robust=rel_sigma is not None, offset=offset)
         if not rows:
             return model
         X = np.array([[FEATURES[f](v) for f in features] for v, _ in rows], dtype=float)
         y = np.array([y for _, y in rows], dtype=float)
+        known = np.array([FEATURES[offset](v) if offset else 0.0 for v, _ in rows], dtype=float)
         scale = np.maximum(np.abs(X).max(axis=0), 1e-300)     # condition the columns
         w = 1.0 / np.maximum(np.abs(y), 1e-300)                 # relative error
         if rel_sigma is not None:
             w = w / np.maximum(np.asarray(rel_sigma, dtype=float), MIN_REL_SIGMA)
         solve = _robust if model.robust else _ols
-        coef = solve(X / scale, y, w)
+        coef = solve(X / scale, y - known, w)
         model.rank = int(np.linalg.matrix_rank(X / scale))
         model.coef = (coef / scale).tolist()
-        pred = X @ np.array(model.coef)
+        pred = X @ np.array(model.coef) + known
         ss_tot = float(((y - y.mean()) ** 2).sum())
         model.r2 = 1.0 - float(((y - pred) ** 2).sum()) / ss_tot if ss_tot > 0 else None
         model.residuals = [{"vars": v, "measured": float(m), "predicted": float(p),
@@ -160,8 +194,8 @@ class LinearFit:
                 keep = np.arange(model.n) != i
                 if np.linalg.matrix_rank(X[keep] / scale) < len(features):
                     continue
-                c = solve(X[keep] / scale, y[keep], w[keep])
-                p = float((X[i] / scale) @ c)
+                c = solve(X[keep] / scale, (y - known)[keep], w[keep])
+                p = float((X[i] / scale) @ c + known[i])
                 if y[i]:
                     errs.append(float(abs(p - y[i]) / abs(y[i])))
             model.loo_rel_error = max(errs) if errs else None
@@ -171,7 +205,8 @@ class LinearFit:
     def predict(self, v: dict[str, float]) -> float | None:
         if not self.well_posed:
             return None
-        return float(sum(c * FEATURES[f](v) for c, f in zip(self.coef, self.features)))
+        known = FEATURES[self.offset](v) if self.offset else 0.0
+        return float(known + sum(c * FEATURES[f](v) for c, f in zip(self.coef, self.features)))
 
     def extrapolated(self, v: dict[str, float]) -> list[str]:
         """Variables of v outside the range the fit saw (a prediction there is an extrapolation)."""
@@ -180,12 +215,13 @@ class LinearFit:
     def to_dict(self) -> dict[str, Any]:
         return {"target": self.target, "features": self.features, "coef": self.coef, "n": self.n, "rank": self.rank,
                 "r2": self.r2, "loo_rel_error": self.loo_rel_error, "loo_typical_error": self.loo_typical_error,
-                "robust": self.robust, "residuals": self.residuals, "ranges": self.ranges}
+                "robust": self.robust, "residuals": self.residuals, "ranges": self.ranges,
+                **({"offset": self.offset} if self.offset else {})}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "LinearFit":
         return cls(**{k: d[k] for k in ("target", "features", "coef", "n", "rank", "r2", "loo_rel_error",
-                                        "loo_typical_error", "robust", "residuals", "ranges") if k in d})
+                                        "loo_typical_error", "robust", "residuals", "ranges", "offset") if k in d})
 
 
 MIN_REL_SIGMA = 0.005   # no measurement is trusted beyond 0.5%: a hundred quiet steps are not the truth either

@@ -22,7 +22,8 @@ def plan(path: str | Path, device_memory_limit: int | str | None = None,
     data = read_yaml(path)
     missing = [k for k in ("resource_models", "search_space", "provenance", "workload") if k not in (data or {})]
     if missing:
-        raise ValueError(f"{path}: no {', '.join(missing)}; plan needs a best-config file exported by a tuning job")
+        raise ValueError(f"{path}: no {', '.join(missing)}; plan needs a tuning spec (with a model section) or a "
+                         "best-config file a tuning job exported")
     prov, work, limits = data["provenance"], data["workload"], data.get("limits", {})
     hardware = dict(prov["hardware"])
     if device_memory_limit is not None:
@@ -39,7 +40,8 @@ def plan(path: str | Path, device_memory_limit: int | str | None = None,
                              "hardware": hardware, "search": search,
                              **({"optimizer": data["optimizer"]} if data.get("optimizer") else {})}, source=str(path))
     shape = shape_of(spec.model.source, spec.model.dtype)
-    state = SearchState(spec, shape, SearchSpace(spec, shape))
+    # a file's host model corrects the prior, whose process term is the job's machine's (0 before it was recorded)
+    state = SearchState(spec, shape, SearchSpace(spec, shape), baseline=prov.get("trial_baseline_bytes") or 0)
     state.fits = {k: LinearFit.from_dict(v) for k, v in data["resource_models"].items()}
     state.margins.update(limits.get("margins", {}))
     preds = {c: state.predict(c) for c in state.space.candidates}

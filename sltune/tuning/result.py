@@ -9,6 +9,7 @@ from typing import Any
 
 from sltune.config import SpeedLoaderConfig
 from sltune.profiling.timing import timing_of
+from sltune.tuning.depth import summary
 from sltune.tuning.figure import figure
 from sltune.tuning.spec import TuningSpec
 from sltune.tuning.state import SearchState
@@ -21,12 +22,18 @@ def job_result(job_id: str, spec: TuningSpec, state: SearchState, stop_reason: s
     from sltune.tuning.confirm import winner_of
 
     best = winner_of(state, confirmation)
+    depth = summary(state)
+    models = {k: f.to_dict() for k, f in state.fits.items()}
+    for kind, err in (depth or {}).get("full_depth_error", {}).items():
+        models[kind]["full_depth_error"] = err      # beside its leave-one-out error: the probes' fit at full depth
     out: dict[str, Any] = {
         "job_id": job_id, "name": spec.name, "strategy": spec.search.strategy, "stop_reason": stop_reason,
         "wall_seconds": wall_seconds, "best": None, "predicted": None, "binding_limit": None,
-        "models": {k: f.to_dict() for k, f in state.fits.items()},
+        "models": models, "depth": depth,
         "margins": state.margins, "space_size": len(state.space.candidates),
-        "search_space": state.space.describe(),
+        "trial_baseline_bytes": state.recipe.baseline,      # the host prior's process term: plan needs it again
+        "search_space": {**state.space.describe(),      # probe_layers: plan needs the depth terms the fits use
+                         **({"probe_layers": spec.search.probe_layers} if depth else {})},
         "confirmation": confirmation,
         "confidence": confirmation["statement"] if confirmation else _unconfirmed(state),
         "trials": [{"number": d.number, "role": d.role, "config": d.candidate.knobs(), "status": d.result["status"],
@@ -34,12 +41,14 @@ def job_result(job_id: str, spec: TuningSpec, state: SearchState, stop_reason: s
                     "tokens_per_s_ci95": timing_of(d.result).get("tokens_per_s_ci95"),
                     "unstable": timing_of(d.result).get("unstable"),
                     "peak_device_bytes": d.result.get("peak_device_bytes"),
-                    "peak_host_bytes": d.result.get("peak_host_bytes"), "error": d.result.get("error")}
+                    "peak_host_bytes": d.result.get("peak_host_bytes"), "error": d.result.get("error"),
+                    **({"num_layers": state.depth_of(d)} if state.reduced(d) else {})}
                    for d in sorted(state.history + state.confirms, key=lambda d: d.number)],
     }
     if best is not None:
         c = best.candidate
-        mine = sorted((d for d in state.history + state.confirms if d.ok and d.candidate == c), key=lambda d: d.number)
+        mine = sorted((d for d in state.history + state.confirms if d.ok and d.candidate == c and not state.reduced(d)),
+                      key=lambda d: d.number)
         fig = figure(d.result for d in mine) or {"tokens_per_s": best.tokens_per_s, "tokens_per_s_ci95": None,
                                                  "step_seconds": best.result.get("step_seconds")}
         out["best"] = {"trial_number": best.number, "config": {**c.knobs(), "schedule": spec.search.schedule},
@@ -62,8 +71,9 @@ def _unconfirmed(state: SearchState) -> str | None:
     """Why a result has no confirmed statement."""
     if state.best() is None:
         return None
-    if len({d.candidate for d in state.history if d.ok}) < 2:
-        return "only one config ran successfully: nothing to compare it with"
+    if len({d.candidate for d in state.history if d.ok and not state.reduced(d)}) < 2:
+        return (f"only one config ran successfully{' at full depth' if state.depth else ''}: nothing to compare "
+                "it with")
     return "not confirmed: the confirmation round did not finish"
 
 
@@ -104,5 +114,6 @@ def export_yaml(spec: TuningSpec, result: dict[str, Any], path: str | Path | Non
         provenance={"job_id": result["job_id"], "job_name": spec.name, "strategy": result["strategy"],
                     "trial_number": best["trial_number"], "trials": len(result["trials"]),
                     "model": spec.model.model_dump(exclude_none=True), "hardware": spec.hardware.model_dump(),
+                    "trial_baseline_bytes": result.get("trial_baseline_bytes"),
                     "sltune_version": __version__, "created_at": datetime.now(timezone.utc).isoformat()},
     )

@@ -25,6 +25,7 @@ from sltune.sizes import format_bytes
 from sltune.store.faults import durable_rdb_storage, retrying
 from sltune.store.optuna import optuna_location
 from sltune.tuning import confirm
+from sltune.tuning.baseline import trial_baseline
 from sltune.tuning.result import job_result
 from sltune.tuning.shape import shape_of
 from sltune.tuning.space import Candidate, SearchSpace
@@ -96,7 +97,9 @@ def run_job(store: Store, job_id: str, *, progress: ProgressFn | None = None, sh
     spec = TuningSpec.model_validate(job.spec)
     shape = shape_of(spec.model.source, spec.model.dtype)
     space = SearchSpace(spec, shape)
-    state = SearchState(spec, shape, space)
+    hw = spec.hardware      # the host prior holds what a trial process holds before its model, measured here
+    baseline = trial_baseline(hw.device, hw.world_size, spec.workload.mode, hw.cpu_threads)
+    state = SearchState(spec, shape, space, baseline=baseline, host_ceiling=default_host_limit)
     if worker_id is None:
         store.set_status(job_id, "running")
     store.interrupt_running_trials(job_id)          # left running by a previous holder that died
@@ -104,7 +107,7 @@ def run_job(store: Store, job_id: str, *, progress: ProgressFn | None = None, sh
     seconds: dict[Candidate, list[float]] = {}      # each config's trial times: what its next trial will take
     for t in finished:   # replayed in order: margins widened by past out-of-memory trials come back too
         done = Done(t.number, Candidate.from_knobs(t.config), t.role, t.result)
-        if t.started_at and t.finished_at:
+        if t.started_at and t.finished_at and not state.reduced(done):     # what a full-depth trial takes
             seconds.setdefault(done.candidate, []).append((t.finished_at - t.started_at).total_seconds())
         if t.role == "confirm":
             state.confirms.append(done)         # not search history: they neither refit nor count as tried
@@ -124,7 +127,8 @@ def run_job(store: Store, job_id: str, *, progress: ProgressFn | None = None, sh
     for stale in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
         row = by_number.get(stale.number)
         if row is not None:
-            tell(study, optuna.Trial(study, stale._trial_id), row.result, row.role, row.number)
+            tell(study, optuna.Trial(study, stale._trial_id), row.result, row.role, row.number,
+                 state.depth_of(Done(row.number, Candidate.from_knobs(row.config), row.role, row.result)))
         else:
             study.tell(stale.number, state=optuna.trial.TrialState.FAIL)
     add_confirms(study, space.params, space.distributions(), state.confirms)   # killed before adding them
@@ -159,11 +163,13 @@ def run_job(store: Store, job_id: str, *, progress: ProgressFn | None = None, sh
         if progress:
             progress(payload)
 
-    def measure(cand: Candidate, role: str, optuna_number: int | None) -> dict[str, Any] | None:
-        """Run one trial and record it; None (stop_reason set) when the job was stopped or taken over."""
+    def measure(cand: Candidate, role: str, optuna_number: int | None,
+                layers: int | None = None) -> dict[str, Any] | None:
+        """Run one trial (of `layers` decoder layers: a probe at reduced depth; None: the whole model) and record
+        it; None (stop_reason set) when the job was stopped or taken over."""
         nonlocal stop_reason
         began = time.monotonic()       # the trial's whole cost, its records included: what the next will take
-        pred = state.predict(cand)
+        pred = state.predict(cand, layers=layers)
         trace = trace_error = None
         if search.profile and artifact_dir is not None:
             trace = Path(artifact_dir) / job_id / f"trial-{number}.json"
@@ -171,13 +177,14 @@ def run_job(store: Store, job_id: str, *, progress: ProgressFn | None = None, sh
                 trace.parent.mkdir(parents=True, exist_ok=True)
             except OSError as err:          # a full disk costs the trial its trace, nothing more
                 trace, trace_error = None, f"no trace: its folder could not be made ({err.strerror})"
-        if not store.start_trial(job_id, number, role, {**cand.knobs(), "schedule": search.schedule},
+        depth = {"num_layers": layers} if layers is not None else {}
+        if not store.start_trial(job_id, number, role, {**cand.knobs(), "schedule": search.schedule, **depth},
                                  pred.to_dict(), optuna_number, worker_id):
             stop_reason = "released: another worker holds the job now"
             return None
         report(last={"number": number, "config": cand.knobs(), "status": "running"}, phase=role)
         t0 = time.monotonic()
-        result = run_trial(trial_spec(spec, cand, trace, default_host_limit, max_trial_steps),
+        result = run_trial(trial_spec(spec, cand, trace, default_host_limit, max_trial_steps, layers),
                            stop=should_stop).model_dump(mode="json")
         if trace is not None and result["status"] == "ok" and not trace.exists():
             trace, trace_error = None, f"no trace: it could not be written ({free_space(artifact_dir)})"
@@ -196,7 +203,8 @@ def run_job(store: Store, job_id: str, *, progress: ProgressFn | None = None, sh
                 store.add_artifact(job_id, number, "trace", str(trace.relative_to(artifact_dir)), trace.stat().st_size)
             except Exception as err:  # noqa: BLE001 - the trial's result is stored; only its trace is lost
                 log.warning("job %s trial %d: its trace could not be recorded (%s)", job_id, number, err)
-        seconds.setdefault(cand, []).append(time.monotonic() - began)
+        if layers is None:
+            seconds.setdefault(cand, []).append(time.monotonic() - began)
         return result
 
     report(phase="starting")
@@ -218,8 +226,9 @@ def run_job(store: Store, job_id: str, *, progress: ProgressFn | None = None, sh
             study.enqueue_trial(space.params(proposal.candidate))
         ot = study.ask(space.distributions())
         cand = space.candidate(ot.params)
-        if cand is None or cand in state.tried:
-            prev = next((d for d in state.history if d.candidate == cand), None)
+        if cand is None or state.ran(cand, proposal.layers):
+            prev = next((d for d in state.history if d.candidate == cand and state.depth_of(d) == proposal.layers),
+                        None)
             if prev is not None and prev.result["status"] == "ok":
                 study.tell(ot, prev.tokens_per_s)
             else:
@@ -230,12 +239,13 @@ def run_job(store: Store, job_id: str, *, progress: ProgressFn | None = None, sh
                 break
             continue
 
-        result = measure(cand, proposal.role, ot.number)
+        result = measure(cand, proposal.role, ot.number, proposal.layers)
         if result is None:
             study.tell(ot, state=optuna.trial.TrialState.FAIL)
             break
-        tell(study, ot, result, proposal.role, number)
-        state.add(Done(number, cand, proposal.role, result))
+        done = Done(number, cand, proposal.role, result)
+        tell(study, ot, result, proposal.role, number, state.depth_of(done))
+        state.add(done)
         for kind, fit in state.fits.items():
             store.save_fit(job_id, kind, fit.n, fit.to_dict())
         report(last={"number": number, "config": cand.knobs(), "status": result["status"],
@@ -300,11 +310,15 @@ def free_space(folder: Path | None) -> str:
 
 
 def trial_spec(spec: TuningSpec, c: Candidate, trace: Path | None, default_host_limit: int | None = None,
-               max_trial_steps: int | None = None) -> TrialSpec:
+               max_trial_steps: int | None = None, layers: int | None = None) -> TrialSpec:
     """What one trial runs. The worker's ceilings hold whatever the stored spec says: host memory; timed steps,
     every round together (an unstable round is re-measured only while both fit); and intra-op threads, at most
-    this machine's cores shared by the ranks (more would only take turns on them)."""
+    this machine's cores shared by the ranks (more would only take turns on them). A probe at reduced depth
+    (`layers`) times its steps for that share of trial_min_time_s: as many steps as the whole model's would."""
     w, hw, s = spec.workload, spec.hardware, spec.search
+    min_time = s.trial_min_time_s
+    if layers is not None:
+        min_time *= min(1.0, layers / shape_of(spec.model.source, spec.model.dtype).layers)
     steps, max_steps, remeasure = s.trial_steps, s.trial_max_steps, 1
     if max_trial_steps is not None:
         steps, max_steps = min(steps, max_trial_steps), min(max_steps, max_trial_steps)
@@ -320,6 +334,6 @@ def trial_spec(spec: TuningSpec, c: Candidate, trace: Path | None, default_host_
                      device_memory_limit=hw.device_memory_limit,
                      host_memory_limit=min((x for x in (hw.host_memory_limit, default_host_limit) if x),
                                            default=None),
-                     steps=steps, min_time_s=s.trial_min_time_s, max_steps=max_steps, remeasure=remeasure,
+                     steps=steps, min_time_s=min_time, max_steps=max_steps, remeasure=remeasure,
                      cpu_threads=threads, profile=s.profile, trace_path=str(trace) if trace else None,
-                     timeout_s=s.trial_timeout_s, seed=s.seed)
+                     timeout_s=s.trial_timeout_s, seed=s.seed, num_layers=layers)

@@ -7,7 +7,6 @@ lower bounds a limit must clear.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -34,6 +33,8 @@ class ModelShape:
     param_bytes: int        # every parameter once
     max_positions: int | None = None
     dtype: str = "float32"
+    kv_heads: int = 0       # key/value heads and head dim: what a KV cache holds per position and layer
+    head_dim: int = 0
 
     def groups(self, k: int) -> int:
         return math.ceil(self.layers / k)
@@ -94,41 +95,6 @@ class ModelShape:
         return sum(n for _, n in self.host_terms(mode, mixed_precision, optimizer))
 
 
-def host_shortfall(shape: ModelShape, mode: str, mixed_precision: bool, optimizer: Any, ranks: int,
-                   limit: int) -> str | None:
-    """None when what any config holds in host memory fits `limit` on each of `ranks` ranks; else the line
-    that says what it needs, term by term, and what would fit: more ranks, or a smaller recipe."""
-    from sltune.sizes import format_bytes
-    from sltune.training.optimizer import OptimizerConfig
-
-    def need(mixed: bool, opt: Any, world: int) -> tuple[int, list[tuple[str, int]]]:
-        terms = [(what, n // world) for what, n in shape.host_terms(mode, mixed, opt)]
-        return sum(n for _, n in terms), terms
-
-    total, terms = need(mixed_precision, optimizer, ranks)
-    if total <= limit:
-        return None
-    listed = ", ".join(f"{what} {format_bytes(n)}" for what, n in terms)
-    per = f" on each of {ranks} ranks" if ranks > 1 else ""
-    would = []
-    whole = need(mixed_precision, optimizer, 1)[0]
-    if mode == "train":
-        world = -(-whole // max(limit, 1))
-        would.append(f"hardware.world_size {world} (each rank holds 1/{world})")
-        if mixed_precision and shape.dtype != "float32" and need(False, optimizer, ranks)[0] <= limit:
-            would.append(f"model.mixed_precision false (one {shape.dtype} copy, no float32 master)")
-        sgd = OptimizerConfig(name="sgd")
-        if (optimizer is None or optimizer.name != "sgd" or optimizer.momentum) and \
-                need(mixed_precision, sgd, ranks)[0] <= limit:
-            would.append("optimizer sgd without momentum (no optimizer state)")
-    if shape.dtype == "float32":
-        half = dataclasses.replace(shape, dtype="bfloat16", itemsize=2, param_bytes=shape.param_bytes // 2)
-        if sum(n for _, n in half.host_terms(mode, mixed_precision, optimizer)) // ranks <= limit:
-            would.append("model.dtype bfloat16")
-    return (f"needs {format_bytes(total)} host{per}: {listed}; the limit is {format_bytes(limit)}. "
-            f"What would fit: {'; or '.join(would) if would else 'a smaller model'}")
-
-
 def shape_of(model: Any, dtype: str = "float32") -> ModelShape:
     """Cached by the model's description (a folder's by its config.json's modification time too): every spec
     validation asks, and big models take a second."""
@@ -157,6 +123,7 @@ def _build(model: Any, dtype: str) -> ModelShape:
 
     from sltune.models import load_config
     from sltune.runtime.family import CausalLM
+    from sltune.runtime.generate import kv_dims
 
     config = load_config(model)
     itemsize = torch.empty((), dtype=getattr(torch, dtype)).element_size()
@@ -178,4 +145,5 @@ def _build(model: Any, dtype: str) -> ModelShape:
         tied_bytes=nbytes(p for p in prologue if id(p) in tied),
         param_bytes=nbytes(every.values()),
         max_positions=getattr(config, "max_position_embeddings", None), dtype=dtype,
+        kv_heads=kv_dims(config)[0], head_dim=kv_dims(config)[1],
     )

@@ -199,6 +199,14 @@ def _shares(value: Any) -> Any:
     return sorted({float(v) for v in values})
 
 
+def _probe_layers(value: Any) -> Any:
+    """search.probe_layers: auto, a number of layers, or nothing (the whole model); one clear message otherwise."""
+    if value is None or value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        return value
+    raise ValueError(f"{value!r} is neither auto nor a number of decoder layers; give auto, an integer such as 4, "
+                     "or leave it out to probe the whole model")
+
+
 Share = Annotated[float, Field(ge=0.0, le=1.0)]
 Shares = Annotated[Share | Annotated[list[Share], Field(min_length=1, max_length=MAX_KNOB_VALUES)],
                    BeforeValidator(_shares)]
@@ -232,6 +240,10 @@ class Search(_Strict):
                                                             "count as over it")
     profile: bool = Field(True, description="profile one step per trial (the breakdown and trace)")
     seed: int = Field(0, ge=0, le=2**32 - 1, description="seeds the samplers and the trials' data (numpy's range)")
+    probe_layers: Annotated[Literal["auto"] | int | None, BeforeValidator(_probe_layers)] = Field(
+        None, description="oneshot: run the probes with this many decoder layers (the model's widths, fewer "
+        "layers; at least two groups of the largest num_live_blocks), or auto: reduce depth only when a full-depth "
+        "probe would be slow. Frontier and confirmation trials run the whole model. Default: the whole model")
 
     @model_validator(mode="after")
     def _batch(self) -> "Search":
@@ -286,7 +298,7 @@ class TuningSpec(_Strict):
 
     @model_validator(mode="after")
     def _fits_at_all(self) -> "TuningSpec":
-        """The smallest config must be able to fit: refuse limits below its predicted minimum."""
+        """The smallest config must be able to fit: refuse limits below its predicted minimum (_memory_fits)."""
         from sltune.tuning.shape import shape_of
         from sltune.tuning.space import SearchSpace
 
@@ -298,23 +310,6 @@ class TuningSpec(_Strict):
             raise ValueError(f"model: transformers could not build this model: {type(err).__name__}: {err}") from None
         mode = self.workload.mode
         hw = self.hardware
-        need_dev = shape.min_device_bytes(mode)
-        if hw.device_memory_limit is not None and hw.device_memory_limit < need_dev:
-            raise ValueError(
-                f"hardware.device_memory_limit {format_bytes(hw.device_memory_limit)} is below the "
-                f"{format_bytes(need_dev)} ({need_dev} bytes) the smallest config (num_live_blocks=1) needs for the "
-                f"largest unit's parameters{' and gradients' if mode == 'train' else ''}; raise it to at least that")
-        ranks = max(1, hw.world_size)         # each rank holds 1/W of every term
-        terms = [(what, n // ranks) for what, n in
-                 shape.host_terms(mode, self.model.mixed_precision, self.optimizer)]
-        need_host = sum(n for _, n in terms)
-        if hw.host_memory_limit is not None and hw.host_memory_limit < need_host:
-            parts = [f"{what} ({format_bytes(n)})" for what, n in terms]
-            listed = parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
-            raise ValueError(
-                f"hardware.host_memory_limit {format_bytes(hw.host_memory_limit)} is below the "
-                f"{format_bytes(need_host)} ({need_host} bytes) any config needs in host memory"
-                + (f" on each of {ranks} ranks" if ranks > 1 else "") + f": {listed}; raise it to at least that")
         if hw.world_size > 1 and self.workload.mode == "generate":
             raise ValueError("hardware.world_size > 1 is for training; generation runs on one process")
         if mode == "train" and self.search.kv_cache is not None:
@@ -346,7 +341,54 @@ class TuningSpec(_Strict):
             raise ValueError("the search space is empty: no sub_batch_size divides any effective_batch_size; "
                              "widen search.sub_batch_size or search.effective_batch_size")
         self._weights_fit(shape, space)
+        self._memory_fits(shape, space)
+        self._probe_depth(shape, space)
         return self
+
+    def _probe_depth(self, shape: "ModelShape", space: "SearchSpace") -> None:
+        """search.probe_layers is for oneshot's training probes, and a number must leave the fits' terms apart:
+        at least two groups of the largest num_live_blocks (so G = ceil(L/k) and the (L-k) of the offload
+        terms vary as at full depth), and fewer layers than the model has."""
+        from sltune.tuning.depth import least_probe_layers
+
+        layers = self.search.probe_layers
+        if layers is None:
+            return
+        if self.search.strategy != "oneshot":
+            raise ValueError(f"search.probe_layers: only the oneshot strategy runs probes, not "
+                             f"{self.search.strategy}; remove it or set search.strategy: oneshot")
+        if self.workload.mode != "train":
+            raise ValueError("search.probe_layers: probes at reduced depth are for training (workload.mode: train); "
+                             "remove it")
+        if layers == "auto":
+            return
+        least, k = least_probe_layers(space.k_values), max(space.k_values)
+        if least >= shape.layers:
+            raise ValueError(f"search.probe_layers: two groups of the largest num_live_blocks ({k}) need {least} "
+                             f"layers, and the model has {shape.layers}: no depth in between; remove it or lower "
+                             "search.num_live_blocks")
+        if layers >= shape.layers:
+            raise ValueError(f"search.probe_layers {layers} is not below the model's {shape.layers} decoder layers; "
+                             f"give {least} to {shape.layers - 1}, or remove it to probe the whole model")
+        if layers < least:
+            raise ValueError(f"search.probe_layers {layers} is below two groups of the largest num_live_blocks ({k}); "
+                             f"give at least {least} (so the fits can tell per-group from per-layer costs), or "
+                             "lower search.num_live_blocks")
+
+    def _memory_fits(self, shape: "ModelShape", space: "SearchSpace") -> None:
+        """Refuse limits below what the smallest config is predicted to need (sltune.tuning.prior), term by term
+        with what would fit: the device limit per rank, the host limit for all ranks together (trials hold it so).
+        The process a trial runs in is left out here (it is this machine's, measured where trials run: tune and
+        the server add it), so what is refused here fits nowhere."""
+        from sltune.tuning.feasible import shortfall
+        from sltune.tuning.prior import Recipe
+
+        hw = self.hardware
+        if hw.host_memory_limit is None and hw.device_memory_limit is None:
+            return
+        short = shortfall(Recipe.of_spec(self, shape), space.candidates, hw.host_memory_limit, hw.device_memory_limit)
+        if short:
+            raise ValueError(short)
 
     def _weights_fit(self, shape: "ModelShape", space: "SearchSpace") -> None:
         """Refuse shares of the weights that no config can keep on the device under its limit, when keeping

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from sltune.tuning.fit import FEATURES, MODELS, LinearFit, variables
+from sltune.tuning.depth import DepthTerms, layers_of, least_probe_layers, probe_layers
+from sltune.tuning.fit import ACROSS_DEPTHS, FEATURES, KNOWN_ACROSS_DEPTHS, MODELS, LinearFit, variables
+from sltune.tuning.prior import Prior, Recipe, at_depth, predict as prior_of
 from sltune.tuning.shape import ModelShape
 from sltune.tuning.space import Candidate, SearchSpace
 from sltune.tuning.spec import TuningSpec
@@ -43,6 +46,8 @@ def rel_sigma(result: dict[str, Any], believe_unstable: bool = False) -> float:
 
 
 UNSTABLE_SIGMA = 0.10
+# over one depth the memory models fit what trials measure beyond the prior (its peaks, sltune.tuning.prior)
+PRIOR_OFFSETS = {"device": "prior_device", "host": "prior_host"}
 
 
 @dataclass
@@ -53,16 +58,23 @@ class Prediction:
     tokens_per_s: float | None
     fits: bool
     over: list[str] = field(default_factory=list)       # which limits it is predicted to exceed
+    prior_device: float | None = None                   # the prior alone (sltune.tuning.prior), before any trial
+    prior_host: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"peak_device_bytes": self.device, "peak_host_bytes": self.host, "step_seconds": self.step_seconds,
-                "tokens_per_s": self.tokens_per_s, "fits": self.fits, "over": self.over}
+                "tokens_per_s": self.tokens_per_s, "fits": self.fits, "over": self.over,
+                "prior_device_bytes": self.prior_device, "prior_host_bytes": self.prior_host}
 
 
 class SearchState:
     """History plus models; refit() after every trial."""
 
-    def __init__(self, spec: TuningSpec, shape: ModelShape, space: SearchSpace):
+    def __init__(self, spec: TuningSpec, shape: ModelShape, space: SearchSpace, baseline: int = 0,
+                 host_ceiling: int | None = None):
+        """`baseline`: what a trial process holds before its model (sltune.tuning.baseline; 0 leaves it out of the
+        host prior); `host_ceiling`: the host limit trials get when the spec names none (the machine's or the
+        server's), which predictions are held to as to the spec's own."""
         self.spec = spec
         self.shape = shape
         self.space = space
@@ -71,15 +83,44 @@ class SearchState:
         self.confirms: list[Done] = []          # the confirmation round's trials: not search history
         self.fits: dict[str, LinearFit] = {}
         self.margins = {"device": spec.search.margin, "host": spec.search.margin}
+        # search.probe_layers: the fits take the depth as a variable (sltune.tuning.depth)
+        self.depth = DepthTerms.of(shape) if spec.search.probe_layers is not None else None
+        self.models = ACROSS_DEPTHS if self.depth else MODELS[spec.workload.mode]
+        self.offsets = KNOWN_ACROSS_DEPTHS if self.depth else PRIOR_OFFSETS
+        self.recipe = Recipe.of_spec(spec, shape, baseline)
+        self.host_ceiling = host_ceiling
+        self._priors: dict[tuple[Candidate, int | None], Prior] = {}
+        depths = [None]
+        if self.depth:
+            wanted = spec.search.probe_layers
+            depths.append(least_probe_layers(space.k_values) if wanted == "auto" else int(wanted))
         # features that vary over this space at all (a fixed effective batch makes N*b*s a constant, say)
-        self.models = MODELS[spec.workload.mode]
-        self.features = {kind: self._varying(feats) for kind, (_, feats) in self.models.items()}
+        self.features = {kind: self._varying(feats, depths) for kind, (_, feats) in self.models.items()}
 
-    def vars(self, c: Candidate) -> dict[str, float]:
-        return variables(c, self.shape, self.tokens_per_row)
+    def vars(self, c: Candidate, layers: int | None = None, prior: bool = True) -> dict[str, float]:
+        """The fits' variables for c, at `layers` decoder layers (None: the whole model); with `prior`, its
+        predicted peaks before any trial too."""
+        shape = self.shape if layers is None else dataclasses.replace(self.shape, layers=layers)
+        v = variables(c, shape, self.tokens_per_row)
+        if self.depth:
+            v.update(self.depth.vars(shape.layers))
+        if prior:
+            p = self.prior(c, layers)
+            v.update(prior_device=float(p.device), prior_host=float(p.host))
+        return v
 
-    def _varying(self, features: list[str]) -> list[str]:
-        rows = [[FEATURES[f](self.vars(c)) for f in features] for c in self.space.candidates]
+    def prior(self, c: Candidate, layers: int | None = None) -> Prior:
+        """c's peaks predicted from the shape alone (sltune.tuning.prior), at `layers` decoder layers."""
+        key = (c, layers)
+        if key not in self._priors:
+            recipe = self.recipe if layers is None else dataclasses.replace(
+                self.recipe, shape=at_depth(self.shape, layers))
+            self._priors[key] = prior_of(recipe, c)
+        return self._priors[key]
+
+    def _varying(self, features: list[str], depths: list[int | None]) -> list[str]:
+        rows = [[FEATURES[f](self.vars(c, d, prior=False)) for f in features]
+                for c in self.space.candidates for d in depths]
         kept: list[int] = []
         for j in range(len(features)):
             trial = np.array(rows)[:, kept + [j]]
@@ -95,17 +136,44 @@ class SearchState:
         self.refit()
 
     def refit(self) -> None:
-        rows = [(self.vars(d.candidate), d.result) for d in self.history if d.ok]
-        self.fits = {}
+        self.fits = self.fit(self.fitted())
+
+    def fitted(self) -> list[Done]:
+        """The trials the models are fitted to: every one that ran ok, at its own depth; when auto chose the
+        whole model after its first probe, that one reduced-depth probe is left out."""
+        ok = [d for d in self.history if d.ok]
+        if self.depth and probe_layers(self) is None:
+            ok = [d for d in ok if not self.reduced(d)]
+        return ok
+
+    def fit(self, done: list[Done]) -> dict[str, LinearFit]:
+        """The models fitted to these trials, each at the depth it ran."""
+        rows = [(self.vars(d.candidate, self.depth_of(d)), d.result) for d in done]
+        fits = {}
         for kind, (target, _) in self.models.items():
             kept = [(v, r) for v, r in rows if r.get(target) is not None]
             data = [(v, float(r[target])) for v, r in kept]
             sigma = [rel_sigma(r) for _, r in kept] if kind == "throughput" else None
-            self.fits[kind] = LinearFit.fit(target, self.features[kind], data, rel_sigma=sigma)
+            fits[kind] = LinearFit.fit(target, self.features[kind], data, rel_sigma=sigma,
+                                       offset=self.offsets.get(kind))
+        return fits
+
+    def reduced(self, done: Done) -> bool:
+        """Whether a trial ran fewer decoder layers than the model has (a probe at reduced depth)."""
+        layers = layers_of(done)
+        return layers is not None and layers < self.shape.layers
+
+    def depth_of(self, done: Done) -> int | None:
+        """The layers a reduced-depth probe ran; None for a trial of the whole model."""
+        return layers_of(done) if self.reduced(done) else None
+
+    def ran(self, c: Candidate, layers: int | None) -> bool:
+        """Whether c has a trial at this depth (None: the whole model) already."""
+        return any(d.candidate == c and self.depth_of(d) == layers for d in self.history)
 
     def _widen_margin(self, done: Done) -> None:
         """A config predicted to fit ran out of memory: trust the model less by what it missed."""
-        pred = self.predict(done.candidate, update_margins=False)
+        pred = self.predict(done.candidate, update_margins=False, layers=self.depth_of(done))
         for res, measured, predicted in (("device", done.result.get("peak_device_bytes"), pred.device),
                                          ("host", done.result.get("peak_host_bytes"), pred.host)):
             if measured and predicted and measured > predicted:
@@ -113,7 +181,8 @@ class SearchState:
 
     @property
     def tried(self) -> set[Candidate]:
-        return {d.candidate for d in self.history}
+        """Configs measured at full depth (a probe at reduced depth has not measured the model)."""
+        return {d.candidate for d in self.history if not self.reduced(d)}
 
     @property
     def oom(self) -> list[tuple[Candidate, str]]:
@@ -131,26 +200,27 @@ class SearchState:
         return c == o or c.dominates(o)
 
     def best(self) -> Done | None:
-        ok = [d for d in self.history if d.ok]
+        ok = [d for d in self.history if d.ok and not self.reduced(d)]
         return max(ok, key=lambda d: d.tokens_per_s) if ok else None
 
     # -- predictions ---------------------------------------------------------------------------------
-    def predict(self, c: Candidate, update_margins: bool = True, padded: bool = True) -> Prediction:
+    def predict(self, c: Candidate, update_margins: bool = True, padded: bool = True,
+                layers: int | None = None) -> Prediction:
         """Predicted peaks and throughput; `fits` allows each model's margin: the spec's safety margin plus
         what out-of-memory trials showed the model to miss. Unpadded, only the latter: whether the config
-        may fit, where padded says it should."""
-        v = self.vars(c)
-        dev = self.fits["device"].predict(v) if self.fits else None
-        host = self.fits["host"].predict(v) if self.fits else None
+        may fit, where padded says it should. `layers`: at that depth (None: the whole model)."""
+        v = self.vars(c, layers)
+        dev, host = (self._peak(kind, v) for kind in ("device", "host"))
         t = self.fits["throughput"].predict(v) if self.fits else None
         tps = c.batch * self._new_tokens_per_row() / t if t and t > 0 else None
         hw = self.spec.hardware
+        host_limit = min((x for x in (hw.host_memory_limit, self.host_ceiling) if x), default=None)
         pad = 0.0 if padded else self.spec.search.margin
         over = []
         if dev is not None and hw.device_memory_limit and \
                 dev * (1 + self.margins["device"] - pad) > hw.device_memory_limit:
             over.append("device")
-        if host is not None and hw.host_memory_limit and host * (1 + self.margins["host"] - pad) > hw.host_memory_limit:
+        if host is not None and host_limit and host * (1 + self.margins["host"] - pad) > host_limit:
             over.append("host")
         if "device" not in over and hw.device_memory_limit and \
                 self.shape.min_device_bytes(self.spec.workload.mode, c.k, c.w or 0.0) > hw.device_memory_limit:
@@ -158,7 +228,20 @@ class SearchState:
         for o, resource in self.oom:
             if resource not in over and self._needs_more(c, o, resource):
                 over.append(resource)           # measured: a config needing no less already ran out
-        return Prediction(dev, host, t, tps, fits=not over, over=over)
+        return Prediction(dev, host, t, tps, fits=not over, over=over, prior_device=v["prior_device"],
+                          prior_host=v["prior_host"])
+
+    def _peak(self, kind: str, v: dict[str, float]) -> float | None:
+        """A memory model's prediction: the fit (the prior corrected by the trials, once they pin every term
+        down); before that the prior, scaled by the median ratio the trials so far measured to it."""
+        fit = self.fits.get(kind)
+        got = fit.predict(v) if fit is not None else None
+        if got is not None:
+            return got
+        prior = v[f"prior_{kind}"]
+        ratios = [r["measured"] / r["vars"][f"prior_{kind}"] for r in (fit.residuals if fit else [])
+                  if r.get("measured") and (r.get("vars") or {}).get(f"prior_{kind}")]
+        return prior * float(np.median(ratios)) if ratios else prior
 
     def _new_tokens_per_row(self) -> int:
         w = self.spec.workload

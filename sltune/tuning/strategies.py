@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import optuna
 
+from sltune.tuning.depth import probe_layers
 from sltune.tuning.fit import FEATURES
 from sltune.tuning.space import Candidate
 from sltune.tuning.state import SearchState
@@ -20,6 +21,7 @@ from sltune.tuning.state import SearchState
 class Proposal:
     candidate: Candidate | None     # None: let the Optuna sampler choose
     role: str
+    layers: int | None = None       # decoder layers to run (a probe at reduced depth); None: the whole model
 
 
 @dataclass
@@ -91,7 +93,11 @@ class OneShotStrategy(Strategy):
     A config predicted to fit only inside the safety margin (within 5% of a limit, say) is tried too when
     it is the one predicted fastest: the fastest config often sits right at a limit (the grid's best in
     bench/noise.py (a) peaked 1.8% under it), a trial that runs out of memory costs one short trial and
-    teaches the model its error, and a pick is always a measured config, whose peak is known."""
+    teaches the model its error, and a pick is always a measured config, whose peak is known.
+
+    With search.probe_layers the probes run fewer layers (sltune.tuning.depth) and every other trial the whole
+    model; the search then ends only once two configs have run at full depth, so that the pick has a measured
+    rival (the probes measured a smaller model)."""
 
     name = "oneshot"
 
@@ -119,14 +125,14 @@ class OneShotStrategy(Strategy):
 
     def propose(self) -> Proposal | Stop:
         st = self.state
-        tried = st.tried
+        depth = probe_layers(st)        # search.probe_layers: probes at reduced depth, the rest at full depth
         for c in self.probes():
-            if c not in tried and st.predict(c).fits:
-                return Proposal(c, "probe")
+            if not st.ran(c, depth) and st.predict(c).fits:
+                return Proposal(c, "probe", depth)
         if not st.fits or not all(f.well_posed for f in st.fits.values() if f.features):
-            extra = self._rank_probe()
+            extra = self._rank_probe(depth)
             if extra is not None:
-                return Proposal(extra, "probe")
+                return Proposal(extra, "probe", depth)
         options = self.frontier()
         options += [c for c in self.frontier(padded=False) if c not in options]
         if not options:
@@ -141,7 +147,11 @@ class OneShotStrategy(Strategy):
         best = st.best()
         top = max(options, key=lambda c: (preds[c], c.batch, c.b))
         noise = st.noise(best) if best is not None else 0.0
-        if best is not None and preds[top] * (1 + st.uncertainty()) <= best.tokens_per_s * (1 + noise):
+        rival = len({d.candidate for d in st.history if d.ok and not st.reduced(d)}) >= 2 or \
+            not any(st.reduced(d) for d in st.history)
+        if best is not None and preds[top] * (1 + st.uncertainty()) <= best.tokens_per_s * (1 + noise) and rival:
+            # (after probes at reduced depth, the search's best has a rival measured at full depth, the next best
+            # predicted, for the confirmation round to weigh it against: the probes measured another model)
             return Stop(f"no untried config is predicted to beat the best ({best.tokens_per_s:.1f} tokens/s) by "
                         f"more than its measured noise (±{noise:.1%}), allowing the throughput model's typical "
                         f"error ({st.uncertainty():.1%})")
@@ -155,7 +165,7 @@ class OneShotStrategy(Strategy):
         cache) and 1.39x at b=16 N=1, so each share keeps its own frontier."""
         st = self.state
         fitting = [c for c in st.space.candidates if st.predict(c, padded=padded).fits and
-                   (c not in st.tried or any(d.ok and d.candidate == c for d in st.history))]
+                   (c not in st.tried or any(d.ok and d.candidate == c and not st.reduced(d) for d in st.history))]
         out = []
         for c in fitting:
             if c in st.tried:
@@ -164,17 +174,18 @@ class OneShotStrategy(Strategy):
                 out.append(c)
         return out
 
-    def _rank_probe(self) -> Candidate | None:
-        """When probes ran out of memory or were too few to pin a model down: the untried config, predicted
-        to fit, that adds the most rank to the models still underdetermined; the cheapest such one."""
+    def _rank_probe(self, depth: int | None = None) -> Candidate | None:
+        """When probes ran out of memory or were too few to pin a model down: the untried config (at the probes'
+        depth), predicted to fit, that adds the most rank to the models still underdetermined; the cheapest such
+        one."""
         st = self.state
-        options = [c for c in st.space.candidates if c not in st.tried and st.predict(c).fits]
-        ok = [st.vars(d.candidate) for d in st.history if d.ok]
+        options = [c for c in st.space.candidates if not st.ran(c, depth) and st.predict(c).fits]
+        ok = [st.vars(d.candidate, st.depth_of(d)) for d in st.fitted()]
         lacking = [st.features[k] for k, f in st.fits.items() if f.features and not f.well_posed] \
             or [st.features[k] for k in st.features]
 
         def gain(c: Candidate) -> int:
-            return sum(_rank(ok + [st.vars(c)], feats) - _rank(ok, feats) for feats in lacking)
+            return sum(_rank(ok + [st.vars(c, depth)], feats) - _rank(ok, feats) for feats in lacking)
 
         scored = [(gain(c), c) for c in options]
         scored = [(g, c) for g, c in scored if g > 0]

@@ -45,11 +45,20 @@ def _attrs(result: dict[str, Any], role: str, number: int) -> dict[str, Any]:
     return attrs
 
 
-def tell(study: optuna.Study, trial: optuna.Trial, result: dict[str, Any], role: str, number: int) -> None:
+def tell(study: optuna.Study, trial: optuna.Trial, result: dict[str, Any], role: str, number: int,
+         layers: int | None = None) -> None:
     """An ok trial is COMPLETE with its tokens/s; oom, failed and timeout are FAIL (no throughput was
-    measured: a 0 would read as a real, terrible value), with the status and the reason as attributes."""
+    measured: a 0 would read as a real, terrible value), with the status and the reason as attributes. A probe
+    at reduced depth (`layers` decoder layers) measured a smaller model: PRUNED, its tokens/s an intermediate
+    value at step `layers`, so that Optuna's best_trial is always one of the whole model."""
     for key, value in _attrs(result, role, number).items():
         trial.set_user_attr(key, value)
+    if layers is not None:
+        trial.set_user_attr("num_layers", layers)
+        if result["status"] == "ok":
+            trial.report(result[METRIC], step=layers)
+        study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+        return
     if result["status"] == "ok":
         study.tell(trial, result[METRIC])
     else:

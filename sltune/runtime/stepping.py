@@ -1,0 +1,265 @@
+"""The optimizer stepping one unit at a time, as the backward makes each unit's gradients final.
+
+A unit's gradients are final once the last micro-batch's backward through it has offloaded them (speedloader:
+its one backward; canonical: the N-th micro-batch's). Its optimizer step needs nothing more, unless the step
+needs every gradient first: clipping on the global norm, or float16's overflow check. So a step is either
+    early     (no clipping, no loss scaling): a unit steps on the stepping thread as soon as its gradients are
+              final, while the backward goes on below it; the gradient norm, when asked for, is computed after
+    deferred  the norm, clipping and overflow check after the backward, then the units in the same order, one
+              at a time (under disk still streamed through the window, read ahead during the backward)
+Each tensor gets the update a whole-model step gives it: the optimizer steps with only the unit's tensors in its
+groups, and element-wise optimizers (AdamW, SGD) compute each tensor alone, so the result is the same to the bit.
+
+Under `optimizer_offload: disk` (sltune.runtime.diskstate) a unit steps block by block: the stepped tensors'
+values (the float32 masters) and the optimizer's state tensors are bound to views of the block's slot, the
+optimizer steps, its state is taken back out (between steps the optimizer holds only per-tensor counters), the
+dtype copy the device loads is refreshed from the new master, and the slot is written behind. A failed step
+(an exception in the backward or the stepping) rolls back: the committed version is still on disk, the dtype
+copies of the units stepped so far are restored from it, and the optimizer's counters from a snapshot. Without a
+master on disk the stepped values are the dtype copy itself, in host memory, which cannot be restored: those
+steps are deferred to after the backward, and only an I/O error while stepping can leave them part-done.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+import torch
+from torch import nn
+
+from sltune.runtime.diskstate import Block, DiskState, Stepped
+from sltune.runtime.regions import region
+
+
+@dataclass
+class StepTimeline:
+    """Where one step's optimizer work went, in seconds, and how much of the disk's time the step did not wait
+    for (bench/disk.py reports it)."""
+
+    optimizer_s: float = 0.0        # the stepping thread computing (the optimizer and the dtype refresh)
+    waited_s: float = 0.0           # the main thread waiting after the backward, for stepping and the disk
+    exposed_s: float = 0.0          # ... while no stepping ran: waiting for the disk alone
+    disk_busy_s: float = 0.0        # wall time with a read or a write in flight
+    read_busy_s: float = 0.0        # wall time with a read in flight
+    write_busy_s: float = 0.0       # wall time with a write in flight
+    early: bool = False             # stepped during the backward
+
+    @property
+    def disk_hidden(self) -> float | None:
+        """The share of the disk's busy time the step did not wait for."""
+        if self.disk_busy_s <= 0:
+            return None
+        return max(0.0, 1.0 - self.exposed_s / self.disk_busy_s)
+
+
+@contextlib.contextmanager
+def only(optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter]) -> Iterator[None]:
+    """The optimizer's groups hold just these parameters for the block (hyperparameters and state untouched)."""
+    keep = {id(p) for p in params}
+    saved = [group["params"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["params"] = [p for p in group["params"] if id(p) in keep]
+    try:
+        yield
+    finally:
+        for group, ps in zip(optimizer.param_groups, saved):
+            group["params"] = ps
+
+
+class UnitStepper:
+    """Steps the optimizer unit by unit on a thread of its own; under disk, through DiskState's window."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, stepped: dict[int, list[Stepped]],
+                 disk: DiskState | None, master_in_memory: bool, rollback: bool):
+        """`stepped`: per unit (by id) the tensors the optimizer steps. `master_in_memory`: refresh a unit's dtype
+        copy from its float32 master after it steps (host mode). `rollback`: a failed step can be undone (the
+        master lives on disk), so stepping may start during the backward."""
+        self.optimizer = optimizer
+        self.stepped = stepped
+        self.disk = disk
+        self.master_in_memory = master_in_memory
+        self.rollback = rollback
+        self.timeline = StepTimeline()
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="sltune-step")
+        self._order: list[Any] = []
+        self._submitted: set[int] = set()
+        self._futures: list[Future] = []
+        self._done_blocks: list[Block] = []
+        self._compute: list[tuple[float, float]] = []
+        self._snapshot: dict[int, dict[str, Any]] = {}
+        self._abort = threading.Event()
+        self.early = False
+
+    def blocks(self, unit) -> list[Block] | list[list[Stepped]]:
+        if self.disk is not None:
+            return self.disk.blocks_of(unit)
+        return [self.stepped[id(unit)]]
+
+    # -- the engine's calls ----------------------------------------------------------------------------
+    def begin(self, order: Sequence[Any], early: bool) -> None:
+        """A step starts: `order` is the units whose gradients will become final, in that order."""
+        self._order = [u for u in order if self.stepped.get(id(u))]
+        self._submitted, self._futures, self._done_blocks, self._compute = set(), [], [], []
+        self._abort.clear()
+        self.early = early
+        self.timeline = StepTimeline(early=early)
+        if self.rollback:
+            self._snapshot = {id(s.param): {k: (v.clone() if torch.is_tensor(v) else v)
+                                            for k, v in self.optimizer.state[s.param].items()}
+                              for u in self._order for s in self.stepped[id(u)] if s.param in self.optimizer.state}
+        if self.disk is not None:
+            self.disk.begin([b for u in self._order for b in self.disk.blocks_of(u)])
+
+    def ready(self, unit, pending=None) -> None:
+        """The unit's gradients are final (`pending`: their copy to the host, when it is asynchronous)."""
+        if not self.early or not self.stepped.get(id(unit)) or id(unit) in self._submitted:
+            return
+        expected = next(u for u in self._order if id(u) not in self._submitted)
+        if expected is not unit:
+            raise RuntimeError(f"{unit.name}'s gradients became final before {expected.name}'s: the stepping order "
+                               "does not follow the backward's")
+        self._submit(unit, pending)
+
+    def finish(self, small_state: bool = True) -> None:
+        """Step what has not stepped yet, wait for every unit and write, and commit the new version."""
+        start = time.perf_counter()
+        with region("cpu", "optimizer_wait"):
+            for unit in self._order:
+                if id(unit) not in self._submitted:
+                    self._submit(unit, None)
+            for fut in self._futures:
+                fut.result()
+        if self.disk is not None:
+            with region("disk", "write_behind"):        # the breakdown's disk slice
+                self.disk.finish_writes()
+                end = time.perf_counter()
+                self.disk.commit(self.optimizer.state_dict() if small_state else {})
+        else:
+            end = time.perf_counter()
+        self._account(start, end)
+
+    def skip(self) -> None:
+        """No step this time (float16 overflow): the read-ahead is dropped."""
+        if self.disk is not None:
+            self.disk.abort()
+
+    def abort(self) -> None:
+        """A failed step: stop stepping, drop what this step wrote, and undo what it stepped where the master is
+        on disk."""
+        self._abort.set()
+        for fut in self._futures:
+            fut.cancel()
+        for fut in self._futures:
+            with contextlib.suppress(BaseException):
+                fut.result()
+        if self.disk is None:
+            return
+        self.disk.abort()
+        if not self.rollback:
+            return
+        for block in self._done_blocks:
+            for s, master in zip(block.items, self.disk.read_block(block).masters):
+                s.unit.host[s.offset:s.offset + s.numel].copy_(master.reshape(-1))
+        for unit in self._order:
+            for s in self.stepped[id(unit)]:
+                s.param.data, s.param.grad = s.placeholder(), None
+                state = self._snapshot.get(id(s.param))
+                if state is None:
+                    self.optimizer.state.pop(s.param, None)
+                else:
+                    self.optimizer.state[s.param] = state
+        self._done_blocks = []
+
+    # -- the stepping thread ---------------------------------------------------------------------------
+    def _submit(self, unit, pending) -> None:
+        self._submitted.add(id(unit))
+        self._futures.append(self._worker.submit(self._step_unit, unit, pending))
+
+    def _step_unit(self, unit, pending) -> None:
+        if self._abort.is_set():
+            return
+        event = getattr(pending, "event", None)
+        if event is not None:
+            event.synchronize()              # the gradients' copy to the host has landed
+        for block in self.blocks(unit):
+            if self._abort.is_set():
+                return
+            if self.disk is None:
+                start = time.perf_counter()
+                with region("cpu", "optimizer"), only(self.optimizer, [s.param for s in block]):
+                    self.optimizer.step()
+                if self.master_in_memory:
+                    unit.host.copy_(unit.master)
+                self._compute.append((start, time.perf_counter()))
+            else:
+                self._step_block(block)
+
+    def _step_block(self, block: Block) -> None:
+        disk, opt = self.disk, self.optimizer
+        slot = disk.wait(block)
+        start = time.perf_counter()
+        self._done_blocks.append(block)          # from here its dtype copy may change: roll it back if need be
+        views = disk.views(block, slot)
+        params = []
+        for s, master, states in zip(block.items, views.masters, views.states):
+            p = s.param
+            if master is not None:
+                p.data = master
+            p.grad = s.grad
+            if block.has_state:
+                state = opt.state[p]
+                for (key, _), t in zip(disk.layout, states):
+                    state[key] = t
+            params.append(p)
+        with region("cpu", "optimizer"), only(opt, params):
+            opt.step()
+        for s, master, states in zip(block.items, views.masters, views.states):
+            state = opt.state[s.param]
+            for (key, _), t in zip(disk.layout, states):
+                if key not in state:
+                    raise RuntimeError(f"the optimizer keeps no {key!r} for a tensor it stepped; optimizer_offload "
+                                       "disk needs an element-wise optimizer whose state is shaped like its "
+                                       "parameters (AdamW, SGD)")
+                new = state.pop(key)
+                if new.data_ptr() != t.data_ptr():       # made by the optimizer (its first step): into the slot
+                    t.copy_(new)
+            if master is not None:
+                s.unit.host[s.offset:s.offset + s.numel].copy_(master.reshape(-1))
+                s.param.data = s.placeholder()
+            s.param.grad = None
+        self._compute.append((start, time.perf_counter()))
+        disk.write_behind(block, slot)
+
+    # -- the timeline ----------------------------------------------------------------------------------
+    def _account(self, start: float, end: float) -> None:
+        t = self.timeline
+        t.optimizer_s = sum(b - a for a, b in self._compute)
+        t.waited_s = end - start
+        t.exposed_s = (end - start) - _overlap(_union(self._compute), start, end)
+        if self.disk is not None:
+            times = self.disk.times
+            t.read_busy_s = sum(b - a for a, b in _union(times.reads))
+            t.write_busy_s = sum(b - a for a, b in _union(times.writes))
+            t.disk_busy_s = sum(b - a for a, b in _union(times.reads + times.writes))
+
+    def close(self) -> None:
+        self._worker.shutdown(wait=True)
+
+
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def _overlap(spans: list[tuple[float, float]], start: float, end: float) -> float:
+    return sum(max(0.0, min(b, end) - max(a, start)) for a, b in spans)

@@ -1,0 +1,130 @@
+"""Probes at reduced depth (search.probe_layers): the model's own widths with fewer decoder layers.
+
+A trial runs every layer, and at real depth on a CPU a step takes seconds to minutes, so the probes alone of
+a search can take hours. The one-shot method's premise is that cost is linear in the knobs; it is linear in
+depth too, so oneshot's probes may run Lp < L layers and the fits take the layer count as a variable. Each
+term of the models has a depth scaling known from the shape (sltune.tuning.fit's features):
+
+- per layer, through the parameter bytes P = embedding + head + L*layer: a step's parameter loads, gradient
+  offloads and optimizer step ("P" in the step time);
+- per layer through the compute weights F = head + L*layer: a token's work ("F*N*b*s");
+- per group, G = ceil(L/k) ("G", "N*G"), and per layer below the last group ("(L-k)" terms);
+- not at all: per sub-batch ("N").
+
+The peaks start from the prior (sltune.tuning.prior) computed at the trial's own depth: the weights, master,
+gradients and optimizer state of L layers, the activations at every group edge, term by term; the device's
+fitted residual does not depend on L (it holds one or two groups of k layers whatever L is), and the host's is a
+constant. So probes at a single depth fix every coefficient, and a full-depth prediction is the same fit at L.
+The probe depth must leave the terms apart as at full depth: at least two groups of the largest k (G > 1 for
+every probe, and L-k > 0). Frontier and confirmation trials run the whole model; the probes' own fits are then checked
+against them (full_depth_error), which is how far to trust a reduced-depth search.
+
+`auto` reduces depth only when a full-depth probe would be slow: the first probe runs at the least depth (when
+that is at most half the model), and if its step time scaled to full depth (times L/Lp, an upper bound) is at
+least AUTO_STEP_S, every probe runs at that depth; otherwise the rest run the whole model and that one probe is
+left out of the fits (a whole-model probe costs a few seconds then, and nothing is extrapolated).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from statistics import median
+from typing import TYPE_CHECKING, Any, Iterable
+
+if TYPE_CHECKING:
+    from sltune.tuning.shape import ModelShape
+    from sltune.tuning.state import Done, SearchState
+
+# A full-depth step at least this long makes auto probe at reduced depth: a whole-model probe's steps (a warm-up
+# that measures memory, at least two timed, the profiled one) then take several seconds, where its start-up
+# (setup_s, forking and building the model) took under a second here for a 59M-parameter model.
+AUTO_STEP_S = 0.5
+
+
+def least_probe_layers(k_values: Iterable[int]) -> int:
+    """The fewest layers a probe may run: two groups of the largest k."""
+    return 2 * max(k_values)
+
+
+@dataclass(frozen=True)
+class DepthTerms:
+    """The shape's depth-dependent quantities of the step time, P and F, at any layer count (uniform layers: the
+    largest one's bytes, as ModelShape counts them)."""
+
+    layers: int                  # the model's own
+    layer_bytes: int
+    other_bytes: int             # embedding, head, tied weights: P = other + L*layer
+    head_bytes: int              # what a token's compute reads beyond the layers: the head (or the tied weight)
+
+    @classmethod
+    def of(cls, shape: "ModelShape") -> "DepthTerms":
+        return cls(layers=shape.layers, layer_bytes=shape.layer_bytes,
+                   other_bytes=shape.param_bytes - shape.layers * shape.layer_bytes,
+                   head_bytes=shape.head_bytes + shape.tied_bytes)
+
+    def vars(self, layers: int) -> dict[str, float]:
+        return {"P": float(self.other_bytes + layers * self.layer_bytes),
+                "F": float(self.head_bytes + layers * self.layer_bytes)}
+
+
+def layers_of(done: "Done") -> int | None:
+    """The decoder layers a trial ran, as it reported them (None: not reported, the whole model)."""
+    return ((done.result or {}).get("config") or {}).get("num_layers")
+
+
+def probe_layers(state: "SearchState") -> int | None:
+    """The depth the next probe runs at (None: the whole model), from the spec and, under auto, the first probe."""
+    wanted = state.spec.search.probe_layers
+    if wanted is None or state.depth is None:
+        return None
+    if wanted != "auto":
+        return int(wanted)
+    least = least_probe_layers(state.space.k_values)
+    if 2 * least > state.shape.layers:
+        return None                             # more than half the layers: too little to save
+    first = next((d for d in state.history if d.ok and state.reduced(d)), None)
+    if first is None:
+        return least
+    return least if full_depth_step(state, first) >= AUTO_STEP_S else None
+
+
+def full_depth_step(state: "SearchState", done: "Done") -> float:
+    """A reduced-depth probe's step time scaled to the whole model by the layer count: an upper bound, since
+    the per-step costs (the embedding, the head) do not grow with depth; it errs towards reducing."""
+    return float(done.result["step_seconds"]) * state.shape.layers / layers_of(done)
+
+
+def full_depth_error(state: "SearchState") -> dict[str, dict[str, Any]]:
+    """How well the probes' own fits (reduced-depth trials only) predicted every full-depth trial, search and
+    confirmation: per model, the median and largest relative error and how many trials; empty when there are
+    no reduced-depth probes or no full-depth trial yet."""
+    probes = [d for d in state.history if d.ok and state.reduced(d)]
+    full = [d for d in state.history + state.confirms if d.ok and not state.reduced(d)]
+    if not probes or not full:
+        return {}
+    out = {}
+    for kind, fit in state.fit(probes).items():
+        target = fit.target
+        errs = []
+        for d in full:
+            pred, measured = fit.predict(state.vars(d.candidate)), d.result.get(target)
+            if pred is not None and measured:
+                errs.append((pred - measured) / measured)
+        if errs:
+            out[kind] = {"typical": median(abs(e) for e in errs), "max": max(abs(e) for e in errs),
+                         "bias": median(errs), "n": len(errs), "probes": fit.n}
+    return out
+
+
+def summary(state: "SearchState") -> dict[str, Any] | None:
+    """What the job result says about depth: asked and ran, and the probes' fits' full-depth error."""
+    wanted = state.spec.search.probe_layers
+    if wanted is None:
+        return None
+    ran = sorted({layers_of(d) for d in state.history if state.reduced(d)})
+    out = {"probe_layers": wanted, "layers": state.shape.layers, "probes_ran_at": ran,
+           "reduced": probe_layers(state) is not None, "full_depth_error": full_depth_error(state)}
+    first = next((d for d in state.history if d.ok and state.reduced(d)), None)
+    if wanted == "auto" and first is not None:      # what auto decided by
+        out["first_probe_full_depth_step_s"] = full_depth_step(state, first)
+    return out

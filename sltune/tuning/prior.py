@@ -1,0 +1,368 @@
+"""A config's host and device peaks predicted from the model's shape before any trial: the tuner's prior.
+
+Term by term, as the runtime allocates them:
+
+    host    the weights in dtype; training adds the float32 master (mixed precision in bfloat16/float16), the
+            gradients (float32 under a master, else dtype), the optimizer's state (AdamW two moments, SGD with
+            momentum one buffer, in the dtype it steps); the boundary activations every sub-batch leaves at every
+            group edge (speedloader: G*N*b*s*hidden*itemsize; generation (G+1) edges of the prompt); under
+            activations: offload every sub-batch's saved tensors of every group below the last (twice: the first
+            step's slabs, one per tensor, stay with the allocator when later steps pack one per group); generation's
+            KV caches when they live on the host (2*L*B*T*kv_heads*head_dim*itemsize); on the CPU, where the
+            device is host memory, the device's buffers (below) with what the pool keeps of them for reuse; and
+            the process itself (python, torch and transformers, what a trial holds before its model:
+            sltune.tuning.baseline measures it)
+    device  the step played phase by phase as the engine runs it (sltune.runtime.engine._plan): the units live
+            in each phase (a group, the embedding, the head, the tied weights all pass) with their gradient
+            buffers in backward (and a float32 sum under a master), the next phase's units prefetched, the
+            boundary activations in flight (this sub-batch's, the next one's, the last one's output), the layer
+            arguments each sub-batch's prologue recorded, and what the phase's compute allocates for one
+            sub-batch (sltune.tuning.footprint, traced on the meta device); resident keeps everything on the
+            device, its optimizer state too; generation adds the kept weights and a device KV cache
+
+Every term is a byte formula or a traced count; nothing is fitted. Trials measure the host peak as the trial's
+resident memory (all ranks together) and the device peak as the runtime's tracker (CPU) or the allocator's
+reserved bytes (CUDA, where fragmentation comes on top: the fits correct for it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from sltune.runtime.params import keep_order, kept_share
+from sltune.training.optimizer import OptimizerConfig
+from sltune.tuning.footprint import Footprint, footprint
+from sltune.tuning.shape import ModelShape
+from sltune.tuning.space import Candidate
+
+if TYPE_CHECKING:
+    from sltune.profiling.schema import TrialSpec
+    from sltune.tuning.spec import TuningSpec
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """What every config of a job shares: the model, how it is stepped, where it runs."""
+
+    source: Any                     # a preset's name, an inline config.json or a folder: what the footprint traces
+    shape: ModelShape
+    mode: str = "train"
+    schedule: str = "speedloader"
+    mixed_precision: bool = True
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    world_size: int = 1
+    device: str = "cpu"
+    seq_len: int = 128
+    prompt_len: int = 32
+    new_tokens: int = 16
+    baseline: int = 0               # what a trial process holds before its model (sltune.tuning.baseline)
+    optimizer_offload: str = "host"  # disk: the float32 master and the optimizer state live in files (not counted)
+
+    @classmethod
+    def of_spec(cls, spec: "TuningSpec", shape: ModelShape, baseline: int = 0) -> "Recipe":
+        w, hw = spec.workload, spec.hardware
+        return cls(spec.model.source, shape, w.mode, spec.search.schedule, spec.model.mixed_precision, spec.optimizer,
+                   hw.world_size, hw.device, w.seq_len, w.prompt_len, w.new_tokens, baseline)
+
+    @classmethod
+    def of_trial(cls, trial: "TrialSpec", shape: ModelShape, baseline: int = 0) -> "Recipe":
+        return cls(trial.model, shape, trial.mode, trial.schedule, trial.mixed_precision, trial.optimizer,
+                   trial.world_size, trial.device, trial.seq_len, trial.prompt_len, trial.new_tokens, baseline,
+                   getattr(trial, "optimizer_offload", "host"))
+
+    @property
+    def master(self) -> bool:
+        """Training under a float32 master: mixed precision in bfloat16 or float16."""
+        return self.mode == "train" and self.mixed_precision and self.shape.dtype != "float32"
+
+    @property
+    def on_cpu(self) -> bool:
+        return self.device.split(":")[0] == "cpu"
+
+
+@dataclass
+class Prior:
+    """Predicted peaks of one config, each with its terms (what, bytes), largest binding first in a message."""
+
+    host: int
+    device: int
+    host_terms: list[tuple[str, int]]
+    device_terms: list[tuple[str, int]]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"peak_host_bytes": self.host, "peak_device_bytes": self.device,
+                "host_terms": dict(self.host_terms), "device_terms": dict(self.device_terms)}
+
+
+def predict(recipe: Recipe, c: Candidate) -> Prior:
+    """The prior of one config; W ranks together for the host (as trials hold the host limit), one rank's
+    device."""
+    shape, world = recipe.shape, max(1, recipe.world_size)
+    b, n, k = c.b, c.n, min(c.k, shape.layers)
+    train = recipe.mode == "train"
+    e = shape.itemsize
+    tokens = recipe.seq_len if train else recipe.prompt_len
+    groups = _group_layers(shape.layers, k)
+    fp = footprint(recipe.source, shape.dtype, b, tokens, k, groups[-1], recipe.mode,
+                   resident=recipe.schedule == "resident", grads_kept=recipe.master or recipe.schedule != "resident",
+                   depth=shape.layers)
+    device = _Timeline()
+    if train:
+        _train_step(device, recipe, c, groups, fp)
+    else:
+        _generate_step(device, recipe, c, groups, fp)
+
+    host: list[tuple[str, int]] = []
+    if recipe.schedule != "resident":   # resident keeps these on the device: among its buffers below
+        host += [(what, _sharded(nbytes, world))
+                 for what, nbytes in shape.host_terms(recipe.mode, recipe.mixed_precision, recipe.optimizer)
+                 if recipe.optimizer_offload == "host" or not what.startswith(("a float32 master", "AdamW", "SGD"))]
+    acts = 0
+    if recipe.schedule == "speedloader":
+        edges = len(groups) if train else len(groups) + 1
+        acts = edges * n * fp.hidden
+    if acts:
+        host.append(("boundary activations", world * acts))
+    if train and c.a == "offload" and recipe.schedule == "speedloader":
+        saved = world * n * ((len(groups) - 1) * fp.saved + fp.saved_embed)
+        host.append(("saved tensors (offload)", saved))
+        # the first step packs a slab per tensor (no layout known yet), later steps one per sub-batch and group:
+        # the first ones are freed as the later come, and the allocator keeps their pages
+        host.append(("the first step's saved-tensor slabs, kept by the allocator", saved))
+    if not train and not c.kv_on_device and recipe.schedule != "resident":
+        host.append(("KV caches", _kv_bytes(shape, b * n, recipe.prompt_len + recipe.new_tokens)))
+    if recipe.on_cpu:       # the device is this memory: its buffers, and what the pool keeps of them
+        host.append(("device buffers", world * device.held_peak))
+    host.append(("the process", recipe.baseline))
+    return Prior(host=sum(x for _, x in host), device=device.peak, host_terms=host,
+                 device_terms=device.peak_terms)
+
+
+def at_depth(shape: ModelShape, layers: int) -> ModelShape:
+    """The shape with `layers` decoder layers (a probe at reduced depth): the widths kept, the parameters fewer."""
+    return dataclasses.replace(shape, layers=layers,
+                               param_bytes=shape.param_bytes - (shape.layers - layers) * shape.layer_bytes)
+
+
+def _sharded(nbytes: int, world: int) -> int:
+    """Bytes of a term every rank holds 1/W of (each unit padded to a multiple of W values: negligible)."""
+    return nbytes if world == 1 else world * -(-nbytes // world)
+
+
+def _group_layers(layers: int, k: int) -> list[int]:
+    full, rest = divmod(layers, k)
+    return [k] * full + ([rest] if rest else [])
+
+
+def _kv_bytes(shape: ModelShape, rows: int, positions: int) -> int:
+    return 2 * shape.layers * rows * positions * shape.kv_heads * shape.head_dim * shape.itemsize
+
+
+class _Timeline:
+    """The engine's device buffers through one step, taken and given back as the engine does, from a pool that
+    keeps what is given back for reuse (sltune.runtime.params.BufferPool): the device's peak (what is live, as
+    the tracker counts it) and what the process holds for the device at its fullest (on the CPU the pool's
+    buffers stay resident, live or not)."""
+
+    def __init__(self) -> None:
+        self.live: dict[str, tuple[str, int, tuple[int, int]]] = {}  # name -> (what, bytes, pool key)
+        self.free: dict[tuple[int, int], int] = {}
+        self.held = 0               # bytes the pool holds, live or free
+        self.static: list[tuple[str, int]] = []     # buffers outside the pool (resident weights, device KV)
+        self.peak = 0
+        self.peak_terms: list[tuple[str, int]] = []
+        self.held_peak = 0
+
+    def take(self, name: str, what: str, nbytes: int, size: int = 0) -> None:
+        if name in self.live or nbytes <= 0:
+            return
+        key = (nbytes, size)
+        if self.free.get(key):
+            self.free[key] -= 1
+        else:
+            self.held += nbytes
+        self.live[name] = (what, nbytes, key)
+
+    def give(self, name: str) -> None:
+        if name in self.live:
+            _, _, key = self.live.pop(name)
+            self.free[key] = self.free.get(key, 0) + 1
+
+    def relabel(self, name: str, what: str) -> None:
+        if name in self.live:
+            _, nbytes, key = self.live[name]
+            self.live[name] = (what, nbytes, key)
+
+    def moment(self, compute: list[tuple[str, int]], unseen: int = 0) -> None:
+        """A point in the step where the phase's compute holds `compute` on top of the live buffers, and `unseen`
+        bytes the device's tracker does not see (a kernel's own temporaries) but the process holds."""
+        terms: dict[str, int] = {}
+        for what, nbytes in [*self.static, *((w, n) for w, n, _ in self.live.values()), *compute]:
+            if nbytes:
+                terms[what] = terms.get(what, 0) + nbytes
+        total = sum(terms.values())
+        if total > self.peak:
+            self.peak, self.peak_terms = total, sorted(terms.items(), key=lambda t: -t[1])
+        self.held_peak = max(self.held_peak,
+                             self.held + sum(n for _, n in self.static) + sum(n for _, n in compute) + unseen)
+
+
+@dataclass
+class _Unit:
+    name: str
+    nbytes: int
+
+
+def _units(shape: ModelShape, groups: list[int]) -> tuple[_Unit, _Unit, list[_Unit], _Unit]:
+    """The engine's units (sltune.runtime.engine._build_units): embedding, groups of layers, head, tied weights."""
+    return (_Unit("embed", shape.embed_bytes), _Unit("tied", shape.tied_bytes),
+            [_Unit(f"group{i}", g * shape.layer_bytes) for i, g in enumerate(groups)], _Unit("head", shape.head_bytes))
+
+
+def _in_flight(n: int, per_sub_batch: int) -> int:
+    """Boundary activations live while a sub-batch computes: its own, the next one's (fetched ahead) and the
+    last one's output (still bound until this one's replaces it): three from N=3 on."""
+    return min(n, 3) * per_sub_batch
+
+
+def _train_step(t: _Timeline, r: Recipe, c: Candidate, groups: list[int], fp: Footprint) -> None:
+    shape, e = r.shape, r.shape.itemsize
+    embed, tied, units, head = _units(shape, _compressed(groups))
+    if r.schedule == "resident":
+        count = shape.param_bytes // e
+        t.static = [("weights", shape.param_bytes)]
+        if r.master:
+            t.static += [("float32 master", 4 * count), ("float32 gradients", 4 * count),
+                         (f"{shape.dtype} gradients", shape.param_bytes)]
+        grads = 0 if r.master else shape.param_bytes   # autograd's own: live from the first backward to the step
+        t.moment([("compute of one sub-batch (whole model)", fp.resident)])
+        if r.master:    # each unit's dtype gradients added into its float32 sum: a float32 copy of them first
+            t.moment([], unseen=4 * max(shape.layer_bytes, shape.embed_bytes, shape.head_bytes, shape.tied_bytes) // e)
+        state = r.optimizer.state_bytes_per_param(4 if r.master else e) * count
+        t.moment([("gradients", grads), ("optimizer state", state)])
+        return
+    n = c.n if r.schedule == "speedloader" else 1
+    offload = c.a == "offload"
+    accumulate32 = r.master and r.schedule != "canonical"
+    prologue_kept = c.n * fp.kept       # every sub-batch's layer arguments, all step
+
+    def activate(u: _Unit) -> None:
+        t.take(u.name, "weights being used", u.nbytes, e)
+        t.relabel(u.name, "weights being used")
+
+    def prefetch(u: _Unit) -> None:
+        t.take(u.name, "weights prefetched", u.nbytes, e)
+
+    def begin_grads(u: _Unit) -> None:
+        t.take(u.name + ".grad", "gradients", u.nbytes, e)
+        if accumulate32:
+            t.take(u.name + ".grad32", "float32 gradient sums", u.nbytes // e * 4, 4)
+
+    def release(u: _Unit) -> None:
+        for suffix in ("", ".grad", ".grad32"):
+            t.give(u.name + suffix)
+
+    *body, last = units
+    phases = ([("embed_fwd", [embed])] + [("fwd", [g]) for g in body] + [("turn", [last, head])]
+              + [("bwd", [g]) for g in reversed(body)] + [("embed_bwd", [embed])])
+    device_acts = r.schedule == "canonical"
+    G = len(groups)
+    a = fp.hidden
+    if offload and r.schedule == "speedloader":
+        # the first step loaded the saved tensors back tensor by tensor (no slab layout yet): the pool keeps those
+        # buffers, this sub-batch's and the next's, beside the later steps' whole slabs
+        t.held += 2 * fp.saved
+    activate(tied)
+    begin_grads(tied)
+    for idx, (kind, live) in enumerate(phases):
+        for u in live:
+            activate(u)
+        if idx + 1 < len(phases):
+            for u in phases[idx + 1][1]:
+                prefetch(u)
+        if kind in ("turn", "bwd", "embed_bwd"):
+            for u in live:
+                begin_grads(u)
+        kept = ("layer arguments of every sub-batch", prologue_kept)
+        if kind == "embed_fwd":
+            compute = [("prologue of one sub-batch", fp.prologue),
+                       ("layer arguments of every sub-batch", (c.n - 1) * fp.kept),
+                       ("activations in flight", a * (n > 1))]
+        elif kind == "fwd":
+            work = fp.held_forward if offload else fp.forward
+            compute = [kept, ("activations in flight", _in_flight(n, a)), ("one group's compute", work)]
+        elif kind == "turn":
+            compute = [kept, ("activations in flight", _in_flight(n, a)), ("last group, head and loss", fp.turnaround)]
+        elif kind == "bwd":
+            if offload:
+                saved = 2 * fp.saved if r.schedule == "speedloader" else fp.saved
+                compute = [kept, ("activations in flight", 2 * a if n > 1 else a), ("saved tensors loaded", saved),
+                           ("one group's backward", max(fp.backward - fp.held_forward, 0))]
+            else:
+                flight = 2 * a if n == 1 else (4 * a if n == 2 else 5 * a)
+                compute = [kept, ("activations in flight", flight), ("one group's recompute and backward", fp.backward)]
+        else:
+            compute = [kept, ("activations in flight", 2 * a if n > 1 else a),
+                       ("embedding backward", fp.embed_backward)]
+        if device_acts:      # canonical: the boundary activations (and under offload the saved tensors) stay here
+            compute.append(("boundary activations", G * a))
+            if offload:
+                compute.append(("saved tensors", (G - 1) * fp.saved))
+        t.moment(compute)
+        if r.master and kind in ("turn", "bwd", "embed_bwd"):
+            # on the CPU, adding dtype gradients into float32 ones (the sum over sub-batches; canonical's on the
+            # host) first casts them to a float32 temporary inside the kernel, which the tracker cannot see
+            summed = [u.nbytes for u in live] + ([tied.nbytes] if kind != "bwd" else [])
+            t.moment([kept, ("activations in flight", _in_flight(n, a))], unseen=4 * max(summed) // e)
+        for u in live:
+            release(u)
+    release(tied)
+
+
+def _compressed(groups: list[int]) -> list[int]:
+    """The body groups repeat the same phases with the same buffers: three of them show every peak the step
+    reaches (a group's neighbours on both sides), so a 80-layer model plays no longer than a 4-layer one."""
+    *body, last = groups
+    return body[:3] + [last] if len(set(body)) <= 1 else groups
+
+
+def _generate_step(t: _Timeline, r: Recipe, c: Candidate, groups: list[int], fp: Footprint) -> None:
+    """The prefill, the step that holds the most: every unit loaded once (kept ones stay), every sub-batch's
+    prompt through it, the last position's logits of every sub-batch."""
+    shape, e = r.shape, r.shape.itemsize
+    b, n = c.b, c.n
+    a = fp.hidden
+    if c.kv_on_device or r.schedule == "resident":
+        t.static.append(("KV caches", _kv_bytes(shape, b * n, r.prompt_len + r.new_tokens)))
+    if r.schedule == "resident":
+        t.static.append(("weights", shape.param_bytes))
+    embed, tied, units, head = _units(shape, groups)
+    order = keep_order(tied, embed, head, units)
+    kept = {u.name for u, keep in zip(order, kept_share([u.nbytes for u in order], c.w or 0.0)) if keep}
+    m = 1 if r.schedule == "canonical" else n      # canonical: one sub-batch per pass, the earlier ones' logits held
+    ahead = not r.on_cpu
+    logits = 4 * b * shape.vocab                    # the last position's, in float32, kept to the step's end
+    seq = [embed, *units, head]
+    if r.schedule != "resident":
+        t.take(tied.name, "weights being used", tied.nbytes, e)
+    for i, u in enumerate(seq):
+        if r.schedule != "resident":
+            t.take(u.name, "weights being used", u.nbytes, e)
+            t.relabel(u.name, "weights being used" if u.name not in kept else "weights kept on the device")
+            if ahead and i + 1 < len(seq):
+                t.take(seq[i + 1].name, "weights prefetched", seq[i + 1].nbytes, e)
+        args = ("layer arguments of every sub-batch", n * fp.kept)
+        if u is embed:
+            compute = [("prologue of one sub-batch", fp.prologue),
+                       ("layer arguments of every sub-batch", (n - 1) * fp.kept),
+                       ("activations in flight", a * (m > 1))]
+        elif u is head:
+            compute = [args, ("activations in flight", a), ("last-position logits of every sub-batch", n * logits),
+                       ("one sub-batch's logits in dtype", b * shape.vocab * e)]
+        else:
+            compute = [args, ("activations in flight", _in_flight(m, a)), ("one group's compute", fp.forward)]
+        t.moment(compute)
+        if u.name not in kept:
+            t.give(u.name)

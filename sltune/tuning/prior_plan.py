@@ -1,0 +1,70 @@
+"""`sltune plan SPEC.yaml`: every config of a spec with its peaks predicted from the shape alone, before any trial.
+
+No trial runs and no best.yaml is needed: the prior (sltune.tuning.prior) predicts each config's host and device
+peaks term by term, the spec's limits (or, with none, this machine's trial ceiling) rule configs in or out with
+the tuner's own margin, and each of the largest that fit names the limit that stops it growing. A spec none of
+whose configs can fit is refused with the least config's terms and what would fit (sltune.tuning.feasible).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from sltune.settings import Settings
+from sltune.sizes import parse_bytes
+from sltune.tuning.baseline import trial_baseline
+from sltune.tuning.feasible import shortfall
+from sltune.tuning.shape import shape_of
+from sltune.tuning.space import SearchSpace
+from sltune.tuning.spec import TuningSpec
+from sltune.tuning.state import SearchState
+
+LIMITS = ("device_memory_limit", "host_memory_limit")
+
+
+def is_spec(data: Any) -> bool:
+    """A tuning spec has a model and none of the sections a best.yaml adds."""
+    return isinstance(data, dict) and "model" in data and "resource_models" not in data
+
+
+def plan_spec(data: dict[str, Any], source: str | Path, device_memory_limit: int | str | None = None,
+              host_memory_limit: int | str | None = None, settings: Settings | None = None) -> dict[str, Any]:
+    """Every config's predicted peaks under the spec's limits (or these), which fit, which limit binds the
+    largest, and the refusal when none fits."""
+    settings = settings or Settings()
+    hardware = dict(data.get("hardware") or {})
+    asked = {name: hardware.pop(name, None) for name in LIMITS}     # held to below, not refused by the schema
+    for name, value in (("device_memory_limit", device_memory_limit), ("host_memory_limit", host_memory_limit)):
+        if value is not None:
+            asked[name] = value
+    spec = TuningSpec.parse({**data, "hardware": hardware}, source=str(source))
+    device_limit = None if asked["device_memory_limit"] is None else parse_bytes(
+        asked["device_memory_limit"], "hardware.device_memory_limit")
+    host_limit = None if asked["host_memory_limit"] is None else parse_bytes(
+        asked["host_memory_limit"], "hardware.host_memory_limit")
+    host_name = "hardware.host_memory_limit" if host_limit is not None else settings.trial_host_limit_source()
+    ceiling = settings.trial_host_limit() if host_limit is None else None
+    hw = spec.hardware
+    shape = shape_of(spec.model.source, spec.model.dtype)
+    space = SearchSpace(spec, shape)
+    baseline = trial_baseline(hw.device, hw.world_size, spec.workload.mode, hw.cpu_threads, measure=False)
+    limited = spec.model_copy(update={"hardware": hw.model_copy(update={"device_memory_limit": device_limit,
+                                                                         "host_memory_limit": host_limit})})
+    state = SearchState(limited, shape, space, baseline=baseline, host_ceiling=ceiling)
+    preds = {c: state.predict(c) for c in space.candidates}
+    fitting = [c for c, p in preds.items() if p.fits]
+    largest = [c for c in fitting if not any(o.dominates(c) for o in fitting)]
+    out: dict[str, Any] = {
+        "source": str(source), "kind": "spec", "model": spec.model.describe(),
+        "limits": {"device_memory_limit": device_limit, "host_memory_limit": host_limit or ceiling,
+                   "host_limit_from": host_name},
+        "margin": spec.search.margin, "trial_baseline_bytes": baseline,
+        "candidates": len(preds), "fitting": len(fitting),
+        "configs": [{"config": c.knobs(), "peak_device_bytes": p.device, "peak_host_bytes": p.host, "fits": p.fits,
+                     "over": p.over} for c, p in sorted(preds.items())],
+        "largest": [{"config": c.knobs(), "binding_limit": state.binding_limit(c),
+                     "prior": state.prior(c).to_dict()} for c in sorted(largest, key=lambda c: (-c.batch, -c.b, -c.k))],
+        "refusal": shortfall(state.recipe, space.candidates, host_limit or ceiling, device_limit, host_name=host_name),
+    }
+    return out

@@ -12,12 +12,22 @@ import os
 # not imported yet; an explicit OMP_WAIT_POLICY wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from sltune.config import SpeedLoaderConfig  # noqa: E402
-from sltune.runtime.engine import SpeedLoaderEngine, StepResult  # noqa: E402
-from sltune.runtime.memory import DeviceMemoryExceeded  # noqa: E402
-from sltune.runtime.transfer import IOCounters  # noqa: E402
+from typing import TYPE_CHECKING  # noqa: E402
+
+from sltune.lazy import exports  # noqa: E402
+
+if TYPE_CHECKING:
+    from sltune.config import SpeedLoaderConfig
+    from sltune.runtime.engine import SpeedLoaderEngine, StepResult
+    from sltune.runtime.counters import IOCounters
+    from sltune.runtime.memory import DeviceMemoryExceeded
+
+__getattr__ = exports(__name__, {"SpeedLoaderConfig": "sltune.config", "SpeedLoaderEngine": "sltune.runtime.engine",
+                                 "StepResult": "sltune.runtime.engine", "DeviceMemoryExceeded": "sltune.runtime.memory",
+                                 "IOCounters": "sltune.runtime.counters"})
 
 __version__ = "0.1.0"
 
 __all__ = ["SpeedLoaderConfig", "SpeedLoaderEngine", "StepResult", "DeviceMemoryExceeded", "IOCounters",
            "__version__"]
+

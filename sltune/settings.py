@@ -121,3 +121,8 @@ class Settings(BaseSettings):
         path = self.data_dir / "artifacts"
         path.mkdir(parents=True, exist_ok=True)
         return path
+
+    def offload_root(self) -> Path:
+        """Where trials of optimizer_offload disk write their optimizer files: a folder per job and trial, each
+        removed when its trial ends (never a path a spec names)."""
+        return self.data_dir / "offload"

@@ -17,7 +17,8 @@ from sltune.runtime.memory import DeviceMemory
 from sltune.runtime.params import BufferPool
 from sltune.runtime.pinned import IN_PLACE_FROM, PAGE
 from sltune.runtime.streams import ENV
-from sltune.runtime.transfer import Copier, IOCounters, Pending
+from sltune.runtime.counters import IOCounters
+from sltune.runtime.transfer import Copier, Pending
 from tests.dist_script import batch as dist_batch
 from tests.emulated_dist_script import LATE
 from tests.reference import adamw, assert_same_updates, plain_training, snapshot

@@ -12,7 +12,6 @@ from tqdm import tqdm
 
 from sltune.cli.common import add_knobs, config_from_args
 from sltune.config import SpeedLoaderConfig
-from sltune.runtime.memory import DeviceMemoryExceeded
 from sltune.sizes import format_bytes
 from sltune.training.optimizer import OptimizerConfig
 from sltune.training.schedule import SCHEDULES
@@ -78,9 +77,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from sltune.runtime.memory import DeviceMemoryExceeded
     from sltune.training.loop import TrainJob, run as train
 
     tuned = read_yaml(args.config) if args.config else {}
+    if isinstance(tuned, dict) and args.offload_dir and not tuned.get("offload_dir"):
+        tuned = {**tuned, "offload_dir": args.offload_dir}     # a best.yaml of disk names no folder: the job's own
     base = SpeedLoaderConfig.from_dict(tuned, source=args.config) if args.config else None
     cfg = config_from_args(args, base)
     if args.world_size is not None:

@@ -60,7 +60,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run_tune(args: argparse.Namespace) -> int:
-    forks.start()           # the trials' fork server imports torch and transformers beside this process
     from sltune.tuning.result import export_yaml
     from sltune.service.local import fits_this_machine, tune
     from sltune.settings import Settings
@@ -71,6 +70,9 @@ def run_tune(args: argparse.Namespace) -> int:
         spec = TuningSpec.model_validate({**spec.model_dump(), "search": {**spec.search.model_dump(),
                                                                           "strategy": args.strategy}})
     fits_this_machine(spec, Settings())     # a refusal is one line, before the bar starts
+    # after the check: a refused spec answers without a second process importing torch beside it; an accepted
+    # one's fork server imports while the job is created and its first trial planned
+    forks.start()
     bar = JobBar(f"tune {spec.name} ({spec.search.strategy})", spec.search.max_trials, disable=args.json)
     result = tune(spec, args.db, job_id=args.job_id, progress=bar.show)
     bar.close()
@@ -101,7 +103,9 @@ def describe(r: dict, out: str | None = None, mode: str = "train") -> str:
             lines.append(f"  confidence: {r['confidence']}")
         lines.append(f"  peaks: device {format_bytes(b['peak_device_bytes'])} (predicted "
                      f"{format_bytes(p.get('peak_device_bytes'))}), host {format_bytes(b['peak_host_bytes'])} "
-                     f"(predicted {format_bytes(p.get('peak_host_bytes'))}); binding limit: {r['binding_limit']}")
+                     f"(predicted {format_bytes(p.get('peak_host_bytes'))})"
+                     + (f", disk {format_bytes(p['peak_disk_bytes'])} predicted" if p.get("peak_disk_bytes") else "")
+                     + f"; binding limit: {r['binding_limit']}")
     for kind, m in r["models"].items():
         r2 = f"{m['r2']:.3f}" if m.get("r2") is not None else "-"
         loo = f"{m['loo_rel_error']:.1%}" if m.get("loo_rel_error") is not None else "-"
@@ -127,7 +131,8 @@ def describe(r: dict, out: str | None = None, mode: str = "train") -> str:
                     f"{AUTO_STEP_S}s): the other trials ran all {layers} layers, and it stayed out of the fits")
         lines.append(f"  probe_layers {depth['probe_layers']}: {said}")
     if out and r["best"]:
-        use = (f"train with `sltune train --config {out}`" if mode == "train" else
+        disk = " --offload-dir DIR" if r["best"]["config"].get("optimizer_offload") == "disk" else ""
+        use = (f"train with `sltune train --config {out}{disk}`" if mode == "train" else
                "generate with SpeedLoaderEngine(model, SpeedLoaderConfig.from_yaml(path)).generate(...)")
         lines.append(f"  wrote {out}: {use}")
     return "\n".join(lines)
@@ -221,19 +226,22 @@ def _plan_spec(data: dict, source: str, limits: list, as_json: bool) -> int:
         print(json.dumps(r))
         return 0 if r["fitting"] else 1
     lim = r["limits"]
+    disk = f", disk {format_bytes(lim['disk_limit'])} ({lim['disk_limit_from']})" if lim.get("disk_limit_from") else ""
     print(f"{r['model']}: {r['fitting']} of {r['candidates']} configs predicted to fit device "
           f"{format_bytes(lim['device_memory_limit'])}, host {format_bytes(lim['host_memory_limit'])} "
-          f"({lim['host_limit_from']}) with the {r['margin']:.0%} margin; no trial ran")
+          f"({lim['host_limit_from']}){disk} with the {r['margin']:.0%} margin; no trial ran")
     print(f"  host peaks include {format_bytes(r['trial_baseline_bytes'])} a trial process holds before its model "
           "(as tune or profile last measured it here)")
     for row in r["configs"]:
         verdict = "fits" if row["fits"] else "over " + "+".join(row["over"])
+        on_disk = f", disk {format_bytes(row.get('peak_disk_bytes') or 0)}" if disk else ""
         print(f"  {describe_config(row['config'])}: host {format_bytes(row['peak_host_bytes'])}, device "
-              f"{format_bytes(row['peak_device_bytes'])}  {verdict}")
+              f"{format_bytes(row['peak_device_bytes'])}{on_disk}  {verdict}")
     for big in r["largest"][:5]:
         p = big["prior"]
+        on_disk = f", disk {format_bytes(p.get('peak_disk_bytes') or 0)}" if disk else ""
         print(f"  largest that fits: {describe_config(big['config'])} (host {format_bytes(p['peak_host_bytes'])}, "
-              f"device {format_bytes(p['peak_device_bytes'])}); binding limit: {big['binding_limit']}")
+              f"device {format_bytes(p['peak_device_bytes'])}{on_disk}); binding limit: {big['binding_limit']}")
     if r["refusal"]:
         print(f"  refused: {r['refusal']}")
     return 0 if r["fitting"] else 1

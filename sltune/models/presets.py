@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:       # torch loads when a model is built: the spec reads presets without it
+    import torch
 
 SUPPORTED_FAMILIES = ("gpt2", "llama", "mistral", "opt", "qwen2")
 
@@ -228,6 +229,7 @@ def with_layers(config: Any, layers: int):
 
 def build(model: Any = "llama-tiny", seed: int = 0, dtype: str | torch.dtype = "float32"):
     """A causal LM with seeded random weights from a preset, a config.json path, a dict or a config."""
+    import torch
     from transformers import AutoModelForCausalLM
 
     config = load_config(model)
@@ -239,6 +241,7 @@ def build(model: Any = "llama-tiny", seed: int = 0, dtype: str | torch.dtype = "
 
 def param_count(model: Any) -> int:
     """Parameters of a preset or config, counted on the meta device (nothing allocated)."""
+    import torch
     from transformers import AutoModelForCausalLM
 
     config = load_config(model)

@@ -7,7 +7,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from sltune.config import Activations, DType, KVCache, OptimizerOffload, Schedule
-from sltune.runtime.transfer import IOCounters
+from sltune.runtime.counters import IOCounters
 from sltune.sizes import parse_bytes
 from sltune.training.optimizer import OptimizerConfig
 

@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 from sltune.runtime.direct_io import DirectFiles, aligned_empty, padded, writable_dir
-from sltune.runtime.transfer import IOCounters
+from sltune.runtime.counters import IOCounters
 
 BLOCK_NUMEL = 16 << 20          # values per block (a larger tensor is one block)
 DEPTH = 3                       # slots: one read ahead, one stepping, one written behind

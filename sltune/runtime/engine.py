@@ -99,7 +99,8 @@ from sltune.runtime.regions import region, step_region
 from sltune.runtime.saved import KeptGraph, SavedTensors
 from sltune.runtime.sharding import ShardedParamStore
 from sltune.runtime.stepping import StepTimeline, UnitStepper
-from sltune.runtime.transfer import Copier, IOCounters
+from sltune.runtime.counters import IOCounters
+from sltune.runtime.transfer import Copier
 
 if TYPE_CHECKING:
     from sltune.models.seeded import SeededWeights

@@ -42,7 +42,8 @@ from sltune.runtime.family import CausalLM, LayerCall
 from sltune.runtime.kvcache import KVShape, KVStore, Writer
 from sltune.runtime.params import ParamStore, ParamUnit
 from sltune.runtime.regions import region
-from sltune.runtime.transfer import Copier, IOCounters
+from sltune.runtime.counters import IOCounters
+from sltune.runtime.transfer import Copier
 
 Chooser = Callable[[torch.Tensor], torch.Tensor]
 

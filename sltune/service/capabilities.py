@@ -5,11 +5,11 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import torch
-
 
 def local_capabilities() -> dict[str, Any]:
     """Devices here: the CPU always; CUDA devices with their memory when present."""
+    import torch            # here: the API process checks jobs against workers' capabilities without torch
+
     caps: dict[str, Any] = {"devices": {"cpu": {"count": 1, "memory_bytes": None}},
                             "max_world_size": max(1, (os.cpu_count() or 1))}
     if torch.cuda.is_available():

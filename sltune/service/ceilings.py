@@ -67,9 +67,11 @@ def _fits(spec: TuningSpec, limits: dict[str, Any]) -> None:
     shape = shape_of(spec.model.source, spec.model.dtype)
     baseline = trial_baseline(hw.device, hw.world_size, spec.workload.mode, hw.cpu_threads, measure=False)
     recipe = Recipe.of_spec(spec, shape, baseline)
-    short = shortfall(recipe, SearchSpace(spec, shape).candidates, hw.host_memory_limit, hw.device_memory_limit)
+    short = shortfall(recipe, SearchSpace(spec, shape).candidates, hw.host_memory_limit, hw.device_memory_limit,
+                      disk_limit=hw.disk_limit)
     if short:
-        field = "hardware.host_memory_limit" if short.startswith("hardware.host") else "hardware.device_memory_limit"
+        field = next((f for f in ("hardware.host_memory_limit", "hardware.disk_limit") if short.startswith(f)),
+                     "hardware.device_memory_limit")
         by = (limits.get(field) or {}).get("by")
         raise Refused([(field, ("this server's ceiling applies: " if by == "server" else "") + short)])
 

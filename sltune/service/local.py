@@ -63,7 +63,7 @@ def fits_this_machine(spec: TuningSpec, settings: Settings) -> None:
     be killed), for all the trial's ranks together; and its device limit. The host prior counts what a trial
     process holds before its model, measured on this machine (once: sltune.tuning.baseline)."""
     from sltune.tuning.baseline import trial_baseline
-    from sltune.tuning.feasible import shortfall
+    from sltune.tuning.feasible import free_bytes, shortfall
     from sltune.tuning.prior import Recipe
     from sltune.tuning.shape import shape_of
     from sltune.tuning.space import SearchSpace
@@ -72,9 +72,16 @@ def fits_this_machine(spec: TuningSpec, settings: Settings) -> None:
     shape = shape_of(spec.model.source, spec.model.dtype)
     recipe = Recipe.of_spec(spec, shape, trial_baseline(hw.device, hw.world_size, spec.workload.mode, hw.cpu_threads))
     unset = hw.host_memory_limit is None
-    short = shortfall(recipe, SearchSpace(spec, shape).candidates,
+    space = SearchSpace(spec, shape)
+    disk_limit, disk_name = hw.disk_limit, "hardware.disk_limit"
+    if any(c.on_disk for c in space.candidates):     # the files go in the data directory: no more than it has free
+        free = free_bytes(settings.offload_root())
+        if free is not None and (disk_limit is None or free < disk_limit):
+            disk_limit, disk_name = free, f"the free space in {settings.offload_root()}"
+    short = shortfall(recipe, space.candidates,
                       settings.trial_host_limit() if unset else hw.host_memory_limit, hw.device_memory_limit,
-                      host_name="the ceiling" if unset else "hardware.host_memory_limit")
+                      host_name="the ceiling" if unset else "hardware.host_memory_limit",
+                      disk_limit=disk_limit, disk_name=disk_name)
     if short:
         raise ValueError((f"hardware.host_memory_limit is not set, so {settings.trial_host_limit_source()} is the "
                           f"limit: " if unset and short.startswith("the ceiling") else "") + short)

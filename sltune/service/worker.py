@@ -138,7 +138,7 @@ class Worker:
         result = None
         try:
             result = run_job(self.store, job_id, progress=progress, should_stop=should_stop, worker_id=self.id,
-                             artifact_dir=self.settings.artifact_dir(),
+                             artifact_dir=self.settings.artifact_dir(), offload_root=self.settings.offload_root(),
                              default_host_limit=self.settings.trial_host_limit(),
                              max_trial_steps=self.settings.max_trial_steps, max_trials=self.settings.max_trials)
             log.info("job %s %s", job_id, result["status"])

@@ -7,10 +7,12 @@ CUDA): bench/optimizer.py measures it against the foreach path and DeepSpeed's C
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+if TYPE_CHECKING:       # torch loads when an optimizer is built: the spec and the CLI read this model without it
+    import torch
 
 OptimizerName = Literal["adamw", "sgd"]
 
@@ -73,6 +75,8 @@ class OptimizerConfig(BaseModel):
     def build(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
         """The torch optimizer over these parameters, fused where every parameter is a floating tensor on
         one device (the CPU kernel steps each list in one call); foreach otherwise."""
+        import torch
+
         params = list(params)
         devices = {p.device for p in params}
         fused = len(devices) <= 1 and all(p.is_floating_point() for p in params)

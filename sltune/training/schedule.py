@@ -7,10 +7,11 @@ A resumed run follows the schedule of its own total (`--steps`), from the step i
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
-from torch.optim.lr_scheduler import LambdaLR
+if TYPE_CHECKING:       # `sltune train -h` lists the schedules without loading torch
+    import torch
+    from torch.optim.lr_scheduler import LambdaLR
 
 LRSchedule = Literal["constant", "linear", "cosine"]
 SCHEDULES = ("constant", "linear", "cosine")

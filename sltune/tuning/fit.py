@@ -44,6 +44,8 @@ far to trust a prediction) and the range of every variable it saw (so extrapolat
 Fits minimise relative error (each row weighted by 1/measured): a 2 ms step and a 2 s step, or a 1 MiB
 and a 1 GiB peak, count alike. L is the number of layers and [off] is 1 under activations: offload; the
 [off] terms drop out of a fit whose space does not sweep activations, as any feature constant over it does.
+[disk] is 1 under optimizer_offload: disk, whose reads and writes add a per-step time; the peaks need no term for
+it: the prior (their offset) moves the master and optimizer state from host memory into files term by term.
 
 Step times are noisy where peaks are not, so the throughput model is fitted differently: each point is
 weighted by its measured precision (the width of its bootstrap interval, so its residual is counted in
@@ -83,6 +85,10 @@ FEATURES: dict[str, Callable[[dict[str, float]], float]] = {
     "[off]*(L-k)*B*s": lambda v: v["off"] * max(v["L"] - v["k"], 0) * v["B"] * v["s"],
     "[off]*(L-k)*N*b*s": lambda v: v["off"] * max(v["L"] - v["k"], 0) * v["N"] * v["b"] * v["s"],
     "D*B*s": lambda v: v["D"] * v["B"] * v["s"],
+    # optimizer_offload disk: each step reads and writes every block's master and state once, and waits for what
+    # the backward did not hide; per step, whatever b and N (across depths it grows with the parameter bytes)
+    "[disk]": lambda v: v.get("disk", 0.0),
+    "[disk]*P": lambda v: v.get("disk", 0.0) * v["P"],
     "W": lambda v: v["W"],
     "W/N": lambda v: v["W"] / v["N"],
     # across depths (search.probe_layers; sltune.tuning.depth): P the parameter bytes, F those a token's compute
@@ -99,7 +105,7 @@ MODELS = {
     "train": {
         "device": ("peak_device_bytes", ["1", "k", "k*[G>1]", "b*s", "k*b*s", "B*s", "[off]*k*b*s"]),
         "host": ("peak_host_bytes", ["1", "(G+1)*B*s", "[off]*(L-k)*B*s"]),
-        "throughput": ("step_seconds", ["1", "G", "N", "N*b*s", "N*G", "[off]*(L-k)*N*b*s"]),
+        "throughput": ("step_seconds", ["1", "G", "N", "N*b*s", "N*G", "[off]*(L-k)*N*b*s", "[disk]"]),
     },
     "generate": {   # s = prompt + new tokens; the host holds every sub-batch's KV cache (B*s), the device
                     # one group's cache for one sub-batch (k*b*s)
@@ -120,7 +126,7 @@ MODELS = {
 ACROSS_DEPTHS = {
     "device": MODELS["train"]["device"],
     "host": ("peak_host_bytes", ["1"]),
-    "throughput": ("step_seconds", ["P", "G", "N", "F*N*b*s", "N*G", "[off]*(L-k)*N*b*s"]),
+    "throughput": ("step_seconds", ["P", "G", "N", "F*N*b*s", "N*G", "[off]*(L-k)*N*b*s", "[disk]*P"]),
 }
 KNOWN_ACROSS_DEPTHS = {"device": "prior_device", "host": "prior_host"}
 
@@ -129,6 +135,7 @@ def variables(c: Candidate, shape: ModelShape, tokens_per_row: int) -> dict[str,
     """The quantities the features are made of, for one candidate."""
     return {"b": c.b, "N": c.n, "k": c.k, "B": c.batch, "s": tokens_per_row, "G": shape.groups(c.k),
             "L": shape.layers, "off": 1.0 if c.a == "offload" else 0.0, "D": float(c.kv_on_device),
+            "disk": float(c.on_disk),
             "W": kept_fraction(shape, c)}
 
 

@@ -11,7 +11,12 @@ Term by term, as the runtime allocates them:
             KV caches when they live on the host (2*L*B*T*kv_heads*head_dim*itemsize); on the CPU, where the
             device is host memory, the device's buffers (below) with what the pool keeps of them for reuse; and
             the process itself (python, torch and transformers, what a trial holds before its model:
-            sltune.tuning.baseline measures it)
+            sltune.tuning.baseline measures it). Under optimizer_offload disk the master and the optimizer
+            state leave host memory for files; the host holds the window instead (sltune.runtime.diskstate: the
+            DEPTH largest blocks' master and state, page-padded) and, from the first step, the optimizer's fresh
+            state of the largest block, allocated before it is copied into its slot
+    disk    optimizer_offload disk: every block's file (master and state, page-padded) twice, since a step
+            writes the new version beside the committed one and removes the old files only once it commits
     device  the step played phase by phase as the engine runs it (sltune.runtime.engine._plan): the units live
             in each phase (a group, the embedding, the head, the tied weights all pass) with their gradient
             buffers in backward (and a float32 sum under a master), the next phase's units prefetched, the
@@ -31,6 +36,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from sltune.runtime.diskstate import BLOCK_NUMEL, DEPTH
+from sltune.runtime.direct_io import padded
 from sltune.runtime.params import keep_order, kept_share
 from sltune.training.optimizer import OptimizerConfig
 from sltune.tuning.footprint import Footprint, footprint
@@ -58,7 +65,8 @@ class Recipe:
     prompt_len: int = 32
     new_tokens: int = 16
     baseline: int = 0               # what a trial process holds before its model (sltune.tuning.baseline)
-    optimizer_offload: str = "host"  # disk: the float32 master and the optimizer state live in files (not counted)
+    optimizer_offload: str = "host"  # disk: the float32 master and the optimizer state live in files (a
+                                     # candidate's optimizer_offload says so too: either makes it disk)
 
     @classmethod
     def of_spec(cls, spec: "TuningSpec", shape: ModelShape, baseline: int = 0) -> "Recipe":
@@ -81,6 +89,18 @@ class Recipe:
     def on_cpu(self) -> bool:
         return self.device.split(":")[0] == "cpu"
 
+    def on_disk(self, c: Candidate) -> bool:
+        """Whether c's optimizer lives in files: training, not resident (the config refuses it there)."""
+        return self.mode == "train" and self.schedule != "resident" and \
+            "disk" in (self.optimizer_offload, c.optimizer_offload)
+
+    @property
+    def disk_value_bytes(self) -> int:
+        """Bytes per stepped value in a block's file: the float32 master (under one) and the optimizer's state
+        (float32 under a master, else dtype)."""
+        step = 4 if self.master else self.shape.itemsize
+        return (4 if self.master else 0) + self.optimizer.state_bytes_per_param(step)
+
 
 @dataclass
 class Prior:
@@ -90,10 +110,13 @@ class Prior:
     device: int
     host_terms: list[tuple[str, int]]
     device_terms: list[tuple[str, int]]
+    disk: int = 0                   # optimizer_offload disk: the files at their fullest (0 under host)
+    disk_terms: list[tuple[str, int]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {"peak_host_bytes": self.host, "peak_device_bytes": self.device,
-                "host_terms": dict(self.host_terms), "device_terms": dict(self.device_terms)}
+                "host_terms": dict(self.host_terms), "device_terms": dict(self.device_terms),
+                **({"peak_disk_bytes": self.disk, "disk_terms": dict(self.disk_terms)} if self.disk else {})}
 
 
 def predict(recipe: Recipe, c: Candidate) -> Prior:
@@ -115,10 +138,15 @@ def predict(recipe: Recipe, c: Candidate) -> Prior:
         _generate_step(device, recipe, c, groups, fp)
 
     host: list[tuple[str, int]] = []
+    on_disk = recipe.on_disk(c)
+    disk: list[tuple[str, int]] = []
     if recipe.schedule != "resident":   # resident keeps these on the device: among its buffers below
         host += [(what, _sharded(nbytes, world))
                  for what, nbytes in shape.host_terms(recipe.mode, recipe.mixed_precision, recipe.optimizer)
-                 if recipe.optimizer_offload == "host" or not what.startswith(("a float32 master", "AdamW", "SGD"))]
+                 if not on_disk or not what.startswith(("a float32 master", "AdamW", "SGD"))]
+    if on_disk:
+        host_window, disk = _disk_terms(recipe, k)
+        host += host_window
     acts = 0
     if recipe.schedule == "speedloader":
         edges = len(groups) if train else len(groups) + 1
@@ -137,7 +165,59 @@ def predict(recipe: Recipe, c: Candidate) -> Prior:
         host.append(("device buffers", world * device.held_peak))
     host.append(("the process", recipe.baseline))
     return Prior(host=sum(x for _, x in host), device=device.peak, host_terms=host,
-                 device_terms=device.peak_terms)
+                 device_terms=device.peak_terms, disk=sum(x for _, x in disk), disk_terms=disk)
+
+
+def disk_blocks(shape: ModelShape, k: int, world: int = 1) -> list[list[int]]:
+    """The values of each block optimizer_offload disk packs, per rank (sltune.runtime.diskstate.add_unit): each
+    unit's trainable tensors in order, at most BLOCK_NUMEL values a block (a larger tensor is a block of its own);
+    over W ranks each rank steps one flat shard per unit (sltune.runtime.sharding)."""
+    def tensors(numels: tuple[int, ...], nbytes: int) -> list[int]:
+        return list(numels) if numels else ([nbytes // shape.itemsize] if nbytes else [])
+
+    layer = tensors(shape.layer_numels, shape.layer_bytes)
+    units = [tensors(shape.tied_numels, shape.tied_bytes), tensors(shape.embed_numels, shape.embed_bytes),
+             *(layer * g for g in _group_layers(shape.layers, k)), tensors(shape.head_numels, shape.head_bytes)]
+    units = [u for u in units if sum(u)]
+    if world > 1:
+        ranks = []
+        for r in range(world):
+            mine = []
+            for u in units:
+                total = sum(u)
+                shard = -(-total // world)
+                mine.append([max(0, min(shard, total - r * shard))])
+            ranks.append([n for m in mine for n in _pack(m) if n])
+        return ranks
+    return [[n for u in units for n in _pack(u)]]
+
+
+def _pack(numels: list[int]) -> list[int]:
+    blocks, size = [], 0
+    for n in numels:
+        if size and size + n > BLOCK_NUMEL:
+            blocks.append(size)
+            size = 0
+        size += n
+    return blocks + ([size] if size else [])
+
+
+def _disk_terms(recipe: Recipe, k: int) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
+    """optimizer_offload disk: what host memory holds for it (all ranks together) and the files (every rank's)."""
+    per_value = recipe.disk_value_bytes
+    step = 4 if recipe.master else recipe.shape.itemsize
+    state = recipe.optimizer.state_bytes_per_param(step)
+    window = fresh = files = 0
+    for blocks in disk_blocks(recipe.shape, k, max(1, recipe.world_size)):
+        if not blocks or not per_value:
+            continue
+        window += sum(sorted((padded(n * per_value) for n in blocks), reverse=True)[:DEPTH])
+        fresh += state * max(blocks)
+        files += sum(padded(n * per_value) for n in blocks)
+    host = [(f"the disk tier's window ({DEPTH} blocks' master and state)", window),
+            ("the optimizer's fresh state of the largest block (first step)", fresh)]
+    disk = [("the committed version's files", files), ("the new version a step writes before it commits", files)]
+    return [t for t in host if t[1]], [t for t in disk if t[1]]
 
 
 def at_depth(shape: ModelShape, layers: int) -> ModelShape:

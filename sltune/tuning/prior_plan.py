@@ -1,7 +1,8 @@
 """`sltune plan SPEC.yaml`: every config of a spec with its peaks predicted from the shape alone, before any trial.
 
 No trial runs and no best.yaml is needed: the prior (sltune.tuning.prior) predicts each config's host and device
-peaks term by term, the spec's limits (or, with none, this machine's trial ceiling) rule configs in or out with
+peaks term by term (and under optimizer_offload disk its files' bytes), the spec's limits (the disk's by default
+the free space where trials offload to) (or, with none, this machine's trial ceiling) rule configs in or out with
 the tuner's own margin, and each of the largest that fit names the limit that stops it growing. A spec none of
 whose configs can fit is refused with the least config's terms and what would fit (sltune.tuning.feasible).
 """
@@ -14,13 +15,13 @@ from typing import Any
 from sltune.settings import Settings
 from sltune.sizes import parse_bytes
 from sltune.tuning.baseline import trial_baseline
-from sltune.tuning.feasible import shortfall
+from sltune.tuning.feasible import free_bytes, shortfall
 from sltune.tuning.shape import shape_of
 from sltune.tuning.space import SearchSpace
 from sltune.tuning.spec import TuningSpec
 from sltune.tuning.state import SearchState
 
-LIMITS = ("device_memory_limit", "host_memory_limit")
+LIMITS = ("device_memory_limit", "host_memory_limit", "disk_limit")
 
 
 def is_spec(data: Any) -> bool:
@@ -43,6 +44,7 @@ def plan_spec(data: dict[str, Any], source: str | Path, device_memory_limit: int
         asked["device_memory_limit"], "hardware.device_memory_limit")
     host_limit = None if asked["host_memory_limit"] is None else parse_bytes(
         asked["host_memory_limit"], "hardware.host_memory_limit")
+    disk_asked = None if asked["disk_limit"] is None else parse_bytes(asked["disk_limit"], "hardware.disk_limit")
     host_name = "hardware.host_memory_limit" if host_limit is not None else settings.trial_host_limit_source()
     ceiling = settings.trial_host_limit() if host_limit is None else None
     hw = spec.hardware
@@ -50,21 +52,29 @@ def plan_spec(data: dict[str, Any], source: str | Path, device_memory_limit: int
     space = SearchSpace(spec, shape)
     baseline = trial_baseline(hw.device, hw.world_size, spec.workload.mode, hw.cpu_threads, measure=False)
     limited = spec.model_copy(update={"hardware": hw.model_copy(update={"device_memory_limit": device_limit,
-                                                                         "host_memory_limit": host_limit})})
-    state = SearchState(limited, shape, space, baseline=baseline, host_ceiling=ceiling)
+                                                                         "host_memory_limit": host_limit,
+                                                                         "disk_limit": disk_asked})})
+    on_disk = any(c.on_disk for c in space.candidates)
+    free = free_bytes(settings.offload_root()) if on_disk else None
+    state = SearchState(limited, shape, space, baseline=baseline, host_ceiling=ceiling, disk_ceiling=free)
+    disk_limit = state.disk_limit if on_disk else None
+    disk_name = "hardware.disk_limit" if disk_limit is not None and disk_limit == disk_asked else \
+        f"the free space in {settings.offload_root()}"
     preds = {c: state.predict(c) for c in space.candidates}
     fitting = [c for c, p in preds.items() if p.fits]
     largest = [c for c in fitting if not any(o.dominates(c) for o in fitting)]
     out: dict[str, Any] = {
         "source": str(source), "kind": "spec", "model": spec.model.describe(),
         "limits": {"device_memory_limit": device_limit, "host_memory_limit": host_limit or ceiling,
-                   "host_limit_from": host_name},
+                   "host_limit_from": host_name, "disk_limit": disk_limit,
+                   "disk_limit_from": disk_name if on_disk else None},
         "margin": spec.search.margin, "trial_baseline_bytes": baseline,
         "candidates": len(preds), "fitting": len(fitting),
-        "configs": [{"config": c.knobs(), "peak_device_bytes": p.device, "peak_host_bytes": p.host, "fits": p.fits,
-                     "over": p.over} for c, p in sorted(preds.items())],
+        "configs": [{"config": c.knobs(), "peak_device_bytes": p.device, "peak_host_bytes": p.host,
+                     "peak_disk_bytes": p.disk, "fits": p.fits, "over": p.over} for c, p in sorted(preds.items())],
         "largest": [{"config": c.knobs(), "binding_limit": state.binding_limit(c),
                      "prior": state.prior(c).to_dict()} for c in sorted(largest, key=lambda c: (-c.batch, -c.b, -c.k))],
-        "refusal": shortfall(state.recipe, space.candidates, host_limit or ceiling, device_limit, host_name=host_name),
+        "refusal": shortfall(state.recipe, space.candidates, host_limit or ceiling, device_limit, host_name=host_name,
+                             disk_limit=disk_limit, disk_name=disk_name),
     }
     return out

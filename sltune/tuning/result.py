@@ -31,6 +31,7 @@ def job_result(job_id: str, spec: TuningSpec, state: SearchState, stop_reason: s
         "wall_seconds": wall_seconds, "best": None, "predicted": None, "binding_limit": None,
         "models": models, "depth": depth,
         "margins": state.margins, "space_size": len(state.space.candidates),
+        "disk_limit": state.disk_limit if any(c.on_disk for c in state.space.candidates) else None,
         "trial_baseline_bytes": state.recipe.baseline,      # the host prior's process term: plan needs it again
         "search_space": {**state.space.describe(),      # probe_layers: plan needs the depth terms the fits use
                          **({"probe_layers": spec.search.probe_layers} if depth else {})},
@@ -77,11 +78,15 @@ def _unconfirmed(state: SearchState) -> str | None:
     return "not confirmed: the confirmation round did not finish"
 
 
-def best_config(spec: TuningSpec, result: dict[str, Any]) -> SpeedLoaderConfig:
+def best_config(spec: TuningSpec, result: dict[str, Any], offload_dir: str | None = None) -> SpeedLoaderConfig:
+    """The best config as the training job runs it. Under optimizer_offload disk the folder of the optimizer's files
+    is the training job's own (`offload_dir`, or `sltune train --offload-dir DIR`): without one the config says disk
+    and names no folder, as best.yaml does (the tuning machine's folders were its trials' and are gone), and
+    SpeedLoaderConfig.from_yaml asks for one."""
     if not result.get("best"):
         raise ValueError(f"job {result.get('job_id')} has no best config (status: no successful trial)")
     c = result["best"]["config"]
-    return SpeedLoaderConfig(sub_batch_size=c["sub_batch_size"], num_sub_batches=c["num_sub_batches"],
+    cfg = SpeedLoaderConfig(sub_batch_size=c["sub_batch_size"], num_sub_batches=c["num_sub_batches"],
                              num_live_blocks=c["num_live_blocks"], schedule=c["schedule"],
                              activations=c.get("activations", "recompute"),
                              kv_cache=c.get("kv_cache", "host"),
@@ -90,6 +95,11 @@ def best_config(spec: TuningSpec, result: dict[str, Any]) -> SpeedLoaderConfig:
                              mixed_precision=spec.model.mixed_precision,
                              device_memory_limit=spec.hardware.device_memory_limit,
                              world_size=spec.hardware.world_size)
+    if c.get("optimizer_offload", "host") == "disk":
+        if offload_dir is not None:
+            return cfg.replace(optimizer_offload="disk", offload_dir=offload_dir)
+        return cfg.model_copy(update={"optimizer_offload": "disk", "offload_dir": None})
+    return cfg
 
 
 def export_yaml(spec: TuningSpec, result: dict[str, Any], path: str | Path | None = None) -> str:
@@ -107,7 +117,9 @@ def export_yaml(spec: TuningSpec, result: dict[str, Any], path: str | Path | Non
         confidence=result.get("confidence"),
         predicted=result["predicted"],
         limits={"device_memory_limit": spec.hardware.device_memory_limit,
-                "host_memory_limit": spec.hardware.host_memory_limit, "margins": result["margins"]},
+                "host_memory_limit": spec.hardware.host_memory_limit,
+                **({"disk_limit": result.get("disk_limit")} if result.get("disk_limit") is not None else {}),
+                "margins": result["margins"]},
         binding_limit=result["binding_limit"],
         resource_models=result["models"],
         search_space=result["search_space"],

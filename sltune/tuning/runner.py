@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -26,6 +27,7 @@ from sltune.store.faults import durable_rdb_storage, retrying
 from sltune.store.optuna import optuna_location
 from sltune.tuning import confirm
 from sltune.tuning.baseline import trial_baseline
+from sltune.tuning.feasible import free_bytes
 from sltune.tuning.result import job_result
 from sltune.tuning.shape import shape_of
 from sltune.tuning.space import Candidate, SearchSpace
@@ -83,12 +85,14 @@ def optuna_storage(url: str, retry_s: float = 0.0) -> optuna.storages.RDBStorage
 def run_job(store: Store, job_id: str, *, progress: ProgressFn | None = None, should_stop: StopFn | None = None,
             worker_id: str | None = None, artifact_dir: Path | None = None,
             default_host_limit: int | None = None, max_trial_steps: int | None = None,
-            max_trials: int | None = None) -> dict[str, Any]:
+            max_trials: int | None = None, offload_root: Path | None = None) -> dict[str, Any]:
     """Run (or resume) a job. With worker_id every write is fenced: a runner that lost the job writes
     nothing more. default_host_limit is this worker's ceiling on a trial's host memory, whatever the spec
     says, so no trial can take the machine (and the server beside it) down; max_trial_steps its ceiling on a
     trial's timed steps, and max_trials on the job's trials in all, confirmation trials included (as is the
-    server's, recorded in the job's limits)."""
+    server's, recorded in the job's limits). offload_root is where trials of optimizer_offload disk keep their
+    files (a folder per job and trial, removed after each; default: beside artifact_dir, else a temporary
+    folder); its free space bounds their disk beside the spec's hardware.disk_limit."""
     job = store.job(job_id)
     if job is None:
         raise ValueError(f"no job {job_id!r} in {store.url}")
@@ -99,7 +103,12 @@ def run_job(store: Store, job_id: str, *, progress: ProgressFn | None = None, sh
     space = SearchSpace(spec, shape)
     hw = spec.hardware      # the host prior holds what a trial process holds before its model, measured here
     baseline = trial_baseline(hw.device, hw.world_size, spec.workload.mode, hw.cpu_threads)
-    state = SearchState(spec, shape, space, baseline=baseline, host_ceiling=default_host_limit)
+    if offload_root is None:
+        offload_root = (Path(artifact_dir).parent if artifact_dir is not None
+                        else Path(tempfile.gettempdir())) / "offload"
+    on_disk = any(c.on_disk for c in space.candidates)
+    state = SearchState(spec, shape, space, baseline=baseline, host_ceiling=default_host_limit,
+                        disk_ceiling=free_bytes(offload_root) if on_disk else None)
     if worker_id is None:
         store.set_status(job_id, "running")
     store.interrupt_running_trials(job_id)          # left running by a previous holder that died
@@ -184,8 +193,16 @@ def run_job(store: Store, job_id: str, *, progress: ProgressFn | None = None, sh
             return None
         report(last={"number": number, "config": cand.knobs(), "status": "running"}, phase=role)
         t0 = time.monotonic()
-        result = run_trial(trial_spec(spec, cand, trace, default_host_limit, max_trial_steps, layers),
-                           stop=should_stop).model_dump(mode="json")
+        folder = offload_root / job_id / f"trial-{number}" if cand.on_disk else None
+        try:
+            if folder is not None:
+                folder.mkdir(parents=True, exist_ok=True)
+            result = run_trial(trial_spec(spec, cand, trace, default_host_limit, max_trial_steps, layers, folder),
+                               stop=should_stop).model_dump(mode="json")
+        finally:
+            if folder is not None:       # the optimizer's files are the trial's alone: gone with it
+                shutil.rmtree(folder, ignore_errors=True)
+                _remove_if_empty(folder.parent)
         if trace is not None and result["status"] == "ok" and not trace.exists():
             trace, trace_error = None, f"no trace: it could not be written ({free_space(artifact_dir)})"
         if trace_error:
@@ -302,6 +319,13 @@ def _failures(state: SearchState) -> str:
     return "; ".join(errs) or "no trial ran"
 
 
+def _remove_if_empty(folder: Path) -> None:
+    try:
+        folder.rmdir()
+    except OSError:
+        pass
+
+
 def free_space(folder: Path | None) -> str:
     try:
         return f"{format_bytes(shutil.disk_usage(folder).free)} free in the data directory"
@@ -310,11 +334,14 @@ def free_space(folder: Path | None) -> str:
 
 
 def trial_spec(spec: TuningSpec, c: Candidate, trace: Path | None, default_host_limit: int | None = None,
-               max_trial_steps: int | None = None, layers: int | None = None) -> TrialSpec:
+               max_trial_steps: int | None = None, layers: int | None = None,
+               offload_dir: Path | None = None) -> TrialSpec:
     """What one trial runs. The worker's ceilings hold whatever the stored spec says: host memory; timed steps,
     every round together (an unstable round is re-measured only while both fit); and intra-op threads, at most
     this machine's cores shared by the ranks (more would only take turns on them). A probe at reduced depth
-    (`layers`) times its steps for that share of trial_min_time_s: as many steps as the whole model's would."""
+    (`layers`) times its steps for that share of trial_min_time_s: as many steps as the whole model's would. A
+    config of optimizer_offload disk writes its files in `offload_dir`, the runner's folder for the trial (never
+    a path from the spec)."""
     w, hw, s = spec.workload, spec.hardware, spec.search
     min_time = s.trial_min_time_s
     if layers is not None:
@@ -336,4 +363,12 @@ def trial_spec(spec: TuningSpec, c: Candidate, trace: Path | None, default_host_
                                            default=None),
                      steps=steps, min_time_s=min_time, max_steps=max_steps, remeasure=remeasure,
                      cpu_threads=threads, profile=s.profile, trace_path=str(trace) if trace else None,
-                     timeout_s=s.trial_timeout_s, seed=s.seed, num_layers=layers)
+                     timeout_s=s.trial_timeout_s, seed=s.seed, num_layers=layers,
+                     **({"optimizer_offload": "disk", "offload_dir": str(_required(offload_dir))}
+                        if c.on_disk and w.mode == "train" else {}))
+
+
+def _required(offload_dir: Path | None) -> Path:
+    if offload_dir is None:
+        raise ValueError("a config of optimizer_offload disk needs the runner's offload folder for its trial")
+    return offload_dir

@@ -35,6 +35,12 @@ class ModelShape:
     dtype: str = "float32"
     kv_heads: int = 0       # key/value heads and head dim: what a KV cache holds per position and layer
     head_dim: int = 0
+    # each unit's parameters' sizes (values) in the engine's order: how optimizer_offload disk packs its files
+    # (sltune.runtime.diskstate); empty: the unit as one tensor
+    layer_numels: tuple[int, ...] = ()
+    embed_numels: tuple[int, ...] = ()
+    head_numels: tuple[int, ...] = ()
+    tied_numels: tuple[int, ...] = ()
 
     def groups(self, k: int) -> int:
         return math.ceil(self.layers / k)
@@ -137,6 +143,11 @@ def _build(model: Any, dtype: str) -> ModelShape:
         return sum(p.numel() for p in ps) * itemsize
 
     every = {id(p): p for p in meta.parameters()}
+    largest = max(layers, key=nbytes)
+
+    def numels(ps) -> tuple[int, ...]:
+        return tuple(p.numel() for p in ps)
+
     return ModelShape(
         family=config.model_type, layers=len(layers), hidden=config.hidden_size, vocab=config.vocab_size,
         itemsize=itemsize, layer_bytes=max(nbytes(ps) for ps in layers),
@@ -146,4 +157,6 @@ def _build(model: Any, dtype: str) -> ModelShape:
         param_bytes=nbytes(every.values()),
         max_positions=getattr(config, "max_position_embeddings", None), dtype=dtype,
         kv_heads=kv_dims(config)[0], head_dim=kv_dims(config)[1],
+        layer_numels=numels(largest), embed_numels=numels(p for p in prologue if id(p) not in tied),
+        head_numels=numels(p for p in head if id(p) not in tied), tied_numels=numels(p for p in prologue if id(p) in tied),
     )

@@ -1,6 +1,7 @@
 """The configs a job may try: sub-batch size b, sub-batches N (or effective batch B = b*N), live blocks k, how
-a group's backward gets its activations (recompute or offload), and for generation where the KV caches live
-and the share of the weights kept on the device (w)."""
+a group's backward gets its activations (recompute or offload), in training where the optimizer's master and
+state live (host memory or files on disk), and for generation where the KV caches live and the share of the
+weights kept on the device (w)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ if TYPE_CHECKING:
 
 
 KV_ORDER = ("host", "device")     # device KV needs more device memory, and moves nothing
+OFFLOAD_ORDER = ("disk", "host")  # host holds the master and optimizer state in memory: more host, no disk traffic
 
 
 @dataclass(frozen=True, order=True)
@@ -27,11 +29,13 @@ class Candidate:
     a: str = "recompute"            # activations
     kv_cache: str | None = None     # generation only: "host" | "device"
     w: float | None = None          # generation only: weights_on_device, the share of the weights kept there
+    optimizer_offload: str = "host"  # training: the master and optimizer state in host memory, or in files ("disk")
 
     @classmethod
     def from_knobs(cls, knobs: dict[str, Any]) -> "Candidate":
         return cls(knobs["sub_batch_size"], knobs["num_sub_batches"], knobs["num_live_blocks"],
-                   knobs.get("activations", "recompute"), knobs.get("kv_cache"), knobs.get("weights_on_device"))
+                   knobs.get("activations", "recompute"), knobs.get("kv_cache"), knobs.get("weights_on_device"),
+                   knobs.get("optimizer_offload") or "host")
 
     @property
     def batch(self) -> int:
@@ -48,19 +52,28 @@ class Candidate:
             out["kv_cache"] = self.kv_cache
         if self.w is not None:
             out["weights_on_device"] = self.w
+        if self.optimizer_offload != "host":     # trials and configs from before the knob are host's
+            out["optimizer_offload"] = self.optimizer_offload
         return out
+
+    @property
+    def on_disk(self) -> bool:
+        return self.optimizer_offload == "disk"
 
     def dominates(self, other: "Candidate") -> bool:
         """At least as large in sub-batch, effective batch and live blocks, activations kept alike, KV on the
-        device if the other's is, at least its share of the weights kept there: needs at least as much device
-        memory (and, moving less, runs no slower)."""
+        device if the other's is, at least its share of the weights kept there, the optimizer in host memory if the
+        other's is: needs at least as much device memory (and, moving less, runs no slower; disk's reads and
+        writes come on top of the same step)."""
         return self.b >= other.b and self.batch >= other.batch and self.k >= other.k and self.a == other.a \
-            and self.kv_on_device >= other.kv_on_device and (self.w or 0.0) >= (other.w or 0.0) and self != other
+            and self.kv_on_device >= other.kv_on_device and (self.w or 0.0) >= (other.w or 0.0) \
+            and self.on_disk <= other.on_disk and self != other
 
     def __str__(self) -> str:
         return (f"b={self.b} N={self.n} k={self.k}" + ("" if self.a == "recompute" else f" {self.a}")
                 + (f" kv_cache={self.kv_cache}" if self.kv_cache else "")
-                + (f" w={self.w:g}" if self.w is not None else ""))
+                + (f" w={self.w:g}" if self.w is not None else "")
+                + (f" optimizer_offload={self.optimizer_offload}" if self.optimizer_offload != "host" else ""))
 
 
 class SearchSpace:
@@ -68,7 +81,8 @@ class SearchSpace:
 
     Optuna sees categorical parameters: sub_batch_size and num_live_blocks, plus num_sub_batches or
     effective_batch_size as the spec gives them (N = B/b when B is the knob), activations when the spec sweeps
-    it, and kv_cache and weights_on_device for generation. A combination that is not a candidate (b does not divide
+    it, optimizer_offload when the spec sweeps it (training), and kv_cache and weights_on_device for generation.
+    A combination that is not a candidate (b does not divide
     B) is pruned without running.
     """
 
@@ -86,16 +100,18 @@ class SearchSpace:
             pairs = [(b, n) for b in self.b_values for n in self.n_values]
         self.kv_values = s.kv_cache_values(spec.workload.mode)
         self.w_values = s.weights_on_device_values(spec.workload.mode)
-        self.candidates = sorted({Candidate(b, n, k, a, kv, w) for b, n in pairs for k in self.k_values
+        self.o_values = s.optimizer_offload_values(spec.workload.mode)
+        self.candidates = sorted({Candidate(b, n, k, a, kv, w, o) for b, n in pairs for k in self.k_values
                                   for a in self.a_values for kv in self.kv_values or [None]
-                                  for w in self.w_values or [None]})
+                                  for w in self.w_values or [None] for o in self.o_values})
 
     # -- Optuna ------------------------------------------------------------------------------------
     @property
     def param_names(self) -> tuple[str, ...]:
         names = ("sub_batch_size", "effective_batch_size" if self.by_batch else "num_sub_batches", "num_live_blocks")
         return (names + (("activations",) if len(self.a_values) > 1 else ())
-                + (("kv_cache",) if self.kv_values else ()) + (("weights_on_device",) if self.w_values else ()))
+                + (("kv_cache",) if self.kv_values else ()) + (("weights_on_device",) if self.w_values else ())
+                + (("optimizer_offload",) if len(self.o_values) > 1 else ()))
 
     def distributions(self) -> dict[str, optuna.distributions.BaseDistribution]:
         second = self.batch_values if self.by_batch else self.n_values
@@ -110,6 +126,8 @@ class SearchSpace:
             out["kv_cache"] = optuna.distributions.CategoricalDistribution(self.kv_values)
         if self.w_values:
             out["weights_on_device"] = optuna.distributions.CategoricalDistribution(self.w_values)
+        if len(self.o_values) > 1:
+            out["optimizer_offload"] = optuna.distributions.CategoricalDistribution(self.o_values)
         return out
 
     def grid(self) -> dict[str, list[Any]]:
@@ -124,6 +142,8 @@ class SearchSpace:
             out["kv_cache"] = c.kv_cache
         if self.w_values:
             out["weights_on_device"] = c.w
+        if len(self.o_values) > 1:
+            out["optimizer_offload"] = c.optimizer_offload
         return out
 
     def candidate(self, params: dict[str, Any]) -> Candidate | None:
@@ -131,24 +151,25 @@ class SearchSpace:
         a = str(params.get("activations", self.a_values[0]))
         kv = params.get("kv_cache") if self.kv_values else None
         w = params.get("weights_on_device") if self.w_values else None
+        o = str(params.get("optimizer_offload", self.o_values[0]))
         if self.by_batch:
             batch = int(params["effective_batch_size"])
             if batch % b:
                 return None
-            c = Candidate(b, batch // b, k, a, kv, w)
+            c = Candidate(b, batch // b, k, a, kv, w, o)
         else:
-            c = Candidate(b, int(params["num_sub_batches"]), k, a, kv, w)
+            c = Candidate(b, int(params["num_sub_batches"]), k, a, kv, w, o)
         return c if c in set(self.candidates) else None
 
     def neighbours_up(self, c: Candidate) -> list[Candidate]:
         """Candidates one step up along one of the knobs as the spec names them (b, N or B, k; host KV -> device;
-        the next larger share of the weights kept on the device)."""
+        the next larger share of the weights kept on the device; the optimizer from disk into host memory)."""
         params = self.params(c)
         out = []
         for name, dist in self.distributions().items():
             if name == "activations":       # not an order of memory: recompute and offload trade device for host
                 continue
-            rank = KV_ORDER.index if name == "kv_cache" else (lambda v: v)
+            rank = {"kv_cache": KV_ORDER.index, "optimizer_offload": OFFLOAD_ORDER.index}.get(name, lambda v: v)
             larger = [v for v in dist.choices if rank(v) > rank(params[name])]
             if larger:
                 other = self.candidate({**params, name: min(larger, key=rank)})
@@ -168,4 +189,6 @@ class SearchSpace:
             out["kv_cache"] = self.kv_values
         if self.w_values:
             out["weights_on_device"] = self.w_values
+        if self.o_values != ["host"]:
+            out["optimizer_offload"] = self.o_values
         return out

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, get_args
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, WithJsonSchema,
                       field_validator, model_validator)
 
-from sltune.config import Activations, DType, KVCache, Schedule
+from sltune.config import Activations, DType, KVCache, OptimizerOffload, Schedule
 from sltune.models.presets import hf_config_schema
 from sltune.sizes import SIZE_SCHEMA, format_bytes, parse_bytes
 from sltune.training.optimizer import OptimizerConfig
@@ -147,8 +147,11 @@ class Hardware(_Strict):
     host_memory_limit: Annotated[int | None, WithJsonSchema(SIZE_SCHEMA)] = None
     world_size: int = Field(1, ge=1)
     cpu_threads: int | None = Field(None, ge=1, description="torch intra-op threads per trial; default all cores")
+    disk_limit: Annotated[int | None, WithJsonSchema(SIZE_SCHEMA)] = Field(None, description=(
+        "search.optimizer_offload disk: the room a trial's optimizer files may take (the master and optimizer "
+        "state, twice while a step writes its new version); default: the free space where trials offload to"))
 
-    @field_validator("device_memory_limit", "host_memory_limit", mode="before")
+    @field_validator("device_memory_limit", "host_memory_limit", "disk_limit", mode="before")
     @classmethod
     def _size(cls, value: Any, info) -> int | None:
         return None if value is None else parse_bytes(value, f"hardware.{info.field_name}")
@@ -207,6 +210,18 @@ def _probe_layers(value: Any) -> Any:
                      "or leave it out to probe the whole model")
 
 
+def _offloads(value: Any) -> Any:
+    """search.optimizer_offload: host, disk or both, as a list in that order; one clear message for any bad value."""
+    values = [value] if isinstance(value, str) else value
+    if not isinstance(values, list) or not values:
+        raise ValueError(f"{value!r} is not a list of places; give host, disk or [host, disk]")
+    for v in values:
+        if v not in ("host", "disk"):
+            raise ValueError(f"{v!r} is not where the optimizer's master and state can live; give host, disk or "
+                             "[host, disk]")
+    return [v for v in ("host", "disk") if v in values]
+
+
 Share = Annotated[float, Field(ge=0.0, le=1.0)]
 Shares = Annotated[Share | Annotated[list[Share], Field(min_length=1, max_length=MAX_KNOB_VALUES)],
                    BeforeValidator(_shares)]
@@ -228,6 +243,11 @@ class Search(_Strict):
         None, description="generate: shares of the parameter bytes to keep on the device for a whole generate call "
         "(0 to 1, whole units: tied weights, embedding, head, then groups of num_live_blocks layers), one or a "
         "list to sweep; default 0, 0.5 and 1. Kept weights are copied in once per call instead of at every step")
+    optimizer_offload: Annotated[list[OptimizerOffload], BeforeValidator(_offloads)] = Field(
+        default_factory=lambda: ["host"], min_length=1, description=(
+            "training: where the float32 master and the optimizer state live, host memory or files on disk "
+            "(under the job's data directory), or [host, disk] to let the tuner decide: disk trades host memory "
+            "for disk traffic, bounded by hardware.disk_limit"))
     max_trials: int = Field(20, ge=1)
     trial_steps: int = Field(2, ge=1, le=100_000, description="timed steps per trial at least")
     trial_min_time_s: float = Field(2.0, ge=0, le=3600, description="time a trial's steps until they add up to this")
@@ -274,6 +294,10 @@ class Search(_Strict):
             return []
         return self.weights_on_device or [0.0, 0.5, 1.0]     # _shares made it a list
 
+    def optimizer_offload_values(self, mode: str) -> list[str]:
+        """Where the optimizer may live: the spec's places in training; generation steps no optimizer."""
+        return list(self.optimizer_offload) if mode == "train" else ["host"]
+
 
 def _no_bools(value: Any) -> Any:
     """JSON's true is not a number: every field of the optimizer section is a name or numbers."""
@@ -317,6 +341,15 @@ class TuningSpec(_Strict):
         if mode == "train" and self.search.weights_on_device is not None:
             raise ValueError("search.weights_on_device keeps generation's weights on the device; remove it or set "
                              "workload.mode: generate")
+        if "disk" in self.search.optimizer_offload and mode != "train":
+            raise ValueError("search.optimizer_offload: disk holds a training optimizer's state, and generation "
+                             "steps none; remove it or set workload.mode: train")
+        if "disk" in self.search.optimizer_offload and self.search.schedule == "resident":
+            raise ValueError("search.optimizer_offload: the resident schedule steps its optimizer on the device, "
+                             "so disk cannot hold it; use host, or search.schedule speedloader or canonical")
+        if hw.disk_limit is not None and "disk" not in self.search.optimizer_offload:
+            raise ValueError("hardware.disk_limit bounds the files of search.optimizer_offload disk, which this spec "
+                             "does not try; add disk to search.optimizer_offload (e.g. [host, disk]) or remove it")
         if hw.world_size > 1 and self.search.schedule == "resident":
             raise ValueError("search.schedule 'resident' keeps every parameter on every rank; with "
                              "hardware.world_size > 1 use 'speedloader' or 'canonical'")
@@ -333,6 +366,7 @@ class TuningSpec(_Strict):
             size *= len(knob_values(knob, "knob"))
         size *= max(1, len(search.kv_cache_values(mode)))
         size *= max(1, len(search.weights_on_device_values(mode)))
+        size *= len(search.optimizer_offload_values(mode))
         if size > MAX_CANDIDATES:
             raise ValueError(f"the search space has {size} combinations, more than {MAX_CANDIDATES}; narrow the "
                              "search.* ranges or lists")
@@ -384,9 +418,10 @@ class TuningSpec(_Strict):
         from sltune.tuning.prior import Recipe
 
         hw = self.hardware
-        if hw.host_memory_limit is None and hw.device_memory_limit is None:
+        if hw.host_memory_limit is None and hw.device_memory_limit is None and hw.disk_limit is None:
             return
-        short = shortfall(Recipe.of_spec(self, shape), space.candidates, hw.host_memory_limit, hw.device_memory_limit)
+        short = shortfall(Recipe.of_spec(self, shape), space.candidates, hw.host_memory_limit, hw.device_memory_limit,
+                          disk_limit=hw.disk_limit)
         if short:
             raise ValueError(short)
 

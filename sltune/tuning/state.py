@@ -60,21 +60,25 @@ class Prediction:
     over: list[str] = field(default_factory=list)       # which limits it is predicted to exceed
     prior_device: float | None = None                   # the prior alone (sltune.tuning.prior), before any trial
     prior_host: float | None = None
+    disk: float | None = None                           # optimizer_offload disk: its files at their fullest (exact,
+                                                        # from the shape: the prior's)
 
     def to_dict(self) -> dict[str, Any]:
         return {"peak_device_bytes": self.device, "peak_host_bytes": self.host, "step_seconds": self.step_seconds,
                 "tokens_per_s": self.tokens_per_s, "fits": self.fits, "over": self.over,
-                "prior_device_bytes": self.prior_device, "prior_host_bytes": self.prior_host}
+                "prior_device_bytes": self.prior_device, "prior_host_bytes": self.prior_host,
+                **({"peak_disk_bytes": self.disk} if self.disk else {})}
 
 
 class SearchState:
     """History plus models; refit() after every trial."""
 
     def __init__(self, spec: TuningSpec, shape: ModelShape, space: SearchSpace, baseline: int = 0,
-                 host_ceiling: int | None = None):
+                 host_ceiling: int | None = None, disk_ceiling: int | None = None):
         """`baseline`: what a trial process holds before its model (sltune.tuning.baseline; 0 leaves it out of the
         host prior); `host_ceiling`: the host limit trials get when the spec names none (the machine's or the
-        server's), which predictions are held to as to the spec's own."""
+        server's), which predictions are held to as to the spec's own; `disk_ceiling`: the free space where
+        trials offload to, which disk configs are held to beside the spec's hardware.disk_limit."""
         self.spec = spec
         self.shape = shape
         self.space = space
@@ -82,13 +86,14 @@ class SearchState:
         self.history: list[Done] = []
         self.confirms: list[Done] = []          # the confirmation round's trials: not search history
         self.fits: dict[str, LinearFit] = {}
-        self.margins = {"device": spec.search.margin, "host": spec.search.margin}
+        self.margins = {"device": spec.search.margin, "host": spec.search.margin, "disk": spec.search.margin}
         # search.probe_layers: the fits take the depth as a variable (sltune.tuning.depth)
         self.depth = DepthTerms.of(shape) if spec.search.probe_layers is not None else None
         self.models = ACROSS_DEPTHS if self.depth else MODELS[spec.workload.mode]
         self.offsets = KNOWN_ACROSS_DEPTHS if self.depth else PRIOR_OFFSETS
         self.recipe = Recipe.of_spec(spec, shape, baseline)
         self.host_ceiling = host_ceiling
+        self.disk_ceiling = disk_ceiling
         self._priors: dict[tuple[Candidate, int | None], Prior] = {}
         depths = [None]
         if self.depth:
@@ -106,7 +111,7 @@ class SearchState:
             v.update(self.depth.vars(shape.layers))
         if prior:
             p = self.prior(c, layers)
-            v.update(prior_device=float(p.device), prior_host=float(p.host))
+            v.update(prior_device=float(p.device), prior_host=float(p.host), prior_disk=float(p.disk))
         return v
 
     def prior(self, c: Candidate, layers: int | None = None) -> Prior:
@@ -196,6 +201,8 @@ class SearchState:
             # offload holds every sub-batch's saved tensors on the host on top of recompute's boundary activations
             if c.a != o.a and c.a != "offload":
                 return False
+            if c.on_disk and not o.on_disk:     # the master and optimizer state in files: less host memory
+                return False
             return c.batch >= o.batch and (self.shape.groups(c.k) + 1) * c.batch >= (self.shape.groups(o.k) + 1) * o.batch
         return c == o or c.dominates(o)
 
@@ -222,6 +229,9 @@ class SearchState:
             over.append("device")
         if host is not None and host_limit and host * (1 + self.margins["host"] - pad) > host_limit:
             over.append("host")
+        disk, disk_limit = v["prior_disk"], self.disk_limit
+        if disk and disk_limit is not None and disk * (1 + self.margins["disk"] - pad) > disk_limit:
+            over.append("disk")
         if "device" not in over and hw.device_memory_limit and \
                 self.shape.min_device_bytes(self.spec.workload.mode, c.k, c.w or 0.0) > hw.device_memory_limit:
             over.append("device")           # known without a fit: the kept weights beside a streamed unit
@@ -229,7 +239,13 @@ class SearchState:
             if resource not in over and self._needs_more(c, o, resource):
                 over.append(resource)           # measured: a config needing no less already ran out
         return Prediction(dev, host, t, tps, fits=not over, over=over, prior_device=v["prior_device"],
-                          prior_host=v["prior_host"])
+                          prior_host=v["prior_host"], disk=disk or None)
+
+    @property
+    def disk_limit(self) -> int | None:
+        """What disk configs' files may take: hardware.disk_limit, and no more than the free space trials offload
+        to."""
+        return min((x for x in (self.spec.hardware.disk_limit, self.disk_ceiling) if x is not None), default=None)
 
     def _peak(self, kind: str, v: dict[str, float]) -> float | None:
         """A memory model's prediction: the fit (the prior corrected by the trials, once they pin every term
@@ -265,5 +281,14 @@ class SearchState:
         up = self.space.neighbours_up(c)
         if not up:
             return "search-space"
-        over = {r for o in up for r in self.predict(o).over}
+        over: set[str] = set()
+        for o in up:
+            mine = self.predict(o).over
+            over.update(mine)
+            # over host: the same config with its optimizer on disk may fit; if it does not either, what stops it
+            # (the disk, say) binds too
+            twins = [dataclasses.replace(o, optimizer_offload=x) for x in self.space.o_values
+                     if x != o.optimizer_offload]
+            if "host" in mine and twins and not any(self.predict(t).fits for t in twins):
+                over.update(r for t in twins for r in self.predict(t).over)
         return "+".join(sorted(over)) if over else "none"

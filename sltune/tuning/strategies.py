@@ -6,6 +6,8 @@ Optuna's samplers choose; oneshot chooses itself (from its fitted models) and en
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass
 
 import numpy as np
@@ -108,8 +110,9 @@ class OneShotStrategy(Strategy):
         b_lo, b_mid = bs[0], bs[len(bs) // 2]
 
         def cheapest(b: int, k: int, at_least: int = 0, w: float | None = None) -> Candidate | None:
+            # the optimizer in host memory where that is predicted to fit, else on disk (search.optimizer_offload)
             fits = [c for c in cands if c.b == b and c.k == k and c.n >= at_least and (w is None or c.w == w)]
-            return min(fits, key=lambda c: c.batch, default=None)
+            return min(fits, key=lambda c: (c.batch, c.on_disk and not self._host_over(c), c.on_disk), default=None)
 
         plan = [cheapest(b, k) for b in (b_lo, b_mid) for k in (ks[0], ks[-1])]
         if not self.state.space.by_batch:
@@ -122,6 +125,11 @@ class OneShotStrategy(Strategy):
             fewest = min(cands, key=lambda c: (c.n, c.b))
             plan.append(cheapest(fewest.b, ks[0], w=shares[-1]))
         return [c for c in dict.fromkeys(plan) if c is not None]
+
+    def _host_over(self, c: Candidate) -> bool:
+        """Whether c with its optimizer in host memory is predicted over a limit (then its disk twin probes)."""
+        twin = dataclasses.replace(c, optimizer_offload="host")
+        return twin not in set(self.state.space.candidates) or not self.state.predict(twin).fits
 
     def propose(self) -> Proposal | Stop:
         st = self.state

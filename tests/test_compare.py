@@ -179,6 +179,29 @@ def test_trials_from_before_weights_on_device_compare_as_keeping_none():
                                                                                   (1.0, None, 100.0)]
 
 
+def test_host_and_disk_configs_of_the_same_knobs_are_two_rows_and_a_disk_best_remeasures_in_its_own_folder():
+    """optimizer_offload is a knob: a host trial and a disk trial of the same b, N, k are different configs (a trial
+    from before the knob ran host), and a disk best re-measures for real, its files in a folder of its own."""
+    from sltune.tuning.compare import remeasure
+
+    def job(name: str, offload: dict) -> JobData:
+        config = {"sub_batch_size": 1, "num_sub_batches": 1, "num_live_blocks": 1, **offload}
+        spec = {**SPEC.model_dump(mode="json"), "search": {**SPEC.search.model_dump(mode="json"),
+                                                           "optimizer_offload": ["host", "disk"]}}
+        return JobData(name, "succeeded", spec, {"config": config},
+                       [{"number": 0, "role": "probe", "status": "ok", "config": config,
+                         "result": {"status": "ok", "tokens_per_s": 100.0}}])
+
+    rows = compare(job("old", {}), job("new", {"optimizer_offload": "host"}))["rows"]
+    assert [(r["config"]["optimizer_offload"], r["a"], r["b"]) for r in rows] == [("host", 100.0, 100.0)]
+    old, new = job("old", {}), job("new", {"optimizer_offload": "disk"})
+    cmp = compare(old, new)
+    assert sorted((r["config"]["optimizer_offload"], r["a"], r["b"]) for r in cmp["rows"]) == [
+        ("disk", None, 100.0), ("host", 100.0, None)]
+    r = remeasure(cmp, old, new, rounds=1)
+    assert r["remeasured"]["rounds"] == 1 and r["ratio"] > 0
+
+
 def test_help_texts_render():
     """Every command's -h; none shows argparse's escaped "%%" (a description, unlike a help, is printed as
     written: `compare -h` said "95%%")."""

@@ -230,6 +230,12 @@ def test_space_expands_ranges_and_derives_n_from_a_fixed_effective_batch():
 
 def test_digest_identifies_a_spec():
     assert parse().digest() == parse().digest() != parse(name="other").digest()
+    # a field given at its default is the spec without it: a field a later version adds does not orphan a job
+    base = parse()
+    explicit = parse(search={**BASE.get("search", {}), "optimizer_offload": ["host"]},
+                     hardware={**BASE.get("hardware", {}), "disk_limit": None})
+    assert explicit.digest() == base.digest()
+    assert parse(search={**BASE.get("search", {}), "optimizer_offload": ["host", "disk"]}).digest() != base.digest()
 
 
 def test_a_checkpoint_folder_is_a_model_source_and_its_saved_config_json_is_accepted_as_is(tmp_path):

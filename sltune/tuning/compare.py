@@ -21,7 +21,9 @@ decisive answer when the two jobs ran at different times on a noisy machine.
 
 from __future__ import annotations
 
+import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 from statistics import median
 from typing import Any, Callable
 
@@ -31,9 +33,11 @@ from sltune.tuning.figure import median_of
 
 Key = tuple[int, int, int]
 CONFOUNDING_CORES = 0.5     # a difference in other processes' busy cores that makes two measurements incomparable
-KNOBS = ("sub_batch_size", "num_sub_batches", "num_live_blocks", "activations", "kv_cache", "weights_on_device")
-# what trials stored before a knob existed ran: recompute, and no weights kept on the device
-BEFORE_KNOB = {"activations": "recompute", "weights_on_device": 0.0}
+KNOBS = ("sub_batch_size", "num_sub_batches", "num_live_blocks", "activations", "kv_cache", "weights_on_device",
+         "optimizer_offload")
+# what trials stored before a knob existed ran: recompute, no weights kept on the device, the optimizer in host
+# memory (a host config's knobs leave optimizer_offload out)
+BEFORE_KNOB = {"activations": "recompute", "weights_on_device": 0.0, "optimizer_offload": "host"}
 
 
 def _key(config: dict[str, Any]) -> tuple:
@@ -172,19 +176,28 @@ def remeasure(cmp: dict[str, Any], old: JobData, new: JobData, rounds: int = 3,
     from sltune.tuning.spec import TuningSpec
 
     run = run or (lambda spec: run_trial(spec).model_dump(mode="json"))
-    specs = {}
-    for side, job, cfg in (("old", old, cmp["best_config_a"]), ("new", new, cmp["best_config_b"])):
-        tuning = TuningSpec.model_validate(job.spec)
-        specs[side] = trial_spec(tuning, Candidate.from_knobs(cfg), None).model_copy(
-            update={"profile": False})
     got: dict[str, list[list[float]]] = {"old": [], "new": []}
-    for r in range(rounds):
-        for side in (("old", "new") if r % 2 == 0 else ("new", "old")):
-            result = run(specs[side])
-            s = step_tokens_per_s(result)
-            if s is None:
-                raise ValueError(f"re-measuring the {side} best failed: {result.get('status')}: {result.get('error')}")
-            got[side].append(s)
+    # a best of optimizer_offload disk keeps its files here while it is measured
+    with tempfile.TemporaryDirectory(prefix="sltune-compare-") as scratch:
+        specs = {}
+        for side, job, cfg in (("old", old, cmp["best_config_a"]), ("new", new, cmp["best_config_b"])):
+            tuning = TuningSpec.model_validate(job.spec)
+            cand = Candidate.from_knobs(cfg)
+            specs[side] = trial_spec(tuning, cand, None, offload_dir=Path(scratch) if cand.on_disk else None
+                                     ).model_copy(update={"profile": False})
+        for r in range(rounds):
+            for side in (("old", "new") if r % 2 == 0 else ("new", "old")):
+                spec = specs[side]
+                if spec.offload_dir:            # a fresh folder a trial: files are a run's own
+                    folder = Path(scratch, f"{side}-{r}")
+                    folder.mkdir()
+                    spec = spec.model_copy(update={"offload_dir": str(folder)})
+                result = run(spec)
+                s = step_tokens_per_s(result)
+                if s is None:
+                    raise ValueError(f"re-measuring the {side} best failed: {result.get('status')}: "
+                                     f"{result.get('error')}")
+                got[side].append(s)
     ratio, ci = paired_ratio_ci(got["new"], got["old"])
     out = {**cmp, "ratio": ratio, "ci95": list(ci), "change": ratio - 1.0,
            "verdict": verdict(ci, cmp["max_regression"]),

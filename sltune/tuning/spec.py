@@ -443,8 +443,10 @@ class TuningSpec(_Strict):
                 "raise the limit")
 
     def digest(self) -> str:
-        """Identifies the job: the same spec re-run resumes the same job."""
-        return hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
+        """Identifies the job: the same spec re-run resumes the same job. Fields left at their defaults are left out,
+        so a field a later sltune adds (with a default that keeps today's behaviour) does not orphan a job."""
+        return hashlib.sha256(json.dumps(self.model_dump(mode="json", exclude_defaults=True), sort_keys=True)
+                              .encode()).hexdigest()
 
     @classmethod
     def load(cls, path: str | Path) -> "TuningSpec":

@@ -227,3 +227,35 @@ def test_the_prior_of_a_disk_trial_is_what_the_trial_holds(tmp_path):
     names = dict(prior.host_terms)
     assert "AdamW's two moments in float32" not in names and names["the disk tier's window (3 blocks' master and " \
                                                                    "state)"] > 0
+
+
+def test_plan_takes_a_disk_limit_for_a_spec_and_refuses_it_where_disk_is_not_planned(tuned, tmp_path, capsys):
+    _, settings, result = tuned
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec()))
+    assert main(["plan", str(path), "--disk-limit", "100MiB"]) == 1         # the flag over the spec's 2 GiB
+    out = capsys.readouterr().out
+    assert "disk 100.0 MiB (hardware.disk_limit)" in out.splitlines()[0] and "over disk" in out
+    host_only = {**spec(), "hardware": {k: v for k, v in spec()["hardware"].items() if k != "disk_limit"},
+                 "search": {**SEARCH, "optimizer_offload": "host"}}
+    path.write_text(yaml.safe_dump(host_only))
+    assert main(["plan", str(path), "--disk-limit", "1GiB"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "does not try; add disk to search.optimizer_offload" in err
+    best = tmp_path / "best.yaml"
+    export_yaml(TuningSpec.parse(spec()), result, best)
+    assert main(["plan", str(best), "--disk-limit", "1GiB"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.endswith("give the tuning spec (sltune plan SPEC.yaml --disk-limit ...)")
+
+
+def test_a_job_taken_up_again_removes_the_optimizer_files_a_killed_holder_left(tuned):
+    data, settings, _ = tuned
+    left = settings.offload_root() / "left-behind" / "trial-99"     # a number no trial of this job reaches
+    left.mkdir(parents=True)
+    (left / "block-0.bin").write_bytes(b"\0" * 4096)
+    assert (settings.offload_root() / "left-behind").exists()
+    r = tune({**spec(), "name": "left-behind"}, f"sqlite:///{data / 'jobs.db'}", job_id="left-behind",
+             settings=settings)
+    assert r["status"] == "succeeded", r
+    assert not (settings.offload_root() / "left-behind").exists()

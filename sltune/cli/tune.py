@@ -55,6 +55,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     pl.add_argument("--device-memory-limit", help="bytes or e.g. 24GiB (default: the file's limit)")
     pl.add_argument("--host-memory-limit", help="bytes or e.g. 64GiB (default: the file's limit; a spec without "
                                                 "one: this machine's trial ceiling)")
+    pl.add_argument("--disk-limit", help="a spec that sweeps search.optimizer_offload disk: bytes or e.g. 200GiB "
+                                         "(default: the spec's hardware.disk_limit, else the free space where trials "
+                                         "offload to)")
     pl.add_argument("--json", action="store_true", help="print the prediction as JSON")
     pl.set_defaults(run=run_plan)
 
@@ -182,7 +185,11 @@ def run_plan(args: argparse.Namespace) -> int:
         (args.device_memory_limit, "--device-memory-limit"), (args.host_memory_limit, "--host-memory-limit"))]
     data = read_yaml(source)
     if is_spec(data):
-        return _plan_spec(data, source, limits, args.json)
+        disk = None if args.disk_limit is None else parse_bytes(args.disk_limit, "--disk-limit")
+        return _plan_spec(data, source, limits, args.json, disk)
+    if args.disk_limit is not None:
+        raise ValueError(f"--disk-limit: {source} is a best.yaml, whose plan predicts from its fitted models without "
+                         "disk; give the tuning spec (sltune plan SPEC.yaml --disk-limit ...)")
     r = plan(source, *limits)
     if args.json:
         print(json.dumps(r))
@@ -217,11 +224,11 @@ def run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _plan_spec(data: dict, source: str, limits: list, as_json: bool) -> int:
+def _plan_spec(data: dict, source: str, limits: list, as_json: bool, disk_limit: int | None = None) -> int:
     """Every config of a spec with its predicted peaks; the refusal when none fits (exit code 1)."""
     from sltune.tuning.prior_plan import plan_spec
 
-    r = plan_spec(data, source, *limits)
+    r = plan_spec(data, source, *limits, disk_limit=disk_limit)
     if as_json:
         print(json.dumps(r))
         return 0 if r["fitting"] else 1

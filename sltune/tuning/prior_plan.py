@@ -18,7 +18,7 @@ from sltune.tuning.baseline import trial_baseline
 from sltune.tuning.feasible import free_bytes, shortfall
 from sltune.tuning.shape import shape_of
 from sltune.tuning.space import SearchSpace
-from sltune.tuning.spec import TuningSpec
+from sltune.tuning.spec import DISK_LIMIT_WITHOUT_DISK, TuningSpec
 from sltune.tuning.state import SearchState
 
 LIMITS = ("device_memory_limit", "host_memory_limit", "disk_limit")
@@ -30,13 +30,15 @@ def is_spec(data: Any) -> bool:
 
 
 def plan_spec(data: dict[str, Any], source: str | Path, device_memory_limit: int | str | None = None,
-              host_memory_limit: int | str | None = None, settings: Settings | None = None) -> dict[str, Any]:
+              host_memory_limit: int | str | None = None, settings: Settings | None = None,
+              disk_limit: int | str | None = None) -> dict[str, Any]:
     """Every config's predicted peaks under the spec's limits (or these), which fit, which limit binds the
     largest, and the refusal when none fits."""
     settings = settings or Settings()
     hardware = dict(data.get("hardware") or {})
     asked = {name: hardware.pop(name, None) for name in LIMITS}     # held to below, not refused by the schema
-    for name, value in (("device_memory_limit", device_memory_limit), ("host_memory_limit", host_memory_limit)):
+    for name, value in (("device_memory_limit", device_memory_limit), ("host_memory_limit", host_memory_limit),
+                        ("disk_limit", disk_limit)):
         if value is not None:
             asked[name] = value
     spec = TuningSpec.parse({**data, "hardware": hardware}, source=str(source))
@@ -55,6 +57,8 @@ def plan_spec(data: dict[str, Any], source: str | Path, device_memory_limit: int
                                                                          "host_memory_limit": host_limit,
                                                                          "disk_limit": disk_asked})})
     on_disk = any(c.on_disk for c in space.candidates)
+    if disk_asked is not None and not on_disk:         # as the spec's own check says it (TuningSpec)
+        raise ValueError(f"{source}: the disk limit {DISK_LIMIT_WITHOUT_DISK}")
     free = free_bytes(settings.offload_root()) if on_disk else None
     state = SearchState(limited, shape, space, baseline=baseline, host_ceiling=ceiling, disk_ceiling=free)
     disk_limit = state.disk_limit if on_disk else None

@@ -106,6 +106,9 @@ def run_job(store: Store, job_id: str, *, progress: ProgressFn | None = None, sh
     if offload_root is None:
         offload_root = (Path(artifact_dir).parent if artifact_dir is not None
                         else Path(tempfile.gettempdir())) / "offload"
+    # a previous holder killed mid-trial left its trial's optimizer files: this runner holds the job, so no trial of
+    # it runs anywhere else, and the room they took is free again before the disk ceiling is read
+    shutil.rmtree(offload_root / job_id, ignore_errors=True)
     on_disk = any(c.on_disk for c in space.candidates)
     state = SearchState(spec, shape, space, baseline=baseline, host_ceiling=default_host_limit,
                         disk_ceiling=free_bytes(offload_root) if on_disk else None)

@@ -210,6 +210,10 @@ def _probe_layers(value: Any) -> Any:
                      "or leave it out to probe the whole model")
 
 
+DISK_LIMIT_WITHOUT_DISK = ("bounds the files of search.optimizer_offload disk, which this spec does not try; add disk "
+                           "to search.optimizer_offload (e.g. [host, disk]) or remove it")
+
+
 def _offloads(value: Any) -> Any:
     """search.optimizer_offload: host, disk or both, as a list in that order; one clear message for any bad value."""
     values = [value] if isinstance(value, str) else value
@@ -348,8 +352,7 @@ class TuningSpec(_Strict):
             raise ValueError("search.optimizer_offload: the resident schedule steps its optimizer on the device, "
                              "so disk cannot hold it; use host, or search.schedule speedloader or canonical")
         if hw.disk_limit is not None and "disk" not in self.search.optimizer_offload:
-            raise ValueError("hardware.disk_limit bounds the files of search.optimizer_offload disk, which this spec "
-                             "does not try; add disk to search.optimizer_offload (e.g. [host, disk]) or remove it")
+            raise ValueError(f"hardware.disk_limit {DISK_LIMIT_WITHOUT_DISK}")
         if hw.world_size > 1 and self.search.schedule == "resident":
             raise ValueError("search.schedule 'resident' keeps every parameter on every rank; with "
                              "hardware.world_size > 1 use 'speedloader' or 'canonical'")

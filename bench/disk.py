@@ -318,7 +318,6 @@ def disk_part(args: argparse.Namespace) -> None:
     params = param_count(args.model)
     terms = shape_of(args.model, "bfloat16").host_terms("train", True)
     host_need = sum(n for _, n in terms)
-    moved = sum(n for what, n in terms if "master" in what or "moments" in what)
     limit = baseline_rss() + host_need - 1
     fs = subprocess.run(["df", "-T", str(folder)], capture_output=True, text=True).stdout.splitlines()[-1].split()[1]
     print(f"{args.model}: {params / 1e9:.2f}B parameters, bf16 with float32 masters, AdamW; b={args.b} N={args.n} "

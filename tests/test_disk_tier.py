@@ -176,11 +176,16 @@ def test_mistakes_are_one_line_naming_the_field(tmp_path, capsys):
     assert main([*knobs, "--optimizer-offload", "disk", "--offload-dir", str(blocked / "sub")]) == 2
     assert main([*knobs, "--offload-dir", str(tmp_path)]) == 2
     assert main(["profile", "--optimizer-offload", "disk"]) == 2
+    assert main(["profile", "--optimizer-offload", "disk", "--offload-dir", str(tmp_path),
+                 "--schedule", "resident"]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert err[0].startswith(f"sltune train: error: offload_dir {blocked / 'sub'}: not writable")
     assert err[1] == ("sltune train: error: --offload-dir: the optimizer's files go there under --optimizer-offload "
                       "disk; add --optimizer-offload disk (or drop --offload-dir)")
     assert err[2].startswith("sltune profile: error: --offload-dir: --optimizer-offload disk keeps")
+    assert err[3] == ("sltune profile: error: --optimizer-offload disk: the resident schedule steps its optimizer on "
+                      "the device; use --optimizer-offload host, or --schedule speedloader or canonical")
+    assert len(err) == 4
 
 
 # The host peak of steady steps (after the first, which creates the optimizer's state), in a fresh process.

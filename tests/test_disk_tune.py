@@ -97,6 +97,9 @@ def test_a_host_limit_only_disk_satisfies_picks_disk_and_best_yaml_trains_it(tun
     trained = json.loads(capsys.readouterr().out)
     assert trained["config"]["optimizer_offload"] == "disk"
     assert trained["config"]["offload_dir"] == str(tmp_path / "off")
+    # the flag over the file: a disk best.yaml trains with the optimizer in host memory, no folder asked for
+    assert main(["train", "--config", str(best), "--steps", "1", "--json", "--optimizer-offload", "host"]) == 0
+    assert json.loads(capsys.readouterr().out)["config"]["optimizer_offload"] == "host"
 
 
 def test_plan_shows_the_three_limits_and_names_the_one_that_binds(tuned, tmp_path, capsys):

@@ -98,17 +98,13 @@ def _fits_host(spec: TrialSpec) -> None:
     from sltune.settings import Settings
     from sltune.tuning.baseline import trial_baseline
     from sltune.tuning.feasible import shortfall
-    from sltune.tuning.prior import Recipe, at_depth
+    from sltune.tuning.prior import Recipe
     from sltune.tuning.shape import shape_of
     from sltune.tuning.space import Candidate
 
     settings = Settings()
     shape = shape_of(spec.model, spec.dtype)
-    if spec.num_layers is not None and spec.num_layers < shape.layers:
-        shape = at_depth(shape, spec.num_layers)
-    generate = spec.mode == "generate"
-    config = Candidate(spec.sub_batch_size, spec.num_sub_batches, spec.num_live_blocks, spec.activations,
-                       spec.kv_cache if generate else None, spec.weights_on_device if generate else None)
+    config = Candidate.from_knobs(spec.knobs())
     recipe = Recipe.of_trial(spec, shape, trial_baseline(spec.device, spec.world_size, spec.mode, spec.cpu_threads))
     where = "--host-memory-limit" if spec.host_memory_limit else settings.trial_host_limit_source()
     short = shortfall(recipe, [config], spec.host_memory_limit or settings.trial_host_limit(),
@@ -127,6 +123,9 @@ def _offload_dir(args: argparse.Namespace) -> str | None:
             raise ValueError("--offload-dir: the optimizer's files go there under --optimizer-offload disk; add "
                              "--optimizer-offload disk (or drop --offload-dir)")
         return None
+    if args.schedule == "resident" and args.mode == "train":      # SpeedLoaderConfig's check, named by its flags
+        raise ValueError("--optimizer-offload disk: the resident schedule steps its optimizer on the device; use "
+                         "--optimizer-offload host, or --schedule speedloader or canonical")
     if not args.offload_dir:
         raise ValueError("--offload-dir: --optimizer-offload disk keeps the optimizer's files there; give a "
                          "directory on a local disk")

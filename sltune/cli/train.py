@@ -81,8 +81,9 @@ def run(args: argparse.Namespace) -> int:
     from sltune.training.loop import TrainJob, run as train
 
     tuned = read_yaml(args.config) if args.config else {}
-    if isinstance(tuned, dict) and args.offload_dir and not tuned.get("offload_dir"):
-        tuned = {**tuned, "offload_dir": args.offload_dir}     # a best.yaml of disk names no folder: the job's own
+    if isinstance(tuned, dict):     # a best.yaml of disk names no folder: the job gives its own, or trains on host
+        tuned = {**tuned, **{f: getattr(args, f) for f in ("optimizer_offload", "offload_dir")
+                             if getattr(args, f, None) is not None}}
     base = SpeedLoaderConfig.from_dict(tuned, source=args.config) if args.config else None
     cfg = config_from_args(args, base)
     if args.world_size is not None:

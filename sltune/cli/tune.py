@@ -72,10 +72,10 @@ def run_tune(args: argparse.Namespace) -> int:
     if args.strategy:
         spec = TuningSpec.model_validate({**spec.model_dump(), "search": {**spec.search.model_dump(),
                                                                           "strategy": args.strategy}})
-    fits_this_machine(spec, Settings())     # a refusal is one line, before the bar starts
-    # after the check: a refused spec answers without a second process importing torch beside it; an accepted
-    # one's fork server imports while the job is created and its first trial planned
+    # the trials' fork server imports torch and transformers beside this process from here: a spec the schema
+    # refused (its limits below what its least config needs included) answered without it
     forks.start()
+    fits_this_machine(spec, Settings())     # a refusal is one line, before the bar starts
     bar = JobBar(f"tune {spec.name} ({spec.search.strategy})", spec.search.max_trials, disable=args.json)
     result = tune(spec, args.db, job_id=args.job_id, progress=bar.show)
     bar.close()

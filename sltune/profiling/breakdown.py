@@ -34,6 +34,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from sltune.runtime.regions import STEP, category_of
+from sltune.runtime.spans import union_length
 
 SLICES = ("compute", "memcpy", "cpu", "all_gather", "reduce_scatter", "disk", "other")
 
@@ -226,23 +227,11 @@ def _attribute_device(kernels: list[_Event], windows: list[tuple[int, int]],
             if lo < hi:
                 by_slice[kernel_slice(e.name)].append((lo, hi))
     for k in SLICES:
-        seconds[k] = _union(by_slice.get(k, []))
-    busy = _union([iv for ivs in by_slice.values() for iv in ivs])
+        seconds[k] = union_length(by_slice.get(k, []))
+    busy = union_length([iv for ivs in by_slice.values() for iv in ivs])
     seconds["cpu"] = max(0.0, wall - busy)
     copies, compute = by_slice.get("memcpy", []), by_slice.get("compute", [])
     if not copies:
         return None
     # |copies and compute| = |copies| + |compute| - |copies or compute|
-    return (seconds["memcpy"] + seconds["compute"] - _union(copies + compute)) / seconds["memcpy"]
-
-
-def _union(intervals: list[tuple[int, int]]) -> float:
-    total, end = 0.0, None
-    for a, b in sorted(intervals):
-        if end is None or a > end:
-            total += b - a
-            end = b
-        elif b > end:
-            total += b - end
-            end = b
-    return total
+    return (seconds["memcpy"] + seconds["compute"] - union_length(copies + compute)) / seconds["memcpy"]

@@ -39,7 +39,7 @@ import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 import torch
 from torch import nn
@@ -53,6 +53,7 @@ IO_THREADS = 4
 MANIFEST = "manifest.json"
 LOCK = ".lock"
 DELAY_ENV = "SLTUNE_DISK_WRITE_DELAY_S"     # emulate a slow disk: seconds of sleep before each file write
+T = TypeVar("T")
 _names = itertools.count()
 
 
@@ -147,15 +148,7 @@ class DiskState:
         """Pack a unit's stepped tensors into blocks and write version 0: the masters (when they live here) of
         the stepped tensors, and the frozen ranges' masters once. `master` is the unit's flat float32 master,
         which the caller frees after."""
-        blocks, current, size = [], [], 0
-        for s in stepped:
-            if current and size + s.numel > BLOCK_NUMEL:
-                blocks.append(current)
-                current, size = [], 0
-            current.append(s)
-            size += s.numel
-        if current:
-            blocks.append(current)
+        blocks = pack(stepped, lambda s: s.numel)
         mine = [Block(len(self.blocks) + i, unit, items, sum(s.numel for s in items)) for i, items in enumerate(blocks)]
         self.blocks += mine
         self._by_unit[id(unit)] = mine
@@ -197,23 +190,8 @@ class DiskState:
         self._slots = [_Slot(aligned_empty(n), padded(n)) for n in sizes]
         self._commit_manifest(None)
 
-    @property
-    def value_bytes(self) -> int:
-        """Bytes per stepped value on disk: the master's 4 and the optimizer state's."""
-        return (4 if self.master else 0) + sum(torch.empty((), dtype=d).element_size() for _, d in self.layout)
-
     def _sections(self, block: Block) -> tuple[int | None, list[int], int]:
-        """Byte offsets of a block's master section (None without one) and state sections, and its total."""
-        off, master = 0, None
-        if self.master:
-            master, off = 0, block.numel * 4
-        states = []
-        for _, dtype in self.layout:
-            size = torch.empty((), dtype=dtype).element_size()
-            off = -(-off // size) * size
-            states.append(off)
-            off += block.numel * size
-        return master, states, off
+        return block_sections(block.numel, self.master, self.layout)
 
     def nbytes(self, block: Block, with_state: bool) -> int:
         """The payload of a block's file: its master section, and its state when it has one."""
@@ -236,9 +214,8 @@ class DiskState:
                 out_m.append(buf[a:a + 4 * s.numel].view(torch.float32).view(s.shape))
             mine = []
             for base, (_, dtype) in zip(states, self.layout):
-                size = torch.empty((), dtype=dtype).element_size()
-                a = base + size * off
-                mine.append(buf[a:a + size * s.numel].view(dtype).view(s.shape))
+                a = base + dtype.itemsize * off
+                mine.append(buf[a:a + dtype.itemsize * s.numel].view(dtype).view(s.shape))
             out_s.append(mine)
         return Views(out_m, out_s)
 
@@ -469,6 +446,37 @@ def write_manifest(folder: Path, manifest: dict[str, Any]) -> None:
         os.close(fd)
 
 
+def pack(items: Sequence[T], numel: Callable[[T], int]) -> list[list[T]]:
+    """Items in order, in blocks of at most BLOCK_NUMEL values (a larger item is a block of its own): how a unit's
+    stepped tensors go to files, and how the tuner's prior counts them (sltune.tuning.prior)."""
+    blocks: list[list[T]] = []
+    current: list[T] = []
+    size = 0
+    for item in items:
+        if current and size + numel(item) > BLOCK_NUMEL:
+            blocks.append(current)
+            current, size = [], 0
+        current.append(item)
+        size += numel(item)
+    return blocks + ([current] if current else [])
+
+
+def block_sections(numel: int, master: bool,
+                   layout: Sequence[tuple[str, torch.dtype]]) -> tuple[int | None, list[int], int]:
+    """A block file's layout, for the engine that writes it and for read_committed: the byte offset of its float32
+    master section (None without a master), of each optimizer state section (aligned to its dtype), and the
+    total."""
+    off, at_master = 0, None
+    if master:
+        at_master, off = 0, numel * 4
+    states = []
+    for _, dtype in layout:
+        off = -(-off // dtype.itemsize) * dtype.itemsize
+        states.append(off)
+        off += numel * dtype.itemsize
+    return at_master, states, off
+
+
 def read_committed(folder: str | Path) -> dict[str, Any]:
     """The last complete version in an engine's folder (or a checkpoint's): {"version", "optimizer" (the
     counters, or None at version 0), "tensors": {index: {"master": tensor, key: tensor, ...}}}, every
@@ -482,20 +490,17 @@ def read_committed(folder: str | Path) -> dict[str, Any]:
             continue
         data = (folder / entry["file"]).read_bytes()
         buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        off, numel = 0, entry["numel"]
-        sections: list[tuple[str, torch.Tensor]] = []
-        if manifest["master"]:
-            sections.append(("master", buf[:numel * 4].view(torch.float32)))
-            off = numel * 4
+        numel = entry["numel"]
+        master, states, _ = block_sections(numel, manifest["master"], layout)
+        parts: list[tuple[str, torch.Tensor]] = []
+        if master is not None:
+            parts.append(("master", buf[master:master + numel * 4].view(torch.float32)))
         if entry["has_state"]:
-            for key, dtype in layout:
-                size = torch.empty((), dtype=dtype).element_size()
-                off = -(-off // size) * size
-                sections.append((key, buf[off:off + numel * size].view(dtype)))
-                off += numel * size
+            parts += [(key, buf[off:off + numel * dtype.itemsize].view(dtype))
+                      for off, (key, dtype) in zip(states, layout)]
         at = 0
         for index, n in entry["items"]:
-            tensors[index] = {key: values[at:at + n].clone() for key, values in sections}
+            tensors[index] = {key: values[at:at + n].clone() for key, values in parts}
             at += n
     small = torch.load(folder / manifest["optimizer"], weights_only=True) if manifest["optimizer"] else None
     return {"version": manifest["version"], "optimizer": small, "tensors": tensors}

@@ -34,6 +34,7 @@ from torch import nn
 
 from sltune.runtime.diskstate import Block, DiskState, Stepped
 from sltune.runtime.regions import region
+from sltune.runtime.spans import union_length
 
 
 @dataclass
@@ -125,7 +126,7 @@ class UnitStepper:
                                "does not follow the backward's")
         self._submit(unit, pending)
 
-    def finish(self, small_state: bool = True) -> None:
+    def finish(self) -> None:
         """Step what has not stepped yet, wait for every unit and write, and commit the new version."""
         start = time.perf_counter()
         with region("cpu", "optimizer_wait"):
@@ -138,7 +139,7 @@ class UnitStepper:
             with region("disk", "write_behind"):        # the breakdown's disk slice
                 self.disk.finish_writes()
                 end = time.perf_counter()
-                self.disk.commit(self.optimizer.state_dict() if small_state else {})
+                self.disk.commit(self.optimizer.state_dict())
         else:
             end = time.perf_counter()
         self._account(start, end)
@@ -240,26 +241,13 @@ class UnitStepper:
         t = self.timeline
         t.optimizer_s = sum(b - a for a, b in self._compute)
         t.waited_s = end - start
-        t.exposed_s = (end - start) - _overlap(_union(self._compute), start, end)
+        t.exposed_s = (end - start) - union_length((max(a, start), min(b, end)) for a, b in self._compute
+                                                   if b > start and a < end)
         if self.disk is not None:
             times = self.disk.times
-            t.read_busy_s = sum(b - a for a, b in _union(times.reads))
-            t.write_busy_s = sum(b - a for a, b in _union(times.writes))
-            t.disk_busy_s = sum(b - a for a, b in _union(times.reads + times.writes))
+            t.read_busy_s = union_length(times.reads)
+            t.write_busy_s = union_length(times.writes)
+            t.disk_busy_s = union_length(times.reads + times.writes)
 
     def close(self) -> None:
         self._worker.shutdown(wait=True)
-
-
-def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    out: list[list[float]] = []
-    for a, b in sorted(spans):
-        if out and a <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], b)
-        else:
-            out.append([a, b])
-    return [(a, b) for a, b in out]
-
-
-def _overlap(spans: list[tuple[float, float]], start: float, end: float) -> float:
-    return sum(max(0.0, min(b, end) - max(a, start)) for a, b in spans)

@@ -16,8 +16,8 @@ from sltune.settings import Settings
 from sltune.sizes import format_bytes
 from sltune.tuning.confirm import MAX_FINALISTS
 from sltune.tuning.runner import machine_cores
-from sltune.tuning.shape import shape_of
-from sltune.tuning.space import SearchSpace
+from sltune.tuning.shape import ModelShape, shape_of
+from sltune.tuning.space import Candidate, SearchSpace
 from sltune.tuning.spec import TuningSpec, describe_errors
 
 
@@ -34,8 +34,10 @@ def admit(spec: TuningSpec, settings: Settings) -> tuple[TuningSpec, dict[str, A
     Refused if it asks for more than the server allows."""
     spec, limits = _memory(spec, settings, _counts(spec, settings))
     hw = spec.hardware
-    _fits(spec, limits)
-    biggest = max(c.batch for c in SearchSpace(spec, shape_of(spec.model.source, spec.model.dtype)).candidates)
+    shape = shape_of(spec.model.source, spec.model.dtype)
+    candidates = SearchSpace(spec, shape).candidates
+    _fits(spec, shape, candidates, limits)
+    biggest = max(c.batch for c in candidates)
     tokens = biggest * spec.workload.tokens_per_row * hw.world_size      # every rank runs its own batch
     if tokens > settings.max_tokens_per_step:
         ranks = f"*world_size {hw.world_size}" if hw.world_size > 1 else ""
@@ -56,7 +58,7 @@ def admit(spec: TuningSpec, settings: Settings) -> tuple[TuningSpec, dict[str, A
     return spec, limits
 
 
-def _fits(spec: TuningSpec, limits: dict[str, Any]) -> None:
+def _fits(spec: TuningSpec, shape: ModelShape, candidates: list[Candidate], limits: dict[str, Any]) -> None:
     """Refused when the smallest config is predicted over the limits that apply (the server's ceiling where the
     request named none or more), the process a trial runs in counted (sltune.tuning.baseline)."""
     from sltune.tuning.baseline import trial_baseline
@@ -64,10 +66,9 @@ def _fits(spec: TuningSpec, limits: dict[str, Any]) -> None:
     from sltune.tuning.prior import Recipe
 
     hw = spec.hardware
-    shape = shape_of(spec.model.source, spec.model.dtype)
     baseline = trial_baseline(hw.device, hw.world_size, spec.workload.mode, hw.cpu_threads, measure=False)
     recipe = Recipe.of_spec(spec, shape, baseline)
-    short = shortfall(recipe, SearchSpace(spec, shape).candidates, hw.host_memory_limit, hw.device_memory_limit,
+    short = shortfall(recipe, candidates, hw.host_memory_limit, hw.device_memory_limit,
                       disk_limit=hw.disk_limit)
     if short:
         field = next((f for f in ("hardware.host_memory_limit", "hardware.disk_limit") if short.startswith(f)),

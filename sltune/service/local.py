@@ -63,7 +63,7 @@ def fits_this_machine(spec: TuningSpec, settings: Settings) -> None:
     be killed), for all the trial's ranks together; and its device limit. The host prior counts what a trial
     process holds before its model, measured on this machine (once: sltune.tuning.baseline)."""
     from sltune.tuning.baseline import trial_baseline
-    from sltune.tuning.feasible import free_bytes, shortfall
+    from sltune.tuning.feasible import disk_room, shortfall
     from sltune.tuning.prior import Recipe
     from sltune.tuning.shape import shape_of
     from sltune.tuning.space import SearchSpace
@@ -75,9 +75,7 @@ def fits_this_machine(spec: TuningSpec, settings: Settings) -> None:
     space = SearchSpace(spec, shape)
     disk_limit, disk_name = hw.disk_limit, "hardware.disk_limit"
     if any(c.on_disk for c in space.candidates):     # the files go in the data directory: no more than it has free
-        free = free_bytes(settings.offload_root())
-        if free is not None and (disk_limit is None or free < disk_limit):
-            disk_limit, disk_name = free, f"the free space in {settings.offload_root()}"
+        disk_limit, disk_name = disk_room(hw.disk_limit, settings.offload_root())
     short = shortfall(recipe, space.candidates,
                       settings.trial_host_limit() if unset else hw.host_memory_limit, hw.device_memory_limit,
                       host_name="the ceiling" if unset else "hardware.host_memory_limit",

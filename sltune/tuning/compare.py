@@ -177,22 +177,17 @@ def remeasure(cmp: dict[str, Any], old: JobData, new: JobData, rounds: int = 3,
 
     run = run or (lambda spec: run_trial(spec).model_dump(mode="json"))
     got: dict[str, list[list[float]]] = {"old": [], "new": []}
-    # a best of optimizer_offload disk keeps its files here while it is measured
+    bests = {side: (TuningSpec.model_validate(job.spec), Candidate.from_knobs(cfg))
+             for side, job, cfg in (("old", old, cmp["best_config_a"]), ("new", new, cmp["best_config_b"]))}
+    # a best of optimizer_offload disk keeps its files here while it is measured, a fresh folder each run
     with tempfile.TemporaryDirectory(prefix="sltune-compare-") as scratch:
-        specs = {}
-        for side, job, cfg in (("old", old, cmp["best_config_a"]), ("new", new, cmp["best_config_b"])):
-            tuning = TuningSpec.model_validate(job.spec)
-            cand = Candidate.from_knobs(cfg)
-            specs[side] = trial_spec(tuning, cand, None, offload_dir=Path(scratch) if cand.on_disk else None
-                                     ).model_copy(update={"profile": False})
         for r in range(rounds):
             for side in (("old", "new") if r % 2 == 0 else ("new", "old")):
-                spec = specs[side]
-                if spec.offload_dir:            # a fresh folder a trial: files are a run's own
-                    folder = Path(scratch, f"{side}-{r}")
+                tuning, cand = bests[side]
+                folder = Path(scratch, f"{side}-{r}") if cand.on_disk else None
+                if folder is not None:
                     folder.mkdir()
-                    spec = spec.model_copy(update={"offload_dir": str(folder)})
-                result = run(spec)
+                result = run(trial_spec(tuning, cand, None, offload_dir=folder).model_copy(update={"profile": False}))
                 s = step_tokens_per_s(result)
                 if s is None:
                     raise ValueError(f"re-measuring the {side} best failed: {result.get('status')}: "

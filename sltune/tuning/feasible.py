@@ -126,6 +126,15 @@ def _would_fit(recipe: Recipe, cands: list[Candidate], limit: int) -> str:
     return f"no change of dtype, precision or optimizer; a limit of at least {format_bytes(need)}, or a smaller model"
 
 
+def disk_room(asked: int | None, root: Path) -> tuple[int | None, str]:
+    """The disk limit disk configs are held to, and its name for a refusal: the asked one (hardware.disk_limit), or
+    the free space where trials offload to (`root`) when that is less or nothing was asked."""
+    free = free_bytes(root)
+    if asked is not None and (free is None or asked <= free):
+        return asked, "hardware.disk_limit"
+    return free, f"the free space in {root}"
+
+
 def free_bytes(folder: Path) -> int | None:
     """Free bytes on the filesystem `folder` is (or will be) on: its nearest existing ancestor's."""
     path = Path(folder).absolute()

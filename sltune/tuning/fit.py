@@ -128,7 +128,9 @@ ACROSS_DEPTHS = {
     "host": ("peak_host_bytes", ["1"]),
     "throughput": ("step_seconds", ["P", "G", "N", "F*N*b*s", "N*G", "[off]*(L-k)*N*b*s", "[disk]*P"]),
 }
-KNOWN_ACROSS_DEPTHS = {"device": "prior_device", "host": "prior_host"}
+# the memory models fit what trials measure beyond the prior (its peaks, sltune.tuning.prior), at one depth or
+# across depths alike
+PRIOR_OFFSETS = {"device": "prior_device", "host": "prior_host"}
 
 
 def variables(c: Candidate, shape: ModelShape, tokens_per_row: int) -> dict[str, float]:

@@ -36,7 +36,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from sltune.runtime.diskstate import BLOCK_NUMEL, DEPTH
+from sltune.runtime.diskstate import DEPTH, pack
 from sltune.runtime.direct_io import padded
 from sltune.runtime.params import keep_order, kept_share
 from sltune.training.optimizer import OptimizerConfig
@@ -125,7 +125,6 @@ def predict(recipe: Recipe, c: Candidate) -> Prior:
     shape, world = recipe.shape, max(1, recipe.world_size)
     b, n, k = c.b, c.n, min(c.k, shape.layers)
     train = recipe.mode == "train"
-    e = shape.itemsize
     tokens = recipe.seq_len if train else recipe.prompt_len
     groups = _group_layers(shape.layers, k)
     fp = footprint(recipe.source, shape.dtype, b, tokens, k, groups[-1], recipe.mode,
@@ -187,19 +186,13 @@ def disk_blocks(shape: ModelShape, k: int, world: int = 1) -> list[list[int]]:
                 total = sum(u)
                 shard = -(-total // world)
                 mine.append([max(0, min(shard, total - r * shard))])
-            ranks.append([n for m in mine for n in _pack(m) if n])
+            ranks.append([n for m in mine for n in _block_sizes(m) if n])
         return ranks
-    return [[n for u in units for n in _pack(u)]]
+    return [[n for u in units for n in _block_sizes(u)]]
 
 
-def _pack(numels: list[int]) -> list[int]:
-    blocks, size = [], 0
-    for n in numels:
-        if size and size + n > BLOCK_NUMEL:
-            blocks.append(size)
-            size = 0
-        size += n
-    return blocks + ([size] if size else [])
+def _block_sizes(numels: list[int]) -> list[int]:
+    return [sum(block) for block in pack(numels, int)]
 
 
 def _disk_terms(recipe: Recipe, k: int) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:

@@ -15,7 +15,7 @@ from typing import Any
 from sltune.settings import Settings
 from sltune.sizes import parse_bytes
 from sltune.tuning.baseline import trial_baseline
-from sltune.tuning.feasible import free_bytes, shortfall
+from sltune.tuning.feasible import disk_room, shortfall
 from sltune.tuning.shape import shape_of
 from sltune.tuning.space import SearchSpace
 from sltune.tuning.spec import DISK_LIMIT_WITHOUT_DISK, TuningSpec
@@ -59,11 +59,9 @@ def plan_spec(data: dict[str, Any], source: str | Path, device_memory_limit: int
     on_disk = any(c.on_disk for c in space.candidates)
     if disk_asked is not None and not on_disk:         # as the spec's own check says it (TuningSpec)
         raise ValueError(f"{source}: the disk limit {DISK_LIMIT_WITHOUT_DISK}")
-    free = free_bytes(settings.offload_root()) if on_disk else None
-    state = SearchState(limited, shape, space, baseline=baseline, host_ceiling=ceiling, disk_ceiling=free)
-    disk_limit = state.disk_limit if on_disk else None
-    disk_name = "hardware.disk_limit" if disk_limit is not None and disk_limit == disk_asked else \
-        f"the free space in {settings.offload_root()}"
+    disk_limit, disk_name = disk_room(disk_asked, settings.offload_root()) if on_disk else \
+        (None, "hardware.disk_limit")
+    state = SearchState(limited, shape, space, baseline=baseline, host_ceiling=ceiling, disk_ceiling=disk_limit)
     preds = {c: state.predict(c) for c in space.candidates}
     fitting = [c for c, p in preds.items() if p.fits]
     largest = [c for c in fitting if not any(o.dominates(c) for o in fitting)]

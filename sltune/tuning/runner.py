@@ -21,7 +21,6 @@ import optuna
 from sltune.profiling import run_trial
 from sltune.profiling.schema import TrialSpec
 from sltune.store import Store
-from sltune.store.db import normalize_url
 from sltune.sizes import format_bytes
 from sltune.store.faults import durable_rdb_storage, retrying
 from sltune.store.optuna import optuna_location

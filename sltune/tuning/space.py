@@ -104,6 +104,10 @@ class SearchSpace:
         self.candidates = sorted({Candidate(b, n, k, a, kv, w, o) for b, n in pairs for k in self.k_values
                                   for a in self.a_values for kv in self.kv_values or [None]
                                   for w in self.w_values or [None] for o in self.o_values})
+        self._members = frozenset(self.candidates)
+
+    def __contains__(self, c: object) -> bool:
+        return c in self._members
 
     # -- Optuna ------------------------------------------------------------------------------------
     @property
@@ -159,7 +163,7 @@ class SearchSpace:
             c = Candidate(b, batch // b, k, a, kv, w, o)
         else:
             c = Candidate(b, int(params["num_sub_batches"]), k, a, kv, w, o)
-        return c if c in set(self.candidates) else None
+        return c if c in self else None
 
     def neighbours_up(self, c: Candidate) -> list[Candidate]:
         """Candidates one step up along one of the knobs as the spec names them (b, N or B, k; host KV -> device;

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from sltune.tuning.depth import DepthTerms, layers_of, least_probe_layers, probe_layers
-from sltune.tuning.fit import ACROSS_DEPTHS, FEATURES, KNOWN_ACROSS_DEPTHS, MODELS, LinearFit, variables
+from sltune.tuning.fit import ACROSS_DEPTHS, FEATURES, MODELS, PRIOR_OFFSETS, LinearFit, variables
 from sltune.tuning.prior import Prior, Recipe, at_depth, predict as prior_of
 from sltune.tuning.shape import ModelShape
 from sltune.tuning.space import Candidate, SearchSpace
@@ -46,8 +46,6 @@ def rel_sigma(result: dict[str, Any], believe_unstable: bool = False) -> float:
 
 
 UNSTABLE_SIGMA = 0.10
-# over one depth the memory models fit what trials measure beyond the prior (its peaks, sltune.tuning.prior)
-PRIOR_OFFSETS = {"device": "prior_device", "host": "prior_host"}
 
 
 @dataclass
@@ -90,7 +88,6 @@ class SearchState:
         # search.probe_layers: the fits take the depth as a variable (sltune.tuning.depth)
         self.depth = DepthTerms.of(shape) if spec.search.probe_layers is not None else None
         self.models = ACROSS_DEPTHS if self.depth else MODELS[spec.workload.mode]
-        self.offsets = KNOWN_ACROSS_DEPTHS if self.depth else PRIOR_OFFSETS
         self.recipe = Recipe.of_spec(spec, shape, baseline)
         self.host_ceiling = host_ceiling
         self.disk_ceiling = disk_ceiling
@@ -160,7 +157,7 @@ class SearchState:
             data = [(v, float(r[target])) for v, r in kept]
             sigma = [rel_sigma(r) for _, r in kept] if kind == "throughput" else None
             fits[kind] = LinearFit.fit(target, self.features[kind], data, rel_sigma=sigma,
-                                       offset=self.offsets.get(kind))
+                                       offset=PRIOR_OFFSETS.get(kind))
         return fits
 
     def reduced(self, done: Done) -> bool:

@@ -129,7 +129,7 @@ class OneShotStrategy(Strategy):
     def _host_over(self, c: Candidate) -> bool:
         """Whether c with its optimizer in host memory is predicted over a limit (then its disk twin probes)."""
         twin = dataclasses.replace(c, optimizer_offload="host")
-        return twin not in set(self.state.space.candidates) or not self.state.predict(twin).fits
+        return twin not in self.state.space or not self.state.predict(twin).fits
 
     def propose(self) -> Proposal | Stop:
         st = self.state
@@ -188,12 +188,14 @@ class OneShotStrategy(Strategy):
         one."""
         st = self.state
         options = [c for c in st.space.candidates if not st.ran(c, depth) and st.predict(c).fits]
-        ok = [st.vars(d.candidate, st.depth_of(d)) for d in st.fitted()]
+        # the models' features are the knobs' terms, never the prior's peaks (as SearchState._varying reads them)
+        ok = [st.vars(d.candidate, st.depth_of(d), prior=False) for d in st.fitted()]
         lacking = [st.features[k] for k, f in st.fits.items() if f.features and not f.well_posed] \
             or [st.features[k] for k in st.features]
+        have = [_rank(ok, feats) for feats in lacking]
 
         def gain(c: Candidate) -> int:
-            return sum(_rank(ok + [st.vars(c, depth)], feats) - _rank(ok, feats) for feats in lacking)
+            return sum(_rank(ok + [st.vars(c, depth, prior=False)], feats) - r for feats, r in zip(lacking, have))
 
         scored = [(gain(c), c) for c in options]
         scored = [(g, c) for g, c in scored if g > 0]

@@ -18,10 +18,10 @@ QUIET = {"wall_s": 1.0, "process_cpu_s": 1.0, "threads": 1, "cores": 2, "process
 class FakeTrials:
     """Config b measures speed[b] tokens/s at its first trial and `later[r]` times that at its r-th later one
     (the machine got faster mid-job: the confirmation round re-measures the pick at other figures than its
-    search trial), 20 steps with 2% lognormal noise, seeded; each trial takes wall[b] seconds (default 0).
+    search trial; a dict gives each b its own, 1.0 for a b it lacks), 20 steps with 2% lognormal noise, seeded; each trial takes wall[b] seconds (default 0).
     Monkeypatch it over sltune.tuning.runner.run_trial."""
 
-    def __init__(self, speed: dict[int, float], later: tuple[float, ...] = (1.0,),
+    def __init__(self, speed: dict[int, float], later: tuple[float, ...] | dict[int, tuple[float, ...]] = (1.0,),
                  wall: dict[int, float] | None = None):
         self.speed, self.later, self.wall = speed, later, wall or {}
         self.calls: Counter = Counter()
@@ -32,7 +32,8 @@ class FakeTrials:
         r = self.calls[b]
         self.calls[b] += 1
         self.specs.append(spec)
-        tps = self.speed[b] * (1.0 if r == 0 else self.later[min(r - 1, len(self.later) - 1)])
+        later = self.later.get(b, (1.0,)) if isinstance(self.later, dict) else self.later
+        tps = self.speed[b] * (1.0 if r == 0 else later[min(r - 1, len(later) - 1)])
         tokens = spec.sub_batch_size * spec.num_sub_batches * spec.seq_len
         rng = np.random.default_rng(len(self.specs))
         steps = (tokens / tps * rng.lognormal(0.0, 0.02, 20)).tolist()

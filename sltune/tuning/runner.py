@@ -115,11 +115,14 @@ def run_job(store: Store, job_id: str, *, progress: ProgressFn | None = None, sh
         store.set_status(job_id, "running")
     store.interrupt_running_trials(job_id)          # left running by a previous holder that died
     finished = [t for t in store.trials(job_id) if t.status not in ("running", "interrupted")]
-    seconds: dict[Candidate, list[float]] = {}      # each config's trial times: what its next trial will take
+    # each config's trial times, search and confirmation apart (a confirmation trial is neither profiled nor timed
+    # twice): what its next trial will take
+    seconds: dict[tuple[Candidate, bool], list[float]] = {}
     for t in finished:   # replayed in order: margins widened by past out-of-memory trials come back too
         done = Done(t.number, Candidate.from_knobs(t.config), t.role, t.result)
         if t.started_at and t.finished_at and not state.reduced(done):     # what a full-depth trial takes
-            seconds.setdefault(done.candidate, []).append((t.finished_at - t.started_at).total_seconds())
+            seconds.setdefault((done.candidate, t.role == "confirm"), []).append(
+                (t.finished_at - t.started_at).total_seconds())
         if t.role == "confirm":
             state.confirms.append(done)         # not search history: they neither refit nor count as tried
         else:
@@ -149,7 +152,7 @@ def run_job(store: Store, job_id: str, *, progress: ProgressFn | None = None, sh
     elapsed_before = float(job.progress.get("elapsed_s", 0.0))
     start = time.monotonic()
     trial_seconds: list[float] = []
-    queue: list[Candidate] = []         # the confirmation round's trials, in order, once the search has ended
+    picks: list[Candidate] = []         # the confirmation round's finalists, once the search has ended
     repeats = 0
     stop_reason = None
 
@@ -161,12 +164,13 @@ def run_job(store: Store, job_id: str, *, progress: ProgressFn | None = None, sh
         best = best or state.best()         # finished: the confirmed winner and its figure, as the result names
         done = len(state.history)
         avg = sum(trial_seconds) / len(trial_seconds) if trial_seconds else None
-        left = confirm.time_left(state, search, elapsed(), queue if phase in ("confirm", "finished") else None,
-                                 seconds, avg)
+        rest = confirm.remaining(state, picks, search.confirm_rounds) if phase in ("confirm", "finished") else None
+        left = confirm.time_left(state, search, elapsed(), rest, seconds, avg)
         if phase == "finished":
             left = 0.0
         payload = {"trials_done": done, "max_trials": search.max_trials, "confirm_done": len(state.confirms),
-                   "confirm_planned": len(queue) if queue else None, "elapsed_s": round(elapsed(), 2),
+                   "confirm_planned": len(state.confirms) + len(rest) if rest is not None and len(picks) > 1 else None,
+                   "elapsed_s": round(elapsed(), 2),
                    "time_left_s": max(0.0, round(left, 1)), "phase": phase, "stop_reason": stop_reason,
                    "best_tokens_per_s": figure if figure is not None else best.tokens_per_s if best else None,
                    "best_config": best.candidate.knobs() if best else None, "last_trial": last}
@@ -182,7 +186,7 @@ def run_job(store: Store, job_id: str, *, progress: ProgressFn | None = None, sh
         began = time.monotonic()       # the trial's whole cost, its records included: what the next will take
         pred = state.predict(cand, layers=layers)
         trace = trace_error = None
-        if search.profile and artifact_dir is not None:
+        if search.profile and artifact_dir is not None and role != "confirm":
             trace = Path(artifact_dir) / job_id / f"trial-{number}.json"
             try:
                 trace.parent.mkdir(parents=True, exist_ok=True)
@@ -199,7 +203,8 @@ def run_job(store: Store, job_id: str, *, progress: ProgressFn | None = None, sh
         try:
             if folder is not None:
                 folder.mkdir(parents=True, exist_ok=True)
-            result = run_trial(trial_spec(spec, cand, trace, default_host_limit, max_trial_steps, layers, folder),
+            result = run_trial(trial_spec(spec, cand, trace, default_host_limit, max_trial_steps, layers, folder,
+                                          confirming=role == "confirm"),
                                stop=should_stop).model_dump(mode="json")
         finally:
             if folder is not None:       # the optimizer's files are the trial's alone: gone with it
@@ -223,7 +228,7 @@ def run_job(store: Store, job_id: str, *, progress: ProgressFn | None = None, sh
             except Exception as err:  # noqa: BLE001 - the trial's result is stored; only its trace is lost
                 log.warning("job %s trial %d: its trace could not be recorded (%s)", job_id, number, err)
         if layers is None:
-            seconds.setdefault(cand, []).append(time.monotonic() - began)
+            seconds.setdefault((cand, role == "confirm"), []).append(time.monotonic() - began)
         return result
 
     report(phase="starting")
@@ -274,8 +279,8 @@ def run_job(store: Store, job_id: str, *, progress: ProgressFn | None = None, sh
     confirmation = None
     if not stop_reason.startswith(("cancelled", "released")):
         picks = confirm.finalists(state) if search.confirm_rounds else []
-        queue = confirm.plan(state, search.confirm_rounds)
-        for cand in queue[len(state.confirms):]:
+        while rest := confirm.remaining(state, picks, search.confirm_rounds):    # a race: the beaten drop out
+            cand = rest[0]
             if trials_cap is not None and len(state.history) + len(state.confirms) >= trials_cap:
                 stop_reason += (f"; confirmation cut short: this server allows {trials_cap} trials in all, "
                                 "confirmation included (SLTUNE_MAX_TRIALS)")
@@ -294,8 +299,6 @@ def run_job(store: Store, job_id: str, *, progress: ProgressFn | None = None, sh
             report(last={"number": number, "config": cand.knobs(), "status": result["status"],
                          "tokens_per_s": result.get("tokens_per_s"), "error": result.get("error")}, phase="confirm")
             number += 1
-            if confirm.settled(state, picks):
-                break
         confirmation = confirm.verdict(state, picks)
 
     out = job_result(job_id, spec, state, stop_reason, elapsed(), confirmation)
@@ -337,13 +340,16 @@ def free_space(folder: Path | None) -> str:
 
 def trial_spec(spec: TuningSpec, c: Candidate, trace: Path | None, default_host_limit: int | None = None,
                max_trial_steps: int | None = None, layers: int | None = None,
-               offload_dir: Path | None = None) -> TrialSpec:
+               offload_dir: Path | None = None, confirming: bool = False) -> TrialSpec:
     """What one trial runs. The worker's ceilings hold whatever the stored spec says: host memory; timed steps,
     every round together (an unstable round is re-measured only while both fit); and intra-op threads, at most
     this machine's cores shared by the ranks (more would only take turns on them). A probe at reduced depth
     (`layers`) times its steps for that share of trial_min_time_s: as many steps as the whole model's would. A
     config of optimizer_offload disk writes its files in `offload_dir`, the runner's folder for the trial (never
-    a path from the spec)."""
+    a path from the spec). A confirmation trial (`confirming`) only times its steps, once: its config's breakdown
+    and trace are its search trial's, and the paired rounds are its re-measurement (a round of its own measured
+    again would pick the quieter of two moments for one finalist and not for the others); it cost a search trial's
+    time again under load (bench/tuner.py)."""
     w, hw, s = spec.workload, spec.hardware, spec.search
     min_time = s.trial_min_time_s
     if layers is not None:
@@ -352,6 +358,8 @@ def trial_spec(spec: TuningSpec, c: Candidate, trace: Path | None, default_host_
     if max_trial_steps is not None:
         steps, max_steps = min(steps, max_trial_steps), min(max_steps, max_trial_steps)
         remeasure = 1 if 2 * max(steps, max_steps) <= max_trial_steps else 0
+    if confirming:
+        remeasure = 0
     threads = hw.cpu_threads
     if threads is not None:
         threads = min(threads, max(1, machine_cores() // hw.world_size))
@@ -364,7 +372,7 @@ def trial_spec(spec: TuningSpec, c: Candidate, trace: Path | None, default_host_
                      host_memory_limit=min((x for x in (hw.host_memory_limit, default_host_limit) if x),
                                            default=None),
                      steps=steps, min_time_s=min_time, max_steps=max_steps, remeasure=remeasure,
-                     cpu_threads=threads, profile=s.profile, trace_path=str(trace) if trace else None,
+                     cpu_threads=threads, profile=s.profile and not confirming, trace_path=str(trace) if trace else None,
                      timeout_s=s.trial_timeout_s, seed=s.seed, num_layers=layers,
                      **({"optimizer_offload": "disk", "offload_dir": str(_required(offload_dir))}
                         if c.on_disk and w.mode == "train" else {}))

@@ -22,10 +22,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sltune.profiling import run_trial
+from sltune.profiling import forks, run_trial
 from sltune.settings import Settings
 from sltune.service.local import tune
 from sltune.store import Store
+from sltune.tuning.baseline import trial_baseline
 
 GQA = {"model_type": "llama", "vocab_size": 1024, "hidden_size": 128, "intermediate_size": 352, "num_hidden_layers": 4,
        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 1024, "bos_token_id": 1,
@@ -81,6 +82,9 @@ def main() -> None:
     space = SPACES[args.space]
     root = Path(tempfile.mkdtemp(prefix="sltune-tuner-bench-"))
     names = ["grid", *args.strategies.split(",")]
+    # what every job of this process shares, paid before the first: the trials' fork server and the trial baseline
+    forks.start()
+    trial_baseline("cpu", 1, "train")
     runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
     for rep in range(args.reps):
         for name in (names if rep % 2 == 0 else names[::-1]):

@@ -19,6 +19,8 @@ from typing import Any, Callable, Iterable
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from sltune.tuning.compare import config_name
+
 # the TrialResult breakdown keys, in drawing order, with their labels and fixed colours
 BREAKDOWN = {"compute": "compute", "memcpy": "memcpy", "cpu": "CPU", "all_gather": "all-gather",
              "reduce_scatter": "reduce-scatter", "disk": "disk", "other": "other"}
@@ -530,7 +532,7 @@ def compare_figure(cmp: dict[str, Any], label_a: str = "A", label_b: str = "B",
     rows = (cmp or {}).get("rows") or []
     if not rows:
         return None
-    labels = [config_label(r["config"]) for r in rows]
+    labels = [config_name(r["config"]) for r in rows]     # every knob: a host and a disk twin are two bars
     fig = make_subplots(rows=2, cols=1, shared_xaxes=True, row_heights=[0.65, 0.35], vertical_spacing=0.1,
                         subplot_titles=["best tokens/s per config", "change B vs A per config"])
     for key, name, color in (("a", label_a, "#4c78a8"), ("b", label_b, "#f58518")):

@@ -500,7 +500,8 @@ def compare_page(request: Request, a: str | None = None, b: str | None = None,
                          for k, j, v in (("A (baseline)", job_a, cmp["best_a"]), ("B (newer)", job_b, cmp["best_b"])))
                + "</table>")
     rows = "".join(
-        f"<tr><td>{_knobs(r['config'])}</td><td class='num'>{_num(r['a'])}</td><td class='num'>{_num(r['b'])}</td>"
+        f"<tr><td>{e(comparing.config_name(r['config']))}</td><td class='num'>{_num(r['a'])}</td>"
+        f"<td class='num'>{_num(r['b'])}</td>"
         f"<td class='num{' bad' if r.get('verdict') == 'regression' else ''}'>{_num(r['ratio'], '.3f')}</td>"
         f"<td class='num'>{_interval(r.get('ci95'))}</td><td>{e(r.get('verdict') or '-')}</td></tr>"
         for r in cmp["rows"])

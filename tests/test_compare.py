@@ -216,3 +216,51 @@ def test_help_texts_render():
         assert done.value.code == 0 and "usage" in out.getvalue() and "%%" not in out.getvalue(), argv
         if argv[0] == "compare":
             assert "the 95% interval of new/old" in " ".join(out.getvalue().split())
+
+
+def _unstable_job(store: Store, name: str, tps: float, seed: int) -> str:
+    """A finished job whose one config (b=4 N=2 k=1, the optimizer on disk) was measured under interference."""
+    rng = np.random.default_rng(seed)
+    config = {"sub_batch_size": 4, "num_sub_batches": 2, "num_live_blocks": 1, "optimizer_offload": "disk",
+              "schedule": "speedloader"}
+    job = store.create_job(name, SPEC.model_dump(mode="json"), f"{name}-{seed}", {"device": "cpu"})
+    tokens = 4 * 2 * 32
+    steps = (tokens / tps * rng.lognormal(0.0, 0.02, 30)).tolist()
+    med = float(np.median(steps))
+    store.start_trial(job.id, 0, "probe", config, {}, None, None)
+    store.finish_trial(job.id, 0, {"status": "ok", "config": {**config, "seq_len": 32, "world_size": 1},
+                                   "tokens_per_s": tokens / med, "step_seconds": med,
+                                   "timing": {"steps_s": steps, "median_s": med, "tokens_per_s_ci95": [0, 0],
+                                              "cv": 0.02, "unstable": True, "interference": {}}})
+    store.set_status(job.id, "succeeded", result={"best": {"config": config}})
+    return job.id
+
+
+@pytest.fixture(scope="module")
+def unstable(tmp_path_factory):
+    from sltune.api.app import create_app
+    from sltune.settings import Settings
+
+    tmp = tmp_path_factory.mktemp("unstable")
+    app = create_app(Settings(data_dir=tmp / "data", db=f"sqlite:///{tmp / 'jobs.db'}"))
+    store = app.state.store
+    return app, store.url, _unstable_job(store, "old", 1000.0, 1), _unstable_job(store, "new", 990.0, 2)
+
+
+def test_the_verdict_names_a_config_as_the_tuner_does_not_as_a_python_dict(unstable, capsys):
+    """A best measured under interference was named `{'sub_batch_size': 4, ..., 'kv_cache': None, ...}` in the
+    verdict of `sltune compare` and of /dashboard/compare; both name it as the tuner does."""
+    from fastapi.testclient import TestClient
+
+    app, db, a, b = unstable
+    assert main(["compare", a, b, "--db", db]) == 0
+    out = capsys.readouterr().out
+    assert "{'" not in out and "None" not in out, out
+    assert f"note: measured under interference: {a} b=4 N=2 k=1 optimizer_offload=disk; {b} b=4 N=2 k=1 " \
+           "optimizer_offload=disk" in out, out
+    assert "b=4 N=2 k=1 optimizer_offload=disk" in out.splitlines()[1]          # the table's row, every knob
+    with TestClient(app) as client:
+        page = client.get("/dashboard/compare", params={"a": a, "b": b}).text
+    assert "{&#x27;" not in page and "{'" not in page and "kv_cache" not in page, page
+    assert f"measured under interference: {a} b=4 N=2 k=1 optimizer_offload=disk" in page
+    assert "<td>b=4 N=2 k=1 optimizer_offload=disk</td>" in page

@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from sltune.config import SpeedLoaderConfig
+from sltune.settings import Settings
 
 KNOB_FLAGS = {
     "sub_batch_size": ("--sub-batch-size", int, "rows per sub-batch (b)"),
@@ -69,3 +70,11 @@ def config_from_args(args: argparse.Namespace, base: SpeedLoaderConfig | None = 
 def fail(message: str, code: int = 2) -> None:
     print(f"sltune: error: {message}", file=sys.stderr)
     raise SystemExit(code)
+
+
+def open_store(settings: Settings) -> None:
+    """A database that cannot be opened (missing, unreachable, not one) is one line before anything starts: the
+    store (sltune.store.db) says what to create, start or fix, and keeps its engine for the process's own use."""
+    from sltune.store import Store
+
+    Store(settings.db_url())

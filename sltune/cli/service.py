@@ -14,7 +14,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from sltune.cli.common import DATA_DIR_HELP, DB_HELP, SERVER_HELP
+from sltune.cli.common import DATA_DIR_HELP, DB_HELP, SERVER_HELP, open_store
 from sltune.cli.progress import JobBar, describe_config
 from sltune.profiling import forks
 from sltune.service.embedded import job_worker
@@ -112,6 +112,7 @@ def run_serve(args: argparse.Namespace) -> int:
                          "specs may name, or leave it unset")
     if settings.healthz_min_workers is None:       # its own worker must be alive; with --no-worker, none here
         settings = settings.model_copy(update={"healthz_min_workers": 0 if args.no_worker else 1})
+    open_store(settings)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     serving = {"host": settings.host, "port": settings.port, "log_level": "info", "access_log": settings.access_log}
     # the job worker and the spec checkers' fork server start first: each imports torch and transformers in
@@ -147,11 +148,13 @@ def _loopback(host: str) -> bool:
 
 
 def run_worker(args: argparse.Namespace) -> int:
+    settings = _settings(args)
+    open_store(settings)
     forks.start()           # the trials' fork server imports torch and transformers beside this process
     from sltune.service.worker import Worker
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    worker = Worker(_settings(args))
+    worker = Worker(settings)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: worker.stop.set())
     if args.exit_with_parent:      # `sltune serve` died (kill -9, say): go too, as a killed worker would
@@ -240,15 +243,15 @@ def run_compare(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result))
         return cmp.exit_code(result)
-    print(f"{'b':>4} {'N':>4} {'k':>3} {args.job_a:>14} {args.job_b:>14} {'ratio':>7}  {'95% interval':<16} verdict")
-    for r in result["rows"]:
-        c = r["config"]
+    names = [cmp.config_name(r["config"]) for r in result["rows"]]      # as the tuner names its configs
+    width = max(map(len, names + ["config"]))
+    print(f"{'config':<{width}} {args.job_a:>14} {args.job_b:>14} {'ratio':>7}  {'95% interval':<16} verdict")
+    for name, r in zip(names, result["rows"]):
         fa = f"{r['a']:,.1f}" if r["a"] else "-"
         fb = f"{r['b']:,.1f}" if r["b"] else "-"
         ratio = f"{r['ratio']:.3f}" if r["ratio"] else "-"
         ci = f"[{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}]" if r["ci95"] else "-"
-        print(f"{c['sub_batch_size']:>4} {c['num_sub_batches']:>4} {c['num_live_blocks']:>3} {fa:>14} {fb:>14} "
-              f"{ratio:>7}  {ci:<16} {r.get('verdict', '-')}")
+        print(f"{name:<{width}} {fa:>14} {fb:>14} {ratio:>7}  {ci:<16} {r.get('verdict', '-')}")
     print(cmp.summary(result))
     return cmp.exit_code(result)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from tqdm import tqdm
 
@@ -17,7 +17,18 @@ from sltune.training.optimizer import OptimizerConfig
 from sltune.training.schedule import SCHEDULES
 from sltune.yamlfile import read_yaml
 
+if TYPE_CHECKING:
+    from sltune.runtime.memory import DeviceMemoryExceeded
+    from sltune.training.loop import Inputs, TrainJob
+    from sltune.tuning.prior import Recipe
+    from sltune.tuning.space import Candidate
+
 DEFAULT_MODEL, DEFAULT_SEQ_LEN, DEFAULT_HOLDOUT = "llama-tiny", 128, 0.05
+# the device prior of the smallest config (b=1 N=1 k=1) against its measured first step, on llama-tiny and gpt2-tiny,
+# float32 and bfloat16, every schedule, seq_len 16 and 128: 0.986-1.013 of it. A limit less than this share below
+# the prior is left to the step, which measures: the prior's own error refuses no limit a step would meet
+PRIOR_MARGIN = 0.02
+RANK0_GRACE_S = 5.0     # how long a rank other than 0 waits for torchrun to stop it after rank 0 refused the run
 OPTIMIZER_FLAGS = {"name": "optimizer", "lr": "lr", "eps": "eps", "weight_decay": "weight_decay",
                    "momentum": "momentum"}
 
@@ -77,21 +88,20 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from sltune.runtime.memory import DeviceMemoryExceeded
-    from sltune.training.loop import TrainJob, run as train
-
     tuned = read_yaml(args.config) if args.config else {}
+    _ranks_match(_asked_world(args, tuned), args)      # before torch loads: under torchrun, rank 0's line comes first
+
+    from sltune.runtime.memory import DeviceMemoryExceeded
+    from sltune.training.loop import TrainJob, find_inputs, run as train
+
     if isinstance(tuned, dict):     # a best.yaml of disk names no folder: the job gives its own, or trains on host
         tuned = {**tuned, **{f: getattr(args, f) for f in ("optimizer_offload", "offload_dir")
                              if getattr(args, f, None) is not None}}
     base = SpeedLoaderConfig.from_dict(tuned, source=args.config) if args.config else None
     cfg = config_from_args(args, base)
     if args.world_size is not None:
-        if args.world_size < 1:
-            raise ValueError(f"--world-size must be >= 1, got {args.world_size}")
         cfg = cfg.replace(world_size=args.world_size)
     model_source, model_name = _model(args, tuned)
-    rank, world = _join_torchrun(cfg, args)
     job = TrainJob(
         model=model_source, config=cfg, optimizer=_optimizer(args, tuned),
         seq_len=args.seq_len or _tuned_seq_len(tuned) or DEFAULT_SEQ_LEN, steps=args.steps, seed=args.seed,
@@ -101,6 +111,9 @@ def run(args: argparse.Namespace) -> int:
         max_grad_norm=args.max_grad_norm, eval_every=args.eval_every, log=args.log, save=args.save,
         save_every=args.save_every, keep=args.keep, save_dtype=args.save_dtype, max_shard_size=args.max_shard_size,
         resume=args.resume)
+    inputs = find_inputs(job)               # --data, --resume, the tokenizer: a mistake is one line, before the model
+    _fits_device(job, inputs, args)
+    rank, world = _join_torchrun(cfg, args)
     quiet = args.json or rank != 0
     bar = tqdm(total=job.steps, desc=f"train {model_name} s={job.seq_len} ({cfg.schedule} b={cfg.sub_batch_size} "
                f"N={cfg.num_sub_batches} k={cfg.num_live_blocks}" + (f" x{world} ranks" if world > 1 else "") + ")",
@@ -114,10 +127,10 @@ def run(args: argparse.Namespace) -> int:
                         **({"eval": f"{line['eval_loss']:.4f}"} if "eval_loss" in line else {}))
 
     try:
-        report = train(job, rank, world, progress)
+        report = train(job, rank, world, progress, inputs)
     except DeviceMemoryExceeded as err:
         bar.close()
-        raise ValueError(f"{err} ({_limit_source(args)})") from None
+        raise ValueError(_over_the_limit(err, job, inputs, args, world)) from None
     finally:
         bar.close()
         if world > 1:
@@ -203,17 +216,159 @@ def _limit_source(args: argparse.Namespace) -> str:
     return "the limit is --device-memory-limit"
 
 
+def _limit_name(args: argparse.Namespace) -> str:
+    """The device memory limit as the user gave it: the flag, or the --config file's field."""
+    if args.device_memory_limit is None and args.config:
+        return f"device_memory_limit in {args.config}"
+    return "--device-memory-limit"
+
+
+def _fits_device(job: TrainJob, inputs: Inputs, args: argparse.Namespace) -> None:
+    """Refuse, before the model is built, a device memory limit below what even the smallest config (b=1 N=1 k=1)
+    is predicted to need (sltune.tuning.feasible's refusal, as tune refuses a spec): no knob helps then, so no step
+    is run to say so. A limit within PRIOR_MARGIN of that is left to the step, which measures."""
+    import os
+
+    from sltune.tuning.feasible import shortfall
+    from sltune.tuning.prior import predict
+
+    limit = job.config.device_memory_limit
+    if limit is None:
+        return
+    recipe = _recipe(job, inputs, int(os.environ.get("WORLD_SIZE", "1")))
+    least = _smallest(job.config)
+    if min(predict(recipe, c).device for c in least) <= limit * (1 + PRIOR_MARGIN):
+        return
+    short = shortfall(recipe, least, None, limit, device_name=_limit_name(args))
+    override = " (override it with --device-memory-limit)" if _limit_name(args) != "--device-memory-limit" else ""
+    raise ValueError(f"device memory limit exceeded by every config, predicted before any step: {short}{override}")
+
+
+def _over_the_limit(err: DeviceMemoryExceeded, job: TrainJob, inputs: Inputs, args: argparse.Namespace,
+                    world: int) -> str:
+    """The step's refusal with the fix the prior gives: the knobs whose config is predicted within the limit,
+    keeping the batch (sub-batches of fewer rows, fewer live layers, recompute), else the limit it takes."""
+    from sltune.tuning.prior import predict
+
+    cfg, this = job.config, _candidate(job.config)
+    recipe = _recipe(job, inputs, world)
+    needs = {c: predict(recipe, c).device for c in _lower_configs(cfg)}
+    fitting = [c for c, need in needs.items() if c != this and need <= err.limit_bytes]
+    if fitting:
+        best = max(fitting, key=lambda c: (c.b, c.k, c.a == cfg.activations))
+        fix = f"{best} is predicted to need {format_bytes(needs[best])}: pass {_flags(best, cfg)}"
+    else:
+        least, need = min(needs.items(), key=lambda cn: (cn[1], cn[0]))
+        fix = (f"no other config of {cfg.effective_batch_size} rows a step is predicted within it (the least, {least},"
+               f" is predicted to need {format_bytes(need)}); raise it to at least "
+               f"{format_bytes(max(need, err.peak_bytes))}")
+    return (f"device memory limit exceeded on {cfg.device}: the step reached {format_bytes(err.peak_bytes)} "
+            f"({err.peak_bytes} bytes) against a limit of {format_bytes(err.limit_bytes)} ({err.limit_bytes} "
+            f"bytes). {fix} ({_limit_source(args)})")
+
+
+def _recipe(job: TrainJob, inputs: Inputs, world: int) -> Recipe:
+    """What the prior predicts this job from: the model (the resumed checkpoint's when resuming), how it steps,
+    its optimizer, seq_len and ranks."""
+    from sltune.tuning.prior import Recipe
+    from sltune.tuning.shape import shape_of
+
+    cfg = job.config
+    model = str(inputs.source) if inputs.source is not None else job.model
+    return Recipe(model, shape_of(model, cfg.dtype), "train", cfg.schedule, cfg.mixed_precision, job.optimizer,
+                  world, cfg.device, job.seq_len, optimizer_offload=cfg.optimizer_offload)
+
+
+def _candidate(cfg: SpeedLoaderConfig) -> Candidate:
+    from sltune.tuning.space import Candidate
+
+    return Candidate(cfg.sub_batch_size, cfg.num_sub_batches, cfg.num_live_blocks, cfg.activations,
+                     optimizer_offload=cfg.optimizer_offload)
+
+
+def _smallest(cfg: SpeedLoaderConfig) -> list[Candidate]:
+    """The configs any device limit is met by first: one row, one sub-batch, one live layer; this activations
+    setting or recompute."""
+    import dataclasses
+
+    one = dataclasses.replace(_candidate(cfg), b=1, n=1, k=1)
+    return [one] + ([dataclasses.replace(one, a="recompute")] if one.a != "recompute" else [])
+
+
+def _lower_configs(cfg: SpeedLoaderConfig) -> list[Candidate]:
+    """This config and those of its batch with fewer rows per sub-batch (more sub-batches), fewer live layers (its
+    count halved down to 1) or recompute instead of offload: each needs no more device memory."""
+    import dataclasses
+
+    batch, k, ks = cfg.effective_batch_size, cfg.num_live_blocks, []
+    while k >= 1:
+        ks.append(k)
+        k //= 2
+    return [dataclasses.replace(_candidate(cfg), b=b, n=batch // b, k=k, a=a)
+            for b in range(1, cfg.sub_batch_size + 1) if batch % b == 0 for k in ks
+            for a in sorted({cfg.activations, "recompute"})]
+
+
+def _flags(c: Candidate, cfg: SpeedLoaderConfig) -> str:
+    """The flags that turn cfg into c: '--sub-batch-size 1 --num-sub-batches 4 --num-live-blocks 1'."""
+    flags = []
+    if c.b != cfg.sub_batch_size:
+        flags.append(f"--sub-batch-size {c.b} --num-sub-batches {c.n} (the same {c.b * c.n} rows a step)")
+    if c.k != cfg.num_live_blocks:
+        flags.append(f"--num-live-blocks {c.k}")
+    if c.a != cfg.activations:
+        flags.append(f"--activations {c.a}")
+    return " ".join(flags)
+
+
+def _asked_world(args: argparse.Namespace, tuned: Any) -> int | None:
+    """The ranks the run is meant for: --world-size, else the --config file's world_size (a value there that is no
+    whole number is left to the config's own check, which names it)."""
+    if args.world_size is not None:
+        if args.world_size < 1:
+            raise ValueError(f"--world-size must be >= 1, got {args.world_size}")
+        return args.world_size
+    asked = tuned.get("world_size") if isinstance(tuned, dict) else None
+    return asked if isinstance(asked, int) and not isinstance(asked, bool) else None
+
+
+def _ranks_match(asked: int | None, args: argparse.Namespace) -> None:
+    """Refuse a world size other than the ranks running (WORLD_SIZE, which torchrun sets). Under torchrun rank 0
+    says so in one line and every other rank leaves silently with the same code: the line is said once, first,
+    not buried in torchrun's report of each rank's failure."""
+    import os
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if asked is None or asked == world:
+        return
+    if int(os.environ.get("RANK", "0")) != 0:
+        _leave_quietly(2)
+    where = f"{args.config} was tuned for" if args.config and args.world_size is None else "--world-size is"
+    raise ValueError(f"{where} world_size {asked} but {world} rank{'s' if world > 1 else ''} "
+                     f"{'are' if world > 1 else 'is'} running; pass --world-size {world}, or launch "
+                     f"{asked} with torchrun --nproc-per-node {asked}")
+
+
+def _leave_quietly(code: int) -> NoReturn:
+    """Exit with `code`, saying nothing, once rank 0 has said why: torchrun stops the other ranks when one fails
+    (SIGTERM, taken here as this exit), and RANK0_GRACE_S bounds the wait should rank 0 never fail (a rank 0
+    on another node that is not told)."""
+    import os
+    import signal
+    import time
+
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(code))
+    time.sleep(RANK0_GRACE_S)
+    raise SystemExit(code)
+
+
 def _join_torchrun(cfg: SpeedLoaderConfig, args: argparse.Namespace) -> tuple[int, int]:
     """Under torchrun (WORLD_SIZE > 1 in the environment) join the process group: the engine then shards
     parameters over the ranks, each of which trains on its own rows."""
     import os
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if cfg.world_size is not None and cfg.world_size != world:
-        where = f"{args.config} was tuned for" if args.config and args.world_size is None else "--world-size is"
-        raise ValueError(f"{where} world_size {cfg.world_size} but {world} rank{'s' if world > 1 else ''} "
-                         f"{'are' if world > 1 else 'is'} running; pass --world-size {world}, or launch "
-                         f"{cfg.world_size} with torchrun --nproc-per-node {cfg.world_size}")
+    _ranks_match(cfg.world_size, args)     # the config's world_size, as it validated it
     if world <= 1:
         return 0, 1
     import torch

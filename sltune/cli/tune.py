@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from sltune.cli.common import DB_HELP, JOB_ID_HELP, SERVER_HELP
+from sltune.cli.common import DB_HELP, JOB_ID_HELP, SERVER_HELP, open_store
 from sltune.cli.progress import JobBar, describe_config
 from sltune.profiling import forks
 from sltune.settings import Settings
@@ -72,6 +72,8 @@ def run_tune(args: argparse.Namespace) -> int:
     if args.strategy:
         spec = TuningSpec.model_validate({**spec.model_dump(), "search": {**spec.search.model_dump(),
                                                                           "strategy": args.strategy}})
+    # a database it cannot open is one line before the fork server starts; a refused spec stored nothing
+    open_store(Settings(db=args.db) if args.db else Settings())
     # the trials' fork server imports torch and transformers beside this process from here: a spec the schema
     # refused (its limits below what its least config needs included) answered without it
     forks.start()
@@ -111,13 +113,10 @@ def describe(r: dict, out: str | None = None, mode: str = "train") -> str:
                      + f"; binding limit: {r['binding_limit']}")
     for kind, m in r["models"].items():
         r2 = f"{m['r2']:.3f}" if m.get("r2") is not None else "-"
-        loo = f"{m['loo_rel_error']:.1%}" if m.get("loo_rel_error") is not None else "-"
-        typical = f"{m['loo_typical_error']:.1%}" if m.get("loo_typical_error") is not None else "-"
         deep = m.get("full_depth_error")
         beside = (f"; the probes' fit at full depth: {deep['typical']:.1%} typical, {deep['max']:.1%} max over "
                   f"{deep['n']} full-depth trials" if deep else "")
-        lines.append(f"  model {kind}: {m['n']} points, R^2 {r2}, leave-one-out error {typical} typical, {loo} max"
-                     + beside)
+        lines.append(f"  model {kind}: {m['n']} points, R^2 {r2}, {_loo(m)}" + beside)
     depth = r.get("depth")
     if depth:
         from sltune.tuning.depth import AUTO_STEP_S
@@ -171,6 +170,30 @@ def _pct(x: float | None) -> str:
     return f"{x:.1%}" if x is not None else "-"
 
 
+def _loo(m: dict) -> str:
+    """'leave-one-out error 3.1% typical, 7.9% max', or why the fit has none (sltune.tuning.fit.no_loo_reason)."""
+    from sltune.tuning.fit import no_loo_reason
+
+    why = no_loo_reason(m)
+    if why:
+        return f"no leave-one-out error: {why}"
+    return f"leave-one-out error {_pct(m.get('loo_typical_error'))} typical, {_pct(m['loo_rel_error'])} max"
+
+
+def _loo_errors(loo: dict[str, dict]) -> str:
+    """'device 2.1% typical, 4.0% max; none for host and throughput: too few points ...': each model's errors, and
+    once for the models that share it, why some have none."""
+    without: dict[str, list[str]] = {}
+    for kind, e in loo.items():
+        if e.get("missing"):
+            without.setdefault(e["missing"], []).append(kind)
+    shown = [f"{kind} {_pct(e['typical'])} typical, {_pct(e['max'])} max" for kind, e in loo.items()
+             if not e.get("missing")]
+    shown += [f"none for {', '.join(kinds[:-1]) + ' and ' if kinds[:-1] else ''}{kinds[-1]}: {why}"
+              for why, kinds in without.items()]
+    return "; ".join(shown)
+
+
 def run_plan(args: argparse.Namespace) -> int:
     from sltune.tuning.plan import plan
     from sltune.tuning.prior_plan import is_spec
@@ -197,9 +220,7 @@ def run_plan(args: argparse.Namespace) -> int:
     lim = r["limits"]
     print(f"limits: device {format_bytes(lim['device_memory_limit'])}, host {format_bytes(lim['host_memory_limit'])}: "
           f"{r['fitting']} of {r['candidates']} configs predicted to fit")
-    loo = ", ".join(f"{k} {_pct(e['typical'])} typical, {_pct(e['max'])} max"
-                    for k, e in r["leave_one_out_error"].items())
-    print(f"  leave-one-out errors of the models: {loo}")
+    print(f"  leave-one-out errors of the models: {_loo_errors(r['leave_one_out_error'])}")
     if r["unpredictable"]:
         print(f"  {len(r['unpredictable'])} fitting configs have no throughput prediction (listed, not ranked):")
         for u in r["unpredictable"]:
@@ -233,7 +254,9 @@ def _plan_spec(data: dict, source: str, limits: list, as_json: bool, disk_limit:
         print(json.dumps(r))
         return 0 if r["fitting"] else 1
     lim = r["limits"]
-    disk = f", disk {format_bytes(lim['disk_limit'])} ({lim['disk_limit_from']})" if lim.get("disk_limit_from") else ""
+    note = f"; {lim['disk_limit_note']}" if lim.get("disk_limit_note") else ""
+    disk = (f", disk {format_bytes(lim['disk_limit'])} ({lim['disk_limit_from']}{note})" if lim.get("disk_limit_from")
+            else "")
     print(f"{r['model']}: {r['fitting']} of {r['candidates']} configs predicted to fit device "
           f"{format_bytes(lim['device_memory_limit'])}, host {format_bytes(lim['host_memory_limit'])} "
           f"({lim['host_limit_from']}){disk} with the {r['margin']:.0%} margin; no trial ran")

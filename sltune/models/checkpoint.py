@@ -7,8 +7,9 @@ file is mapped at a time, so what the mapping adds to resident memory is at most
 
 Out: the same layout transformers writes (`save_pretrained`): shards of at most max_shard_size with an index
 above it, config.json carrying the saved dtype, the generation config, and the tokenizer files of the folder
-the weights came from. Files are written under temporary names and renamed into place, so a crash leaves either
-the old file or the new one.
+the weights came from (a training run writes the tokenizer it read at its start instead: the folder it resumed
+from may be pruned or be the one written). Files are written under temporary names and renamed into place, so a
+crash leaves either the old file or the new one.
 """
 
 from __future__ import annotations
@@ -209,9 +210,8 @@ def write_pretrained(path: str | Path, model: nn.Module, state: dict[str, torch.
     if generation is not None and model.can_generate():
         generation.save_pretrained(staging)
     if source is not None and Path(source).resolve() != path.resolve():
-        for name in TOKENIZER_FILES:
-            if (Path(source) / name).is_file():
-                shutil.copyfile(Path(source) / name, staging / name)
+        for name, data in read_tokenizer_files(source).items():
+            (staging / name).write_bytes(data)
     for item in staging.iterdir():
         os.replace(item, path / item.name)
     staging.rmdir()
@@ -220,3 +220,26 @@ def write_pretrained(path: str | Path, model: nn.Module, state: dict[str, torch.
         if stale.name not in weights and stale.is_file():
             stale.unlink()
     return [path / f for f in split.filename_to_tensors]
+
+
+def read_tokenizer_files(folder: str | Path | None) -> dict[str, bytes]:
+    """The tokenizer files in `folder` (none for None), read into memory: a training run holds them from its start,
+    so every folder it saves gets them even once the folder they came from is pruned or overwritten."""
+    if folder is None:
+        return {}
+    return {name: (Path(folder) / name).read_bytes() for name in TOKENIZER_FILES if (Path(folder) / name).is_file()}
+
+
+def write_tokenizer_files(folder: str | Path, files: dict[str, bytes]) -> None:
+    """Write a tokenizer's files into a saved model folder, each under a temporary name renamed into place, and
+    remove the tokenizer files of another tokenizer left there, so the folder holds one tokenizer, whole. No files:
+    the folder is left as it is."""
+    if not files:
+        return
+    folder = Path(folder)
+    for name, data in files.items():
+        tmp = folder / f".{name}.sltune-tmp-{os.getpid()}"
+        tmp.write_bytes(data)
+        os.replace(tmp, folder / name)
+    for name in set(TOKENIZER_FILES) - set(files):
+        (folder / name).unlink(missing_ok=True)

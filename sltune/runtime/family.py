@@ -11,6 +11,7 @@ Only the epilogue differs by family and is named in a small table.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -68,6 +69,7 @@ class CausalLM:
         self.layers: nn.ModuleList = getattr(self.base, self.family.layers)
         self.final = [m for m in (getattr(self.base, a, None) for a in self.family.final) if m is not None]
         self.lm_head = model.get_output_embeddings()
+        self.cache_arg = cache_argument(self.base)
         if getattr(config, "layerdrop", 0.0) and model.training:
             raise ValueError("layerdrop > 0 skips layers at random; set config.layerdrop = 0 to train with sltune")
 
@@ -97,8 +99,11 @@ class CausalLM:
 
     # -- the forward, by parts ----------------------------------------------------------------------
     def prologue(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                 **forward_kwargs: Any) -> tuple[torch.Tensor, list[LayerCall]]:
-        """Run the library's forward up to the first layer: the hidden state and every layer's arguments."""
+                 cache: Any = None, **forward_kwargs: Any) -> tuple[torch.Tensor, list[LayerCall]]:
+        """Run the library's forward up to the first layer: the hidden state and every layer's arguments.
+        A KV `cache` (a transformers Cache) is passed under the name this transformers takes it by."""
+        if cache is not None:
+            forward_kwargs[self.cache_arg] = cache
         calls: list[LayerCall] = []
         with self._recorders(calls):
             try:
@@ -149,6 +154,13 @@ class CausalLM:
         """The model's own loss, as a sum over this sub-batch divided by the whole batch's token count."""
         return self.model.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size,
                                         num_items_in_batch=num_items)
+
+
+def cache_argument(base: nn.Module) -> str:
+    """The name under which this library's base model takes a KV cache: `cache` where transformers has renamed
+    it (5.x, which warns that `past_key_values` is deprecated on every call), else `past_key_values` (4.x).
+    Asked of the forward's own signature: both take **kwargs, where a name they do not know is silently lost."""
+    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
 
 
 def unique_params(params) -> list[nn.Parameter]:

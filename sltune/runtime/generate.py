@@ -319,7 +319,7 @@ def _step(engine: Runtime, subs: list[_Rows]) -> torch.Tensor:
         if unit is engine.embed:
             for j, sb in enumerate(subs):
                 with region("compute", f"embed_{detail}"):
-                    hidden, sb.calls = lm.prologue(sb.ids, sb.mask, past_key_values=sb.cache,
+                    hidden, sb.calls = lm.prologue(sb.ids, sb.mask, cache=sb.cache,
                                                    position_ids=sb.positions, use_cache=True)
                 acts.put(0, j, hidden)
         elif unit is engine.head:

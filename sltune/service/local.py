@@ -82,4 +82,4 @@ def fits_this_machine(spec: TuningSpec, settings: Settings) -> None:
                       disk_limit=disk_limit, disk_name=disk_name)
     if short:
         raise ValueError((f"hardware.host_memory_limit is not set, so {settings.trial_host_limit_source()} is the "
-                          f"limit: " if unset and short.startswith("the ceiling") else "") + short)
+                          f"limit: " if unset and "the ceiling" in short else "") + short)

@@ -18,8 +18,10 @@ from alembic.config import Config  # noqa: E402
 from alembic.runtime.migration import MigrationContext  # noqa: E402
 from alembic.script import ScriptDirectory  # noqa: E402
 from sqlalchemy import Connection, Engine, create_engine, event, inspect, make_url, text  # noqa: E402
+from sqlalchemy.exc import SQLAlchemyError  # noqa: E402
 from sqlalchemy.orm import Session, sessionmaker  # noqa: E402
 
+from sltune.store.faults import unusable  # noqa: E402
 from sltune.store.migrations.names import BASELINE, VERSION_TABLE  # noqa: E402
 
 MIGRATIONS = Path(__file__).parent / "migrations"
@@ -47,6 +49,20 @@ def load_json(text: str | bytes) -> object:
 
 @lru_cache(maxsize=16)
 def engine_for(url: str) -> Engine:
+    """The engine of the database at `url`, its schema brought up to date. A database that cannot be opened as
+    given (it does not exist, no server answers, the server refuses the user) is the user's to fix: an
+    UnusableDatabase saying how, here where every command, the server and the workers open their store, and
+    never retried. Failures of a database once open (a restart) pass through sltune.store.faults as before."""
+    try:
+        return _open(url)
+    except SQLAlchemyError as err:
+        mistake = unusable(url, err)
+        if mistake is None:
+            raise
+        raise mistake from err
+
+
+def _open(url: str) -> Engine:
     url = normalize_url(url)
     if url.startswith("sqlite"):
         path = make_url(url).database
@@ -67,7 +83,11 @@ def engine_for(url: str) -> Engine:
             cur.close()
     else:
         engine = create_engine(url, pool_pre_ping=True, json_deserializer=load_json)
-    _ensure_schema(engine)
+    try:
+        _ensure_schema(engine)
+    except BaseException:
+        engine.dispose()            # not cached: no pool left behind for a database that could not be opened
+        raise
     return engine
 
 

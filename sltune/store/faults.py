@@ -5,6 +5,10 @@ refused", "the database system is starting up"); a full disk refuses writes unti
 the job's fault, so workers retry each store call through them, with backoff, for a bounded time
 (`Settings.db_retry_s`, by default the lease) and a job fails only for its own reasons. The API does not wait:
 it answers 503 (unreachable, retry later) or 507 (the store cannot write) at once.
+
+A database that cannot be opened as given is another matter: one that does not exist, no server at that address,
+a user the server refuses, a URL that names no database. No wait mends those; opening the store (sltune.store.db)
+raises them as an UnusableDatabase naming the fix, which is never retried.
 """
 
 from __future__ import annotations
@@ -12,10 +16,13 @@ from __future__ import annotations
 import errno
 import functools
 import logging
+import re
+import shlex
 import time
 from typing import Any, Callable, TypeVar
 
-from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import ArgumentError, DBAPIError, InterfaceError, OperationalError
 
 log = logging.getLogger("sltune.store")
 T = TypeVar("T")
@@ -50,7 +57,9 @@ def is_full(err: BaseException) -> bool:
 
 def is_unreachable(err: BaseException) -> bool:
     """The database dropped or refused the connection, or cannot serve yet (starting up, shutting down,
-    a failover): a retry later may well succeed."""
+    a failover): a retry later may well succeed. Not so for one that could not be opened as given."""
+    if is_unusable(err):
+        return False
     for e in _chain(err):
         if isinstance(e, DBAPIError) and e.connection_invalidated:
             return True
@@ -60,7 +69,91 @@ def is_unreachable(err: BaseException) -> bool:
 
 
 def is_transient(err: BaseException) -> bool:
-    return is_full(err) or is_unreachable(err)
+    return not is_unusable(err) and (is_full(err) or is_unreachable(err))
+
+
+_DB_FLAG = "--db/SLTUNE_DB"      # where a command's database URL comes from
+
+
+class UnusableDatabase(ValueError):
+    """The database cannot be opened as given, for a reason the user fixes (the message says how): no retry
+    waits for it, and as a ValueError a command says it in one line with exit code 2."""
+
+
+def is_unusable(err: BaseException) -> bool:
+    return any(isinstance(e, UnusableDatabase) for e in _chain(err))
+
+
+def unusable(url: str, err: BaseException) -> UnusableDatabase | None:
+    """err, raised while opening the database at `url` (as the user gave it), as the user's mistake with its fix;
+    None when it is none of those (a server starting up, a bug): that error stands as it is."""
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        return UnusableDatabase(f"{_DB_FLAG} {url}: not a database URL; give sqlite:///FILE for a SQLite file "
+                                "(e.g. sqlite:///jobs.db) or postgresql://USER@HOST[:PORT]/DATABASE")
+    said = " ".join(" ".join(str(e).split()) for e in _chain(err)
+                    if type(e).__module__.startswith(("psycopg", "sqlite3")))
+    for pattern, fix in _OPEN_FAILURES:
+        found = re.search(pattern, said)
+        if found:
+            return UnusableDatabase(f"{_DB_FLAG} {parsed.render_as_string(hide_password=True)}: "
+                                    f"{fix(found, parsed)}")
+    return None
+
+
+def _pg_options(url: URL) -> list[str]:
+    """-h HOST [-p PORT] of the PostgreSQL command-line tools, for the server the URL names."""
+    host = url.host or url.query.get("host")
+    options = [f"-h {shlex.quote(str(host))}"] if host else []
+    return options + [f"-p {url.port}"] if url.port not in (None, 5432) else options
+
+
+def _createdb(url: URL) -> str:
+    user = [f"-U {shlex.quote(url.username)}"] if url.username else []
+    return " ".join(["createdb", *_pg_options(url), *user, shlex.quote(url.database or "")])
+
+
+def _createuser(url: URL, role: str) -> str:
+    return " ".join(["createuser", *_pg_options(url), "-U postgres", shlex.quote(role)])
+
+
+def _server(url: URL) -> str:
+    return f"{url.host or url.query.get('host') or 'localhost'} port {url.port or 5432}"
+
+
+# (pattern in the driver's words, the problem and its fix); the first that matches says it
+_OPEN_FAILURES: list[tuple[str, Callable[[re.Match, URL], str]]] = [
+    (r'database "([^"]+)" does not exist',
+     lambda m, u: f'database "{m[1]}" does not exist; create it with: {_createdb(u)}'),
+    (r'role "([^"]+)" does not exist',
+     lambda m, u: f'role "{m[1]}" does not exist on the server; put an existing user in the URL '
+                  f"(postgresql://USER@HOST/DB), or create it with: {_createuser(u, m[1])}"),
+    (r'password authentication failed for user "([^"]+)"',
+     lambda m, u: f'password authentication failed for user "{m[1]}"; put the right password in the URL '
+                  "(postgresql://USER:PASSWORD@HOST/DB) or in ~/.pgpass"),
+    (r"no password supplied",
+     lambda m, u: f"the server wants a password for user {u.username or 'the current user'!r}; put it in the URL "
+                  "(postgresql://USER:PASSWORD@HOST/DB) or in ~/.pgpass"),
+    (r'no pg_hba\.conf entry for host "([^"]+)", user "([^"]+)", database "([^"]+)"',
+     lambda m, u: f'the server does not let user "{m[2]}" connect from {m[1]} to database "{m[3]}" (no pg_hba.conf '
+                  "entry); allow it in the server's pg_hba.conf, or connect as a user or from a host it allows"),
+    (r"failed to resolve host '([^']+)'|could not translate host name \"([^\"]+)\"",
+     lambda m, u: f"host '{m[1] or m[2]}' is unknown (its name does not resolve); fix the host in the URL"),
+    (r'connection to server on socket "([^"]+)" failed: (No such file or directory|Connection refused)',
+     lambda m, u: f"no PostgreSQL server listens on the socket {m[1]}; start it, or give its host in the URL"),
+    (r"Connection refused",
+     lambda m, u: f"no PostgreSQL server accepts connections at {_server(u)} (connection refused); start it, or "
+                  "fix the host and port in the URL"),
+    (r"timeout expired",
+     lambda m, u: f"no answer from {_server(u)} within the connect timeout; check the host and port in the URL, "
+                  "and that no firewall drops the connection"),
+    (r"unable to open database file",
+     lambda m, u: f"SQLite cannot open {u.database}; give the path of a database file (new or existing) in a "
+                  "directory this user can write"),
+    (r"file is not a database",
+     lambda m, u: f"{u.database} is not a SQLite database; give another file, or the path of a new one"),
+]
 
 
 def describe(err: BaseException) -> str:

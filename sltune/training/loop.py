@@ -1,7 +1,8 @@
 """The training loop `sltune train` runs: a model in, steps with a schedule, clipping, evaluation, metrics and
 checkpoints, a Hugging Face folder out; resumable exactly.
 
-Read top to bottom: where the weights come from, the data, the engine, the resume, the loop.
+Read top to bottom: what the job reads (checked before anything is built), where the weights come from, the data,
+the engine, the resume, the loop.
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ from typing import Any, Callable
 import torch
 
 from sltune.config import SpeedLoaderConfig
+from sltune.models.checkpoint import TOKENIZER_FILES, read_tokenizer_files
 from sltune.training.optimizer import OptimizerConfig
 from sltune.training.schedule import LRSchedule, lr_scheduler
 from sltune.training import state as checkpoints
+from sltune.training.text import TEXT_SUFFIXES, has_tokenizer, load_tokenizer
 
 
 @dataclass
@@ -50,6 +53,69 @@ class TrainJob:
         _check(self)            # at construction: the CLI refuses a bad flag before its progress bar starts
 
 
+@dataclass(frozen=True)
+class Inputs:
+    """What a job reads besides its weights, found and checked before anything is built (a wrong path is one line
+    before the model loads, not an error under a 0% bar)."""
+
+    resumed: Path | None                        # the checkpoint --resume continues from
+    trainer: dict[str, Any] | None              # ... and its training state
+    source: Path | None                         # the folder the weights come from: the resumed one, or --model's
+    tokenizer: Path | None                      # the folder text --data is tokenized with
+    tokenizer_files: dict[str, bytes]           # the run's tokenizer, held from the start: every saved folder gets it
+    tokens: torch.Tensor | None                 # --data's ids; None: synthetic
+
+
+TOKEN_SUFFIXES = (".npy", ".pt", ".bin")      # what sltune.data.load_tokens reads besides text
+
+
+def find_inputs(job: TrainJob) -> Inputs:
+    """--data, --resume and the tokenizer, checked and read, cheapest first: the data file, the checkpoint to resume
+    (and the steps it leaves), the tokenizer text needs, then the ids."""
+    from sltune.data import load_tokens
+
+    if job.data:
+        _check_data_file(Path(job.data))
+    resumed, trainer = (checkpoints.latest(job.resume) if job.resume else (None, None))
+    if trainer is not None and int(trainer["step"]) >= job.steps:
+        raise ValueError(f"--resume {job.resume}: the checkpoint is at step {trainer['step']}, and --steps "
+                         f"{job.steps} is the total; pass a larger --steps to train on")
+    source = resumed or (Path(job.model) if _is_folder(job.model) else None)
+    tokenizer = Path(job.tokenizer) if job.tokenizer else source
+    if job.data and Path(job.data).suffix in TEXT_SUFFIXES:
+        _check_text_tokenizer(job, tokenizer, resumed)
+    return Inputs(resumed=resumed, trainer=trainer, source=source, tokenizer=tokenizer,
+                  tokenizer_files=read_tokenizer_files(tokenizer),
+                  tokens=load_tokens(job.data, tokenizer) if job.data else None)
+
+
+def _check_data_file(path: Path) -> None:
+    if not path.is_file():
+        raise ValueError(f"--data {path}: no such file; give token ids (.npy, .pt or uint16 .bin) or text (.txt, "
+                         f".jsonl or .parquet), or omit --data to train on synthetic tokens")
+    if path.suffix not in (*TOKEN_SUFFIXES, *TEXT_SUFFIXES):
+        raise ValueError(f"--data {path}: use token ids (.npy, .pt or uint16 .bin) or text (.txt, .jsonl or "
+                         f".parquet, with --tokenizer)")
+
+
+def _check_text_tokenizer(job: TrainJob, tokenizer: Path | None, resumed: Path | None) -> None:
+    """Text --data needs a tokenizer: --tokenizer (tokenizing names it in a mistake), else the one saved in the
+    weights' folder, named here as the flag that gave that folder."""
+    if job.tokenizer:
+        return
+    fix = "pass --tokenizer FOLDER (a Hugging Face tokenizer saved with save_pretrained) to tokenize it"
+    if tokenizer is None:
+        raise ValueError(f"--data {job.data} is text: {fix}")
+    named = f"--resume {job.resume} (its checkpoint {tokenizer})" if resumed is not None else f"--model {tokenizer}"
+    if not has_tokenizer(tokenizer):
+        raise ValueError(f"--data {job.data} is text and {named} has no tokenizer ({', '.join(TOKENIZER_FILES[:2])}, "
+                         f"...); {fix}")
+    try:
+        load_tokenizer(tokenizer, named=f"the tokenizer of {named}")
+    except ValueError as err:
+        raise ValueError(f"{err}; or {fix}") from None
+
+
 @dataclass
 class TrainReport:
     steps: list[dict[str, Any]]                 # the metrics of each step this run took
@@ -60,18 +126,19 @@ class TrainReport:
     wall_seconds: float
 
 
-def run(job: TrainJob, rank: int = 0, world: int = 1,
-        progress: Callable[[dict[str, Any]], None] | None = None) -> TrainReport:
+def run(job: TrainJob, rank: int = 0, world: int = 1, progress: Callable[[dict[str, Any]], None] | None = None,
+        inputs: Inputs | None = None) -> TrainReport:
+    """Train `job`; `inputs` are find_inputs(job), found here when the caller has not checked them already."""
     from sltune import SpeedLoaderEngine
-    from sltune.data import TokenBatches, load_tokens
+    from sltune.data import TokenBatches
     from sltune.models import build
     from sltune.models.checkpoint import Checkpoint
 
     start = time.perf_counter()
+    inputs = inputs if inputs is not None else find_inputs(job)
 
     # where the weights come from: a resumed checkpoint, a Hugging Face folder, or a preset with random weights
-    resumed, trainer = (checkpoints.latest(job.resume) if job.resume else (None, None))
-    source = resumed or (Path(job.model) if _is_folder(job.model) else None)
+    resumed, trainer, source = inputs.resumed, inputs.trainer, inputs.source
     checkpoint = Checkpoint(source) if source is not None else None
     if resumed is not None and checkpoints.exact_weights(resumed) is not None:
         checkpoint.use_weights(checkpoints.exact_weights(resumed))
@@ -88,9 +155,7 @@ def run(job: TrainJob, rank: int = 0, world: int = 1,
     save_dtype = _save_dtype(job, trainer, checkpoint, engine)
 
     # the data: every rank the same stream and seed, each its own rows of a step
-    tokenizer = job.tokenizer or (str(source) if source is not None else None)
-    tokens = load_tokens(job.data, tokenizer) if job.data else None
-    data = TokenBatches(job.config.effective_batch_size, job.seq_len, vocab, tokens, seed=job.seed,
+    data = TokenBatches(job.config.effective_batch_size, job.seq_len, vocab, inputs.tokens, seed=job.seed,
                         holdout=job.holdout, rank=rank, world=world)
     held_out = data.eval_batches(job.config.effective_batch_size, drop_last=True) if job.eval_every else []
     if job.eval_every and not held_out:
@@ -100,9 +165,6 @@ def run(job: TrainJob, rank: int = 0, world: int = 1,
     done = 0
     if trainer is not None:
         done = int(trainer["step"])
-        if done >= job.steps:
-            raise ValueError(f"--resume {job.resume}: the checkpoint is at step {done}, and --steps {job.steps} is "
-                             f"the total; pass a larger --steps to train on")
         checkpoints.restore(resumed, trainer, engine)
         data.load_state_dict(trainer["data"])
     scheduler = lr_scheduler(engine.optimizer, job.lr_schedule, job.warmup_steps, job.steps, job.min_lr, done)
@@ -113,7 +175,7 @@ def run(job: TrainJob, rank: int = 0, world: int = 1,
 
     def save(path: Path, step: int) -> None:
         state = {"step": step, "data": data.state_dict()}
-        checkpoints.save_checkpoint(path, engine, state, save_dtype, job.max_shard_size)
+        checkpoints.save_checkpoint(path, engine, state, save_dtype, job.max_shard_size, inputs.tokenizer_files)
 
     try:
         for step in range(done + 1, job.steps + 1):

@@ -1,6 +1,6 @@
 """Checkpoints a job can resume from exactly: a Hugging Face folder plus `training_state/`.
 
-    DIR/                               what transformers loads (config.json, safetensors, tokenizer files)
+    DIR/                               what transformers loads (config.json, safetensors, the run's tokenizer files)
     DIR/training_state/trainer.pt      step, data position, scheduler, loss scale, RNG, the save dtype, world size
     DIR/training_state/optimizer-rank{r}-of-{W}.pt   each rank's optimizer state (its shard when sharded)
     DIR/training_state/optimizer-rank{r}-of-{W}/     ... under optimizer_offload disk: the files of the engine's
@@ -43,15 +43,18 @@ def _barrier() -> None:
 
 
 def save_checkpoint(path: str | Path, engine, trainer: dict[str, Any], save_dtype: torch.dtype,
-                    max_shard_size: int | str = "5GB") -> Path:
-    """Write the model as a Hugging Face folder at `path` and the state a resume needs beside it (a collective
-    when sharded: every rank calls it)."""
+                    max_shard_size: int | str = "5GB", tokenizer: dict[str, bytes] | None = None) -> Path:
+    """Write the model as a Hugging Face folder at `path` with the run's `tokenizer` files (read_tokenizer_files at
+    its start) and the state a resume needs beside it (a collective when sharded: every rank calls it)."""
+    from sltune.models.checkpoint import write_tokenizer_files
+
     path = Path(path)
     rank, world = _rank_world()
     state = engine.state_dict()
     engine.save_pretrained(path, dtype=save_dtype, max_shard_size=max_shard_size, state=state)
     staging = path / f".{TRAINING_STATE}.tmp"
     if rank == 0:
+        write_tokenizer_files(path, tokenizer or {})      # before trainer.pt: a folder with it is complete
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
     _barrier()

@@ -41,11 +41,13 @@ class TextTokens:
     from_cache: bool
 
 
-def load_tokenizer(folder: str | Path) -> Any:
-    """A Hugging Face tokenizer saved in `folder` (save_pretrained), never downloaded; it must have an EOS."""
+def load_tokenizer(folder: str | Path, named: str | None = None) -> Any:
+    """A Hugging Face tokenizer saved in `folder` (save_pretrained), never downloaded; it must have an EOS. A
+    mistake names the folder as `named` (default "--tokenizer FOLDER"): the user may have given it as --model."""
     folder = Path(folder)
+    named = named or f"--tokenizer {folder}"
     if not folder.is_dir():
-        raise ValueError(f"--tokenizer {folder}: no such folder; pass a folder written by "
+        raise ValueError(f"{named}: no such folder; pass a folder written by "
                          f"tokenizer.save_pretrained() (tokenizer.json, tokenizer_config.json, ...)")
     from transformers import AutoTokenizer
 
@@ -53,12 +55,17 @@ def load_tokenizer(folder: str | Path) -> Any:
         tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     except Exception as err:   # transformers raises OSError, ValueError, KeyError... for a folder it can't read
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ValueError(f"--tokenizer {folder}: not a loadable Hugging Face tokenizer ({first}); pass a folder "
+        raise ValueError(f"{named}: not a loadable Hugging Face tokenizer ({first}); pass a folder "
                          f"written by tokenizer.save_pretrained()") from None
     if tok.eos_token is None or tok.eos_token_id is None:
-        raise ValueError(f"--tokenizer {folder}: the tokenizer has no eos_token, which separates packed documents; "
+        raise ValueError(f"{named}: the tokenizer has no eos_token, which separates packed documents; "
                          f"set one (tokenizer.eos_token = '</s>'; tokenizer.save_pretrained(folder)) or use another")
     return tok
+
+
+def has_tokenizer(folder: str | Path) -> bool:
+    """Whether `folder` holds any of a tokenizer's files (a model folder saved without one holds none)."""
+    return any((Path(folder) / name).is_file() for name in TOKENIZER_FILES)
 
 
 def cache_path(path: str | Path, tokenizer: str | Path) -> Path:

@@ -45,6 +45,18 @@ def _key(config: dict[str, Any]) -> tuple:
     return tuple(config.get(k, BEFORE_KNOB.get(k)) for k in KNOBS)
 
 
+def config_name(config: dict[str, Any]) -> str:
+    """'b=4 N=2 k=1 optimizer_offload=disk': a compared config named as the tuner names its candidates
+    (Candidate), without the knobs a row fills in for trials from before them where the mode has no such knob (a
+    share kept on the device is generation's, beside its KV cache)."""
+    from sltune.tuning.space import Candidate     # here, not at import: compare stays light (no Optuna)
+
+    knobs = {k: v for k, v in config.items() if v is not None}
+    if "kv_cache" not in knobs:
+        knobs.pop("weights_on_device", None)
+    return str(Candidate.from_knobs(knobs))
+
+
 @dataclass
 class JobData:
     """What a comparison needs of a job: its spec, its result (for the best) and its trials (as the API's
@@ -154,7 +166,7 @@ def compare(old: JobData, new: JobData, max_regression: float = 0.05) -> dict[st
         raise ValueError(f"job {which} has no successful trial: nothing to compare")
     ratio, ci = ratio_ci(b[kb], a[ka])
     busy = confounded(old, ka, new, kb)
-    unstable = [f"{job.id} {dict(zip(KNOBS, key))}" for job, key in ((old, ka), (new, kb))
+    unstable = [f"{job.id} {config_name(dict(zip(KNOBS, key)))}" for job, key in ((old, ka), (new, kb))
                 if any(timing_of(t.get("result")).get("unstable") for t in job.trials
                        if _key(t["config"]) == key)]
     return {"old": old.id, "new": new.id, "max_regression": max_regression, "rows": rows,

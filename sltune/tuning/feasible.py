@@ -1,16 +1,23 @@
-"""Whether a job can fit its memory limits at all, known from the prior before any trial, and the one line that
+"""Whether a job can fit its limits at all, known from the prior before any trial, and the one answer that
 refuses it when it cannot.
 
-The least config (the smallest batch, with each of the space's live-block counts, activations, KV placements
-and kept shares) is predicted term by term (sltune.tuning.prior). Over a limit, the job is refused before any
-trial: the host limit holds all the trial's ranks together (trials enforce it so: more ranks do not bring
-more room), the device limit each rank. The line names the limit, what the least config needs term by term,
-and what would fit: the recipe changes that bring the need under the limit (no float32 master, SGD without
-momentum, bfloat16 weights, the optimizer on disk), or the limit it would take.
+The least configs (the smallest batch, with each of the space's live-block counts, activations, KV placements,
+kept shares and offload places) are predicted term by term (sltune.tuning.prior). When none of them is within
+every limit, the job is refused before any trial: the host limit holds all the trial's ranks together (trials
+enforce it so: more ranks do not bring more room), the device limit each rank, the disk limit the files of
+search.optimizer_offload disk (a host config needs none). The answer names every limit the closest config is
+over, each with what that config needs term by term, so that raising them all is enough: a user who follows it
+is not refused again for another resource. The closest config is the one over the fewest bytes of device memory,
+then of host memory, then of disk (the scarcest first); the other configs that need less of some limit (under the
+optimizer in host memory, say, where disk configs need disk too) follow with what they would need instead. Then
+what would fit: the recipe changes that bring some least config within every limit (no float32 master, SGD
+without momentum, bfloat16 weights, the optimizer on disk), and the limits each closest config takes. The spec's
+own check predicts without the trial process (it is the machine's that runs the trials): its host figures say so,
+and `sltune plan` gives them with it.
 
-Disk is the third resource (search.optimizer_offload: disk keeps the float32 master and the optimizer state in
-files): a host limit only disk configs meet is no refusal, they are the job's configs; the job is refused on disk
-only when those are the only ones within the host limit and even the least of them is over the disk limit.
+Disk is the third resource: a host limit only disk configs meet is no refusal, they are the job's configs. The
+disk limit is hardware.disk_limit, or the free space where trials offload to when that is less or none was asked
+(disk_room): the answer names the free space, and a larger hardware.disk_limit it overrides.
 """
 
 from __future__ import annotations
@@ -25,55 +32,141 @@ from sltune.training.optimizer import OptimizerConfig
 from sltune.tuning.prior import Prior, Recipe, at_depth, predict
 from sltune.tuning.space import Candidate
 
+RESOURCES = ("device", "host", "disk")      # the scarcest first: the closest config is over the least of it
+WHERE = {"device": "on the device", "host": "in host memory", "disk": "on disk"}
+ALTERNATIVES = 2                            # other closest configs an answer names beside the first
+
+
+class FreeSpace(str):
+    """The disk limit's name when it is the free space where trials offload to: passed on as any limit's name is,
+    it also knows its folder and the hardware.disk_limit it overrides, so a refusal can say which applies."""
+
+    root: Path
+    asked: int | None
+
+    def __new__(cls, root: Path, asked: int | None = None) -> "FreeSpace":
+        name = super().__new__(cls, f"the free space in {root}")
+        name.root, name.asked = root, asked
+        return name
+
+    def overrides(self) -> str:
+        """'hardware.disk_limit 500.0 GiB is more than is free there: the free space applies', or ''."""
+        return (f"hardware.disk_limit {format_bytes(self.asked)} is more than is free there: the free space applies"
+                if self.asked is not None else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class Limit:
+    """One resource's limit as an answer names it."""
+
+    resource: str
+    size: int
+    name: str
+
+    def said(self, first: bool = True) -> str:
+        """'hardware.host_memory_limit 20.0 GiB', or 'the 77.8 GiB free in DIR' (with, `first` time, why the free
+        space applies over a larger hardware.disk_limit)."""
+        if not isinstance(self.name, FreeSpace):
+            return f"{self.name} {format_bytes(self.size)}"
+        why = self.name.overrides() if first else ""
+        return f"the {format_bytes(self.size)} free in {self.name.root}" + (f" ({why})" if why else "")
+
+    def raised(self, need: int) -> str:
+        """What the limit takes for `need`: 'a hardware.disk_limit of at least 150.6 GiB (with that much free ...)'."""
+        if isinstance(self.name, FreeSpace):
+            return f"at least {format_bytes(need)} free in {self.name.root}"
+        named = self.name if self.name.startswith(("hardware.", "--")) else f"{self.resource} limit"
+        return (f"a {named} of at least {format_bytes(need)}"
+                + (" (with that much free where trials offload to)" if self.resource == "disk" else ""))
+
+
+@dataclasses.dataclass(frozen=True)
+class Over:
+    """A least config, its prior, and each limit it is over with what it needs there."""
+
+    config: Candidate
+    prior: Prior
+    over: tuple[tuple[Limit, int], ...]
+
+    def excess(self) -> tuple[int, ...]:
+        """The bytes over each limit, scarcest resource first: the closest config has the least."""
+        by = {limit.resource: need - limit.size for limit, need in self.over}
+        return tuple(by.get(r, 0) for r in RESOURCES)
+
+    def needs_no_more_than(self, other: "Over") -> bool:
+        """Every limit this config needs raised, the other needs raised at least as far."""
+        theirs = {limit.resource: need for limit, need in other.over}
+        return all(need <= theirs.get(limit.resource, -1) for limit, need in self.over)
+
 
 def smallest(candidates: Iterable[Candidate]) -> list[Candidate]:
     """The configs of the least batch (then the least sub-batch), one per live-block count, activations, KV
-    placement and kept share: among them is the one any limit is met by first."""
+    placement, kept share and offload place: among them is the one any limit is met by first."""
     cands = list(candidates)
     least = min((c.batch, c.b) for c in cands)
     return [c for c in cands if (c.batch, c.b) == least]
-
-
-def least(recipe: Recipe, candidates: Iterable[Candidate], resource: str) -> tuple[Candidate, Prior]:
-    """The config predicted to need the least of `resource` ("host", "device" or "disk"), and its prior."""
-    priors = [(c, predict(recipe, c)) for c in smallest(candidates)]
-    return min(priors, key=lambda cp: (getattr(cp[1], resource), cp[0]))
 
 
 def shortfall(recipe: Recipe, candidates: Iterable[Candidate], host_limit: int | None, device_limit: int | None,
               host_name: str = "hardware.host_memory_limit", device_name: str = "hardware.device_memory_limit",
               what: str = "the smallest config", disk_limit: int | None = None,
               disk_name: str = "hardware.disk_limit") -> str | None:
-    """None when some least config is predicted within every limit; else one line: the limit, what the least config
-    needs term by term, and what would fit. `what` names the config in the line."""
+    """None when some least config is predicted within every limit; else one answer: every limit the closest
+    config is over, what it needs there term by term, what the next closest would need instead, and what would
+    fit. `what` names the config in the answer."""
     cands = list(candidates)
-    if device_limit is not None:
-        c, prior = least(recipe, cands, "device")
-        if prior.device > device_limit:
-            return (f"{device_name} {format_bytes(device_limit)} is below the {format_bytes(prior.device)} "
-                    f"({prior.device} bytes) {what} ({c}) is predicted to need on the device: "
-                    f"{listing(prior.device_terms, prior.device)}; raise it to at least that")
-    if host_limit is not None:
-        c, prior = least(recipe, cands, "host")
-        if prior.host > host_limit:
-            return (f"{host_name} {format_bytes(host_limit)} is below the {format_bytes(prior.host)} ({prior.host} "
-                    f"bytes) {what} ({c}) is predicted to need in host memory"
-                    f"{' (all ranks together)' if recipe.world_size > 1 else ''}: "
-                    f"{listing(prior.host_terms, prior.host)}. What would fit: {_would_fit(recipe, cands, host_limit)}")
-    if disk_limit is not None:
-        least_ones = [(c, predict(recipe, c)) for c in smallest(cands)]
-        roomy = [(c, p) for c, p in least_ones if host_limit is None or p.host <= host_limit]
-        if roomy and all(recipe.on_disk(c) for c, _ in roomy):
-            c, prior = min(roomy, key=lambda cp: (cp[1].disk, cp[0]))
-            if prior.disk > disk_limit:
-                hosted = [p.host for c2, p in least_ones if not recipe.on_disk(c2)]
-                other = (f"; under optimizer_offload host it would need {format_bytes(min(hosted))} in host memory, "
-                         f"over {host_name} {format_bytes(host_limit)}" if hosted and host_limit is not None else "")
-                return (f"{disk_name} {format_bytes(disk_limit)} is below the {format_bytes(prior.disk)} ({prior.disk} "
-                        f"bytes) {what} ({c}) is predicted to need on disk: {listing(prior.disk_terms, prior.disk)}"
-                        f"{other}. What would fit: a {disk_name} of at least {format_bytes(prior.disk)} (with "
-                        "that much free where trials offload to), or a smaller model")
-    return None
+    limits = [Limit(r, n, name) for r, n, name in (("device", device_limit, device_name),
+                                                   ("host", host_limit, host_name), ("disk", disk_limit, disk_name))
+              if n is not None]
+    found = [overs(recipe, c, limits) for c in smallest(cands)]
+    if any(not f.over for f in found):
+        return None
+    closest = nearest(found)
+    first = closest[0]
+    text = "; and ".join(_clause(recipe, first, limit, need, f"{what} ({first.config}) is predicted to need"
+                                 if i == 0 else "it needs") for i, (limit, need) in enumerate(first.over))
+    for other in closest[1:]:
+        text += (f"; under {_differs(first.config, other.config)} it would need "
+                 + " and ".join(f"{format_bytes(need)} {WHERE[limit.resource]}, over {limit.said(first=False)}"
+                                for limit, need in other.over))
+    if len(closest) == 1 and [limit.resource for limit, _ in first.over] == ["device"]:
+        return text + "; raise it to at least that"
+    return text + ". What would fit: " + _would_fit(recipe, cands, limits, closest)
+
+
+def overs(recipe: Recipe, c: Candidate, limits: list[Limit]) -> Over:
+    """c's prior and the limits it is over (the disk's only when its optimizer lives in files)."""
+    prior = predict(recipe, c)
+    over = tuple((limit, need) for limit in limits
+                 if (limit.resource != "disk" or recipe.on_disk(c))
+                 and (need := getattr(prior, limit.resource)) > limit.size)
+    return Over(c, prior, over)
+
+
+def nearest(found: list[Over]) -> list[Over]:
+    """The closest config first, then those that need less of some limit than every config before them (at most
+    ALTERNATIVES): raising the limits any one of them names is enough."""
+    ranked = sorted(found, key=lambda f: (f.excess(), f.config))
+    kept: list[Over] = []
+    for f in ranked:
+        if not any(k.needs_no_more_than(f) for k in kept):
+            kept.append(f)
+    return kept[:1 + ALTERNATIVES]
+
+
+def _clause(recipe: Recipe, f: Over, limit: Limit, need: int, subject: str) -> str:
+    """'hardware.host_memory_limit 20.0 GiB is below the 46.8 GiB (N bytes) <subject> in host memory: terms'."""
+    terms = {"device": f.prior.device_terms, "host": f.prior.host_terms, "disk": f.prior.disk_terms}[limit.resource]
+    ranks = " (all ranks together)" if limit.resource == "host" and recipe.world_size > 1 else ""
+    return (f"{limit.said()} is below the {format_bytes(need)} ({need} bytes) {subject} {WHERE[limit.resource]}"
+            f"{ranks}: {listing(terms, need)}")
+
+
+def _differs(c: Candidate, other: Candidate) -> str:
+    """The knobs `other` sets otherwise than `c`, as a spec names them: 'optimizer_offload host'."""
+    mine = {**c.knobs(), "optimizer_offload": c.optimizer_offload}
+    theirs = {**other.knobs(), "optimizer_offload": other.optimizer_offload}
+    return " and ".join(f"{k} {v}" for k, v in theirs.items() if mine.get(k) != v)
 
 
 def listing(terms: list[tuple[str, int]], total: int) -> str:
@@ -84,9 +177,34 @@ def listing(terms: list[tuple[str, int]], total: int) -> str:
     return ", ".join(shown) + f" {unit}"
 
 
-def _would_fit(recipe: Recipe, cands: list[Candidate], limit: int) -> str:
-    """The recipe changes, alone or together, whose least config is predicted within the limit; else the limit
-    it would take."""
+def _would_fit(recipe: Recipe, cands: list[Candidate], limits: list[Limit], closest: list[Over]) -> str:
+    """The recipe changes, alone or together, under which some least config is predicted within every limit;
+    then the limits each closest config takes, all of them together."""
+    named = [limit.resource for limit, _ in closest[0].over]
+    fits = [f"{what}: {_needs(f, closest[0].config, named)}" for what, changed in _changes(recipe)
+            if (f := _within(changed, cands, limits, named)) is not None]
+    if recipe.mode == "train" and recipe.schedule != "resident" and not any(recipe.on_disk(c) for c in cands):
+        disk = [dataclasses.replace(c, optimizer_offload="disk") for c in cands]
+        if (f := _within(recipe, disk, limits, named)) is not None:
+            fits.insert(0, f"search.optimizer_offload [host, disk] (the master and optimizer state in files: "
+                           f"{format_bytes(f.prior.host)} in host memory, {format_bytes(f.prior.disk)} on disk)")
+    takes = [" and ".join(limit.raised(need) for limit, need in f.over)
+             + (f" (under {_differs(closest[0].config, f.config)})" if i else "") for i, f in enumerate(closest)]
+    text = ("; or ".join(fits + takes) if fits else
+            "no change of dtype, precision or optimizer; " + "; or ".join(takes) + ", or a smaller model")
+    return text + _without_process(recipe, closest)
+
+
+def _without_process(recipe: Recipe, closest: list[Over]) -> str:
+    """The spec's own check predicts without the trial process (it is the machine's that runs the trials): its host
+    figures take that process's memory on top, or the spec is refused again where trials run."""
+    if recipe.baseline or not any(limit.resource == "host" for f in closest for limit, _ in f.over):
+        return ""
+    return " (the host figures leave out the trial process's own memory; `sltune plan SPEC.yaml` adds it)"
+
+
+def _changes(recipe: Recipe) -> list[tuple[str, Recipe]]:
+    """Each change of precision, optimizer or dtype that needs less memory."""
     from sltune.tuning.shape import shape_of
 
     changes: list[tuple[str, Recipe]] = []
@@ -109,30 +227,34 @@ def _would_fit(recipe: Recipe, cands: list[Candidate], limit: int) -> str:
         if train:
             changes.append(("model.dtype bfloat16 with model.mixed_precision false",
                             dataclasses.replace(half, mixed_precision=False)))
-    fits = []
-    for what, changed in changes:
-        need = least(changed, cands, "host")[1].host
-        if need <= limit:
-            fits.append(f"{what}: {format_bytes(need)}")
-    if train and recipe.schedule != "resident" and not any(recipe.on_disk(c) for c in cands):
-        disk = [dataclasses.replace(c, optimizer_offload="disk") for c in cands]
-        c, prior = least(recipe, disk, "host")
-        if prior.host <= limit:
-            fits.insert(0, f"search.optimizer_offload [host, disk] (the master and optimizer state in files: "
-                           f"{format_bytes(prior.host)} in host memory, {format_bytes(prior.disk)} on disk)")
-    if fits:
-        return "; or ".join(fits)
-    need = least(recipe, cands, "host")[1].host
-    return f"no change of dtype, precision or optimizer; a limit of at least {format_bytes(need)}, or a smaller model"
+    return changes
+
+
+def _needs(f: Over, closest: Candidate, named: list[str]) -> str:
+    """'30.1 GiB in host memory, 50.2 GiB on disk': what a config within every limit needs (the device's when the
+    refusal named it; the disk's when it has files), and where its optimizer lives when that is not where the closest
+    config's does."""
+    shown = [r for r in RESOURCES if r == "host" or (r == "disk" and f.prior.disk)
+             or (r == "device" and r in named)]
+    place = (f" with optimizer_offload {f.config.optimizer_offload}"
+             if f.config.optimizer_offload != closest.optimizer_offload else "")
+    return ", ".join(f"{format_bytes(getattr(f.prior, r))} {WHERE[r]}" for r in shown) + place
+
+
+def _within(recipe: Recipe, cands: list[Candidate], limits: list[Limit], named: list[str]) -> Over | None:
+    """The least config predicted within every limit that needs the least of the `named` resources, or None."""
+    ok = [f for f in (overs(recipe, c, limits) for c in smallest(cands)) if not f.over]
+    return min(ok, key=lambda f: (tuple(getattr(f.prior, r) for r in named), f.config), default=None)
 
 
 def disk_room(asked: int | None, root: Path) -> tuple[int | None, str]:
     """The disk limit disk configs are held to, and its name for a refusal: the asked one (hardware.disk_limit), or
-    the free space where trials offload to (`root`) when that is less or nothing was asked."""
+    the free space where trials offload to (`root`) when that is less or nothing was asked (a FreeSpace name, which
+    says it overrides the asked one)."""
     free = free_bytes(root)
     if asked is not None and (free is None or asked <= free):
         return asked, "hardware.disk_limit"
-    return free, f"the free space in {root}"
+    return free, FreeSpace(root, asked)
 
 
 def free_bytes(folder: Path) -> int | None:

@@ -222,15 +222,30 @@ class LinearFit:
         return [k for k, (lo, hi) in self.ranges.items() if k in v and not lo <= v[k] <= hi]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"target": self.target, "features": self.features, "coef": self.coef, "n": self.n, "rank": self.rank,
-                "r2": self.r2, "loo_rel_error": self.loo_rel_error, "loo_typical_error": self.loo_typical_error,
-                "robust": self.robust, "residuals": self.residuals, "ranges": self.ranges,
-                **({"offset": self.offset} if self.offset else {})}
+        out = {"target": self.target, "features": self.features, "coef": self.coef, "n": self.n, "rank": self.rank,
+               "r2": self.r2, "loo_rel_error": self.loo_rel_error, "loo_typical_error": self.loo_typical_error,
+               "robust": self.robust, "residuals": self.residuals, "ranges": self.ranges,
+               **({"offset": self.offset} if self.offset else {})}
+        why = no_loo_reason(out)
+        return {**out, **({"loo_missing": why} if why else {})}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "LinearFit":
         return cls(**{k: d[k] for k in ("target", "features", "coef", "n", "rank", "r2", "loo_rel_error",
                                         "loo_typical_error", "robust", "residuals", "ranges", "offset") if k in d})
+
+
+def no_loo_reason(model: dict[str, Any]) -> str | None:
+    """Why a fit (as to_dict gives it, or a best.yaml from before this was said) has no leave-one-out error, in
+    words a reader can act on: more trials, or trials that differ in more knobs. None when it has one."""
+    if model.get("loo_rel_error") is not None:
+        return None
+    n, coefficients = int(model.get("n") or 0), len(model.get("features") or [])
+    if n <= coefficients:
+        return (f"too few points for a leave-one-out fit: {n} point{'s' * (n != 1)} for {coefficients} "
+                f"coefficient{'s' * (coefficients != 1)} (leaving one out needs at least {coefficients + 1})")
+    return (f"every leave-one-out fit is underdetermined: without any one of its {n} points, the other {n - 1} do "
+            f"not fix its {coefficients} coefficients (the trials differ in too few knobs)")
 
 
 MIN_REL_SIGMA = 0.005   # no measurement is trusted beyond 0.5%: a hundred quiet steps are not the truth either

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from sltune.tuning.fit import LinearFit
+from sltune.tuning.fit import LinearFit, no_loo_reason
 from sltune.tuning.shape import shape_of
 from sltune.tuning.space import SearchSpace
 from sltune.tuning.spec import TuningSpec
@@ -56,8 +56,7 @@ def plan(path: str | Path, device_memory_limit: int | str | None = None,
                                       "host_memory_limit": spec.hardware.host_memory_limit},
                            "candidates": len(preds), "fitting": len(fitting) + len(unpredictable),
                            "unpredictable": unpredictable, "best": None,
-                           "leave_one_out_error": {k: {"typical": f.loo_typical_error, "max": f.loo_rel_error}
-                                                   for k, f in state.fits.items()}}
+                           "leave_one_out_error": {k: _loo(f) for k, f in state.fits.items()}}
     if not fitting:
         out["message"] = ("no config in the search space is predicted to fit these limits" if not unpredictable else
                           "no config predicted to fit has a throughput prediction to rank it by")
@@ -76,8 +75,7 @@ def plan(path: str | Path, device_memory_limit: int | str | None = None,
     out["best"] = {"config": {**best.knobs(), "schedule": spec.search.schedule}, "predicted": preds[best].to_dict(),
                    "binding_limit": state.binding_limit(best), "measured": was_measured}
     summary = (f"extrapolates {', '.join(extrapolated)} beyond the measured range: treat as a first guess"
-               if extrapolated else "within the measured range of every knob; expect errors near the "
-                                    "leave-one-out figures")
+               if extrapolated else "within the measured range of every knob; " + _expect(out["leave_one_out_error"]))
     if not was_measured:
         summary += "; this config was never measured: confirm it with a trial (sltune profile) before relying on it"
     out["confidence"] = {"extrapolated": extrapolated, "leave_one_out_error": out["leave_one_out_error"],
@@ -85,6 +83,22 @@ def plan(path: str | Path, device_memory_limit: int | str | None = None,
     out["measured_best"] = {"config": {k: data[k] for k in ("sub_batch_size", "num_sub_batches", "num_live_blocks")},
                             "tokens_per_s": data.get("measured", {}).get("tokens_per_s")}
     return out
+
+
+def _loo(fit: LinearFit) -> dict[str, Any]:
+    """A model's leave-one-out errors, or why it has none (too few points, say)."""
+    why = no_loo_reason(fit.to_dict())
+    return {"typical": fit.loo_typical_error, "max": fit.loo_rel_error, **({"missing": why} if why else {})}
+
+
+def _expect(loo: dict[str, dict[str, Any]]) -> str:
+    """What to expect of the predictions' errors: near the leave-one-out figures, or unknown where a model has
+    none."""
+    without = [k for k, e in loo.items() if e.get("missing")]
+    if not without:
+        return "expect errors near the leave-one-out figures"
+    which = "the models have" if len(without) == len(loo) else f"the {' and '.join(without)} model(s) have"
+    return f"{which} no leave-one-out error: their errors are unknown; confirm the best with a trial"
 
 
 def _key(knobs: dict[str, Any]) -> tuple[int, int, int]:

@@ -4,7 +4,9 @@ No trial runs and no best.yaml is needed: the prior (sltune.tuning.prior) predic
 peaks term by term (and under optimizer_offload disk its files' bytes), the spec's limits (the disk's by default
 the free space where trials offload to) (or, with none, this machine's trial ceiling) rule configs in or out with
 the tuner's own margin, and each of the largest that fit names the limit that stops it growing. A spec none of
-whose configs can fit is refused with the least config's terms and what would fit (sltune.tuning.feasible).
+whose configs can fit is refused with every limit the closest config is over, its terms there, and what would fit
+(sltune.tuning.feasible). A hardware.disk_limit larger than the free space is named beside it: the free space
+applies.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any
 from sltune.settings import Settings
 from sltune.sizes import parse_bytes
 from sltune.tuning.baseline import trial_baseline
-from sltune.tuning.feasible import disk_room, shortfall
+from sltune.tuning.feasible import FreeSpace, disk_room, shortfall
 from sltune.tuning.shape import shape_of
 from sltune.tuning.space import SearchSpace
 from sltune.tuning.spec import DISK_LIMIT_WITHOUT_DISK, TuningSpec
@@ -69,7 +71,8 @@ def plan_spec(data: dict[str, Any], source: str | Path, device_memory_limit: int
         "source": str(source), "kind": "spec", "model": spec.model.describe(),
         "limits": {"device_memory_limit": device_limit, "host_memory_limit": host_limit or ceiling,
                    "host_limit_from": host_name, "disk_limit": disk_limit,
-                   "disk_limit_from": disk_name if on_disk else None},
+                   "disk_limit_from": str(disk_name) if on_disk else None,
+                   "disk_limit_note": (disk_name.overrides() or None) if isinstance(disk_name, FreeSpace) else None},
         "margin": spec.search.margin, "trial_baseline_bytes": baseline,
         "candidates": len(preds), "fitting": len(fitting),
         "configs": [{"config": c.knobs(), "peak_device_bytes": p.device, "peak_host_bytes": p.host,

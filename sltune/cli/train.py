@@ -210,17 +210,20 @@ def _tuned_seq_len(tuned: dict[str, Any]) -> int | None:
     return workload.get("seq_len") if workload.get("mode", "train") == "train" else None
 
 
-def _limit_source(args: argparse.Namespace) -> str:
-    if args.device_memory_limit is None and args.config:
-        return f"the limit is device_memory_limit in {args.config}; override it with --device-memory-limit"
-    return "the limit is --device-memory-limit"
-
-
 def _limit_name(args: argparse.Namespace) -> str:
     """The device memory limit as the user gave it: the flag, or the --config file's field."""
     if args.device_memory_limit is None and args.config:
         return f"device_memory_limit in {args.config}"
     return "--device-memory-limit"
+
+
+def _override(args: argparse.Namespace) -> str:
+    """How to change a limit the --config file set, or nothing when the flag set it."""
+    return " (override it with --device-memory-limit)" if _limit_name(args) != "--device-memory-limit" else ""
+
+
+def _limit_source(args: argparse.Namespace) -> str:
+    return f"the limit is {_limit_name(args)}" + ("; override it with --device-memory-limit" if _override(args) else "")
 
 
 def _fits_device(job: TrainJob, inputs: Inputs, args: argparse.Namespace) -> None:
@@ -240,8 +243,8 @@ def _fits_device(job: TrainJob, inputs: Inputs, args: argparse.Namespace) -> Non
     if min(predict(recipe, c).device for c in least) <= limit * (1 + PRIOR_MARGIN):
         return
     short = shortfall(recipe, least, None, limit, device_name=_limit_name(args))
-    override = " (override it with --device-memory-limit)" if _limit_name(args) != "--device-memory-limit" else ""
-    raise ValueError(f"device memory limit exceeded by every config, predicted before any step: {short}{override}")
+    raise ValueError(f"device memory limit exceeded by every config, predicted before any step: {short}"
+                     f"{_override(args)}")
 
 
 def _over_the_limit(err: DeviceMemoryExceeded, job: TrainJob, inputs: Inputs, args: argparse.Namespace,

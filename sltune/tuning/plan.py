@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from sltune.tuning.fit import LinearFit, no_loo_reason
+from sltune.tuning.fit import LinearFit
 from sltune.tuning.shape import shape_of
 from sltune.tuning.space import SearchSpace
 from sltune.tuning.spec import TuningSpec
@@ -87,7 +87,7 @@ def plan(path: str | Path, device_memory_limit: int | str | None = None,
 
 def _loo(fit: LinearFit) -> dict[str, Any]:
     """A model's leave-one-out errors, or why it has none (too few points, say)."""
-    why = no_loo_reason(fit.to_dict())
+    why = fit.to_dict().get("loo_missing")
     return {"typical": fit.loo_typical_error, "max": fit.loo_rel_error, **({"missing": why} if why else {})}
 
 

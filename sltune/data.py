@@ -7,6 +7,7 @@ small enough to store in a checkpoint so a resumed job sees exactly the batches 
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -14,6 +15,8 @@ import numpy as np
 import torch
 
 from sltune.training.text import TEXT_SUFFIXES, tokenize_file   # light: transformers loads only to tokenize
+
+_warned_narrow: set[Path] = set()
 
 
 def load_tokens(path: str | Path, tokenizer: str | Path | None = None) -> torch.Tensor:
@@ -29,17 +32,57 @@ def load_tokens(path: str | Path, tokenizer: str | Path | None = None) -> torch.
                              f"save_pretrained) to tokenize it")
         return torch.from_numpy(tokenize_file(path, tokenizer).ids.astype(np.int64))
     if path.suffix == ".npy":
-        arr = torch.from_numpy(np.load(path).astype(np.int64))
+        fix = "save the ids with np.save(path, ids.astype(np.int32))"
+        with open(path, "rb") as fh:
+            if fh.read(6) != b"\x93NUMPY":
+                raise ValueError(f"--data {path}: not a NumPy .npy file (it lacks the .npy header); {fix}")
+        try:
+            arr = np.load(path, allow_pickle=False)
+        except Exception as err:    # noqa: BLE001 - numpy raises ValueError, OSError, EOFError... for a foreign file
+            why = "it holds pickled Python objects" if "pickle" in str(err) else _first_line(err)
+            raise ValueError(f"--data {path}: not a NumPy .npy file of token ids ({why}); {fix}") from None
+        if not isinstance(arr, np.ndarray):
+            raise ValueError(f"--data {path}: not a NumPy .npy file of token ids; {fix}")
+        _check_ids(path, arr.dtype, arr.dtype.kind in "iu", "np.save(path, ids.astype(np.int32))")
+        arr = torch.from_numpy(arr.astype(np.int64))
     elif path.suffix == ".pt":
-        arr = torch.load(path, weights_only=True)
+        try:
+            arr = torch.load(path, weights_only=True)
+        except Exception as err:    # noqa: BLE001 - torch raises pickle, zip and runtime errors for a foreign file
+            raise ValueError(f"--data {path}: not a tensor saved with torch.save ({_first_line(err)}); save the "
+                             f"ids with torch.save(ids.to(torch.int32), path)") from None
         if not torch.is_tensor(arr):
             raise ValueError(f"--data {path}: expected a saved tensor of token ids")
+        integer = not arr.is_floating_point() and not arr.is_complex() and arr.dtype != torch.bool
+        _check_ids(path, arr.dtype, integer, "torch.save(ids.to(torch.int32), path)")
     elif path.suffix == ".bin":
+        size = path.stat().st_size
+        if size % 2:
+            raise ValueError(f"--data {path}: {size} bytes, an odd count, so not uint16 token ids (nanoGPT's .bin: "
+                             f"ids.astype(np.uint16).tofile(path))")
         arr = torch.from_numpy(np.fromfile(path, dtype=np.uint16).astype(np.int64))
     else:
         raise ValueError(f"--data {path}: use token ids (.npy, .pt or uint16 .bin) or text (.txt, .jsonl or "
                          f".parquet, with --tokenizer)")
     return arr.reshape(-1).long()
+
+
+def _check_ids(path: Path, dtype: Any, integer: bool, fix: str) -> None:
+    """Token ids are integers: refuse any other dtype; warn (once per file) that narrow signed ids were cast."""
+    name = str(dtype).removeprefix("torch.")
+    if not integer:
+        raise ValueError(f"--data {path}: holds {name} values, but token ids are integers; save them as integers: "
+                         f"{fix}")
+    if name in ("int8", "int16") and path not in _warned_narrow:
+        _warned_narrow.add(path)
+        top = 127 if name == "int8" else 32767
+        warnings.warn(f"--data {path}: {name} token ids, read as int64; {name} holds ids up to {top} only, so ids "
+                      f"of a larger vocabulary wrapped to negatives when the file was written (save them as uint16 "
+                      f"or int32: {fix})", stacklevel=3)
+
+
+def _first_line(err: Exception) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0]
 
 
 def synthetic_corpus(rows: int, seq_len: int, vocab: int, gen: torch.Generator) -> torch.Tensor:

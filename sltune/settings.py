@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +45,13 @@ class Settings(BaseSettings):
                                                              "e.g. '24GiB'); unset: what the worker's device has")
     max_tokens_per_step: int = Field(1 << 20, description="largest sub_batch_size*num_sub_batches*tokens a "
                                                             "request may ask a trial to run")
-    spec_check_workers: int = Field(1, ge=1, le=16, description="processes that check POST /tune bodies")
+    max_world_size: int | None = Field(None, ge=1, le=1024, description="ceiling on hardware.world_size: a trial "
+                                       "runs its ranks as processes on one worker's machine; unset: this machine's "
+                                       "cores, the most its own worker runs (set it where workers have more)")
+    spec_check_workers: int = Field(2, ge=1, le=16, description="processes that check POST /tune bodies at once: "
+                                    "two, so that one slow check (a 1,024-layer config takes seconds) does not hold "
+                                    "every other POST behind it; each check runs niced, so the server's own "
+                                    "requests keep their core")
     spec_check_timeout_s: float = Field(30.0, gt=0, description="a spec whose check takes longer is refused")
     spec_check_queue: int = Field(32, ge=1, description="specs waiting to be checked before POST /tune "
                                                         "answers 503")
@@ -76,6 +83,11 @@ class Settings(BaseSettings):
     def alive_within_s(self) -> float:
         """How recently a worker must have touched its row to count as live: three polls, or a lease."""
         return max(3 * self.poll_seconds, self.lease_seconds)
+
+    @property
+    def world_size_ceiling(self) -> int:
+        """The most ranks a request's trials may ask for (max_world_size, else this machine's cores)."""
+        return self.max_world_size or max(1, os.cpu_count() or 1)
 
     @property
     def store_retry_s(self) -> float:

@@ -22,11 +22,7 @@ from sltune.store import Store
 from sltune.store.db import normalize_url
 from sltune.store.faults import is_transient, retrying
 from tests.conftest import free_port, tiny_spec
-
-
-def sltune(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "sltune", *args], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
+from tests.cli import sltune
 
 
 def one_error_line(err: str, command: str) -> str:
@@ -142,7 +138,7 @@ def test_engine_generate_emits_no_future_or_deprecation_warning(preset):
 def test_profile_generate_prints_no_future_warning(tmp_path):
     out = sltune("profile", "--mode", "generate", "--prompt-len", "4", "--new-tokens", "2", "--steps", "1",
                  "--min-time", "0", "--max-steps", "2", "--no-profile",
-                 env={"PYTHONWARNINGS": "default", "SLTUNE_DATA_DIR": str(tmp_path / "data")})
+                 env={"PYTHONWARNINGS": "default", "SLTUNE_DATA_DIR": str(tmp_path / "data")}, process=True)
     assert out.returncode == 0, out.stderr
     assert "trial ok" in out.stdout, out.stdout
     assert "FutureWarning" not in out.stderr and "past_key_values" not in out.stderr, out.stderr

@@ -20,10 +20,7 @@ from sltune.cli.main import main, parser
 from sltune.store import Store
 from sltune.store.optuna import optuna_location
 from tests.conftest import tiny_spec
-
-
-def sltune(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "sltune", *args], capture_output=True, text=True, timeout=timeout)
+from tests.cli import sltune
 
 
 def tuned_file(path):
@@ -205,7 +202,8 @@ def test_every_subcommand_is_described_with_its_defaults_and_environment():
 def test_submit_wait_follows_the_job_and_export_reads_server_or_db(services, tmp_path):
     url = services.serve(worker=False)
     spec = tmp_path / "spec.yaml"
-    spec.write_text(yaml.safe_dump(tiny_spec("newcomer-submit", trials=2)))
+    # each trial times its steps for 2 s: the job runs for seconds on a fast machine too, so the 1 s poll sees it
+    spec.write_text(yaml.safe_dump(tiny_spec("newcomer-submit", trials=2, trial_min_time_s=2)))
     submit = subprocess.Popen([sys.executable, "-m", "sltune", "submit", str(spec), "--server", url, "--wait"],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=services.env)
     with services.client() as c:           # queued, with no worker yet: the bar says what it waits for

@@ -1,17 +1,11 @@
-"""`sltune train` as a user runs it: a real subprocess."""
+"""`sltune train` as a user runs it: its flags, its output and its one-line errors."""
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 
 from sltune import SpeedLoaderConfig
-
-
-def sltune(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "sltune", *args], capture_output=True, text=True,
-                          timeout=timeout)
+from tests.cli import sltune
 
 
 def test_train_from_a_config_file_prints_progress_and_throughput(tmp_path):

@@ -3,8 +3,6 @@
 import contextlib
 import io
 import json
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import numpy as np
@@ -14,6 +12,7 @@ from sltune.cli.main import main
 from sltune.store import Store
 from sltune.tuning.compare import JobData, compare
 from sltune.tuning.spec import TuningSpec
+from tests.cli import sltune
 
 SPEC = TuningSpec.parse({"name": "cmp", "model": {"preset": "llama-tiny"}, "workload": {"seq_len": 32},
                          "search": {"sub_batch_size": [1, 2], "num_sub_batches": [1], "num_live_blocks": [1],
@@ -123,11 +122,9 @@ def test_errors_exit_2_with_one_line(jobs):
 def test_the_process_exit_codes(jobs):
     db, ids = jobs
     for other, code in (("slower", 1), ("same", 0), ("empty", 2)):
-        out = subprocess.run([sys.executable, "-m", "sltune", "compare", ids["base"], ids[other], "--db", db],
-                             capture_output=True, text=True, timeout=300)
+        out = sltune("compare", ids["base"], ids[other], "--db", db)
         assert out.returncode == code, (other, out.stdout, out.stderr)
-    assert "REGRESSION" in subprocess.run([sys.executable, "-m", "sltune", "compare", ids["base"], ids["slower"],
-                                           "--db", db], capture_output=True, text=True, timeout=300).stdout
+    assert "REGRESSION" in sltune("compare", ids["base"], ids["slower"], "--db", db).stdout
 
 
 def test_remeasure_runs_both_bests_here_interleaved(jobs, monkeypatch):

@@ -286,3 +286,39 @@ def test_a_disk_checkpoint_resumes_on_the_host_and_back(tmp_path):
                for f in ("a.jsonl", "b.jsonl", "c.jsonl"))
     assert [(s["loss"], s["grad_norm"]) for s in b] == [(s["loss"], s["grad_norm"]) for s in c] == \
         [(s["loss"], s["grad_norm"]) for s in a[2:]]
+
+
+def test_an_optimizer_that_raises_mid_step_fails_the_step_and_does_not_hang(tmp_path):
+    """A block's optimizer.step raising (a custom optimizer's bug, a state that does not fit; here every block's from
+    the second on) returns the block's slot to the window: without that, the blocks after the window's last slot
+    waited for one forever and the step hung. The step fails with the error, and the engine steps on."""
+    import threading
+
+    engine, _ = train("disk", tmp_path, steps=1)
+    real, calls = torch.optim.AdamW.step, []
+
+    def flaky(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) >= 2:
+            raise RuntimeError("injected in the optimizer")
+        return real(self, *args, **kwargs)
+    x = torch.randint(3, 512, (4, SEQ), generator=torch.Generator().manual_seed(1))
+    raised = []
+
+    def step():
+        try:
+            engine.train_step(x)
+        except RuntimeError as err:
+            raised.append(str(err))
+    torch.optim.AdamW.step = flaky
+    try:
+        thread = threading.Thread(target=step, daemon=True)
+        thread.start()
+        thread.join(120)
+    finally:
+        torch.optim.AdamW.step = real
+    assert not thread.is_alive(), "the step hung after the optimizer raised"
+    assert raised and "injected in the optimizer" in raised[0], raised
+    assert engine.disk.version == 1
+    engine.train_step(x)                    # the window is whole again
+    assert engine.disk.version == 2

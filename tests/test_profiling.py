@@ -1,8 +1,6 @@
 """Trials run in their own process and always answer: ok with measurements, or why not."""
 
 import json
-import subprocess
-import sys
 import threading
 import time
 
@@ -11,6 +9,7 @@ import pytest
 
 from sltune.cli.profile import describe
 from sltune.profiling import SLICES, TrialResult, run_trial
+from tests.cli import sltune
 
 # ~5M parameters: large enough that parameter copies, not per-copy overhead, dominate memcpy time
 MID = {"model_type": "llama", "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 704,
@@ -25,10 +24,9 @@ def trial(**kw) -> TrialResult:
 
 def test_cli_json_is_a_trial_result_whose_fractions_sum_to_one(tmp_path):
     trace = tmp_path / "trace.json"
-    out = subprocess.run([sys.executable, "-m", "sltune", "profile", "--model", "llama-tiny", "--sub-batch-size",
-                          "2", "--num-sub-batches", "3", "--num-live-blocks", "2", "--seq-len", "32", "--trace",
-                          str(trace), "--optimizer", "sgd", "--momentum", "0.9", "--lr", "0.01", "--json"],
-                         capture_output=True, text=True, timeout=300)
+    out = sltune("profile", "--model", "llama-tiny", "--sub-batch-size", "2", "--num-sub-batches", "3",
+                 "--num-live-blocks", "2", "--seq-len", "32", "--trace", str(trace), "--optimizer", "sgd",
+                 "--momentum", "0.9", "--lr", "0.01", "--json")
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
     result = TrialResult.model_validate(data)
@@ -130,9 +128,8 @@ def test_device_limit_below_the_measured_peak_is_oom_with_the_peak():
     assert result.status == "oom" and result.tokens_per_s is None
     assert result.peak_device_bytes > limit
     assert str(result.peak_device_bytes) in result.error and str(limit) in result.error
-    out = subprocess.run([sys.executable, "-m", "sltune", "profile", "--model", "llama-tiny", "--sub-batch-size", "2",
-                          "--num-sub-batches", "2", "--seq-len", "32", "--steps", "1", "--device-memory-limit",
-                          str(limit), "--json"], capture_output=True, text=True, timeout=300)
+    out = sltune("profile", "--model", "llama-tiny", "--sub-batch-size", "2", "--num-sub-batches", "2",
+                 "--seq-len", "32", "--steps", "1", "--device-memory-limit", str(limit), "--json")
     assert out.returncode == 2 and out.stdout == "" and out.stderr.count("\n") == 1, out.stderr
     assert "--device-memory-limit" in out.stderr and "predicted to need on the device" in out.stderr
 

@@ -8,10 +8,7 @@ instead of printing dashes.
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 import yaml
@@ -22,6 +19,7 @@ from sltune.settings import Settings
 from sltune.tuning.feasible import free_bytes
 from sltune.tuning.prior_plan import plan_spec
 from sltune.tuning.spec import TuningSpec
+from tests.cli import sltune
 
 # llama-2-7b in bfloat16 with AdamW: about 118 GiB of host memory with the optimizer in host memory; about 47 GiB
 # of host memory and 151 GiB of disk with it in files
@@ -39,11 +37,6 @@ def needs(refusal: str) -> dict[str, int]:
 
 def with_hardware(spec: dict, **hardware) -> dict:
     return {**spec, "hardware": {**spec["hardware"], **hardware}}
-
-
-def sltune(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "sltune", *args], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, **(env or {})})
 
 
 def test_plan_names_the_host_and_the_disk_limit_together_and_following_it_is_not_refused_again(tmp_path):
@@ -144,7 +137,7 @@ def two_points(tmp_path_factory):
                        "profile": False}}
     (tmp / "spec.yaml").write_text(yaml.safe_dump(spec))
     out = sltune("tune", str(tmp / "spec.yaml"), "--db", f"sqlite:///{tmp / 'jobs.db'}", "--out",
-                 str(tmp / "best.yaml"), env={"SLTUNE_DATA_DIR": str(tmp / "data")})
+                 str(tmp / "best.yaml"), env={"SLTUNE_DATA_DIR": str(tmp / "data")}, process=True)
     assert out.returncode == 0, out.stderr
     return tmp, out.stdout
 

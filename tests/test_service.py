@@ -1,16 +1,14 @@
 """The tuning service as CI meets it: a real uvicorn server on loopback, real workers, a real database."""
 
 import json
-import subprocess
-import sys
 import time
 
-import httpx
 import pytest
 import yaml
 
 from sltune import SpeedLoaderConfig
-from tests.conftest import TOKEN, Services, tiny_spec, wait_for
+from tests.cli import sltune
+from tests.conftest import Services, tiny_spec, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -141,18 +139,15 @@ def test_submit_and_compare_cli(shared, tmp_path):
     url = services.url
     spec = tmp_path / "spec.yaml"
     spec.write_text(yaml.safe_dump(tiny_spec("cli", trials=2)))
-    env = {**services.env}
+    env = {"SLTUNE_API_TOKEN": services.env["SLTUNE_API_TOKEN"]}
     out = tmp_path / "best.yaml"
-    r = subprocess.run([sys.executable, "-m", "sltune", "submit", str(spec), "--server", url, "--wait", "--out",
-                        str(out)], capture_output=True, text=True, env=env, timeout=300)
+    r = sltune("submit", str(spec), "--server", url, "--wait", "--out", str(out), env=env)
     assert r.returncode == 0, r.stderr
     job_a = r.stdout.strip()
     assert SpeedLoaderConfig.from_yaml(out).sub_batch_size >= 1
-    same = subprocess.run([sys.executable, "-m", "sltune", "compare", job_a, job_a, "--server", url, "--json"],
-                          capture_output=True, text=True, env=env, timeout=60)
+    same = sltune("compare", job_a, job_a, "--server", url, "--json", env=env)
     assert same.returncode == 0 and json.loads(same.stdout)["change"] == 0.0
-    bad = subprocess.run([sys.executable, "-m", "sltune", "submit", str(spec), "--server", url],
-                         capture_output=True, text=True, env={**env, "SLTUNE_API_TOKEN": "nope"}, timeout=60)
+    bad = sltune("submit", str(spec), "--server", url, env={"SLTUNE_API_TOKEN": "nope"})
     assert bad.returncode == 2 and "401" in bad.stderr
 
 

@@ -24,6 +24,7 @@ from sltune.tuning.space import Candidate, SearchSpace
 from sltune.tuning.spec import TuningSpec
 from sltune.tuning.state import SearchState
 from sltune.tuning.fit import LinearFit
+from tests.cli import sltune
 
 LIMIT = 4 * 2**20
 SPEC = {
@@ -159,8 +160,7 @@ def test_fitted_models_predict_held_out_peaks_within_ten_percent(job):
 
 def test_exported_yaml_round_trips_and_trains(job, tmp_path):
     out = tmp_path / "best.yaml"
-    cli = subprocess.run([sys.executable, "-m", "sltune", "export", job["result"]["job_id"], "--db", job["db"],
-                          "--out", str(out)], capture_output=True, text=True, timeout=120)
+    cli = sltune("export", job["result"]["job_id"], "--db", job["db"], "--out", str(out))
     assert cli.returncode == 0, cli.stderr
     cfg = SpeedLoaderConfig.from_yaml(out)
     best = job["result"]["best"]["config"]
@@ -173,8 +173,7 @@ def test_exported_yaml_round_trips_and_trains(job, tmp_path):
     assert doc["confidence"] == job["result"]["confidence"] and "the runner-up" in doc["confidence"]
     assert set(doc["resource_models"]) == {"device", "host", "throughput"}
     assert SpeedLoaderConfig.from_yaml(out).to_yaml() == cfg.to_yaml()
-    train = subprocess.run([sys.executable, "-m", "sltune", "train", "--config", str(out), "--model", "llama-tiny",
-                            "--seq-len", "64", "--steps", "2", "--json"], capture_output=True, text=True, timeout=300)
+    train = sltune("train", "--config", str(out), "--model", "llama-tiny", "--seq-len", "64", "--steps", "2", "--json")
     assert train.returncode == 0, train.stderr
     assert json.loads(train.stdout)["config"]["num_sub_batches"] == best["num_sub_batches"]
 
@@ -194,8 +193,7 @@ def test_plan_predicts_under_other_limits_and_flags_extrapolation(job, tmp_path)
     assert inside, "some configs under the tuned limit lie inside the measured range"
     with pytest.raises(ValueError, match="device_memory_limit .* below"):
         plan(path, device_memory_limit=1000)
-    cli = subprocess.run([sys.executable, "-m", "sltune", "plan", "--from", str(path), "--device-memory-limit",
-                          "64MiB"], capture_output=True, text=True, timeout=120)
+    cli = sltune("plan", "--from", str(path), "--device-memory-limit", "64MiB")
     assert cli.returncode == 0 and "predicted" in cli.stdout and "confidence" in cli.stdout
 
 
@@ -231,8 +229,7 @@ def test_plan_lists_what_it_cannot_predict_and_prints_its_errors(job, tmp_path):
     assert r["unpredictable"] and all(u["config"]["num_sub_batches"] >= 4 for u in r["unpredictable"])
     assert r["fitting"] == len(r["configs"]) + len(r["unpredictable"])
     assert all("<= 0" in u["reason"] for u in r["unpredictable"])
-    cli = subprocess.run([sys.executable, "-m", "sltune", "plan", "--from", str(path), "--device-memory-limit",
-                          "64MiB"], capture_output=True, text=True, timeout=120)
+    cli = sltune("plan", "--from", str(path), "--device-memory-limit", "64MiB")
     assert cli.returncode == 0, cli.stderr
     assert "leave-one-out errors of the models: device" in cli.stdout and "typical" in cli.stdout
     assert f"{len(r['unpredictable'])} fitting configs have no throughput prediction" in cli.stdout

@@ -1,8 +1,6 @@
 """A bad spec fails before any trial, naming the field and the fix."""
 
 import re
-import subprocess
-import sys
 
 import pytest
 
@@ -11,6 +9,7 @@ from sltune.tuning.shape import shape_of
 from sltune.tuning.space import Candidate, SearchSpace
 from sltune.tuning.spec import TuningSpec
 from sltune.tuning.state import SearchState
+from tests.cli import sltune
 
 BASE = {"name": "t", "model": {"preset": "llama-tiny"}, "workload": {"seq_len": 32}}
 
@@ -209,8 +208,7 @@ def test_cli_refuses_a_bad_spec_before_any_trial(tmp_path):
     spec = tmp_path / "bad.yaml"
     spec.write_text("name: x\nmodel: {preset: llama-tiny}\nsearch: {max_trails: 3}\n")
     db = tmp_path / "jobs.db"
-    out = subprocess.run([sys.executable, "-m", "sltune", "tune", str(spec), "--db", f"sqlite:///{db}"],
-                         capture_output=True, text=True, timeout=120)
+    out = sltune("tune", str(spec), "--db", f"sqlite:///{db}")
     assert out.returncode == 2
     assert "search.max_trails: unknown field" in out.stderr and "Traceback" not in out.stderr
     assert not db.exists()

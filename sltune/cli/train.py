@@ -75,11 +75,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     out.add_argument("--save", help="write a Hugging Face folder here at the end (config.json, safetensors, the "
                                     "tokenizer files), with the state --resume needs")
     out.add_argument("--save-every", type=int, help="also write DIR/checkpoint-N every N steps")
-    out.add_argument("--keep", type=int, default=3, help="checkpoint-N folders to keep")
+    out.add_argument("--keep", type=int, default=3, help="complete checkpoint-N folders of this run to keep (the "
+                                                          "newest always stays)")
     out.add_argument("--save-dtype", choices=["float32", "bfloat16", "float16"],
                      help="the saved weights' dtype (default: the source checkpoint's, else the trained weights')")
     out.add_argument("--max-shard-size", default="5GB", help="shard the safetensors above this size")
-    out.add_argument("--resume", help="continue the run whose --save folder this is, from its newest checkpoint")
+    out.add_argument("--resume", help="continue the run whose --save folder this is, from its newest complete "
+                                      "checkpoint (verified: every file's size and checksum, one step of one run)")
+    out.add_argument("--overwrite", action="store_true",
+                     help="let a run without --resume (or resuming an older checkpoint) save into a --save folder "
+                          "that holds other checkpoints: they are removed when it starts, with any save a killed "
+                          "run left unfinished there (without it the run is refused, so rotation never deletes what "
+                          "another run saved)")
     p.add_argument("--world-size", type=int, help="the ranks to run on (default: the --config file's world_size); "
                                                    "launch that many with torchrun --nproc-per-node")
     p.add_argument("--json", action="store_true", help="print a JSON summary instead of text")
@@ -110,10 +117,14 @@ def run(args: argparse.Namespace) -> int:
         warmup_steps=args.warmup_steps, lr_schedule=args.lr_schedule, min_lr=args.min_lr,
         max_grad_norm=args.max_grad_norm, eval_every=args.eval_every, log=args.log, save=args.save,
         save_every=args.save_every, keep=args.keep, save_dtype=args.save_dtype, max_shard_size=args.max_shard_size,
-        resume=args.resume)
+        resume=args.resume, overwrite=args.overwrite)
     inputs = find_inputs(job)               # --data, --resume, the tokenizer: a mistake is one line, before the model
-    _fits_device(job, inputs, args)
-    rank, world = _join_torchrun(cfg, args)
+    try:
+        _fits_device(job, inputs, args)
+        rank, world = _join_torchrun(cfg, args)
+    except BaseException:
+        inputs.release()                    # the --save folder's lock (run() releases it at its end)
+        raise
     quiet = args.json or rank != 0
     bar = tqdm(total=job.steps, desc=f"train {model_name} s={job.seq_len} ({cfg.schedule} b={cfg.sub_batch_size} "
                f"N={cfg.num_sub_batches} k={cfg.num_live_blocks}" + (f" x{world} ranks" if world > 1 else "") + ")",

@@ -16,13 +16,15 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import errno
 import json
 import os
 import shutil
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Callable, Iterator
 
 import torch
+from safetensors import SafetensorError
 from torch import nn
 
 WEIGHTS = "model.safetensors"
@@ -31,27 +33,27 @@ INDEX = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json")
 _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
+# bounds on what reading a folder's config and index may cost (a server checks the folders specs name): far above
+# any real one's (a config.json holds a few KB; an index ~100 bytes a tensor, a few thousand tensors in the largest
+# open models, in at most a few hundred shards)
+MAX_CONFIG_BYTES = 2**20
+MAX_INDEX_BYTES = 8 * 2**20
+MAX_SHARDS = 4096
 
 
 class Checkpoint:
     """A Hugging Face model folder: its config and where each tensor lives."""
 
     def __init__(self, path: str | Path):
-        from sltune.models.presets import load_config
-
         self.path = Path(path)
         if not self.path.is_dir():
             raise ValueError(f"--model {path}: not a folder; give a Hugging Face model folder (config.json and "
                              "model.safetensors), a config.json or a preset name")
-        self.config = load_config(self.path)
+        self.config = folder_config(self.path)
         self.files: dict[str, Path] = {}
         index, single = self.path / INDEX, self.path / WEIGHTS
         if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (ValueError, KeyError, TypeError) as err:
-                raise ValueError(f"{index}: not a safetensors index with a weight_map ({err})") from None
-            self.files = {name: self.path / file for name, file in weight_map.items()}
+            self.files = read_index(self.path)
             missing = sorted({str(f) for f in self.files.values() if not f.is_file()})
             if missing:
                 raise ValueError(f"{index} lists shards that are not there: {', '.join(missing[:3])}")
@@ -136,6 +138,80 @@ class Checkpoint:
             close()
 
 
+def folder_config(folder: Path, source: str | None = None):
+    """The transformers config of a model folder's config.json, as load_config checks it; refused (ValueError,
+    naming `source`, default the file's path) when the file is larger than any config (MAX_CONFIG_BYTES: a 70 MB
+    one held a server's spec check for 20 s) or, as load_config says, nested deeper than Python's parser reads."""
+    from sltune.models.presets import load_config
+
+    source = source or str(folder / "config.json")
+    _bounded(folder / "config.json", MAX_CONFIG_BYTES, source, "transformers config.json")
+    return load_config(folder, source=source)
+
+
+def read_index(folder: Path, source: str | None = None) -> dict[str, Path]:
+    """The index's weight_map: each tensor's name and the file in `folder` that holds it. ValueError, naming
+    `source` (default: the index's path) and never the files it names, when the index is larger than any
+    (MAX_INDEX_BYTES), is not JSON, has no weight_map mapping names to file names, lists more than MAX_SHARDS
+    files, or names a file outside the folder (an absolute path, or one through '..'): a checkpoint's shards are
+    files in its folder, and a model folder is all that is read of it. Nothing here opens a shard."""
+    index = folder / INDEX
+    source = source or str(index)
+    _bounded(index, MAX_INDEX_BYTES, source, "safetensors index")
+    try:
+        data = json.loads(index.read_bytes())
+    except RecursionError:
+        data = None
+    except ValueError as err:       # JSONDecodeError and UnicodeDecodeError
+        raise ValueError(f"{source}: not valid JSON ({err}); re-save the model with save_pretrained") from None
+    except OSError as err:
+        raise ValueError(f"{source}: cannot be read ({err.strerror or type(err).__name__})") from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                   for k, v in weight_map.items()):
+        raise ValueError(f"{source}: not a safetensors index: its weight_map must map each tensor's name to the "
+                         "file holding it ({\"model.norm.weight\": \"model-00002-of-00002.safetensors\", ...}); "
+                         "re-save the model with save_pretrained")
+    names = set(weight_map.values())
+    if len(names) > MAX_SHARDS:
+        raise ValueError(f"{source}: lists {len(names)} shard files, more than the {MAX_SHARDS} any model has; "
+                         "re-save the model with save_pretrained (max_shard_size a few GB)")
+    outside = [n for n in names if not _in_folder(n)]
+    if outside:
+        raise ValueError(f"{source}: the weight_map names {len(outside)} file(s) outside the model folder (an "
+                         "absolute path, or one through '..'); a checkpoint's shards are files in its folder: "
+                         "move them there and name them relative to it, or re-save the model with save_pretrained")
+    files = {n: folder / n for n in names}
+    return {tensor: files[n] for tensor, n in weight_map.items()}
+
+
+def weight_files(folder: Path, source: str | None = None) -> list[Path]:
+    """The files a Checkpoint of `folder` reads the weights from (read_index's checks): the index's shards, else
+    model.safetensors, else none; each inside the folder by its name (a symlink is followed where it leads)."""
+    if (folder / INDEX).is_file():
+        return sorted(set(read_index(folder, source).values()))
+    return [folder / WEIGHTS] if (folder / WEIGHTS).is_file() else []
+
+
+def _in_folder(name: str) -> bool:
+    """Whether a file name from an index stays in the folder it is read against: relative, no '..', no NUL."""
+    path = PurePosixPath(name)
+    return bool(name) and "\x00" not in name and not path.is_absolute() and ".." not in path.parts
+
+
+def _bounded(file: Path, limit: int, source: str, what: str) -> None:
+    """ValueError when `file` is larger than `limit` bytes (a missing file is the reader's to report)."""
+    try:
+        size = file.stat().st_size
+    except (OSError, ValueError):
+        return
+    if size > limit:
+        from sltune.sizes import format_bytes
+
+        raise ValueError(f"{source}: {format_bytes(size)}, larger than any {what} (at most {format_bytes(limit)}); "
+                         "give the one save_pretrained writes")
+
+
 def _keys(file: Path) -> list[str]:
     from safetensors import SafetensorError, safe_open
 
@@ -179,17 +255,24 @@ def materialize(model: nn.Module) -> None:
 
 
 def write_pretrained(path: str | Path, model: nn.Module, state: dict[str, torch.Tensor], dtype: torch.dtype,
-                     max_shard_size: int | str = "5GB", source: Path | None = None) -> list[Path]:
+                     max_shard_size: int | str = "5GB", source: Path | None = None,
+                     metadata: dict[str, str] | None = None, staged: bool = True) -> list[Path]:
     """Write `state` (each tensor once: tied names already dropped) as a Hugging Face folder in `dtype`; returns
-    the weight files. Floating tensors are cast shard by shard, so at most one shard's cast copy is held."""
+    the weight files. Floating tensors are cast shard by shard, so at most one shard's cast copy is held.
+    `metadata` goes into every safetensors header beside {"format": "pt"} (a checkpoint's step and run).
+    `staged=False` writes straight into `path`, a fresh folder of the caller's own (sltune.training.state's unit).
+    A file that cannot be written (a full disk) is an OSError naming it."""
     from huggingface_hub import split_torch_state_dict_into_shards
     from safetensors.torch import save_file
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    staging = path / f".sltune-tmp-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
+    if staged:          # what a killed save left here is removed by the next run that locks the folder
+        staging = path / f".sltune-tmp-{os.getpid()}"
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir()
+    else:
+        staging = path
 
     def saved(t: torch.Tensor) -> torch.Tensor:
         return t.detach().to("cpu", dtype if t.is_floating_point() else t.dtype).contiguous()
@@ -198,28 +281,55 @@ def write_pretrained(path: str | Path, model: nn.Module, state: dict[str, torch.
               for k, v in state.items()}
     split = split_torch_state_dict_into_shards(shapes, filename_pattern="model{suffix}.safetensors",
                                                max_shard_size=max_shard_size)
-    for file, names in split.filename_to_tensors.items():
-        save_file({n: saved(state[n]) for n in names}, staging / file, metadata={"format": "pt"})
-    if split.is_sharded:
-        (staging / INDEX).write_text(json.dumps({"metadata": split.metadata, "weight_map": split.tensor_to_filename},
-                                                indent=2, sort_keys=True) + "\n")
-    config = copy.deepcopy(model.config)
-    config.dtype = dtype
-    config.save_pretrained(staging)
-    generation = getattr(model, "generation_config", None)
-    if generation is not None and model.can_generate():
-        generation.save_pretrained(staging)
-    if source is not None and Path(source).resolve() != path.resolve():
-        for name, data in read_tokenizer_files(source).items():
-            (staging / name).write_bytes(data)
-    for item in staging.iterdir():
-        os.replace(item, path / item.name)
-    staging.rmdir()
+    try:
+        for file, names in split.filename_to_tensors.items():
+            with _naming(staging / file):
+                save_file({n: saved(state[n]) for n in names}, staging / file,
+                          metadata={"format": "pt", **(metadata or {})})
+        if split.is_sharded:
+            with _naming(staging / INDEX):
+                (staging / INDEX).write_text(json.dumps({"metadata": split.metadata,
+                                                         "weight_map": split.tensor_to_filename},
+                                                        indent=2, sort_keys=True) + "\n")
+        config = copy.deepcopy(model.config)
+        config.dtype = dtype
+        with _naming(staging / "config.json"):
+            config.save_pretrained(staging)
+        generation = getattr(model, "generation_config", None)
+        if generation is not None and model.can_generate():
+            with _naming(staging / "generation_config.json"):
+                generation.save_pretrained(staging)
+        if source is not None and Path(source).resolve() != path.resolve():
+            for name, data in read_tokenizer_files(source).items():
+                with _naming(staging / name):
+                    (staging / name).write_bytes(data)
+    except BaseException:
+        if staged:
+            shutil.rmtree(staging, ignore_errors=True)     # a full disk is not kept full by the half-written copy
+        raise
+    if staged:
+        for item in staging.iterdir():
+            os.replace(item, path / item.name)
+        staging.rmdir()
     weights = set(split.filename_to_tensors) | ({INDEX} if split.is_sharded else set())
     for stale in [*path.glob("model*.safetensors"), path / INDEX]:     # a previous save's other layout
         if stale.name not in weights and stale.is_file():
             stale.unlink()
     return [path / f for f in split.filename_to_tensors]
+
+
+@contextlib.contextmanager
+def _naming(file: Path) -> Iterator[None]:
+    """An error writing `file` (safetensors' 'I/O error: No space left on device', an OSError without a name) as an
+    OSError that names it."""
+    try:
+        yield
+    except OSError as err:
+        if err.filename is not None:
+            raise
+        raise OSError(err.errno or errno.EIO, err.strerror or str(err), str(file)) from err
+    except SafetensorError as err:      # 'I/O error: No space left on device'; anything else is a bug, as it is
+        raise OSError(errno.EIO, " ".join(str(err).split()), str(file)) from err
 
 
 def read_tokenizer_files(folder: str | Path | None) -> dict[str, bytes]:

@@ -107,6 +107,9 @@ def load_config(model: Any, source: str | None = None):
                              "model.safetensors, as `sltune train --save DIR` writes)") from None
         except json.JSONDecodeError as err:
             raise ValueError(f"{source}: not valid JSON ({err})") from None
+        except RecursionError:
+            raise ValueError(f"{source}: nested deeper than any model config (about 1,000 levels stops the "
+                             "reader); give the config.json save_pretrained writes") from None
         except OSError as err:
             raise ValueError(f"{source}: cannot be read ({err.strerror or type(err).__name__})") from None
         if not isinstance(data, dict):

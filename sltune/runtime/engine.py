@@ -93,7 +93,8 @@ from sltune.runtime.diskstate import DiskState, state_layout
 from sltune.runtime.family import CausalLM, LayerCall, unique_params
 from sltune.runtime.kvcache import kv_store
 from sltune.runtime.memory import DeviceMemory, monitor_for
-from sltune.runtime.params import BufferPool, ParamStore, ParamUnit, keep_order, kept_share
+from sltune.runtime.params import BufferPool, ParamStore, ParamUnit
+from sltune.runtime.residency import keep_order, kept_share
 from sltune.runtime.precision import GradStep, LossScaler, finish_grads
 from sltune.runtime.regions import region, step_region
 from sltune.runtime.saved import KeptGraph, SavedTensors
@@ -810,7 +811,7 @@ class SpeedLoaderEngine:
     @property
     def kept_units(self) -> list[ParamUnit]:
         """The units generation keeps on the device for a whole call: weights_on_device of the parameter
-        bytes, first fit over tied weights, embedding, head, then the groups in order (params.kept_share)."""
+        bytes, first fit over tied weights, embedding, head, then the groups in order (residency.kept_share)."""
         order = keep_order(self.tied, self.embed, self.head, [g.unit for g in self.groups])
         return [u for u, keep in zip(order, kept_share([u.nbytes for u in order], self.config.weights_on_device))
                 if keep]

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence, TypeVar
+from typing import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -90,32 +90,11 @@ class ParamUnit:
                 for shape, off in zip(self.shapes, offsets)]
 
 
-T = TypeVar("T")
 WeightFill = Callable[[nn.Parameter, torch.Tensor], None] | None
 
 
 def copy_own_data(p: nn.Parameter, dst: torch.Tensor) -> None:
     dst.copy_(p.data)
-
-
-def keep_order(tied: T, embed: T, head: T, groups: Sequence[T]) -> list[T]:
-    """The order weights_on_device takes units in: tied weights, embedding, head, then the groups. The engine
-    (its units) and the tuner's model shape (their sizes) both list them so, for kept_share."""
-    return [tied, embed, head, *groups]
-
-
-def kept_share(sizes: Sequence[int], share: float) -> list[bool]:
-    """Which units a share of the weights keeps on the device: first fit, in keep_order, of every unit that
-    still fits share*sum(sizes). Whole units, so the kept bytes never exceed the share: the device memory a
-    share promises is an upper bound. The engine (on its units) and the tuner's fits (on a model's shape)
-    both call this, so they agree on what a share keeps."""
-    budget = share * sum(sizes)
-    used, kept = 0, []
-    for size in sizes:
-        take = size > 0 and used + size <= budget * (1 + 1e-12)
-        used += size if take else 0
-        kept.append(take)
-    return kept
 
 
 class BufferPool:

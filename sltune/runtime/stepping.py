@@ -201,8 +201,16 @@ class UnitStepper:
                 self._step_block(block)
 
     def _step_block(self, block: Block) -> None:
+        slot = self.disk.wait(block)
+        try:
+            self._step_in(block, slot)
+        except BaseException:       # the slot goes back to the window, or the blocks after it wait forever
+            self.disk.release(slot)
+            raise
+        self.disk.write_behind(block, slot)
+
+    def _step_in(self, block: Block, slot) -> None:
         disk, opt = self.disk, self.optimizer
-        slot = disk.wait(block)
         start = time.perf_counter()
         self._done_blocks.append(block)          # from here its dtype copy may change: roll it back if need be
         views = disk.views(block, slot)
@@ -234,7 +242,6 @@ class UnitStepper:
                 s.param.data = s.placeholder()
             s.param.grad = None
         self._compute.append((start, time.perf_counter()))
-        disk.write_behind(block, slot)
 
     # -- the timeline ----------------------------------------------------------------------------------
     def _account(self, start: float, end: float) -> None:

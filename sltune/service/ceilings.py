@@ -86,7 +86,8 @@ def schema_maxima(settings: Settings) -> dict[str, dict[str, float]]:
                        "trial_timeout_s": settings.max_trial_timeout_s, "trial_steps": settings.max_trial_steps,
                        "trial_max_steps": settings.max_trial_steps, "confirm_rounds": settings.max_confirm_rounds},
             "Workload": {"seq_len": tokens, "prompt_len": tokens, "new_tokens": tokens},
-            "Hardware": {"cpu_threads": machine_cores(), "world_size": max(1, tokens // 2)}}
+            "Hardware": {"cpu_threads": machine_cores(),
+                         "world_size": min(max(1, tokens // 2), settings.world_size_ceiling)}}
 
 
 def max_cpu_threads(world_size: int) -> int:
@@ -105,6 +106,7 @@ def _counts(spec: TuningSpec, settings: Settings) -> dict[str, Any]:
                                   ("search.trial_steps", s.trial_steps, settings.max_trial_steps),
                                   ("search.trial_max_steps", s.trial_max_steps, settings.max_trial_steps),
                                   ("search.confirm_rounds", s.confirm_rounds, settings.max_confirm_rounds),
+                                  ("hardware.world_size", spec.hardware.world_size, settings.world_size_ceiling),
                                   # each is at most the tokens of a step, whichever the mode reads (as the
                                   # server's OpenAPI document states)
                                   ("workload.seq_len", spec.workload.seq_len, settings.max_tokens_per_step),

@@ -84,6 +84,7 @@ def _check(data: dict[str, Any], settings: Settings) -> Verdict:
 
     try:
         data = inside_models_dir(data, settings)
+        before_validation(data, settings)
     except Refused as err:
         return Verdict(errors=err.errors)
     try:
@@ -96,11 +97,25 @@ def _check(data: dict[str, Any], settings: Settings) -> Verdict:
                         "requirements": requirements(spec), "limits": limits})
 
 
+def before_validation(data: dict[str, Any], settings: Settings) -> None:
+    """The ceilings a spec's own validation would take long to get past, checked on the raw data first: the ranks
+    (hardware.world_size; the predictions' cost grows with them: 524,289 held the checker for 20 s). Refused
+    above this server's; what is no number at all is the spec's validation to say."""
+    hardware = data.get("hardware")
+    ranks = hardware.get("world_size") if isinstance(hardware, dict) else None
+    ceiling = settings.world_size_ceiling
+    if isinstance(ranks, (int, float)) and not isinstance(ranks, bool) and ranks > ceiling:
+        raise Refused([("hardware.world_size", f"{ranks:g} is above this server's limit of {ceiling} (a trial runs "
+                                               f"its ranks on one machine: SLTUNE_MAX_WORLD_SIZE, by default the "
+                                               f"server's cores); ask for at most {ceiling}")])
+
+
 def inside_models_dir(data: dict[str, Any], settings: Settings) -> dict[str, Any]:
     """A spec naming model.path, with the path made absolute inside the server's models_dir (a relative path
     is read from there); Refused when the server has no models_dir or the folder lies outside it, symlinks
-    and '..' resolved. Runs before anything reads the path: a server reads no folder a request names
-    anywhere else. Other specs come back as they are."""
+    and '..' resolved, or so does any file a job reads from it (files_inside). Runs before anything reads the
+    path: a server reads no folder a request names anywhere else, nor any file such a folder leads to. Other
+    specs come back as they are."""
     model = data.get("model")
     if not isinstance(model, dict) or not isinstance(model.get("path"), str) or not model["path"]:
         return data        # no path, or not a string: the spec's own validation says what is wrong
@@ -118,7 +133,40 @@ def inside_models_dir(data: dict[str, Any], settings: Settings) -> dict[str, Any
         raise Refused([("model.path", "the folder is outside this server's models_dir; give a path inside "
                                       "models_dir (relative to it, or absolute), with no symlink or '..' "
                                       "leading out of it")])
+    files_inside(folder, root)
     return {**data, "model": {**model, "path": str(folder)}}
+
+
+def files_inside(folder: Path, root: Path) -> None:
+    """Refused (model.path, naming the file by its role, never a path) when a file a job would read from the
+    folder leads outside models_dir, symlinks resolved: config.json, the index and every shard it lists, or
+    model.safetensors. Whether the file exists is not asked first, so the answer tells nothing of what lies
+    outside. An index that is not one (or names a file through '..' or by an absolute path) is the spec's own
+    validation to refuse (sltune.models.checkpoint.read_index, which opens no shard)."""
+    from sltune.models.checkpoint import INDEX, WEIGHTS, read_index
+
+    def leads_out(path: Path) -> bool:
+        try:
+            return not path.resolve().is_relative_to(root)
+        except (OSError, ValueError, RuntimeError):         # a symlink loop, ...: not a file a job can read
+            return True
+
+    def refuse(what: str) -> None:
+        raise Refused([("model.path", f"the folder's {what} leads outside this server's models_dir (a symlink); "
+                                      "the server reads no file outside it: copy the file into the folder")])
+
+    for name in ("config.json", INDEX):
+        if leads_out(folder / name):
+            refuse(name)
+    if (folder / INDEX).is_file():
+        try:
+            shards = set(read_index(folder).values())
+        except ValueError:
+            return
+        if any(leads_out(shard) for shard in shards):
+            refuse(f"{INDEX} lists a shard that")
+    elif leads_out(folder / WEIGHTS):
+        refuse(WEIGHTS)
 
 
 def _start_worker() -> None:

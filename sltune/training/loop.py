@@ -8,6 +8,7 @@ the engine, the resume, the loop.
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +49,7 @@ class TrainJob:
     save_dtype: str | None = None
     max_shard_size: str | int = "5GB"
     resume: str | None = None
+    overwrite: bool = False                     # a fresh run may replace the checkpoints in --save
 
     def __post_init__(self) -> None:
         _check(self)            # at construction: the CLI refuses a bad flag before its progress bar starts
@@ -64,29 +66,58 @@ class Inputs:
     tokenizer: Path | None                      # the folder text --data is tokenized with
     tokenizer_files: dict[str, bytes]           # the run's tokenizer, held from the start: every saved folder gets it
     tokens: torch.Tensor | None                 # --data's ids; None: synthetic
+    lock: Any = None                            # rank 0's hold on --save's lock (state.hold): released by run()
+
+    def release(self) -> None:
+        """Let go of the --save folder's lock (run() does, at its end; idempotent)."""
+        if self.lock is not None:
+            self.lock.release()
 
 
 TOKEN_SUFFIXES = (".npy", ".pt", ".bin")      # what sltune.data.load_tokens reads besides text
 
 
 def find_inputs(job: TrainJob) -> Inputs:
-    """--data, --resume and the tokenizer, checked and read, cheapest first: the data file, the checkpoint to resume
-    (and the steps it leaves), the tokenizer text needs, then the ids."""
+    """--data, --resume, --save and the tokenizer, checked and read, cheapest first: the data file, the --save
+    folder's lock (rank 0 holds it for the whole run: a second run on the folder is refused), the checkpoint to
+    resume (what a dead run left finished or removed, verified, and the steps it leaves), --model's folder, whose
+    checkpoints --save holds, the tokenizer text needs, then the ids. Under several ranks this runs before the
+    process group: rank 0 recovers and picks the checkpoint, the other ranks only look (run() then loads the one
+    rank 0 picked on every rank, state.agree)."""
     from sltune.data import load_tokens
 
     if job.data:
         _check_data_file(Path(job.data))
-    resumed, trainer = (checkpoints.latest(job.resume) if job.resume else (None, None))
-    if trainer is not None and int(trainer["step"]) >= job.steps:
-        raise ValueError(f"--resume {job.resume}: the checkpoint is at step {trainer['step']}, and --steps "
-                         f"{job.steps} is the total; pass a larger --steps to train on")
-    source = resumed or (Path(job.model) if _is_folder(job.model) else None)
-    tokenizer = Path(job.tokenizer) if job.tokenizer else source
-    if job.data and Path(job.data).suffix in TEXT_SUFFIXES:
-        _check_text_tokenizer(job, tokenizer, resumed)
-    return Inputs(resumed=resumed, trainer=trainer, source=source, tokenizer=tokenizer,
-                  tokenizer_files=read_tokenizer_files(tokenizer),
-                  tokens=load_tokens(job.data, tokenizer) if job.data else None)
+    first = os.environ.get("RANK", "0") == "0"
+    lock = checkpoints.hold(job.save) if job.save and first else None
+    try:
+        resumed, trainer = None, None
+        if job.resume and first:        # the steps left are those of the checkpoint the resume would continue
+            resumed, trainer = checkpoints.latest(job.resume)
+            if int(trainer["step"]) >= job.steps:
+                raise ValueError(f"--resume {job.resume}: the checkpoint is at step {trainer['step']} ({resumed}), "
+                                 f"and --steps {job.steps} is the total; pass a larger --steps to train on")
+        elif job.resume:                # a look, not a pick: rank 0 may be finishing a dead run's save meanwhile
+            try:
+                resumed, trainer = checkpoints.latest(job.resume, warn=lambda _: None, recovered=False,
+                                                      checksums=False)
+            except (ValueError, OSError):
+                pass
+        source = resumed or (Path(job.model) if _is_folder(job.model) else None)
+        if first and resumed is None and source is not None:
+            checkpoints.check_model_folder(source)
+        if job.save and first:
+            checkpoints.check_save_folder(job.save, trainer.get("run") if trainer else None, resumed, job.overwrite)
+        tokenizer = Path(job.tokenizer) if job.tokenizer else source
+        if job.data and Path(job.data).suffix in TEXT_SUFFIXES:
+            _check_text_tokenizer(job, tokenizer, resumed)
+        return Inputs(resumed=resumed, trainer=trainer, source=source, tokenizer=tokenizer,
+                      tokenizer_files=read_tokenizer_files(tokenizer),
+                      tokens=load_tokens(job.data, tokenizer) if job.data else None, lock=lock)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
 
 
 def _check_data_file(path: Path) -> None:
@@ -128,17 +159,27 @@ class TrainReport:
 
 def run(job: TrainJob, rank: int = 0, world: int = 1, progress: Callable[[dict[str, Any]], None] | None = None,
         inputs: Inputs | None = None) -> TrainReport:
-    """Train `job`; `inputs` are find_inputs(job), found here when the caller has not checked them already."""
+    """Train `job`; `inputs` are find_inputs(job), found here when the caller has not checked them already (the
+    --save folder's lock they hold is released at the end)."""
+    start = time.perf_counter()
+    inputs = inputs if inputs is not None else find_inputs(job)
+    try:
+        return _run(job, rank, world, progress, inputs, start)
+    finally:
+        inputs.release()
+
+
+def _run(job: TrainJob, rank: int, world: int, progress: Callable[[dict[str, Any]], None] | None, inputs: Inputs,
+         start: float) -> TrainReport:
     from sltune import SpeedLoaderEngine
     from sltune.data import TokenBatches
     from sltune.models import build
     from sltune.models.checkpoint import Checkpoint
 
-    start = time.perf_counter()
-    inputs = inputs if inputs is not None else find_inputs(job)
-
-    # where the weights come from: a resumed checkpoint, a Hugging Face folder, or a preset with random weights
-    resumed, trainer, source = inputs.resumed, inputs.trainer, inputs.source
+    # where the weights come from: a resumed checkpoint (the one rank 0 picked, on every rank), a Hugging Face
+    # folder, or a preset with random weights
+    resumed, trainer = checkpoints.agree(inputs.resumed, inputs.trainer)
+    source = resumed if resumed is not None else inputs.source
     checkpoint = Checkpoint(source) if source is not None else None
     if resumed is not None and checkpoints.exact_weights(resumed) is not None:
         checkpoint.use_weights(checkpoints.exact_weights(resumed))
@@ -167,15 +208,20 @@ def run(job: TrainJob, rank: int = 0, world: int = 1, progress: Callable[[dict[s
         done = int(trainer["step"])
         checkpoints.restore(resumed, trainer, engine)
         data.load_state_dict(trainer["data"])
+    run_id, owner = _run_identity(trainer, world)     # a resumed run keeps its id: its checkpoints are one run's
+    if job.overwrite:               # (find_inputs finished or removed what a dead run left, under the lock)
+        checkpoints.together(lambda: checkpoints.remove_old_checkpoints(job.save, keep=resumed, owner=owner)
+                             if rank == 0 else None)
     scheduler = lr_scheduler(engine.optimizer, job.lr_schedule, job.warmup_steps, job.steps, job.min_lr, done)
 
     log = open(job.log, "a") if job.log and rank == 0 else None
     steps: list[dict[str, Any]] = []
     evals: list[dict[str, Any]] = []
 
-    def save(path: Path, step: int) -> None:
-        state = {"step": step, "data": data.state_dict()}
-        checkpoints.save_checkpoint(path, engine, state, save_dtype, job.max_shard_size, inputs.tokenizer_files)
+    def save(path: Path, step: int, periodic: bool) -> None:
+        state = {"step": step, "run": run_id, "data": data.state_dict()}
+        checkpoints.save_checkpoint(path, engine, state, save_dtype, job.max_shard_size, inputs.tokenizer_files,
+                                    owner=owner, periodic=periodic)
 
     try:
         for step in range(done + 1, job.steps + 1):
@@ -195,16 +241,27 @@ def run(job: TrainJob, rank: int = 0, world: int = 1, progress: Callable[[dict[s
             if progress is not None:
                 progress(line)
             if job.save and job.save_every and step % job.save_every == 0 and step < job.steps:
-                save(Path(job.save) / f"checkpoint-{step}", step)
-                if rank == 0:
-                    checkpoints.prune(job.save, job.keep)
+                save(Path(job.save) / f"checkpoint-{step}", step, periodic=True)
+                checkpoints.together(lambda: checkpoints.prune(job.save, job.keep, step, run_id, owner)
+                                     if rank == 0 else None)   # after the new one is complete; this run's only
         if job.save:
-            save(Path(job.save), job.steps)
+            save(Path(job.save), job.steps, periodic=False)
     finally:
         if log is not None:
             log.close()
     return TrainReport(steps=steps, evals=evals, first_step=done + 1, engine=engine, saved=job.save,
                        wall_seconds=time.perf_counter() - start)
+
+
+def _run_identity(trainer: dict[str, Any] | None, world: int) -> tuple[str, int]:
+    """The run's id (the resumed checkpoint's, else a new one) and rank 0's pid, which names the folders a save
+    writes aside: the same on every rank."""
+    agreed = [(trainer or {}).get("run") or checkpoints.new_run_id(), os.getpid()]
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.broadcast_object_list(agreed, src=0)
+    return str(agreed[0]), int(agreed[1])
 
 
 def _is_folder(model: Any) -> bool:
@@ -240,6 +297,8 @@ def _check(job: TrainJob) -> None:
         raise ValueError(f"--keep must be >= 1, got {job.keep}")
     if job.save_every and not job.save:
         raise ValueError("--save-every writes checkpoint-N folders inside --save DIR; pass --save DIR too")
+    if job.overwrite and not job.save:
+        raise ValueError("--overwrite replaces the checkpoints in --save DIR; pass --save DIR too")
     if job.save_dtype is not None and job.save_dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"--save-dtype {job.save_dtype!r}: use float32, bfloat16 or float16")
     if job.eval_every and job.holdout == 0:

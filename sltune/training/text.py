@@ -2,22 +2,38 @@
 
 Training wants a flat stream of token ids; people have text. Each document is tokenized without the
 tokenizer's own special tokens and followed by its EOS id, so documents are packed with EOS between them
-and the model learns where one ends. Tokenizing a large corpus takes minutes, so the ids are cached
-beside the data file (`corpus.txt.sltune-<16 hex>.npy`) under a key that changes whenever the data's bytes,
-the tokenizer's files or its EOS id do: a second run with the same inputs reads the cache instead.
+and the model learns where one ends.
+
+Memory stays bounded whatever the documents' length: a .txt is read and decoded in pieces, a document longer
+than _PIECE_CHARS is cut into pieces of at most that, and one tokenizer call takes at most _BATCH_CHARS
+characters (a fast tokenizer holds about 150 bytes per character of its input while it works: a 50 MB
+single-line file took 7.8 GB whole, bench/text_memory.py). A piece ends before a space between two non-space
+characters where the text has one: a byte-level BPE (GPT-2's pre-tokenizer) or a Metaspace one (SentencePiece's
+split) starts a word there anyway, so the ids equal those of the whole document. A tokenizer that prepends its
+space marker to every input (Llama 2's, which has no pre-tokenizer) is found by a probe and given the next piece
+without that space instead, which it then adds back: the same ids again. Only a tokenizer that neither rule fits,
+or text with no such space in a piece (it is then cut before other whitespace, else anywhere), may tokenize the
+few characters at a cut differently from the whole.
+
+Tokenizing a large corpus takes minutes, so the ids are cached beside the data file
+(`corpus.txt.sltune-<16 hex>.npy`) under a key that changes whenever the data's bytes, the tokenizer's files or
+its EOS id do: a second run with the same inputs reads the cache instead.
 """
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
 import os
+import re
 import sys
 import tempfile
+import unicodedata
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 from tqdm import tqdm
@@ -27,7 +43,10 @@ TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                    "merges.txt", "tokenizer.model", "added_tokens.json")
 CACHE_FORMAT = b"sltune-text-v1"       # bump when the packing (special tokens, EOS, dtype) changes
-_BATCH_DOCS, _BATCH_CHARS = 1024, 4_000_000   # one tokenizer call: this many documents or characters
+_BATCH_DOCS, _BATCH_CHARS = 1024, 1_000_000   # one tokenizer call: at most this many documents or characters
+_PIECE_CHARS = 100_000                        # a longer document is tokenized in pieces of at most this
+_READ_BYTES = 1 << 20                         # a .txt is read this much at a time
+_CUT_WHITESPACE = re.compile(r"(?<=\S)\s(?=\S)")   # other whitespace between two non-spaces (a cut's fallback)
 _PROGRESS_BYTES = 8 << 20                     # show a progress bar for data files at least this large
 _warned_dirs: set[Path] = set()
 
@@ -85,7 +104,9 @@ def tokenize_file(path: str | Path, tokenizer: str | Path) -> TextTokens:
     ids = _read_cache(cache)
     if ids is not None:
         return TextTokens(ids, cache, True)
-    ids = tokenize_documents(read_documents(path), tok, progress=_progress(path))
+    drop = _drops_space(tok)
+    pieces = _txt_pieces(path, drop) if path.suffix == ".txt" else _pieces(read_documents(path), drop)
+    ids = _tokenize_pieces(pieces, tok, progress=_progress(path))
     return TextTokens(ids, cache if _write_cache(cache, ids) else None, False)
 
 
@@ -102,12 +123,19 @@ def read_documents(path: str | Path) -> Iterator[str]:
         raise ValueError(f"--data {path}: text must be .txt (one document), .jsonl or .parquet (a 'text' field)")
 
 
-def tokenize_documents(docs: Iterator[str] | list[str], tokenizer: Any, progress: tqdm | None = None) -> np.ndarray:
+def tokenize_documents(docs: Iterable[str], tokenizer: Any, progress: tqdm | None = None) -> np.ndarray:
     """One int32 stream: each document's ids (no special tokens added) followed by the tokenizer's EOS id,
-    tokenized in batched calls (a fast tokenizer spreads each batch over its threads)."""
+    tokenized in batched calls (a fast tokenizer spreads each batch over its threads), a long document in
+    pieces (see the module's doc)."""
+    return _tokenize_pieces(_pieces(docs, _drops_space(tokenizer)), tokenizer, progress)
+
+
+def _tokenize_pieces(pieces: Iterable[tuple[str, bool]], tokenizer: Any, progress: tqdm | None = None) -> np.ndarray:
+    """tokenize_documents over (piece, ends its document) pairs: EOS after each document's last piece."""
     eos = int(tokenizer.eos_token_id)
     parts: list[np.ndarray] = []
     batch: list[str] = []
+    ends: list[bool] = []
     chars = 0
 
     def flush() -> None:
@@ -117,22 +145,28 @@ def tokenize_documents(docs: Iterator[str] | list[str], tokenizer: Any, progress
         enc = tokenizer(batch, add_special_tokens=False, return_attention_mask=False,
                         return_token_type_ids=False, verbose=False)["input_ids"]
         flat: list[int] = []
-        for ids in enc:
+        for ids, end in zip(enc, ends):
             flat.extend(ids)
-            flat.append(eos)
-        part = np.asarray(flat, dtype=np.int64)
-        if part.min() < 0 or part.max() > np.iinfo(np.int32).max:
-            raise ValueError(f"the tokenizer produced ids in [{part.min()}, {part.max()}], outside int32")
-        parts.append(part.astype(np.int32))
+            if end:
+                flat.append(eos)
+        if flat:
+            part = np.asarray(flat, dtype=np.int64)
+            if part.min() < 0 or part.max() > np.iinfo(np.int32).max:
+                raise ValueError(f"the tokenizer produced ids in [{part.min()}, {part.max()}], outside int32")
+            parts.append(part.astype(np.int32))
         if progress is not None:
-            progress.update(len(batch) if progress.unit == "doc" else chars)
+            progress.update(sum(ends) if progress.unit == "doc" else chars)
         batch.clear()
+        ends.clear()
         chars = 0
 
     try:
-        for doc in docs:
-            batch.append(doc)
-            chars += len(doc)
+        for piece, end in pieces:
+            if chars + len(piece) > _BATCH_CHARS:
+                flush()
+            batch.append(piece)
+            ends.append(end)
+            chars += len(piece)
             if len(batch) >= _BATCH_DOCS or chars >= _BATCH_CHARS:
                 flush()
         flush()
@@ -142,6 +176,79 @@ def tokenize_documents(docs: Iterator[str] | list[str], tokenizer: Any, progress
         if progress is not None:
             progress.close()
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
+
+
+# -- pieces --------------------------------------------------------------------------------------------
+def _drops_space(tokenizer: Any) -> bool:
+    """Whether pieces cut at a space should give the next piece without it: true for a tokenizer that prepends
+    its space marker to every input (so "a b" is "a" then "b"), false for the rest ("a" then " b")."""
+    def ids(text: str) -> list[int]:
+        return list(tokenizer(text, add_special_tokens=False, return_attention_mask=False,
+                              return_token_type_ids=False, verbose=False)["input_ids"])
+
+    left, right = "Hello, the quick", "brown fox jumps."
+    whole = ids(f"{left} {right}")
+    return ids(left) + ids(f" {right}") != whole and ids(left) + ids(right) == whole
+
+
+def _pieces(docs: Iterable[str], drop_space: bool = False) -> Iterator[tuple[str, bool]]:
+    """Each document as pieces of at most _PIECE_CHARS characters, the last one flagged."""
+    for doc in docs:
+        start = 0
+        while len(doc) - start > _PIECE_CHARS:
+            end, start_next = _cut(doc[start:start + _PIECE_CHARS + 1], drop_space)
+            yield doc[start:start + end], False
+            start += start_next
+        yield doc[start:], True
+
+
+def _cut(text: str, drop_space: bool = False) -> tuple[int, int]:
+    """Where to end a piece of `text` (longer than _PIECE_CHARS; the piece may be no longer than that) and
+    where the next starts: before the last space between two non-space characters in the second half of the
+    limit (the next piece starts after it with `drop_space`), else before other whitespace between two
+    non-spaces there, else at the limit (not between a character and its combining marks)."""
+    limit = _PIECE_CHARS
+    low = limit // 2
+    at = text.rfind(" ", low, limit)
+    while at > low:
+        if not text[at - 1].isspace() and not text[at + 1].isspace():
+            return at, at + 1 if drop_space else at
+        at = text.rfind(" ", low, at)
+    last = None
+    for last in _CUT_WHITESPACE.finditer(text, low, limit):
+        pass
+    if last is not None:
+        return last.start(), last.start()
+    at = limit
+    while at > low and unicodedata.combining(text[at]):
+        at -= 1
+    return at, at
+
+
+def _txt_pieces(path: Path, drop_space: bool = False) -> Iterator[tuple[str, bool]]:
+    """A .txt file (one document) as pieces, read and decoded _READ_BYTES at a time: the whole file is never
+    in memory."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    pending, done = "", 0
+    with open(path, "rb") as fh:
+        while True:
+            raw = fh.read(_READ_BYTES)
+            try:
+                pending += decoder.decode(raw, final=not raw)
+            except UnicodeDecodeError as err:
+                held = len(err.object) - len(raw)           # the bytes the decoder kept from the last read
+                raise ValueError(f"--data {path}: not UTF-8 text (byte {done - held + err.start}); re-encode the "
+                                 f"file as UTF-8") from None
+            done += len(raw)
+            start = 0
+            while len(pending) - start > _PIECE_CHARS:
+                end, start_next = _cut(pending[start:start + _PIECE_CHARS + 1], drop_space)
+                yield pending[start:start + end], False
+                start += start_next
+            pending = pending[start:]
+            if not raw:
+                break
+    yield pending, True
 
 
 # -- reading -------------------------------------------------------------------------------------------

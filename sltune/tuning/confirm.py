@@ -224,9 +224,11 @@ def winner_of(state: SearchState, confirmation: dict[str, Any] | None) -> Done |
 
 
 def time_left(state: SearchState, search: Any, elapsed: float, rest: list[Candidate] | None,
-              seconds: dict[tuple[Candidate, bool], list[float]], avg: float | None) -> float:
+              seconds: dict[tuple[Candidate, bool], list[float]], avg: float | None,
+              trials_cap: int | None = None) -> float:
     """Seconds the job has left. The confirmation trials still to run (`rest` once the search has ended, else
-    every finalist as they stand, in each of `confirm_rounds`) are counted at their own config's median
+    every finalist as they stand, in each of `confirm_rounds`, as many as `trials_cap` leaves after the search's
+    max_trials: the trials in all a server allows) are counted at their own config's median
     confirmation trial time so far, else its search trials' (the finalists are the largest configs, and an
     average over the search's small probes said 6-8 s where 25 s ran). The search's remaining trials count at
     the average; the time budget caps both, except for a trial already started or about to start."""
@@ -241,6 +243,8 @@ def time_left(state: SearchState, search: Any, elapsed: float, rest: list[Candid
     if avg is None:
         return budget
     coming = plan(state, search.confirm_rounds)
+    if trials_cap is not None:
+        coming = coming[:max(0, trials_cap - search.max_trials)]
     return min(budget, (search.max_trials - len(state.history)) * avg + sum(map(cost, coming)))
 
 

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from sltune.runtime.diskstate import DEPTH, pack
 from sltune.runtime.direct_io import padded
-from sltune.runtime.params import keep_order, kept_share
+from sltune.runtime.residency import keep_order, kept_share
 from sltune.training.optimizer import OptimizerConfig
 from sltune.tuning.footprint import Footprint, footprint
 from sltune.tuning.shape import ModelShape

@@ -164,8 +164,14 @@ def run_job(store: Store, job_id: str, *, progress: ProgressFn | None = None, sh
         best = best or state.best()         # finished: the confirmed winner and its figure, as the result names
         done = len(state.history)
         avg = sum(trial_seconds) / len(trial_seconds) if trial_seconds else None
-        rest = confirm.remaining(state, picks, search.confirm_rounds) if phase in ("confirm", "finished") else None
-        left = confirm.time_left(state, search, elapsed(), rest, seconds, avg)
+        # the confirmation trials that will still run: as many as the server's cap on trials in all leaves (a
+        # capped job said 40 planned where none could run); finished, none (what ran is all there is)
+        rest = confirm.remaining(state, picks, search.confirm_rounds) if phase == "confirm" else None
+        if rest and trials_cap is not None:
+            rest = rest[:max(0, trials_cap - len(state.history) - len(state.confirms))]
+        if phase == "finished":
+            rest = []
+        left = confirm.time_left(state, search, elapsed(), rest, seconds, avg, trials_cap)
         if phase == "finished":
             left = 0.0
         payload = {"trials_done": done, "max_trials": search.max_trials, "confirm_done": len(state.confirms),

@@ -14,9 +14,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from sltune.runtime.params import keep_order, kept_share
+from sltune.runtime.residency import keep_order, kept_share
 
 
 @dataclass(frozen=True)
@@ -125,6 +123,7 @@ def _cached(key: str, dtype: str, modified: int | None) -> ModelShape:
 
 
 def _build(model: Any, dtype: str) -> ModelShape:
+    import torch
     from transformers import AutoModelForCausalLM
 
     from sltune.models import load_config

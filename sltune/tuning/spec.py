@@ -110,9 +110,12 @@ class ModelSpec(_Strict):
 
 
 def _model_folder(path: str) -> str:
-    """The folder as an absolute path without symlinks, once its config.json is one sltune accepts. The messages
-    never echo the path: on a server it is below the models_dir, which is the server's own business."""
-    from sltune.models import load_config
+    """The folder as an absolute path without symlinks, once its config.json is one sltune accepts (no larger than
+    any config, nested no deeper) and the weights it lists are files in it (sltune.models.checkpoint's reading
+    checks: a weight_map naming a file through '..' or by an absolute path is refused). The messages never echo
+    the path, nor the files the index names: on a server they are below the models_dir, which is the server's
+    own business."""
+    from sltune.models.checkpoint import INDEX, folder_config, weight_files
 
     try:
         folder = Path(path).expanduser().resolve()
@@ -126,7 +129,11 @@ def _model_folder(path: str) -> str:
     if not has_config:
         raise ValueError("the folder has no config.json; give a Hugging Face model folder (one "
                          "save_pretrained wrote)")
-    load_config(folder, source="its config.json")    # checks family, refuses auto_map / remote code
+    folder_config(folder, source="its config.json")    # checks family, refuses auto_map / remote code
+    missing = [f for f in weight_files(folder, source=f"its {INDEX}") if not f.is_file()]
+    if missing:
+        raise ValueError(f"its {INDEX} lists {len(missing)} shard file(s) the folder does not hold; copy them in, "
+                         "or re-save the model with save_pretrained")
     return str(folder)
 
 
@@ -141,11 +148,18 @@ class Workload(_Strict):
         return self.seq_len if self.mode == "train" else self.prompt_len + self.new_tokens
 
 
+# a trial runs every rank as a process on one machine: more ranks than the largest machines' cores is no trial any
+# machine runs, and the predictions' cost grows with the ranks (524,289 held a server's spec check for 20 s)
+MAX_WORLD_SIZE = 1024
+
+
 class Hardware(_Strict):
     device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d{1,2})?)$", description="cpu, cuda or cuda:N")
     device_memory_limit: Annotated[int | None, WithJsonSchema(SIZE_SCHEMA)] = None
     host_memory_limit: Annotated[int | None, WithJsonSchema(SIZE_SCHEMA)] = None
-    world_size: int = Field(1, ge=1)
+    world_size: int = Field(1, ge=1, le=MAX_WORLD_SIZE, description=(
+        "ranks each trial runs, all on one machine (a process each: one GPU each on cuda, sharing the cores on "
+        "the cpu); a server allows at most its SLTUNE_MAX_WORLD_SIZE, by default its cores"))
     cpu_threads: int | None = Field(None, ge=1, description="torch intra-op threads per trial; default all cores")
     disk_limit: Annotated[int | None, WithJsonSchema(SIZE_SCHEMA)] = Field(None, description=(
         "search.optimizer_offload disk: the room a trial's optimizer files may take (the master and optimizer "
@@ -162,24 +176,34 @@ class Hardware(_Strict):
 
 
 MAX_CANDIDATES = 20_000
+# the largest value of a batch knob (rows, sub-batches, live blocks): 2**20 rows of even 2 tokens are more than
+# any step runs, and past 2**63 the footprint's traced tensors cannot even be sized (a 500 from torch)
+MAX_KNOB = 2**20
 
 
 def _knob(value: Any) -> Any:
     """One clear message per knob, not one per member of the union."""
     if isinstance(value, Range):
-        return value
+        return _at_most_max_knob(value, [value.max])
     if isinstance(value, dict):
         try:
-            return Range(**value)
+            knob = Range(**value)
         except ValidationError as err:
             raise ValueError("; ".join(describe_errors(err))) from None
+        return _at_most_max_knob(knob, [knob.max])
     if isinstance(value, int) and not isinstance(value, bool):
-        return value
+        return _at_most_max_knob(value, [value])
     if isinstance(value, list) and value and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
         if len(value) > MAX_KNOB_VALUES:
             raise ValueError(f"at most {MAX_KNOB_VALUES} values per knob, got {len(value)}; use {{min, max}}")
-        return value
+        return _at_most_max_knob(value, value)
     raise ValueError(f"expected an integer, a list of integers or {{min: ..., max: ...}}, got {value!r}")
+
+
+def _at_most_max_knob(knob: Any, values: list[Any]) -> Any:
+    if any(isinstance(v, int) and v > MAX_KNOB for v in values):
+        raise ValueError(f"values must be at most {MAX_KNOB} (2**20), far more than any step runs; lower it")
+    return knob
 
 
 Knob = Annotated[int | Range | list[int], BeforeValidator(_knob)]

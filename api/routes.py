@@ -21,7 +21,7 @@ router = APIRouter()
 JobId = Path(min_length=1, max_length=32, description="a job id, as POST /tune returned it")
 Status = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 # POST /tune reads its body itself (checked off the event loop), so its schema is given here, with the
-# README's spec as the example /docs and /redoc show and "Try it out" sends
+# examples/tiny-llama-cpu.yaml (api/examples.py) as the example /docs and /redoc show and "Try it out" sends
 TUNE_BODY = {"requestBody": {"required": True, "content": {
     "application/json": {"schema": {"$ref": "#/components/schemas/TuningSpec"}, "example": TUNE_EXAMPLE}}}}
 

@@ -7,8 +7,8 @@ import os
 
 # OpenMP threads spin while they wait for each other by default. With more runnable threads than cores
 # (a shared machine, or trials beside a server) every small parallel op then waits for a descheduled
-# partner: one decode step's per-sub-batch matmuls ran 10-90x slower (README, "Threads"). Threads that
-# sleep while idle do not fight. libgomp reads this when torch loads, so it only takes effect if torch is
+# partner: one decode step's per-sub-batch matmuls ran 10-90x slower (docs/concepts/measurement.md, "Threads").
+# Threads that sleep while idle do not fight. libgomp reads this when torch loads, so it only takes effect if torch is
 # not imported yet; an explicit OMP_WAIT_POLICY wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 

@@ -87,7 +87,7 @@ def test_nul_nan_infinity_and_out_of_range_numbers_get_4xx(api):
         r = c.post("/tune", json={**tiny_spec(), "search": {"max_trails": 3}})
         assert r.json()["detail"] == [{"loc": ["body", "search", "max_trails"], "type": "value_error",
                                        "msg": "search.max_trails: unknown field; check its spelling against "
-                                              "the spec in the README"}]
+                                              "the spec reference (docs/reference/spec.md)"}]
         r = c.post("/tune", json={"model": {"hf_config": {"model_type": "llama", "num_hidden_layers": 1000,
                                                           "hidden_size": 60000, "intermediate_size": 200000,
                                                           "num_attention_heads": 1000}}})

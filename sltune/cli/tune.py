@@ -18,7 +18,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description="Search sub-batch size, effective batch and live blocks for the fastest config "
                                    "that fits the spec's memory limits. Re-running the same command with the same "
                                    "--db resumes an interrupted job without repeating finished trials.")
-    p.add_argument("spec", help="tuning spec YAML (see README)")
+    p.add_argument("spec", help="tuning spec YAML (examples/tiny-llama-cpu.yaml; every field: docs/reference/spec.md)")
     p.add_argument("--out", help="write the best config YAML here; `sltune train --config FILE` trains with it")
     p.add_argument("--strategy", choices=["oneshot", "grid", "random", "tpe"],
                    help="override search.strategy (default: the spec's)")

@@ -502,7 +502,7 @@ def field_errors(err: ValidationError) -> list[tuple[str, str]]:
         where = ".".join(loc)
         msg = e["msg"].removeprefix("Value error, ").removeprefix(f"{where}: ")
         if e["type"] == "extra_forbidden":
-            msg = "unknown field; check its spelling against the spec in the README"
+            msg = "unknown field; check its spelling against the spec reference (docs/reference/spec.md)"
         elif e["type"] == "missing":
             msg = "required field is missing"
         out.append((where, msg))

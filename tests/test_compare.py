@@ -11,12 +11,12 @@ import pytest
 from sltune.cli.main import main
 from sltune.store import Store
 from sltune.tuning.compare import JobData, compare
-from sltune.tuning.spec import TuningSpec
+from sltune.tuning.admission import load as admitted_spec
 from tests.cli import sltune
 
-SPEC = TuningSpec.parse({"name": "cmp", "model": {"preset": "llama-tiny"}, "workload": {"seq_len": 32},
-                         "search": {"sub_batch_size": [1, 2], "num_sub_batches": [1], "num_live_blocks": [1],
-                                    "trial_steps": 3, "trial_min_time_s": 0.2, "profile": False}})
+SPEC = admitted_spec({"name": "cmp", "model": {"preset": "llama-tiny"}, "workload": {"seq_len": 32},
+                      "search": {"sub_batch_size": [1, 2], "num_sub_batches": [1], "num_live_blocks": [1],
+                                 "trial_steps": 3, "trial_min_time_s": 0.2, "profile": False}})
 
 
 def _job(store: Store, name: str, medians: dict[int, float], spread: float, seed: int, spec=SPEC,

@@ -26,6 +26,7 @@ from sltune.settings import Settings
 from sltune.tuning.fit import MODELS, LinearFit, variables
 from sltune.tuning.shape import shape_of
 from sltune.tuning.space import Candidate
+from sltune.tuning.admission import load as admitted_spec
 from tests.conftest import TOKEN, Proc, free_port, tiny_spec
 
 MIB = 1024 * 1024
@@ -265,10 +266,8 @@ XSS = '<script>alert("x")</script>'
 
 
 def _spec(name):
-    from sltune.tuning.spec import TuningSpec
-
-    return TuningSpec.parse({**tiny_spec(name), "hardware": {"device_memory_limit": "6MiB",
-                                                             "host_memory_limit": "8GiB"}})
+    return admitted_spec({**tiny_spec(name), "hardware": {"device_memory_limit": "6MiB",
+                                                          "host_memory_limit": "8GiB"}})
 
 
 def _job(store, name, status, trials, scale=1.0, result=True):

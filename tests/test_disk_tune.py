@@ -27,7 +27,7 @@ from sltune.tuning.prior_plan import plan_spec
 from sltune.tuning.result import export_yaml
 from sltune.tuning.shape import shape_of
 from sltune.tuning.space import Candidate, SearchSpace
-from sltune.tuning.spec import TuningSpec
+from sltune.tuning.admission import load as admitted_spec
 
 # many small layers: AdamW's 8 bytes per parameter (260 MB) leave host memory under disk, the window only 3 layers'
 MANY_LAYERS = {"model_type": "llama", "vocab_size": 512, "hidden_size": 256, "intermediate_size": 704,
@@ -41,7 +41,7 @@ def host_limit() -> int:
     the limit sits 60 MB under the host config's prior with this process's trial baseline (which tune uses too),
     so the host config is over it even by a baseline 10% lower (what plan reads from the cache may be another
     process's measurement) and the disk trial stays about 80 MB under it."""
-    s = TuningSpec.parse(spec_with(None))
+    s = admitted_spec(spec_with(None))
     recipe = Recipe.of_spec(s, shape_of(s.model.source, s.model.dtype), trial_baseline("cpu", 1, "train", None))
     return predict(recipe, Candidate(1, 1, 1)).host - 60 * 10**6
 
@@ -82,7 +82,7 @@ def test_a_host_limit_only_disk_satisfies_picks_disk_and_best_yaml_trains_it(tun
     assert not list((data / "offload").rglob("*.bin"))      # the trials' files went with them
 
     best = tmp_path / "best.yaml"
-    export_yaml(TuningSpec.parse(spec()), result, best)
+    export_yaml(admitted_spec(spec()), result, best)
     text = best.read_text()
     doc = yaml.safe_load(text)
     assert doc["optimizer_offload"] == "disk" and doc["offload_dir"] is None
@@ -157,14 +157,14 @@ def test_host_memory_only_disk_makes_room_for_is_a_config_not_a_refusal():
     with pytest.raises(ValueError, match=r"hardware.host_memory_limit 60.0 GiB is below .* What would fit: "
                                          r"search.optimizer_offload \[host, disk\] \(the master and optimizer state "
                                          r"in files: 4\d\.\d GiB in host memory, 1\d\d\.\d GiB on disk\)"):
-        TuningSpec.parse(base)
-    disk = TuningSpec.parse({**base, "search": {**base["search"], "optimizer_offload": ["host", "disk"]}})
+        admitted_spec(base)
+    disk = admitted_spec({**base, "search": {**base["search"], "optimizer_offload": ["host", "disk"]}})
     assert {c.optimizer_offload for c in SearchSpace(disk, shape_of("llama-2-7b", "bfloat16")).candidates} == \
         {"host", "disk"}
     with pytest.raises(ValueError, match=r"^spec: hardware.disk_limit 100.0 GiB is below the 1\d\d\.\d GiB .* on "
                                          r"disk: the committed version's files"):
-        TuningSpec.parse({**base, "hardware": {"host_memory_limit": "60GiB", "disk_limit": "100GiB"},
-                          "search": {**base["search"], "optimizer_offload": ["host", "disk"]}})
+        admitted_spec({**base, "hardware": {"host_memory_limit": "60GiB", "disk_limit": "100GiB"},
+                       "search": {**base["search"], "optimizer_offload": ["host", "disk"]}})
 
 
 @pytest.mark.parametrize("search, hardware, message", [
@@ -183,22 +183,22 @@ def test_spec_mistakes_are_one_line_naming_the_field(search, hardware, message):
     data = {"model": {"preset": "llama-tiny"}, "hardware": hardware,
             "search": {"sub_batch_size": [1], "num_sub_batches": [1], "num_live_blocks": [1], **search}}
     with pytest.raises(ValueError) as err:
-        TuningSpec.parse(data)
+        admitted_spec(data)
     assert str(err.value).startswith(message) and "\n" not in str(err.value), str(err.value)
 
 
 def test_generation_refuses_disk_and_old_configs_read_as_host():
     with pytest.raises(ValueError, match="search.optimizer_offload: disk holds a training optimizer's state"):
-        TuningSpec.parse({"model": {"preset": "llama-tiny"}, "workload": {"mode": "generate"},
-                          "search": {"optimizer_offload": ["host", "disk"]}})
+        admitted_spec({"model": {"preset": "llama-tiny"}, "workload": {"mode": "generate"},
+                       "search": {"optimizer_offload": ["host", "disk"]}})
     old = {"sub_batch_size": 2, "num_sub_batches": 4, "num_live_blocks": 1, "activations": "recompute"}
     assert Candidate.from_knobs(old).optimizer_offload == "host" and Candidate.from_knobs(old).knobs() == old
     disk = Candidate(2, 4, 1, optimizer_offload="disk")
     assert Candidate.from_knobs({**disk.knobs(), "schedule": "speedloader"}) == disk
     assert str(disk) == "b=2 N=4 k=1 optimizer_offload=disk"
-    one = TuningSpec.parse({"model": {"preset": "llama-tiny"}, "search": {"num_live_blocks": [1]}})
-    both = TuningSpec.parse({"model": {"preset": "llama-tiny"},
-                             "search": {"num_live_blocks": [1], "optimizer_offload": ["disk", "host", "disk"]}})
+    one = admitted_spec({"model": {"preset": "llama-tiny"}, "search": {"num_live_blocks": [1]}})
+    both = admitted_spec({"model": {"preset": "llama-tiny"},
+                          "search": {"num_live_blocks": [1], "optimizer_offload": ["disk", "host", "disk"]}})
     shape = shape_of("llama-tiny")
     s1, s2 = SearchSpace(one, shape), SearchSpace(both, shape)
     assert "optimizer_offload" not in s1.param_names and s2.distributions()["optimizer_offload"].choices == (
@@ -246,7 +246,7 @@ def test_plan_takes_a_disk_limit_for_a_spec_and_refuses_it_where_disk_is_not_pla
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "does not try; add disk to search.optimizer_offload" in err
     best = tmp_path / "best.yaml"
-    export_yaml(TuningSpec.parse(spec()), result, best)
+    export_yaml(admitted_spec(spec()), result, best)
     assert main(["plan", str(best), "--disk-limit", "1GiB"]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and err.endswith("give the tuning spec (sltune plan SPEC.yaml --disk-limit ...)")

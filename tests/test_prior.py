@@ -10,8 +10,8 @@ from sltune.tuning.baseline import trial_baseline
 from sltune.tuning.prior import Recipe, predict
 from sltune.tuning.shape import shape_of
 from sltune.tuning.space import Candidate, SearchSpace
-from sltune.tuning.spec import TuningSpec
 from sltune.tuning.state import Done, SearchState
+from sltune.tuning.admission import load as admitted_spec
 
 SGD = {"name": "sgd", "momentum": 0.9}
 # every precision and both optimizers on each model, training; and generation with its KV caches on either side
@@ -48,9 +48,9 @@ def test_the_prior_is_within_ten_percent_of_what_a_trial_measures(case):
 
 
 def tiny_state(**hardware) -> SearchState:
-    spec = TuningSpec.parse({"name": "p", "model": {"preset": "llama-tiny"}, "workload": {"seq_len": 32},
-                             "hardware": hardware, "search": {"sub_batch_size": [1, 2, 4], "num_sub_batches": [1, 2, 4],
-                                                              "num_live_blocks": [1, 2]}})
+    spec = admitted_spec({"name": "p", "model": {"preset": "llama-tiny"}, "workload": {"seq_len": 32},
+                          "hardware": hardware, "search": {"sub_batch_size": [1, 2, 4], "num_sub_batches": [1, 2, 4],
+                                                           "num_live_blocks": [1, 2]}})
     shape = shape_of("llama-tiny")
     return SearchState(spec, shape, SearchSpace(spec, shape), baseline=300 * 2**20)
 
@@ -94,8 +94,8 @@ def test_with_no_host_limit_configs_are_held_to_the_ceiling_trials_get():
 
 
 def test_a_host_limit_holds_every_rank_together_and_more_ranks_do_not_make_room():
-    one = TuningSpec.parse({"name": "w", "model": {"preset": "llama-small"}})
-    two = TuningSpec.parse({"name": "w", "model": {"preset": "llama-small"}, "hardware": {"world_size": 2}})
+    one = admitted_spec({"name": "w", "model": {"preset": "llama-small"}})
+    two = admitted_spec({"name": "w", "model": {"preset": "llama-small"}, "hardware": {"world_size": 2}})
     shape = shape_of("llama-small")
     c = Candidate(1, 1, 1)
     p1, p2 = (predict(Recipe.of_spec(s, shape), c) for s in (one, two))
@@ -104,8 +104,8 @@ def test_a_host_limit_holds_every_rank_together_and_more_ranks_do_not_make_room(
     assert terms2["AdamW's two moments in float32"] >= terms1["AdamW's two moments in float32"]
     assert p2.host > p1.host
     with pytest.raises(ValueError, match="all ranks together") as refused:
-        TuningSpec.parse({"name": "w", "model": {"preset": "llama-small"},
-                          "hardware": {"world_size": 2, "host_memory_limit": p1.host // 2}})
+        admitted_spec({"name": "w", "model": {"preset": "llama-small"},
+                       "hardware": {"world_size": 2, "host_memory_limit": p1.host // 2}})
     assert "world_size" not in str(refused.value).split("What would fit")[1]
 
 

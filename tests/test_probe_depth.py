@@ -15,9 +15,9 @@ from sltune.tuning.result import export_yaml
 from sltune.tuning.runner import optuna_storage
 from sltune.tuning.shape import shape_of
 from sltune.tuning.space import Candidate, SearchSpace
-from sltune.tuning.spec import TuningSpec
 from sltune.tuning.state import Done, SearchState
 from sltune.tuning.study import study_name
+from sltune.tuning.admission import load as admitted_spec
 
 # llama-tiny's layout at 8 layers and hidden 256: the parameters' host bytes (~15 MiB a layer with AdamW) are a
 # visible share of a trial's resident memory, so a fit blind to depth would miss the full-depth host peak
@@ -34,7 +34,7 @@ SPEC = {"name": "depth", "model": {"hf_config": DEEP}, "workload": {"seq_len": 3
 def job(tmp_path_factory):
     data = tmp_path_factory.mktemp("depth")
     db = f"sqlite:///{data / 'jobs.db'}"
-    return {"result": tune(SPEC, db, settings=Settings(data_dir=data)), "db": db, "spec": TuningSpec.parse(SPEC)}
+    return {"result": tune(SPEC, db, settings=Settings(data_dir=data)), "db": db, "spec": admitted_spec(SPEC)}
 
 
 def test_probes_run_at_reduced_depth_and_the_rest_at_full_depth(job):
@@ -96,7 +96,7 @@ def test_the_probes_host_fit_carries_the_parameters_to_full_depth(job):
 
 
 def _state(**search) -> SearchState:
-    spec = TuningSpec.parse({**SPEC, "search": {**SPEC["search"], **search}})
+    spec = admitted_spec({**SPEC, "search": {**SPEC["search"], **search}})
     shape = shape_of(spec.model.source, spec.model.dtype)
     return SearchState(spec, shape, SearchSpace(spec, shape))
 
@@ -161,14 +161,14 @@ def test_auto_reduces_depth_only_when_a_full_depth_probe_would_be_slow():
 ])
 def test_bad_probe_layers_are_refused_naming_the_field_and_the_fix(search, message):
     with pytest.raises(ValueError, match=message) as err:
-        TuningSpec.parse({**SPEC, "search": {**SPEC["search"], **search}})
+        admitted_spec({**SPEC, "search": {**SPEC["search"], **search}})
     assert "\n" not in str(err.value)
 
 
 def test_probe_layers_is_refused_in_generation_and_off_by_default():
     with pytest.raises(ValueError, match=r"search.probe_layers: probes at reduced depth are for training"):
-        TuningSpec.parse({**SPEC, "workload": {"mode": "generate"}, "search": {"probe_layers": "auto"}})
-    spec = TuningSpec.parse({**SPEC, "search": {k: v for k, v in SPEC["search"].items() if k != "probe_layers"}})
+        admitted_spec({**SPEC, "workload": {"mode": "generate"}, "search": {"probe_layers": "auto"}})
+    spec = admitted_spec({**SPEC, "search": {k: v for k, v in SPEC["search"].items() if k != "probe_layers"}})
     assert spec.search.probe_layers is None
     shape = shape_of(spec.model.source)
     assert SearchState(spec, shape, SearchSpace(spec, shape)).depth is None

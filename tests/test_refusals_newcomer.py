@@ -18,7 +18,7 @@ from sltune.service.validation import check
 from sltune.settings import Settings
 from sltune.tuning.feasible import free_bytes
 from sltune.tuning.prior_plan import plan_spec
-from sltune.tuning.spec import TuningSpec
+from sltune.tuning.admission import load as admitted_spec
 from tests.cli import sltune
 
 # llama-2-7b in bfloat16 with AdamW: about 118 GiB of host memory with the optimizer in host memory; about 47 GiB
@@ -59,12 +59,12 @@ def test_plan_names_the_host_and_the_disk_limit_together_and_following_it_is_not
 
     # followed, both limits raised as said: the spec's own check admits it (plan counts the process a trial runs
     # in, which the spec's check leaves out, so plan's bytes cover it)
-    TuningSpec.parse(with_hardware(SEVEN_B, host_memory_limit=said["hardware.host_memory_limit"],
-                                   disk_limit=said["hardware.disk_limit"]))
+    admitted_spec(with_hardware(SEVEN_B, host_memory_limit=said["hardware.host_memory_limit"],
+                                disk_limit=said["hardware.disk_limit"]))
     # half followed, the host limit alone: refused for the disk, which the answer had named already
     half = with_hardware(SEVEN_B, host_memory_limit=said["hardware.host_memory_limit"])
     with pytest.raises(ValueError) as again:
-        TuningSpec.parse(half)
+        admitted_spec(half)
     assert set(needs(str(again.value))) == {"hardware.disk_limit"}
     assert needs(str(again.value))["hardware.disk_limit"] == said["hardware.disk_limit"]
 
@@ -87,12 +87,12 @@ def test_a_device_and_a_host_limit_both_too_small_are_named_together():
             "hardware": {"device_memory_limit": 1024, "host_memory_limit": 1024},
             "search": {"sub_batch_size": [1], "num_sub_batches": [1], "num_live_blocks": [1]}}
     with pytest.raises(ValueError) as refused:
-        TuningSpec.parse(spec)
+        admitted_spec(spec)
     said = needs(str(refused.value))
     assert set(said) == {"hardware.device_memory_limit", "hardware.host_memory_limit"}, str(refused.value)
     assert "\n" not in str(refused.value)
-    TuningSpec.parse(with_hardware(spec, device_memory_limit=said["hardware.device_memory_limit"],
-                                   host_memory_limit=said["hardware.host_memory_limit"]))
+    admitted_spec(with_hardware(spec, device_memory_limit=said["hardware.device_memory_limit"],
+                                host_memory_limit=said["hardware.host_memory_limit"]))
 
 
 def test_the_free_space_over_a_larger_disk_limit_says_so_and_the_disk_wording_reads(tmp_path):

@@ -10,6 +10,7 @@ import time
 import pytest
 import yaml
 
+from sltune.tuning.admission import load as admitted_spec
 from tests.conftest import tiny_spec
 
 SEARCH = {k: v for k, v in tiny_spec().items() if k != "model"}
@@ -113,7 +114,6 @@ def test_a_world_size_above_what_the_server_runs_is_refused_before_any_predictio
     import os
 
     from sltune.settings import Settings
-    from sltune.tuning.spec import TuningSpec
 
     monkeypatch.setattr(os, "cpu_count", lambda: 4)
     spec = tiny_spec()
@@ -129,7 +129,7 @@ def test_a_world_size_above_what_the_server_runs_is_refused_before_any_predictio
     assert verdict(two).job["spec"]["hardware"]["world_size"] == 2
     assert verdict(two, max_world_size=1).errors[0][1].startswith("2 is above this server's limit of 1 ")
     with pytest.raises(ValueError, match="hardware.world_size: Input should be less than or equal to 1024"):
-        TuningSpec.parse({**spec, "hardware": {"world_size": 1025}})      # `sltune tune` too: one machine's ranks
+        admitted_spec({**spec, "hardware": {"world_size": 1025}})      # `sltune tune` too: one machine's ranks
     assert Settings().world_size_ceiling == 4 and Settings(max_world_size=8).world_size_ceiling == 8
 
 

@@ -21,9 +21,9 @@ from sltune.service.local import tune
 from sltune.tuning.runner import optuna_storage, trial_spec
 from sltune.tuning.shape import shape_of
 from sltune.tuning.space import Candidate, SearchSpace
-from sltune.tuning.spec import TuningSpec
 from sltune.tuning.state import SearchState
 from sltune.tuning.fit import LinearFit
+from sltune.tuning.admission import load as admitted_spec
 from tests.cli import sltune
 
 LIMIT = 4 * 2**20
@@ -43,7 +43,7 @@ def job(tmp_path_factory):
     db = f"sqlite:///{data / 'jobs.db'}"
     calls = []
     result = tune(SPEC, db, progress=calls.append, settings=Settings(data_dir=data))
-    return {"result": result, "db": db, "calls": calls, "spec": TuningSpec.parse(SPEC), "dir": data}
+    return {"result": result, "db": db, "calls": calls, "spec": admitted_spec(SPEC), "dir": data}
 
 
 def test_oneshot_finds_a_config_that_fits_in_a_fraction_of_the_space(job):
@@ -56,7 +56,7 @@ def test_oneshot_finds_a_config_that_fits_in_a_fraction_of_the_space(job):
     # on this model the largest configs that fit are the fastest, so the pick sits at the device limit; beside
     # another process a smaller config can measure faster, and then no limit binds the pick
     assert r["binding_limit"] in ("device", "none")
-    assert r["best"]["peak_device_bytes"] <= TuningSpec.parse(SPEC).hardware.device_memory_limit
+    assert r["best"]["peak_device_bytes"] <= admitted_spec(SPEC).hardware.device_memory_limit
     roles = [t["role"] for t in r["trials"]]
     # after the probes it either spends trials on the frontier or stops because no untried config is predicted
     # to beat the best by more than the best's measured noise (issue #10: the tuner does not act on noise)
@@ -81,9 +81,9 @@ def test_the_confirmation_round_remeasures_the_finalists_interleaved_and_says_ho
 
     from sltune.tuning.runner import requirements
 
-    spec = TuningSpec.parse({**SPEC, "name": "confirm", "search": {
-        **SPEC["search"], "strategy": "grid", "sub_batch_size": [1, 2], "num_sub_batches": [1],
-        "num_live_blocks": [1], "trial_steps": 2, "confirm_rounds": 2}})
+    spec = admitted_spec({**SPEC, "name": "confirm", "search": {
+     **SPEC["search"], "strategy": "grid", "sub_batch_size": [1, 2], "num_sub_batches": [1],
+     "num_live_blocks": [1], "trial_steps": 2, "confirm_rounds": 2}})
     db = f"sqlite:///{tmp_path / 'jobs.db'}"
     store = Store(db)
     job = store.create_job(spec.name, spec.model_dump(mode="json"), spec.digest(), requirements(spec))
@@ -312,7 +312,7 @@ def test_a_generation_tuning_job_sweeps_kv_cache_and_weights_on_device_and_expor
     assert "D*B*s" in result["models"]["device"]["features"]              # device-resident caches
     assert "W" in result["models"]["device"]["features"]                  # and weights
     path = tmp_path / "best.yaml"
-    export_yaml(TuningSpec.parse(spec), result, path)
+    export_yaml(admitted_spec(spec), result, path)
     best = result["best"]["config"]
     assert yaml.safe_load(path.read_text())["weights_on_device"] == best["weights_on_device"]
     cfg = SpeedLoaderConfig.from_yaml(path)
@@ -336,7 +336,7 @@ def test_a_spec_sweeping_activations_runs_both_and_exports_the_winner(tmp_path):
     assert "[off]*(L-k)*B*s" in result["models"]["host"]["features"]
     assert result["search_space"]["activations"] == ["recompute", "offload"]
     path = tmp_path / "best.yaml"
-    export_yaml(TuningSpec.parse(spec), result, path)
+    export_yaml(admitted_spec(spec), result, path)
     cfg = SpeedLoaderConfig.from_yaml(path)
     assert cfg.activations == result["best"]["config"]["activations"] == yaml.safe_load(path.read_text())["activations"]
 

@@ -4,6 +4,7 @@ import re
 
 import pytest
 
+from sltune.tuning.admission import load as admitted_spec
 from sltune.tuning.fit import MODELS, variables
 from sltune.tuning.shape import shape_of
 from sltune.tuning.space import Candidate, SearchSpace
@@ -16,7 +17,7 @@ BASE = {"name": "t", "model": {"preset": "llama-tiny"}, "workload": {"seq_len": 
 
 def parse(**overrides):
     data = {**BASE, **overrides}
-    return TuningSpec.parse(data)
+    return admitted_spec(data)
 
 
 @pytest.mark.parametrize("overrides,message", [
@@ -154,6 +155,26 @@ def test_a_share_whose_kept_weights_cannot_fit_is_over_the_device_limit_before_a
     # one group of all 4 layers does not fit in half, and streamed in it lands beside the kept embedding and head
     assert state.predict(Candidate(1, 1, 4, kv_cache="host", w=0.5)).over == ["device"]
     assert state.predict(Candidate(1, 1, 4, kv_cache="host", w=0.0)).fits
+
+
+def test_reading_a_spec_back_builds_nothing_and_admitting_it_checks_it_against_the_models_shape(monkeypatch):
+    """Parsing (a stored job read back by a worker, `export`, GET /jobs/{id}/config.yaml) neither builds the model's
+    shape nor runs the cost model: a spec whose limit nothing fits reads back as it was stored. Admission (tune,
+    plan, POST /tune) refuses it."""
+    import sltune.tuning.shape as shape
+
+    data = {**BASE, "model": {"hf_config": {"model_type": "llama", "hidden_size": 96, "intermediate_size": 160,
+                                            "num_hidden_layers": 3, "num_attention_heads": 4, "vocab_size": 300}},
+            "hardware": {"device_memory_limit": 1024}}
+
+    def never(*args):
+        raise AssertionError("parsing built the model's shape")
+    monkeypatch.setattr(shape, "_build", never)
+    spec = TuningSpec.parse(data)
+    assert spec.hardware.device_memory_limit == 1024 and TuningSpec.model_validate(spec.model_dump()) == spec
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match=r"^spec: hardware.device_memory_limit 1.0 KiB is below"):
+        admitted_spec(data)
 
 
 def needed(message: str) -> int:

@@ -2,14 +2,14 @@
 
 from sltune.tuning.shape import shape_of
 from sltune.tuning.space import Candidate, SearchSpace
-from sltune.tuning.spec import TuningSpec
 from sltune.tuning.state import Done, SearchState
+from sltune.tuning.admission import load as admitted_spec
 
 
 def state(**search):
-    spec = TuningSpec.parse({"name": "s", "model": {"preset": "llama-tiny"}, "workload": {"seq_len": 32},
-                             "search": {"sub_batch_size": [1, 2, 4], "num_sub_batches": [1, 2, 4],
-                                        "num_live_blocks": [1, 2, 4], **search}})
+    spec = admitted_spec({"name": "s", "model": {"preset": "llama-tiny"}, "workload": {"seq_len": 32},
+                          "search": {"sub_batch_size": [1, 2, 4], "num_sub_batches": [1, 2, 4],
+                                     "num_live_blocks": [1, 2, 4], **search}})
     shape = shape_of("llama-tiny")
     return SearchState(spec, shape, SearchSpace(spec, shape))
 
@@ -141,11 +141,11 @@ def test_oneshot_measures_a_frontier_config_its_throughput_model_cannot_predict_
     those configs have no prediction, so the search cannot rule them out and measures the largest first."""
     from sltune.tuning.strategies import OneShotStrategy
 
-    spec = TuningSpec.parse({"name": "g", "model": {"preset": "llama-tiny"},
-                             "workload": {"mode": "generate", "prompt_len": 8, "new_tokens": 8},
-                             "search": {"sub_batch_size": [1, 4, 16], "effective_batch_size": 16,
-                                        "num_live_blocks": [1, 4], "kv_cache": "device",
-                                        "weights_on_device": [0, 0.5]}})
+    spec = admitted_spec({"name": "g", "model": {"preset": "llama-tiny"},
+                          "workload": {"mode": "generate", "prompt_len": 8, "new_tokens": 8},
+                          "search": {"sub_batch_size": [1, 4, 16], "effective_batch_size": 16,
+                                     "num_live_blocks": [1, 4], "kv_cache": "device",
+                                     "weights_on_device": [0, 0.5]}})
     shape = shape_of("llama-tiny")
     st = SearchState(spec, shape, SearchSpace(spec, shape))
     runs = [((1, 16, 1, 0.0), 10.26), ((1, 16, 4, 0.0), 8.39), ((4, 4, 1, 0.0), 5.54), ((4, 4, 4, 0.0), 4.58),
@@ -174,10 +174,10 @@ def test_generation_probes_keep_the_most_weights_where_they_save_the_most():
     times 16, set the coefficient; the probe keeps the largest share at the fewest sub-batches."""
     from sltune.tuning.strategies import OneShotStrategy
 
-    spec = TuningSpec.parse({"name": "g", "model": {"preset": "llama-tiny"},
-                             "workload": {"mode": "generate", "prompt_len": 8, "new_tokens": 8},
-                             "search": {"sub_batch_size": [1, 4, 16], "effective_batch_size": 16,
-                                        "num_live_blocks": [1, 4], "weights_on_device": [0, 0.5, 1]}})
+    spec = admitted_spec({"name": "g", "model": {"preset": "llama-tiny"},
+                          "workload": {"mode": "generate", "prompt_len": 8, "new_tokens": 8},
+                          "search": {"sub_batch_size": [1, 4, 16], "effective_batch_size": 16,
+                                     "num_live_blocks": [1, 4], "weights_on_device": [0, 0.5, 1]}})
     shape = shape_of("llama-tiny")
     probes = OneShotStrategy(SearchState(spec, shape, SearchSpace(spec, shape)), 0).probes()
     assert [c for c in probes if c.w] == [Candidate(16, 1, 1, "recompute", "device", 1.0)]

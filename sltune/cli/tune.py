@@ -66,12 +66,14 @@ def run_tune(args: argparse.Namespace) -> int:
     from sltune.tuning.result import export_yaml
     from sltune.service.local import fits_this_machine, tune
     from sltune.settings import Settings
+    from sltune.tuning.admission import admitted
     from sltune.tuning.spec import TuningSpec
 
     spec = TuningSpec.load(args.spec)
     if args.strategy:
         spec = TuningSpec.model_validate({**spec.model_dump(), "search": {**spec.search.model_dump(),
                                                                           "strategy": args.strategy}})
+    spec = admitted(spec, args.spec)         # its model's shape against its limits: a refusal is one line
     # a database it cannot open is one line before the fork server starts; a refused spec stored nothing
     open_store(Settings(db=args.db) if args.db else Settings())
     # the trials' fork server imports torch and transformers beside this process from here: a spec the schema

@@ -10,15 +10,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import ValidationError
-
 from sltune.settings import Settings
 from sltune.sizes import format_bytes
+from sltune.tuning.admission import admit
 from sltune.tuning.confirm import MAX_FINALISTS
 from sltune.tuning.runner import machine_cores
 from sltune.tuning.shape import ModelShape, shape_of
 from sltune.tuning.space import Candidate, SearchSpace
-from sltune.tuning.spec import TuningSpec, describe_errors
+from sltune.tuning.spec import TuningSpec
 
 
 class Refused(ValueError):
@@ -29,7 +28,7 @@ class Refused(ValueError):
         super().__init__("; ".join(f"{f}: {m}" for f, m in errors))
 
 
-def admit(spec: TuningSpec, settings: Settings) -> tuple[TuningSpec, dict[str, Any]]:
+def within_ceilings(spec: TuningSpec, settings: Settings) -> tuple[TuningSpec, dict[str, Any]]:
     """The spec as the server will run it, and the record of which limit applies to each resource;
     Refused if it asks for more than the server allows."""
     spec, limits = _memory(spec, settings, _counts(spec, settings))
@@ -147,10 +146,10 @@ def _memory(spec: TuningSpec, settings: Settings, limits: dict[str, Any]) -> tup
     data = spec.model_dump(mode="json")
     data["hardware"].update(hardware)
     data["search"].update(search)
+    lowered = TuningSpec.model_validate(data)
     try:
-        return TuningSpec.model_validate(data), limits
-    except ValidationError as err:     # the lowered limit is below what the model needs at all
-        lowered = ", ".join(f"hardware.{f} to {format_bytes(v)}" for f, v in hardware.items()
-                            if v != getattr(hw, f))
-        raise Refused([("hardware", f"this server's ceilings lower {lowered}, and then {why}")
-                       for why in describe_errors(err)]) from None
+        admit(lowered)
+    except ValueError as err:           # the lowered limit is below what the model needs at all
+        said = ", ".join(f"hardware.{f} to {format_bytes(v)}" for f, v in hardware.items() if v != getattr(hw, f))
+        raise Refused([("hardware", f"this server's ceilings lower {said}, and then {err}")]) from None
+    return lowered, limits

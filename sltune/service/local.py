@@ -11,6 +11,7 @@ from typing import Any
 from sltune.service.worker import Worker
 from sltune.settings import Settings
 from sltune.store import Store
+from sltune.tuning.admission import admitted
 from sltune.tuning.runner import ProgressFn, requirements
 from sltune.tuning.spec import TuningSpec
 
@@ -23,6 +24,7 @@ def tune(spec: TuningSpec | dict[str, Any] | str | Path, db: str | None = None, 
     a server worker on the same database never runs it at the same time, and takes it over if this
     process dies."""
     settings = settings or Settings()
+    source = str(spec) if isinstance(spec, (str, Path)) else "spec"
     if isinstance(spec, (str, Path)):
         spec = TuningSpec.load(spec)
     elif isinstance(spec, dict):
@@ -30,6 +32,7 @@ def tune(spec: TuningSpec | dict[str, Any] | str | Path, db: str | None = None, 
     if strategy is not None:
         spec = TuningSpec.model_validate({**spec.model_dump(), "search": {**spec.search.model_dump(),
                                                                           "strategy": strategy}})
+    admitted(spec, source)
     if db:
         settings = settings.model_copy(update={"db": db})
     fits_this_machine(spec, settings)

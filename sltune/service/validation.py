@@ -24,7 +24,7 @@ from pydantic import ValidationError
 
 from sltune.plaindata import problems
 from sltune.profiling import forks
-from sltune.service.ceilings import Refused, admit
+from sltune.service.ceilings import Refused, within_ceilings
 from sltune.settings import Settings
 
 Errors = list[tuple[str, str]]      # (field path, one-line message naming the fix)
@@ -79,6 +79,7 @@ def _uncached(verdict: Verdict) -> Verdict:
 
 
 def _check(data: dict[str, Any], settings: Settings) -> Verdict:
+    from sltune.tuning import admission
     from sltune.tuning.runner import requirements
     from sltune.tuning.spec import TuningSpec, field_errors
 
@@ -88,11 +89,15 @@ def _check(data: dict[str, Any], settings: Settings) -> Verdict:
     except Refused as err:
         return Verdict(errors=err.errors)
     try:
-        spec, limits = admit(TuningSpec.model_validate(data), settings)
+        spec = TuningSpec.model_validate(data)
+        admission.admit(spec)               # its model's shape against its limits, then the server's ceilings
+        spec, limits = within_ceilings(spec, settings)
     except ValidationError as err:
         return Verdict(errors=field_errors(err))
     except Refused as err:
         return Verdict(errors=err.errors)
+    except ValueError as err:
+        return Verdict(errors=[("", str(err))])
     return Verdict(job={"name": spec.name, "spec": spec.model_dump(mode="json"), "spec_hash": spec.digest(),
                         "requirements": requirements(spec), "limits": limits})
 

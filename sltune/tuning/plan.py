@@ -9,10 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from sltune.tuning.admission import load
 from sltune.tuning.fit import LinearFit
 from sltune.tuning.shape import shape_of
 from sltune.tuning.space import SearchSpace
-from sltune.tuning.spec import TuningSpec
 from sltune.tuning.state import SearchState
 from sltune.yamlfile import read_yaml
 
@@ -35,10 +35,10 @@ def plan(path: str | Path, device_memory_limit: int | str | None = None,
         space_desc = {"weights_on_device": [0.0], **space_desc}
     search = {"schedule": data.get("schedule", "speedloader"), "margin": limits.get("margins", {}).get("device", 0.05),
               **{k: v for k, v in space_desc.items()}}
-    spec = TuningSpec.parse({"name": f"plan from {prov.get('job_id')}", "model": prov["model"],
+    spec = load({"name": f"plan from {prov.get('job_id')}", "model": prov["model"],
                              "workload": {k: v for k, v in work.items() if k != "world_size"},
                              "hardware": hardware, "search": search,
-                             **({"optimizer": data["optimizer"]} if data.get("optimizer") else {})}, source=str(path))
+                             **({"optimizer": data["optimizer"]} if data.get("optimizer") else {})}, str(path))
     shape = shape_of(spec.model.source, spec.model.dtype)
     # a file's host model corrects the prior, whose process term is the job's machine's (0 before it was recorded)
     state = SearchState(spec, shape, SearchSpace(spec, shape), baseline=prov.get("trial_baseline_bytes") or 0)

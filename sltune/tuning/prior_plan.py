@@ -16,11 +16,12 @@ from typing import Any
 
 from sltune.settings import Settings
 from sltune.sizes import parse_bytes
+from sltune.tuning.admission import load
 from sltune.tuning.baseline import trial_baseline
 from sltune.tuning.feasible import FreeSpace, disk_room, shortfall
 from sltune.tuning.shape import shape_of
 from sltune.tuning.space import SearchSpace
-from sltune.tuning.spec import DISK_LIMIT_WITHOUT_DISK, TuningSpec
+from sltune.tuning.spec import DISK_LIMIT_WITHOUT_DISK
 from sltune.tuning.state import SearchState
 
 LIMITS = ("device_memory_limit", "host_memory_limit", "disk_limit")
@@ -43,7 +44,7 @@ def plan_spec(data: dict[str, Any], source: str | Path, device_memory_limit: int
                         ("disk_limit", disk_limit)):
         if value is not None:
             asked[name] = value
-    spec = TuningSpec.parse({**data, "hardware": hardware}, source=str(source))
+    spec = load({**data, "hardware": hardware}, str(source))
     device_limit = None if asked["device_memory_limit"] is None else parse_bytes(
         asked["device_memory_limit"], "hardware.device_memory_limit")
     host_limit = None if asked["host_memory_limit"] is None else parse_bytes(

@@ -1,8 +1,9 @@
 """The tuning job spec: one pydantic schema for SPEC.yaml and the JSON body of POST /tune.
 
-Every error names the field and the fix. Beyond types and ranges, a spec is checked against the model's
-shape before any trial runs: a memory limit below what even the smallest config needs is refused with
-that predicted minimum.
+Every error names the field and the fix. Parsing checks types, ranges and knobs that contradict each other, and
+reads nothing but a model folder's config: a stored job is read back with it in milliseconds. The checks against
+the model's shape and the cost model (seconds for a big config) are admission's (sltune.tuning.admission), which
+tune, plan and POST /tune run before a job is created.
 """
 
 from __future__ import annotations
@@ -10,22 +11,17 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal, get_args
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, WithJsonSchema,
                       field_validator, model_validator)
 
 from sltune.config import Activations, DType, KVCache, OptimizerOffload, Schedule
 from sltune.models.presets import hf_config_schema
-from sltune.sizes import SIZE_SCHEMA, format_bytes, parse_bytes
+from sltune.sizes import SIZE_SCHEMA, parse_bytes
 from sltune.training.optimizer import OptimizerConfig
 from sltune.tuning.knobs import MAX_KNOB_VALUES, Range, knob_values
 from sltune.yamlfile import read_yaml
-
-if TYPE_CHECKING:
-    from sltune.tuning.shape import ModelShape
-    from sltune.tuning.space import SearchSpace
-
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
@@ -349,17 +345,9 @@ class TuningSpec(_Strict):
     objective: Literal["tokens_per_s"] = "tokens_per_s"
 
     @model_validator(mode="after")
-    def _fits_at_all(self) -> "TuningSpec":
-        """The smallest config must be able to fit: refuse limits below its predicted minimum (_memory_fits)."""
-        from sltune.tuning.shape import shape_of
-        from sltune.tuning.space import SearchSpace
-
-        try:
-            shape = shape_of(self.model.source, self.model.dtype)
-        except ValueError:
-            raise
-        except Exception as err:  # noqa: BLE001 - a config transformers cannot build is a bad spec
-            raise ValueError(f"model: transformers could not build this model: {type(err).__name__}: {err}") from None
+    def _consistent(self) -> "TuningSpec":
+        """The knobs that contradict each other or the mode, and a space too large to search: all without the
+        model's shape (the checks that need it, and the cost model, are sltune.tuning.admission's)."""
         mode = self.workload.mode
         hw = self.hardware
         if hw.world_size > 1 and self.workload.mode == "generate":
@@ -380,12 +368,6 @@ class TuningSpec(_Strict):
         if hw.world_size > 1 and self.search.schedule == "resident":
             raise ValueError("search.schedule 'resident' keeps every parameter on every rank; with "
                              "hardware.world_size > 1 use 'speedloader' or 'canonical'")
-        max_pos = shape.max_positions
-        tokens = self.workload.tokens_per_row
-        if max_pos is not None and tokens > max_pos:
-            what = "workload.seq_len" if mode == "train" else "workload.prompt_len + workload.new_tokens"
-            raise ValueError(f"{what} = {tokens} exceeds the model's max_position_embeddings {max_pos}; "
-                             "shorten it")
         search = self.search
         size = len(search.activations)
         for knob in (search.sub_batch_size, search.num_live_blocks,
@@ -397,77 +379,7 @@ class TuningSpec(_Strict):
         if size > MAX_CANDIDATES:
             raise ValueError(f"the search space has {size} combinations, more than {MAX_CANDIDATES}; narrow the "
                              "search.* ranges or lists")
-        space = SearchSpace(self, shape)
-        if not space.candidates:
-            raise ValueError("the search space is empty: no sub_batch_size divides any effective_batch_size; "
-                             "widen search.sub_batch_size or search.effective_batch_size")
-        self._weights_fit(shape, space)
-        self._memory_fits(shape, space)
-        self._probe_depth(shape, space)
         return self
-
-    def _probe_depth(self, shape: "ModelShape", space: "SearchSpace") -> None:
-        """search.probe_layers is for oneshot's training probes, and a number must leave the fits' terms apart:
-        at least two groups of the largest num_live_blocks (so G = ceil(L/k) and the (L-k) of the offload
-        terms vary as at full depth), and fewer layers than the model has."""
-        from sltune.tuning.depth import least_probe_layers
-
-        layers = self.search.probe_layers
-        if layers is None:
-            return
-        if self.search.strategy != "oneshot":
-            raise ValueError(f"search.probe_layers: only the oneshot strategy runs probes, not "
-                             f"{self.search.strategy}; remove it or set search.strategy: oneshot")
-        if self.workload.mode != "train":
-            raise ValueError("search.probe_layers: probes at reduced depth are for training (workload.mode: train); "
-                             "remove it")
-        if layers == "auto":
-            return
-        least, k = least_probe_layers(space.k_values), max(space.k_values)
-        if least >= shape.layers:
-            raise ValueError(f"search.probe_layers: two groups of the largest num_live_blocks ({k}) need {least} "
-                             f"layers, and the model has {shape.layers}: no depth in between; remove it or lower "
-                             "search.num_live_blocks")
-        if layers >= shape.layers:
-            raise ValueError(f"search.probe_layers {layers} is not below the model's {shape.layers} decoder layers; "
-                             f"give {least} to {shape.layers - 1}, or remove it to probe the whole model")
-        if layers < least:
-            raise ValueError(f"search.probe_layers {layers} is below two groups of the largest num_live_blocks ({k}); "
-                             f"give at least {least} (so the fits can tell per-group from per-layer costs), or "
-                             "lower search.num_live_blocks")
-
-    def _memory_fits(self, shape: "ModelShape", space: "SearchSpace") -> None:
-        """Refuse limits below what the smallest config is predicted to need (sltune.tuning.prior), term by term
-        with what would fit: the device limit per rank, the host limit for all ranks together (trials hold it so).
-        The process a trial runs in is left out here (it is this machine's, measured where trials run: tune and
-        the server add it), so what is refused here fits nowhere."""
-        from sltune.tuning.feasible import shortfall
-        from sltune.tuning.prior import Recipe
-
-        hw = self.hardware
-        if hw.host_memory_limit is None and hw.device_memory_limit is None and hw.disk_limit is None:
-            return
-        short = shortfall(Recipe.of_spec(self, shape), space.candidates, hw.host_memory_limit, hw.device_memory_limit,
-                          disk_limit=hw.disk_limit)
-        if short:
-            raise ValueError(short)
-
-    def _weights_fit(self, shape: "ModelShape", space: "SearchSpace") -> None:
-        """Refuse shares of the weights that no config can keep on the device under its limit, when keeping
-        none would fit: the device holds the kept weights beside the largest unit still streamed in."""
-        limit, shares = self.hardware.device_memory_limit, space.w_values
-        if limit is None or not shares or shares[0] == 0:
-            return
-        mode = self.workload.mode
-        least = min((shape.min_device_bytes(mode, k, w), k, w) for k in space.k_values for w in shares)
-        keep_none = min(shape.min_device_bytes(mode, k) for k in space.k_values)
-        if least[0] > limit >= keep_none:
-            need, k, share = least
-            raise ValueError(
-                f"search.weights_on_device: every share keeps more on the device than hardware.device_memory_limit "
-                f"{format_bytes(limit)} holds: the least, {share:g} at num_live_blocks={k}, needs {format_bytes(need)} "
-                f"({need} bytes) with the largest unit still streamed in; add a smaller share (0 keeps none) or "
-                "raise the limit")
 
     def digest(self) -> str:
         """Identifies the job: the same spec re-run resumes the same job. Fields left at their defaults are left out,

@@ -145,14 +145,15 @@ def test_a_config_json_larger_than_any_config_is_refused_unread(models):
 
 
 def test_a_slow_check_does_not_hold_a_valid_post_behind_it(tmp_path):
-    """Two checker processes by default: a spec whose check takes seconds (a 400-layer model built on the meta
-    device) leaves the other free, so a valid spec posted meanwhile is answered at once, not after it."""
+    """Two checker processes (the default where a machine has 3 cores or more; SLTUNE_SPEC_CHECK_WORKERS): a spec
+    whose check takes seconds (a 400-layer model built on the meta device) leaves the other free, so a valid spec
+    posted meanwhile is answered at once, not after it."""
     from sltune.service.validation import SpecChecker
     from sltune.settings import Settings
 
     slow = {"name": "slow", "model": {"hf_config": {"model_type": "gpt2", "n_layer": 400, "n_embd": 256,
                                                     "n_head": 4}}}
-    checker = SpecChecker(Settings(data_dir=tmp_path))
+    checker = SpecChecker(Settings(data_dir=tmp_path, spec_check_workers=2))
 
     async def both() -> dict:
         await checker.warm_up()

@@ -190,7 +190,7 @@ class SpecChecker:
         self.cache: OrderedDict[str, Verdict] = OrderedDict()
         self.cache_size = cache_size
         self.pending = 0
-        self.pool = ProcessPool(max_workers=settings.spec_check_workers, initializer=_start_worker,
+        self.pool = ProcessPool(max_workers=settings.spec_checkers, initializer=_start_worker,
                                 context=forks.context())
 
     async def check(self, body: bytes) -> Verdict:
@@ -225,7 +225,7 @@ class SpecChecker:
         """Start the pool's fork server and processes (importing torch and transformers: seconds) before
         the first request, not during it."""
         futures = [self.pool.schedule(check, ({"model": {"preset": "llama-tiny"}}, self.settings))
-                   for _ in range(self.settings.spec_check_workers)]
+                   for _ in range(self.settings.spec_checkers)]
         await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
 
     def close(self) -> None:

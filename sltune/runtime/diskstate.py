@@ -49,7 +49,6 @@ import shutil
 import threading
 import time
 import weakref
-import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,13 +57,9 @@ from typing import Any, Callable, Sequence, TypeVar
 import torch
 from torch import nn
 
+from sltune.runtime import checksum
 from sltune.runtime.direct_io import DirectFiles, aligned_empty, padded, writable_dir
 from sltune.runtime.counters import IOCounters
-
-try:
-    import xxhash
-except ImportError:         # a declared dependency; crc32 keeps the tier working (4x slower to hash) without it
-    xxhash = None
 
 BLOCK_NUMEL = 16 << 20          # values per block (a larger tensor is one block)
 DEPTH = 3                       # slots: one read ahead, one stepping, one written behind
@@ -76,11 +71,8 @@ VERIFY_READS = True             # verify each step's read-ahead too (not only re
 T = TypeVar("T")
 _names = itertools.count()
 
-# checksum name -> function of a buffer (bytes, numpy array, memoryview) giving an int
-CHECKSUMS: dict[str, Callable[[Any], int]] = {"crc32": zlib.crc32}
-if xxhash is not None:
-    CHECKSUMS["xxh3_64"] = xxhash.xxh3_64_intdigest
-CHECKSUM = "xxh3_64" if xxhash is not None else "crc32"
+CHECKSUMS = checksum.ONE_SHOT       # checksum name -> function of a buffer giving an int (sltune.runtime.checksum)
+CHECKSUM = checksum.NAME            # what this tier's new files are summed with
 
 
 class IntegrityError(ValueError):

@@ -61,12 +61,13 @@ import socket
 import sys
 import time
 import uuid
-import zlib
 from pathlib import Path
 from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 import torch.distributed as dist
+
+from sltune.runtime import checksum
 
 TRAINING_STATE = "training_state"
 TRAINER = "trainer.pt"
@@ -118,38 +119,15 @@ def crash_point(point: str) -> None:
 
 
 # -- checksums ---------------------------------------------------------------------------------------------------
-def _hasher() -> tuple[str, Callable[[], Any]]:
-    try:
-        import xxhash
-
-        return "xxh3_64", xxhash.xxh3_64
-    except ImportError:
-        return "crc32", _Crc32
-
-
-class _Crc32:
-    def __init__(self) -> None:
-        self.value = 0
-
-    def update(self, data) -> None:
-        self.value = zlib.crc32(data, self.value)
-
-    def hexdigest(self) -> str:
-        return f"{self.value:08x}"
-
-
-HASH, _NEW_HASH = _hasher()
+HASH = checksum.NAME        # what a save sums its files with (sltune.runtime.checksum, as the disk tier's blocks)
 _CHUNK = 8 << 20
 
 
 def _hash_file(path: Path, algo: str, sync: bool = False) -> str | None:
     """The file's checksum by `algo` (None when that algorithm is not installed here); `sync` also flushes the
     file to disk, as it is read."""
-    if algo == HASH:
-        h = _NEW_HASH()
-    elif algo == "crc32":
-        h = _Crc32()
-    else:
+    h = checksum.streaming(algo)
+    if h is None:
         return None
     buf = bytearray(_CHUNK)
     view = memoryview(buf)

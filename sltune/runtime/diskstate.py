@@ -59,6 +59,7 @@ from torch import nn
 
 from sltune.runtime import checksum
 from sltune.runtime.direct_io import DirectFiles, aligned_empty, padded, writable_dir
+from sltune.runtime.durable import replace_durably
 from sltune.runtime.counters import IOCounters
 
 BLOCK_NUMEL = 16 << 20          # values per block (a larger tensor is one block)
@@ -505,17 +506,7 @@ def state_layout(factory, dtype: torch.dtype) -> list[tuple[str, torch.dtype]]:
 
 def write_manifest(folder: Path, manifest: dict[str, Any]) -> None:
     """manifest.json, replaced atomically and flushed with its folder: what names the complete version."""
-    tmp = folder / f"{MANIFEST}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(manifest, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, folder / MANIFEST)
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    replace_durably(folder / MANIFEST, json.dumps(manifest).encode())
 
 
 def pack(items: Sequence[T], numel: Callable[[T], int]) -> list[list[T]]:
@@ -588,12 +579,7 @@ def save_small(path: Path, small: dict[str, Any]) -> int:
     raw = io.BytesIO()
     torch.save(small, raw)
     data = raw.getvalue()
-    tmp = path.with_name(f"{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    replace_durably(path, data, folder=False)       # the manifest written next flushes the folder
     return CHECKSUMS[CHECKSUM](data)
 
 

@@ -68,6 +68,7 @@ import torch
 import torch.distributed as dist
 
 from sltune.runtime import checksum
+from sltune.runtime.durable import fsync_dir, replace_durably
 
 TRAINING_STATE = "training_state"
 TRAINER = "trainer.pt"
@@ -147,20 +148,6 @@ def _record(path: Path) -> dict[str, Any]:
     if st.st_nlink > 1:
         return {"size": st.st_size, "linked": True}
     return {"size": st.st_size, HASH: _hash_file(path, HASH, sync=True)}
-
-
-def _fsync_dir(folder: Path) -> None:
-    """Flush a folder's entries (a rename in it); a filesystem that cannot (EINVAL, EBADF) is left to itself."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 # -- ranks -------------------------------------------------------------------------------------------------------
@@ -415,7 +402,7 @@ def _write_unit_manifest(staging: Path, path: Path, files: dict[str, Any], step:
             if p.is_file() and rel not in files:
                 files[rel] = _record(p)
         for folder in [*(p for p in staging.rglob("*") if p.is_dir()), staging]:
-            _fsync_dir(folder)
+            fsync_dir(folder)
         _write_manifest(staging / TRAINING_STATE, {"format": FORMAT, "step": step, "run": run, "world_size": world,
                                                    "saved_at": time.time(), "files": dict(sorted(files.items()))})
     crash_point("save.manifest")
@@ -429,13 +416,7 @@ def _publish(staging: Path, path: Path, owner: int, periodic: bool) -> None:
 
 
 def _write_manifest(folder: Path, manifest: dict[str, Any]) -> None:
-    tmp = folder / f".{MANIFEST}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(manifest, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, folder / MANIFEST)
-    _fsync_dir(folder)
+    replace_durably(folder / MANIFEST, json.dumps(manifest, indent=1).encode(), tmp=folder / f".{MANIFEST}.tmp")
 
 
 def _commit_folder(staging: Path, path: Path, owner: int) -> None:
@@ -447,7 +428,7 @@ def _commit_folder(staging: Path, path: Path, owner: int) -> None:
         os.replace(path, trash)
         crash_point("commit.tombstoned")
     os.replace(staging, path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     crash_point("commit.renamed")
     if trash is not None:
         _rmtree(trash)
@@ -481,7 +462,7 @@ def _swap_in(root: Path, unit: Path, owner: int) -> None:
         os.replace(old, trash)
         crash_point("final.tombstoned")
     os.replace(unit / TRAINING_STATE, old)
-    _fsync_dir(root)
+    fsync_dir(root)
     crash_point("final.committed")
     _rmtree(trash)
     _rmtree(unit)
@@ -873,7 +854,7 @@ def discard(folder: Path, owner: int | None = None) -> None:
     trash = folder.parent / f".sltune-trash-{owner or os.getpid()}-{folder.name}"
     _rmtree(trash)
     os.replace(folder, trash)
-    _fsync_dir(folder.parent)
+    fsync_dir(folder.parent)
     crash_point("discard.renamed")
     _rmtree(trash)
 

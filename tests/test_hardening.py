@@ -123,7 +123,13 @@ def test_healthz_answers_within_200ms_while_6_heavy_specs_are_checked(api):
         t.join(120)
     # each was checked in full: its shape built, then its host memory found above this server's ceiling
     assert answers == [(422, "hardware:")] * 6, answers
-    assert len(latencies) >= 10 and max(latencies) < 0.2, (statistics.median(latencies), max(latencies))
+    # A check held on the event loop (most of a second each) keeps every probe behind it slow. One probe alone
+    # can be slow because a busy machine descheduled the server or this test (327 and 337 ms beside a busy loop
+    # in CI, the median 6-11 ms): never two in a row, and at most one in ten.
+    slow = [i for i, t in enumerate(latencies) if t >= 0.2]
+    said = (statistics.median(latencies), max(latencies), len(slow), len(latencies))
+    assert len(latencies) >= 10 and not any(i + 1 in slow for i in slow), said
+    assert len(slow) <= len(latencies) // 10, said
 
 
 @pytest.mark.parametrize("token", ["", "  ", "\n"])

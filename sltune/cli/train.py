@@ -388,6 +388,9 @@ def _join_torchrun(cfg: SpeedLoaderConfig, args: argparse.Namespace) -> tuple[in
     import torch
     import torch.distributed as dist
 
+    # before the group exists, never after: sltune.runtime.sharding's first comment says why (SIGABRT at exit)
+    import sltune.runtime.sharding  # noqa: F401
+
     backend = "nccl" if cfg.device.startswith("cuda") else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))

@@ -14,7 +14,7 @@ from sltune.api.examples import TUNE_EXAMPLE
 from sltune.api.schemas import Accepted, Health, JobDetail, JobSummary, TrialOut
 from sltune.service.jobs import job_detail, job_summary
 from sltune.service.validation import Busy
-from sltune.tuning.result import export_yaml
+from sltune.tuning.report.result import export_yaml
 from sltune.tuning.spec import TuningSpec
 
 router = APIRouter()

@@ -6,7 +6,7 @@
 Each segment is a run forked from this process (torch already imported: it starts at once) that continues R from
 its newest checkpoint to a few steps further (a random --save-every 1-3 and --keep 1-3), so it writes checkpoint-N
 folders, rotates them and replaces the final folder R itself. It is killed (SIGKILL) either from inside, at a
-named point of sltune.training.state (SLTUNE_CRASH_AT=point@n, cycling through every point, first and second
+named point of sltune.training.checkpoints (SLTUNE_CRASH_AT=point@n, cycling through every point, first and second
 time), or from outside at a random moment. After every kill:
 
 - every visible checkpoint-N folder and R itself (when it has a training_state) must verify (manifest, sizes,
@@ -41,7 +41,7 @@ sys.path.insert(0, str(HERE.parents[1]))
 from safetensors.torch import load_file  # noqa: E402
 
 from sltune import SpeedLoaderConfig  # noqa: E402
-from sltune.training import state  # noqa: E402
+from sltune.training import checkpoints  # noqa: E402
 from sltune.training.loop import TrainJob, run  # noqa: E402
 
 
@@ -52,7 +52,7 @@ def exact_weights(folder: Path) -> dict[str, torch.Tensor]:
 
 def checksum_cost(root: Path, mib: int = 100) -> str:
     """What a checkpoint's checksums cost: a file of `mib` MiB (in the page cache, as one just written is) read
-    alone, hashed with xxh3_64 (xxhash) and zlib's crc32, and hashed and flushed as a save does (state._record);
+    alone, hashed with xxh3_64 (xxhash) and zlib's crc32, and hashed and flushed as a save does (checkpoints._record);
     best of 3."""
     import zlib
 
@@ -84,7 +84,7 @@ def checksum_cost(root: Path, mib: int = 100) -> str:
         for _ in range(3):
             file.write_bytes(data)
             t = time.perf_counter()
-            state._record(file)
+            checkpoints._record(file)
             times.append(time.perf_counter() - t)
         return min(times) * 1000
 
@@ -97,9 +97,9 @@ def checksum_cost(root: Path, mib: int = 100) -> str:
             times.append(time.perf_counter() - t)
         return min(times) * 1000
 
-    out = (f"checksum of a {mib} MiB file (page cache): read alone {best(read):.0f} ms, {state.HASH} "
-           f"{best(lambda: state._hash_file(file, state.HASH)):.0f} ms, zlib.crc32 {best(crc):.0f} ms; a save writes "
-           f"it in {write_only():.0f} ms, then hashes and flushes it (state._record) in {fresh_record():.0f} ms")
+    out = (f"checksum of a {mib} MiB file (page cache): read alone {best(read):.0f} ms, {checkpoints.HASH} "
+           f"{best(lambda: checkpoints._hash_file(file, checkpoints.HASH)):.0f} ms, zlib.crc32 {best(crc):.0f} ms; a save writes "
+           f"it in {write_only():.0f} ms, then hashes and flushes it (checkpoints._record) in {fresh_record():.0f} ms")
     file.unlink()
     return out
 
@@ -140,7 +140,7 @@ def main() -> int:
     reference[args.max_steps] = exact_weights(ref)
     print(f"reference: {args.max_steps} steps in {time.perf_counter() - t0:.1f}s", flush=True)
 
-    points = [(p, n) for n in (1, 2) for p in state.CRASH_POINTS]
+    points = [(p, n) for n in (1, 2) for p in checkpoints.CRASH_POINTS]
     counts = dict(kills=0, hook_kills=0, random_kills=0, segments=0, resumes=0, completed=0, not_reached=0,
                   mismatches=0, lost=0, incomplete_visible=0, errors=0, skipped_warnings=0,
                   rolled_forward=0)
@@ -155,16 +155,16 @@ def main() -> int:
         if soak.is_dir():
             if any((p / "training_state" / "manifest.json").is_file() for p in soak.glob(".sltune-*")):
                 counts["rolled_forward"] += 1
-            state.recover(soak)
+            checkpoints.recover(soak)
         for folder in [*( [soak] if (soak / "training_state").exists() else []), *soak.glob("checkpoint-*")]:
             try:
-                state.verify(folder)
-            except state.Incomplete as err:
+                checkpoints.verify(folder)
+            except checkpoints.Incomplete as err:
                 counts["incomplete_visible"] += 1
                 problems.append(f"{after}: visible and incomplete: {err}")
         warned: list[str] = []
         try:
-            folder, trainer = state.latest(soak, warn=warned.append) if soak.is_dir() else (None, None)
+            folder, trainer = checkpoints.latest(soak, warn=warned.append) if soak.is_dir() else (None, None)
         except ValueError as err:
             folder, trainer = None, None
             if newest:
@@ -203,7 +203,7 @@ def main() -> int:
             try:
                 torch.set_num_threads(1)
                 if crash:
-                    os.environ[state.CRASH_ENV] = crash
+                    os.environ[checkpoints.CRASH_ENV] = crash
                 run(seg_job)
             except BaseException as err:   # noqa: BLE001
                 print(f"segment {segment}: {type(err).__name__}: {err}", file=sys.stderr, flush=True)

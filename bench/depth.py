@@ -68,7 +68,7 @@ def remeasure(entries: dict[str, tuple[dict, tuple[int, int, int]]], rounds: int
     a config two names share is measured once a round."""
     from sltune.profiling import run_trial
     from sltune.profiling.timing import step_tokens_per_s, timing_of
-    from sltune.tuning.runner import trial_spec
+    from sltune.tuning.search.trials import trial_spec
     from sltune.tuning.space import Candidate
     from sltune.tuning.spec import TuningSpec
 
@@ -89,15 +89,15 @@ def probes_error(r: dict, grid: dict) -> dict[str, tuple[float, float, int]]:
     """The job's probes' own fits (its probe trials alone, at the depth they ran) against every full-depth trial
     of the grid: per model, the median and largest relative error and the trials counted."""
     from sltune.store import Store
-    from sltune.tuning.shape import shape_of
+    from sltune.tuning.cost.shape import shape_of
     from sltune.tuning.space import Candidate, SearchSpace
     from sltune.tuning.spec import TuningSpec
-    from sltune.tuning.state import Done, SearchState
+    from sltune.tuning.search.state import FinishedTrial, SearchState
 
     spec = TuningSpec.parse(r["spec"])
     shape = shape_of(spec.model.source, spec.model.dtype)
     state = SearchState(spec, shape, SearchSpace(spec, shape))
-    probes = [Done(t.number, Candidate.from_knobs(t.config), t.role, t.result)
+    probes = [FinishedTrial(t.number, Candidate.from_knobs(t.config), t.role, t.result)
               for t in Store(r["db"]).trials(r["job_id"]) if t.role == "probe" and t.status == "ok"]
     state.history = probes
     if spec.search.probe_layers == "auto" and any(not state.reduced(d) for d in probes):
@@ -118,7 +118,7 @@ def probe_cost(r: dict, rounds: int) -> list[float]:
     the other see different loads; this pairs each probe with its full-depth twin under the same one."""
     from sltune.profiling import run_trial
     from sltune.store import Store
-    from sltune.tuning.runner import trial_spec
+    from sltune.tuning.search.trials import trial_spec
     from sltune.tuning.space import Candidate
     from sltune.tuning.spec import TuningSpec
 

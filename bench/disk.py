@@ -8,7 +8,7 @@ speed (dd) and DeepSpeed ZeRO-Infinity; and per-unit optimizer stepping under op
 --model auto takes the first of qwen2-1.5b, qwen2-0.5b, llama-medium, llama-small whose files fit the free disk of
 --dir (sltune holds two versions of the float32 master and AdamW's moments during a step: 2 * 12 bytes per
 parameter), bf16 compute with float32 masters (mixed precision) and AdamW. The host memory limit is what
-optimizer_offload host would hold (the weights, master, gradients and moments, sltune.tuning.shape) plus the
+optimizer_offload host would hold (the weights, master, gradients and moments, sltune.tuning.cost.shape) plus the
 process's own, less a byte: host cannot run under it (on the CPU its device buffers come on top); sltune runs in a process of its own, killed if its resident memory
 crosses the limit (DeepSpeed's peak is reported against it). Either is stopped if the machine, shared, falls under
 1 GiB available.
@@ -66,7 +66,7 @@ def sltune_child(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from sltune import SpeedLoaderConfig, SpeedLoaderEngine
-    from sltune.data import batches
+    from sltune.training.data import batches
     from sltune.models import load_config
     from sltune.models.seeded import SeededWeights
     from sltune.training import OptimizerConfig
@@ -95,7 +95,7 @@ def deepspeed_child(args: argparse.Namespace) -> dict[str, Any]:
     import sltune  # noqa: F401
     import torch
 
-    from sltune.data import batches
+    from sltune.training.data import batches
     from sltune.models import load_config
     from transformers import AutoModelForCausalLM
 
@@ -145,7 +145,7 @@ def overlap_child(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from sltune import SpeedLoaderConfig, SpeedLoaderEngine
-    from sltune.data import batches
+    from sltune.training.data import batches
     from sltune.models import load_config
     from sltune.models.seeded import SeededWeights
     from sltune.training import OptimizerConfig
@@ -310,7 +310,7 @@ def main() -> None:
 
 def disk_part(args: argparse.Namespace) -> None:
     from sltune.models import param_count
-    from sltune.tuning.shape import shape_of
+    from sltune.tuning.cost.shape import shape_of
 
     folder = Path(args.dir)
     free = shutil.disk_usage(folder).free

@@ -4,7 +4,7 @@ Saves a preset's shape with random weights as a bf16 checkpoint (sharded like tr
 fresh process per round, loads it with `SpeedLoaderEngine.from_pretrained` for bf16 mixed-precision AdamW and
 takes one step. It prints the resident growth over the process's baseline (its imports included) at load and
 after the step (less the device buffers the engine's pool holds: on the CPU the device is the same memory),
-beside the formula's terms (sltune.tuning.shape host_terms), and the load time.
+beside the formula's terms (sltune.tuning.cost.shape host_terms), and the load time.
 
     python bench/load.py                          # qwen2-0.5b shape, 3 rounds
     python bench/load.py --model llama-small --rounds 5
@@ -58,7 +58,7 @@ def main() -> None:
     import torch
 
     from sltune.models import build
-    from sltune.tuning.shape import shape_of
+    from sltune.tuning.cost.shape import shape_of
     from sltune.training import OptimizerConfig
 
     shape = shape_of(args.model, "bfloat16")

@@ -37,7 +37,7 @@ from sltune.cli.main import main as cli
 from sltune.profiling import run_trial
 from sltune.settings import Settings
 from sltune.service.local import tune
-from sltune.tuning.runner import trial_spec
+from sltune.tuning.search.trials import trial_spec
 from sltune.tuning.space import Candidate
 from sltune.tuning.spec import TuningSpec
 

@@ -26,7 +26,7 @@ from sltune.profiling import forks, run_trial
 from sltune.settings import Settings
 from sltune.service.local import tune
 from sltune.store import Store
-from sltune.tuning.baseline import trial_baseline
+from sltune.tuning.cost.baseline import trial_baseline
 
 GQA = {"model_type": "llama", "vocab_size": 1024, "hidden_size": 128, "intermediate_size": 352, "num_hidden_layers": 4,
        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 1024, "bos_token_id": 1,

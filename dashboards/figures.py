@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from sltune.tuning.compare import config_name
+from sltune.tuning.report.compare import config_name
 
 # the TrialResult breakdown keys, in drawing order, with their labels and fixed colours
 BREAKDOWN = {"compute": "compute", "memcpy": "memcpy", "cpu": "CPU", "all_gather": "all-gather",
@@ -336,10 +336,10 @@ Variables = Callable[[dict[str, Any]], dict[str, float]]
 
 
 def job_variables(spec: dict[str, Any] | None) -> Variables | None:
-    """A trial config's variables as the job's fits saw them (sltune.tuning.fit.variables under the job's
+    """A trial config's variables as the job's fits saw them (sltune.tuning.search.fit.variables under the job's
     model shape and tokens per row); None when the spec cannot say."""
-    from sltune.tuning.fit import variables
-    from sltune.tuning.shape import shape_of
+    from sltune.tuning.search.fit import variables
+    from sltune.tuning.cost.shape import shape_of
     from sltune.tuning.space import Candidate
     from sltune.tuning.spec import ModelSpec, Workload
 
@@ -354,7 +354,7 @@ def job_variables(spec: dict[str, Any] | None) -> Variables | None:
 
 def _model_predict(model: dict[str, Any] | None, trial: dict[str, Any], at: Variables | None) -> float | None:
     """What the job's final fit predicts for a trial that is not among its residuals (an oom, say)."""
-    from sltune.tuning.fit import FEATURES
+    from sltune.tuning.search.fit import FEATURES
 
     if at is None or not model or not model.get("coef") or len(model["coef"]) != len(model.get("features") or []):
         return None
@@ -528,7 +528,7 @@ def timeline_figure(trials: Iterable[dict[str, Any]], now: datetime | None = Non
 def compare_figure(cmp: dict[str, Any], label_a: str = "A", label_b: str = "B",
                    max_regression: float | None = None) -> go.Figure | None:
     """Best tokens/s per config of two jobs side by side (grouped bars), and the change B/A - 1 per config
-    with its 95% interval and the allowed drop drawn: `cmp` is what sltune.tuning.compare.compare returns."""
+    with its 95% interval and the allowed drop drawn: `cmp` is what sltune.tuning.report.compare.compare returns."""
     rows = (cmp or {}).get("rows") or []
     if not rows:
         return None

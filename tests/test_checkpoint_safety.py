@@ -4,7 +4,7 @@ counts complete checkpoints only; a dead run's leftovers go; a fresh run does no
 
 Kills are exact: a child forked from this process (torch already imported: it starts at once) trains and SIGKILLs
 itself at the n-th rename/replace/unlink/rmdir of a save or rotation, for every n until the run completes (or at
-a named point of sltune.training.state, SLTUNE_CRASH_AT); this process then resumes in-process and compares
+a named point of sltune.training.checkpoints, SLTUNE_CRASH_AT); this process then resumes in-process and compares
 losses and weights bit for bit with an uninterrupted run."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 
 from sltune import SpeedLoaderConfig
 from sltune.cli.main import main
-from sltune.training import state
+from sltune.training import checkpoints
 from sltune.training.loop import TrainJob, find_inputs, run
 
 CFG = SpeedLoaderConfig(sub_batch_size=1, num_sub_batches=1, num_live_blocks=1)
@@ -63,7 +63,7 @@ def in_child(fn, crash: str | None = None, kill=None) -> str:
             os.close(r)
             torch.set_num_threads(1)
             if crash:
-                os.environ[state.CRASH_ENV] = crash
+                os.environ[checkpoints.CRASH_ENV] = crash
             if kill is not None:
                 kill()
             fn()
@@ -102,7 +102,7 @@ def kill_at_fs_op(n: int, window=lambda name, args: True):
         for name in ("replace", "rename", "unlink", "rmdir"):
             setattr(os, name, fs(getattr(os, name)))
         for name in ("save_checkpoint", "prune"):
-            orig = getattr(state, name)
+            orig = getattr(checkpoints, name)
 
             def counted(*a, _orig=orig, _name=name, **k):
                 on = window(_name, a)
@@ -111,13 +111,13 @@ def kill_at_fs_op(n: int, window=lambda name, args: True):
                     return _orig(*a, **k)
                 finally:
                     count["on"] -= on
-            setattr(state, name, counted)
+            setattr(checkpoints, name, counted)
     return install
 
 
 def leftovers(save: Path) -> list[str]:
     """What a run left in its folder besides the checkpoints and the lock file (which stays, unlocked)."""
-    return [p.name for p in save.iterdir() if p.name.startswith(".") and p.name != state.LOCK]
+    return [p.name for p in save.iterdir() if p.name.startswith(".") and p.name != checkpoints.LOCK]
 
 
 def weights_of(folder: Path) -> dict[str, torch.Tensor]:
@@ -144,7 +144,7 @@ def resume_and_compare(save: Path, steps: int, straight) -> int:
     """Resume `save` in this process to `steps`; the losses and the final weights must be the straight run's.
     Returns the step resumed from."""
     losses, weights = straight
-    folder, trainer = state.latest(save)
+    folder, trainer = checkpoints.latest(save)
     done = int(trainer["step"])
     if done < steps:
         report = run(job(save, steps, resume=save))
@@ -194,20 +194,20 @@ def test_a_kill_during_a_checkpoint_or_its_rotation_then_a_resume_with_keep_1_lo
             break
         assert said == "killed", said
         looks_complete_is_complete(save)
-        before = int(state.latest(save, warn=lambda _: None)[1]["step"])
+        before = int(checkpoints.latest(save, warn=lambda _: None)[1]["step"])
         assert before >= 4, before
 
         saves = {"n": 0}
 
         def second_save(saves=saves):
-            orig = state.save_checkpoint
+            orig = checkpoints.save_checkpoint
 
             def counted(*a, **k):
                 saves["n"] += 1
                 if saves["n"] == 2:
                     os.kill(os.getpid(), signal.SIGKILL)
                 return orig(*a, **k)
-            state.save_checkpoint = counted
+            checkpoints.save_checkpoint = counted
 
         said = in_child(lambda: run(job(save, 8, save_every=1, keep=1, resume=save)), kill=second_save)
         assert said == "killed", said
@@ -227,7 +227,7 @@ def test_a_half_deleted_checkpoint_is_refused_naming_the_missing_file(tmp_path):
     run(job(tmp_path / "two", 4, save_every=2))
     (tmp_path / "two" / "model.safetensors").unlink()
     said = []
-    folder, trainer = state.latest(tmp_path / "two", warn=said.append)
+    folder, trainer = checkpoints.latest(tmp_path / "two", warn=said.append)
     assert folder == tmp_path / "two" / "checkpoint-2" and trainer["step"] == 2
     assert len(said) == 1 and f"{tmp_path / 'two' / 'model.safetensors'}: missing" in said[0], said
 
@@ -251,10 +251,10 @@ def test_a_corrupted_or_mixed_checkpoint_is_one_line_naming_the_file(tmp_path, c
     run(job(mixed, 3))
     shutil.copy(other / "model.safetensors", mixed / "model.safetensors")
     with pytest.raises(ValueError, match=r"mixed/model\.safetensors: "):
-        state.latest(mixed)
+        checkpoints.latest(mixed)
     with pytest.raises(ValueError, match=r"model\.safetensors: the weights of step 6 of run \w+, but .* is step 3 "
                                          r"of run \w+: parts of two checkpoints"):
-        state.verify(mixed, checksums=False)
+        checkpoints.verify(mixed, checksums=False)
 
 
 # -- item 9: messages that name the file ------------------------------------------------------------------------
@@ -286,7 +286,7 @@ def test_a_full_disk_during_a_save_names_the_file_and_leaves_the_last_checkpoint
     assert said.startswith(f"error: OSError: {file}: could not save the checkpoint ("), said
     assert "free space" in said and "\n" not in said, said
     assert not leftovers(save)        # the half-written copy is gone
-    assert state.latest(save)[1]["step"] == 2                               # the last checkpoint is intact
+    assert checkpoints.latest(save)[1]["step"] == 2                               # the last checkpoint is intact
 
 
 # -- item 10: what dead runs left ----------------------------------------------------------------------------------
@@ -317,15 +317,15 @@ def test_a_fresh_run_into_another_runs_folder_is_refused_and_overwrite_replaces_
     assert main(["train", *KNOBS, "--steps", "4", "--save-every", "1", "--save", str(save)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--overwrite" in err, err
-    theirs = state.latest(save)[1]["run"]
+    theirs = checkpoints.latest(save)[1]["run"]
 
     report = run(job(save, 4, save_every=1, keep=2, overwrite=True))
     assert len(report.steps) == 4
     assert sorted(p.name for p in save.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3"]
-    folder, trainer = state.latest(save)
+    folder, trainer = checkpoints.latest(save)
     assert folder == save and trainer["step"] == 4 and trainer["run"] != theirs
     for name in ("checkpoint-2", "checkpoint-3"):
-        assert state.verify(save / name)[0]["run"] == trainer["run"]
+        assert checkpoints.verify(save / name)[0]["run"] == trainer["run"]
 
     # a resume from an older checkpoint of the run, newer ones beside it: refused too (rotation would mix them)
     with pytest.raises(ValueError, match=r"holds checkpoint-3, newer \(step 3\) than the checkpoint --resume"):
@@ -344,7 +344,7 @@ def test_every_named_crash_point_leaves_a_checkpoint_that_resumes_exactly(tmp_pa
     run(job(damaged, 6, save_every=2, keep=3, save_dtype="bfloat16"))
     shutil.rmtree(damaged / "training_state")
     (damaged / "checkpoint-4" / "model.safetensors").write_bytes(b"torn")
-    for point in state.CRASH_POINTS:
+    for point in checkpoints.CRASH_POINTS:
         for nth in (1, 2):
             save = tmp_path / f"{point}@{nth}"
             shutil.copytree(damaged if point == "commit.tombstoned" else plain, save)
@@ -368,7 +368,7 @@ def test_a_save_folder_named_checkpoint_n_is_not_replaced_whole_at_the_final_sav
     run(job(save, 4, save_every=1, keep=2))
     assert (save / "notes.txt").read_text() == "mine"
     assert sorted(p.name for p in save.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3"]
-    assert state.latest(save)[0] == save and sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-1000"]
+    assert checkpoints.latest(save)[0] == save and sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-1000"]
 
 
 def test_a_second_run_on_the_folder_is_refused_and_what_a_dead_run_left_is_dead_whatever_its_pid(tmp_path):
@@ -381,19 +381,19 @@ def test_a_second_run_on_the_folder_is_refused_and_what_a_dead_run_left_is_dead_
     run(job(save, 2))
     writing = save / ".sltune-ckpt-999999-checkpoint-3"     # the holder's, its pid from another namespace
     (writing / "training_state").mkdir(parents=True)
-    lock = state.hold(save)
+    lock = checkpoints.hold(save)
     try:
         said = in_child(lambda: run(job(save, 4, resume=save)))
     finally:
         lock.release()
     assert said.startswith(f"error: FolderBusy: --save {save}: another run is saving into it (pid {os.getpid()} on "
-                           f"host {socket.gethostname()} holds {save / state.LOCK})"), said
+                           f"host {socket.gethostname()} holds {save / checkpoints.LOCK})"), said
     assert "\n" not in said and writing.is_dir()
 
     assert in_child(lambda: run(job(save, 4, resume=save)), crash="final.file@3") == "killed"
     unit = next(save.glob(".sltune-save-*"))
     unit.rename(save / f".sltune-save-{os.getpid()}")
-    assert state.latest(save)[1]["step"] == 4               # finished, not skipped for a mix of two
+    assert checkpoints.latest(save)[1]["step"] == 4               # finished, not skipped for a mix of two
     assert not leftovers(save)
 
 
@@ -404,13 +404,13 @@ def test_recovery_finishes_no_unit_over_a_newer_checkpoint(tmp_path):
     run(job(a, 2, save_every=1))
     assert in_child(lambda: run(job(a, 4, resume=a)), crash="final.file@3") == "killed"
     run(job(b, 4, save_every=1, keep=3))
-    theirs = state.verify(b)[0]["run"]
+    theirs = checkpoints.verify(b)[0]["run"]
     unit = next(a.glob(".sltune-save-*"))
     unit.rename(b / unit.name)
     shutil.copytree(a / "checkpoint-1", b / ".sltune-ckpt-999999-checkpoint-1")
-    folder, trainer = state.latest(b)
+    folder, trainer = checkpoints.latest(b)
     assert folder == b and trainer["step"] == 4 and trainer["run"] == theirs
-    assert state.verify(b / "checkpoint-1")[0]["run"] == theirs
+    assert checkpoints.verify(b / "checkpoint-1")[0]["run"] == theirs
     assert not leftovers(b)
 
 
@@ -421,7 +421,7 @@ def test_model_folder_with_a_complete_save_left_aside_is_finished_or_refused_whi
     run(job(save, 2))
     assert in_child(lambda: run(job(save, 4, resume=save)), crash="final.file@3") == "killed"
     model = TrainJob(model=str(save), config=CFG, seq_len=16, steps=2)
-    lock = state.hold(save)
+    lock = checkpoints.hold(save)
     try:
         said = in_child(lambda: find_inputs(model))
     finally:
@@ -429,7 +429,7 @@ def test_model_folder_with_a_complete_save_left_aside_is_finished_or_refused_whi
     assert said.startswith(f"error: ValueError: --model {save}: a run is saving into it (pid {os.getpid()} "), said
     assert f"--resume {save}" in said and "\n" not in said
     find_inputs(model).release()
-    assert state.verify(save)[0]["step"] == 4 and not leftovers(save)
+    assert checkpoints.verify(save)[0]["step"] == 4 and not leftovers(save)
 
 
 def test_a_bug_while_saving_is_not_reported_as_a_full_disk(tmp_path, monkeypatch):
@@ -533,7 +533,7 @@ def test_two_ranks_fail_together_in_one_line_and_resume_the_checkpoint_rank_0_pi
     another step there than rank 0 is one line on both."""
     save = tmp_path / "run"
     run(job(save, 4, save_every=2))
-    _, at_4 = state.latest(save)
+    _, at_4 = checkpoints.latest(save)
 
     def failing(rank):
         if rank == 1:
@@ -544,25 +544,25 @@ def test_two_ranks_fail_together_in_one_line_and_resume_the_checkpoint_rank_0_pi
                     raise OSError(28, "No space left on device")
                 return orig(obj, f, *a, **k)
             torch.save = full
-        state.save_checkpoint(tmp_path / "two" / "checkpoint-1", TinyEngine(), {"step": 1, "run": "r"},
+        checkpoints.save_checkpoint(tmp_path / "two" / "checkpoint-1", TinyEngine(), {"step": 1, "run": "r"},
                               torch.float32, owner=1, periodic=True)
 
     said = two_ranks(tmp_path, failing, "fail")
     file = tmp_path / "two" / "checkpoint-1" / "training_state" / "optimizer-rank1-of-2.pt"
     assert said[0] == said[1] and said[0].startswith(f"error: OSError: {file}: on rank 1: could not save"), said
-    assert not [p.name for p in (tmp_path / "two").iterdir() if p.name != state.LOCK]     # nothing half-written
+    assert not [p.name for p in (tmp_path / "two").iterdir() if p.name != checkpoints.LOCK]     # nothing half-written
 
     def picks(rank):
         if rank == 0:
-            folder, trainer = state.agree(save, at_4)
+            folder, trainer = checkpoints.agree(save, at_4)
         else:                                   # what this rank found (before rank 0 finished recovering, say)
-            folder, trainer = state.agree(*state.latest(save / "checkpoint-2"))
+            folder, trainer = checkpoints.agree(*checkpoints.latest(save / "checkpoint-2"))
         return f"{folder.name}@{trainer['step']}"
 
     assert two_ranks(tmp_path, picks, "pick") == ["done run@4", "done run@4"]
 
     def disagree(rank):
-        return state.agree(save, {**at_4, "step": 5} if rank == 0 else None)
+        return checkpoints.agree(save, {**at_4, "step": 5} if rank == 0 else None)
 
     said = two_ranks(tmp_path, disagree, "disagree")
     assert said[0] == said[1] and f"{save / 'training_state' / 'trainer.pt'}: step 4 of run" in said[0], said

@@ -111,7 +111,7 @@ def test_a_folder_with_only_a_config_gets_seeded_random_weights(tmp_path):
 
 
 # Measured in a fresh process: the peak resident memory of loading a checkpoint and taking the first step, over
-# the process's own before it (its imports included), against the documented sum (sltune.tuning.shape
+# the process's own before it (its imports included), against the documented sum (sltune.tuning.cost.shape
 # host_terms: the dtype copy, the float32 master, gradients, AdamW's moments). On the CPU the "device" is the
 # same memory: the buffers the engine's device pool holds are subtracted (on a GPU they are HBM).
 _PEAK = textwrap.dedent("""
@@ -134,7 +134,7 @@ _PEAK = textwrap.dedent("""
 
 
 def test_loading_a_checkpoint_to_train_holds_the_documented_bytes(tmp_path):
-    from sltune.tuning.shape import shape_of
+    from sltune.tuning.cost.shape import shape_of
 
     build("llama-small", seed=0).to(torch.bfloat16).save_pretrained(tmp_path, max_shard_size="20MB")
     out = subprocess.run([sys.executable, "-c", _PEAK, str(tmp_path)], capture_output=True, text=True, timeout=300)

@@ -10,8 +10,8 @@ import pytest
 
 from sltune.cli.main import main
 from sltune.store import Store
-from sltune.tuning.compare import JobData, compare
-from sltune.tuning.admission import load as admitted_spec
+from sltune.tuning.report.compare import JobData, compare
+from sltune.tuning.cost.admission import load as admitted_spec
 from tests.cli import sltune
 
 SPEC = admitted_spec({"name": "cmp", "model": {"preset": "llama-tiny"}, "workload": {"seq_len": 32},
@@ -103,7 +103,7 @@ def test_bests_measured_under_different_interference_are_inconclusive_not_a_regr
     assert code == 0 and r["verdict"] == "inconclusive", (r, err)
     assert r["busy_elsewhere"] == pytest.approx([0.1, 1.0]) and r["ci95"][1] < 0.95
     assert {row["verdict"] for row in r["rows"]} == {"inconclusive"}
-    from sltune.tuning.compare import summary
+    from sltune.tuning.report.compare import summary
     assert "--remeasure" in summary(r) and "1.00 while the new one was" in summary(r)
     code, r, _ = _compare(db, ids["quiet"], ids["quiet_slower"])
     assert code == 1 and r["verdict"] == "regression" and r["busy_elsewhere"] is None
@@ -179,7 +179,7 @@ def test_trials_from_before_weights_on_device_compare_as_keeping_none():
 def test_host_and_disk_configs_of_the_same_knobs_are_two_rows_and_a_disk_best_remeasures_in_its_own_folder():
     """optimizer_offload is a knob: a host trial and a disk trial of the same b, N, k are different configs (a trial
     from before the knob ran host), and a disk best re-measures for real, its files in a folder of its own."""
-    from sltune.tuning.compare import remeasure
+    from sltune.tuning.report.compare import remeasure
 
     def job(name: str, offload: dict) -> JobData:
         config = {"sub_batch_size": 1, "num_sub_batches": 1, "num_live_blocks": 1, **offload}

@@ -21,12 +21,12 @@ import pytest
 from fastapi.testclient import TestClient
 
 from sltune.dashboards import figures
-from sltune.tuning.compare import JobData, compare
+from sltune.tuning.report.compare import JobData, compare
 from sltune.settings import Settings
-from sltune.tuning.fit import MODELS, LinearFit, variables
-from sltune.tuning.shape import shape_of
+from sltune.tuning.search.fit import MODELS, LinearFit, variables
+from sltune.tuning.cost.shape import shape_of
 from sltune.tuning.space import Candidate
-from sltune.tuning.admission import load as admitted_spec
+from sltune.tuning.cost.admission import load as admitted_spec
 from tests.conftest import TOKEN, Proc, free_port, tiny_spec
 
 MIB = 1024 * 1024
@@ -408,6 +408,33 @@ def test_unknown_job_is_a_404_page(site):
     assert r.status_code == 404 and r.headers["content-type"].startswith("text/html")
     assert "<b>" not in r.text.split("<main>")[1] and "Not found" in r.text
     assert client.get("/dashboard/compare?a=nope&b=nope").status_code == 404
+
+
+def test_user_text_is_escaped_on_every_page(site):
+    """The templates autoescape: a job name or a query value with markup shows as text on every page that prints
+    it (headings, tables, the compare form's options, the 400 page); only Plotly's figure divs go in raw."""
+    client, ids = site
+    for path, params in [("/dashboard", {}), ("/dashboard", {"status": XSS}),
+                         (f"/dashboard/jobs/{ids['running']}", {}),
+                         ("/dashboard/compare", {}),
+                         ("/dashboard/compare", {"a": ids["running"], "b": ids["done"]}),
+                         ("/dashboard/compare", {"a": ids["done"], "b": ids["running"], "max_regression": XSS})]:
+        r = client.get(path, params=params)
+        assert r.status_code in (200, 400), (path, params, r.status_code)
+        assert XSS not in r.text and html_escaped(XSS) in r.text, (path, params)
+
+
+def test_every_template_ships_as_package_data():
+    """pip install . (not editable) carries dashboards/templates/ only where pyproject's package data names it."""
+    import fnmatch
+    import tomllib
+
+    root = Path(__file__).resolve().parents[1]
+    conf = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    names = [p.relative_to(root / "dashboards").as_posix() for p in (root / "dashboards" / "templates").rglob("*")
+             if p.is_file()]
+    assert "templates/base.html" in names
+    assert all(any(fnmatch.fnmatch(n, g) for g in conf["sltune.dashboards"]) for n in names), names
 
 
 def test_compare_page_shows_both_jobs_side_by_side_and_the_ci_verdict(site):

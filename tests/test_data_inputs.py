@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from sltune.data import load_tokens
+from sltune.training.data import load_tokens
 from sltune.training import text
 from sltune.training.text import load_tokenizer, tokenize_documents, tokenize_file
 from tests.test_text_data import DOCS, _save_tokenizer

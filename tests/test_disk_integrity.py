@@ -118,7 +118,7 @@ def test_a_damaged_optimizer_file_is_one_line_naming_it(ckpt, tmp_path):
 
 def test_a_clean_checkpoint_still_adopts_and_old_manifests_without_sums_too(ckpt, tmp_path):
     e = engine(tmp_path / "off")
-    e.optimizer.load_state_dict(e.disk.adopt(ckpt))     # as sltune.training.state.restore does
+    e.optimizer.load_state_dict(e.disk.adopt(ckpt))     # as sltune.training.checkpoints.restore does
     ours = manifest(e.disk.folder)
     assert ours["checksum"] == diskstate.CHECKSUM and all(b["sums"] for b in ours["blocks"] if b["file"])
     old = manifest(ckpt)                    # as written before checksums: read unverified, then checksummed here

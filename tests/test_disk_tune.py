@@ -21,13 +21,13 @@ from sltune.profiling.schema import TrialSpec
 from sltune.service.local import tune
 from sltune.settings import Settings
 from sltune.sizes import format_bytes
-from sltune.tuning.baseline import trial_baseline
-from sltune.tuning.prior import Recipe, predict
-from sltune.tuning.prior_plan import plan_spec
-from sltune.tuning.result import export_yaml
-from sltune.tuning.shape import shape_of
+from sltune.tuning.cost.baseline import trial_baseline
+from sltune.tuning.cost.prior import Setup, predict
+from sltune.tuning.report.plan_from_prior import plan_spec
+from sltune.tuning.report.result import export_yaml
+from sltune.tuning.cost.shape import shape_of
 from sltune.tuning.space import Candidate, SearchSpace
-from sltune.tuning.admission import load as admitted_spec
+from sltune.tuning.cost.admission import load as admitted_spec
 
 # many small layers: AdamW's 8 bytes per parameter (260 MB) leave host memory under disk, the window only 3 layers'
 MANY_LAYERS = {"model_type": "llama", "vocab_size": 512, "hidden_size": 256, "intermediate_size": 704,
@@ -42,7 +42,7 @@ def host_limit() -> int:
     so the host config is over it even by a baseline 10% lower (what plan reads from the cache may be another
     process's measurement) and the disk trial stays about 80 MB under it."""
     s = admitted_spec(spec_with(None))
-    recipe = Recipe.of_spec(s, shape_of(s.model.source, s.model.dtype), trial_baseline("cpu", 1, "train", None))
+    recipe = Setup.of_spec(s, shape_of(s.model.source, s.model.dtype), trial_baseline("cpu", 1, "train", None))
     return predict(recipe, Candidate(1, 1, 1)).host - 60 * 10**6
 
 
@@ -218,7 +218,7 @@ def test_the_prior_of_a_disk_trial_is_what_the_trial_holds(tmp_path):
                       min_time_s=0.0, max_steps=2, remeasure=0, profile=False, optimizer_offload="disk",
                       offload_dir=str(tmp_path / "off"))
     baseline = trial_baseline(trial.device, trial.world_size, trial.mode, trial.cpu_threads)
-    recipe = Recipe.of_trial(trial, shape_of(trial.model, trial.dtype), baseline)
+    recipe = Setup.of_trial(trial, shape_of(trial.model, trial.dtype), baseline)
     prior = predict(recipe, Candidate(2, 2, 1, optimizer_offload="disk"))
     hosted = predict(recipe, Candidate(2, 2, 1))
     assert hosted.host == prior.host    # the trial's recipe says disk: either place says disk

@@ -16,7 +16,7 @@ from sltune.models import build
 from sltune.profiling import run_trial
 from sltune.settings import Settings
 from sltune.service.local import tune
-from sltune.tuning.admission import load as admitted_spec
+from sltune.tuning.cost.admission import load as admitted_spec
 from tests.dist_script import MAX_GRAD_NORM, MIXED_RUNS, PARTLY_FROZEN, RUNS, SEQ, batch, freeze_all_but
 from tests.conftest import free_port
 from tests.reference import LR, assert_same_updates, mixed_training, plain_training, snapshot
@@ -157,6 +157,6 @@ def test_the_tuner_accepts_two_ranks(tmp_path):
     result = tune(spec, f"sqlite:///{tmp_path / 'jobs.db'}", settings=Settings(data_dir=tmp_path))
     assert result["status"] == "succeeded", result
     assert all(t["status"] == "ok" for t in result["trials"]), [(t["status"], t.get("error")) for t in result["trials"]]
-    from sltune.tuning.result import best_config
+    from sltune.tuning.report.result import best_config
 
     assert best_config(admitted_spec(spec), result).world_size == 2

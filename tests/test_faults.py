@@ -174,7 +174,7 @@ def test_ceilings_hold_for_every_rank_round_and_confirmation_at_admission(server
 
 
 def test_the_worker_holds_steps_and_threads_to_its_own_ceilings_whatever_the_stored_spec_says():
-    from sltune.tuning.runner import trial_spec
+    from sltune.tuning.search.trials import trial_spec
     from sltune.tuning.space import Candidate
     from sltune.tuning.spec import TuningSpec
 

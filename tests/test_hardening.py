@@ -144,7 +144,7 @@ def test_a_blank_token_is_no_token(token, monkeypatch, capsys):
 
 
 def test_a_worker_holds_each_trial_to_its_own_host_ceiling_whatever_the_stored_spec_says():
-    from sltune.tuning.runner import trial_spec
+    from sltune.tuning.search.trials import trial_spec
     from sltune.tuning.space import Candidate
     from sltune.tuning.spec import TuningSpec
 

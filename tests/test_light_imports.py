@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 LIGHT = ["sltune", "sltune.cli.main", "sltune.profiling", "sltune.profiling.schema", "sltune.tuning",
-         "sltune.tuning.compare", "sltune.service.client", "sltune.store", "sltune.models",
+         "sltune.tuning.report.compare", "sltune.service.client", "sltune.store", "sltune.models",
          "sltune.service.capabilities", "sltune.training.optimizer", "sltune.training.schedule"]
 
 

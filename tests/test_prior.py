@@ -6,12 +6,12 @@ import pytest
 from sltune.cli.main import main
 from sltune.profiling import run_trial
 from sltune.profiling.schema import TrialSpec
-from sltune.tuning.baseline import trial_baseline
-from sltune.tuning.prior import Recipe, predict
-from sltune.tuning.shape import shape_of
+from sltune.tuning.cost.baseline import trial_baseline
+from sltune.tuning.cost.prior import Setup, predict
+from sltune.tuning.cost.shape import shape_of
 from sltune.tuning.space import Candidate, SearchSpace
-from sltune.tuning.state import Done, SearchState
-from sltune.tuning.admission import load as admitted_spec
+from sltune.tuning.search.state import FinishedTrial, SearchState
+from sltune.tuning.cost.admission import load as admitted_spec
 
 SGD = {"name": "sgd", "momentum": 0.9}
 # every precision and both optimizers on each model, training; and generation with its KV caches on either side
@@ -39,7 +39,7 @@ def test_the_prior_is_within_ten_percent_of_what_a_trial_measures(case):
     config = Candidate(spec.sub_batch_size, spec.num_sub_batches, spec.num_live_blocks, spec.activations,
                        spec.kv_cache if generate else None, spec.weights_on_device if generate else None)
     baseline = trial_baseline(spec.device, spec.world_size, spec.mode, spec.cpu_threads)
-    prior = predict(Recipe.of_trial(spec, shape_of(spec.model, spec.dtype), baseline), config)
+    prior = predict(Setup.of_trial(spec, shape_of(spec.model, spec.dtype), baseline), config)
     result = run_trial(spec)
     assert result.status == "ok", result.error
     assert prior.host == pytest.approx(result.peak_host_bytes, rel=0.10), (prior.host_terms, result.peak_host_bytes)
@@ -55,8 +55,8 @@ def tiny_state(**hardware) -> SearchState:
     return SearchState(spec, shape, SearchSpace(spec, shape), baseline=300 * 2**20)
 
 
-def measured(st: SearchState, c: Candidate, device: float, host: float, number: int = 0) -> Done:
-    return Done(number, c, "probe", {"status": "ok", "tokens_per_s": 100.0, "step_seconds": 1.0,
+def measured(st: SearchState, c: Candidate, device: float, host: float, number: int = 0) -> FinishedTrial:
+    return FinishedTrial(number, c, "probe", {"status": "ok", "tokens_per_s": 100.0, "step_seconds": 1.0,
                                      "peak_device_bytes": device, "peak_host_bytes": host})
 
 
@@ -98,7 +98,7 @@ def test_a_host_limit_holds_every_rank_together_and_more_ranks_do_not_make_room(
     two = admitted_spec({"name": "w", "model": {"preset": "llama-small"}, "hardware": {"world_size": 2}})
     shape = shape_of("llama-small")
     c = Candidate(1, 1, 1)
-    p1, p2 = (predict(Recipe.of_spec(s, shape), c) for s in (one, two))
+    p1, p2 = (predict(Setup.of_spec(s, shape), c) for s in (one, two))
     terms1, terms2 = dict(p1.host_terms), dict(p2.host_terms)
     # the parameters' terms are sharded: all ranks together hold them once; each rank runs its own batch
     assert terms2["AdamW's two moments in float32"] >= terms1["AdamW's two moments in float32"]

@@ -8,16 +8,16 @@ from sltune.cli.tune import describe
 from sltune.settings import Settings
 from sltune.service.local import tune
 from sltune.store import Store
-from sltune.tuning.depth import AUTO_STEP_S, probe_layers
-from sltune.tuning.fit import MODELS, LinearFit
-from sltune.tuning.plan import plan
-from sltune.tuning.result import export_yaml
+from sltune.tuning.search.probes import AUTO_STEP_S, probe_layers
+from sltune.tuning.search.fit import MODELS, LinearFit
+from sltune.tuning.report.plan_from_fits import plan
+from sltune.tuning.report.result import export_yaml
 from sltune.tuning.runner import optuna_storage
-from sltune.tuning.shape import shape_of
+from sltune.tuning.cost.shape import shape_of
 from sltune.tuning.space import Candidate, SearchSpace
-from sltune.tuning.state import Done, SearchState
-from sltune.tuning.study import study_name
-from sltune.tuning.admission import load as admitted_spec
+from sltune.tuning.search.state import FinishedTrial, SearchState
+from sltune.tuning.search.study import study_name
+from sltune.tuning.cost.admission import load as admitted_spec
 
 # llama-tiny's layout at 8 layers and hidden 256: the parameters' host bytes (~15 MiB a layer with AdamW) are a
 # visible share of a trial's resident memory, so a fit blind to depth would miss the full-depth host peak
@@ -101,8 +101,8 @@ def _state(**search) -> SearchState:
     return SearchState(spec, shape, SearchSpace(spec, shape))
 
 
-def _done(number: int, c: Candidate, layers: int, step: float, host: float, role: str = "probe") -> Done:
-    return Done(number, c, role, {"status": "ok", "config": {"num_layers": layers}, "step_seconds": step,
+def _done(number: int, c: Candidate, layers: int, step: float, host: float, role: str = "probe") -> FinishedTrial:
+    return FinishedTrial(number, c, role, {"status": "ok", "config": {"num_layers": layers}, "step_seconds": step,
                                   "tokens_per_s": c.batch * 32 / step, "peak_device_bytes": 1e6 * c.k + 1e3 * c.b,
                                   "peak_host_bytes": host})
 
@@ -185,7 +185,7 @@ def test_a_reduced_model_keeps_its_widths_and_an_even_sample_of_layer_types():
 
 
 def test_compare_pools_only_full_depth_trials_of_a_config():
-    from sltune.tuning.compare import JobData, by_config
+    from sltune.tuning.report.compare import JobData, by_config
 
     def trial(number: int, tps: float, **depth) -> dict:
         config = {"sub_batch_size": 1, "num_sub_batches": 1, "num_live_blocks": 1, **depth}

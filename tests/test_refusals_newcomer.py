@@ -16,9 +16,9 @@ import yaml
 from sltune.cli.main import main
 from sltune.service.validation import check
 from sltune.settings import Settings
-from sltune.tuning.feasible import free_bytes
-from sltune.tuning.prior_plan import plan_spec
-from sltune.tuning.admission import load as admitted_spec
+from sltune.tuning.cost.feasible import free_bytes
+from sltune.tuning.report.plan_from_prior import plan_spec
+from sltune.tuning.cost.admission import load as admitted_spec
 from tests.cli import sltune
 
 # llama-2-7b in bfloat16 with AdamW: about 118 GiB of host memory with the optimizer in host memory; about 47 GiB

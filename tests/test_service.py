@@ -152,7 +152,7 @@ def test_submit_and_compare_cli(shared, tmp_path):
 
 
 def test_compare_gate_flags_a_regression():
-    from sltune.tuning.compare import JobData, compare
+    from sltune.tuning.report.compare import JobData, compare
 
     def job(tps):
         return JobData("j", "succeeded", {}, None, [

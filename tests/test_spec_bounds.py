@@ -10,7 +10,7 @@ import time
 import pytest
 import yaml
 
-from sltune.tuning.admission import load as admitted_spec
+from sltune.tuning.cost.admission import load as admitted_spec
 from tests.conftest import tiny_spec
 
 SEARCH = {k: v for k, v in tiny_spec().items() if k != "model"}

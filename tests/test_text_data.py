@@ -18,7 +18,7 @@ import pandas as pd
 import pytest
 import torch
 
-from sltune.data import TokenBatches, batches, load_tokens, synthetic_corpus
+from sltune.training.data import TokenBatches, batches, load_tokens, synthetic_corpus
 from sltune.training.text import cache_path, load_tokenizer, tokenize_file
 
 DOCS = ["the quick brown fox jumps over the lazy dog", "héllo wörld,\n\nsecond paragraph of the same document",

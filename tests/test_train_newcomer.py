@@ -159,11 +159,11 @@ def test_a_resume_with_no_steps_left_is_refused_before_the_model_loads(tmp_path,
 def test_a_device_limit_below_the_smallest_config_is_refused_before_the_step_with_the_priors_minimum():
     from sltune.sizes import format_bytes
     from sltune.training.optimizer import OptimizerConfig
-    from sltune.tuning.prior import Recipe, predict
-    from sltune.tuning.shape import shape_of
+    from sltune.tuning.cost.prior import Setup, predict
+    from sltune.tuning.cost.shape import shape_of
     from sltune.tuning.space import Candidate
 
-    need = predict(Recipe("llama-tiny", shape_of("llama-tiny"), seq_len=16, optimizer=OptimizerConfig()),
+    need = predict(Setup("llama-tiny", shape_of("llama-tiny"), seq_len=16, optimizer=OptimizerConfig()),
                    Candidate(1, 1, 1)).device
     out = sltune("train", "--model", "llama-tiny", "--seq-len", "16", "--sub-batch-size", "2", "--num-live-blocks",
                  "2", "--steps", "2", "--device-memory-limit", "1MiB")

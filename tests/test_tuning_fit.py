@@ -2,7 +2,7 @@
 
 import pytest
 
-from sltune.tuning.fit import LinearFit
+from sltune.tuning.search.fit import LinearFit
 
 
 def rows(fn, points):

@@ -15,15 +15,16 @@ from sltune import SpeedLoaderConfig
 from sltune.profiling import run_trial
 from sltune.settings import Settings
 from sltune.store import Store
-from sltune.tuning.plan import plan
-from sltune.tuning.result import export_yaml
+from sltune.tuning.report.plan_from_fits import plan
+from sltune.tuning.report.result import export_yaml
 from sltune.service.local import tune
-from sltune.tuning.runner import optuna_storage, trial_spec
-from sltune.tuning.shape import shape_of
+from sltune.tuning.runner import optuna_storage
+from sltune.tuning.search.trials import trial_spec
+from sltune.tuning.cost.shape import shape_of
 from sltune.tuning.space import Candidate, SearchSpace
-from sltune.tuning.state import SearchState
-from sltune.tuning.fit import LinearFit
-from sltune.tuning.admission import load as admitted_spec
+from sltune.tuning.search.state import SearchState
+from sltune.tuning.search.fit import LinearFit
+from sltune.tuning.cost.admission import load as admitted_spec
 from tests.cli import sltune
 
 LIMIT = 4 * 2**20
@@ -106,7 +107,7 @@ def test_the_confirmation_round_remeasures_the_finalists_interleaved_and_says_ho
     assert finalists == [{"sub_batch_size": 2, **knobs}, {"sub_batch_size": 1, **knobs}]    # the best first
     confirms = [t for t in r["trials"] if t["role"] == "confirm"]
     # A B A B, or A B alone when the first round already settled it (the best >= 1.10x at the interval's low end)
-    from sltune.tuning.confirm import DECISIVE
+    from sltune.tuning.search.confirm import DECISIVE
     assert conf["rounds"] == 2 or (conf["rounds"] == 1 and conf["ci95"][0] > DECISIVE), conf
     assert [t["config"] for t in confirms] == finalists * conf["rounds"]
     assert [t["number"] for t in confirms] == list(range(2, 2 + 2 * conf["rounds"]))

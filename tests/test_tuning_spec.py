@@ -4,12 +4,12 @@ import re
 
 import pytest
 
-from sltune.tuning.admission import load as admitted_spec
-from sltune.tuning.fit import MODELS, variables
-from sltune.tuning.shape import shape_of
+from sltune.tuning.cost.admission import load as admitted_spec
+from sltune.tuning.search.fit import MODELS, variables
+from sltune.tuning.cost.shape import shape_of
 from sltune.tuning.space import Candidate, SearchSpace
 from sltune.tuning.spec import TuningSpec
-from sltune.tuning.state import SearchState
+from sltune.tuning.search.state import SearchState
 from tests.cli import sltune
 
 BASE = {"name": "t", "model": {"preset": "llama-tiny"}, "workload": {"seq_len": 32}}
@@ -53,7 +53,7 @@ def test_kv_cache_is_swept_in_generation_only():
     shape = shape_of("llama-tiny")
     gen = {"workload": {"mode": "generate"}, "search": {"sub_batch_size": 2, "num_sub_batches": 2,
                                                         "num_live_blocks": 1, "weights_on_device": 0}}
-    host, device = (Candidate(2, 2, 1, kv_cache=kv, w=0.0) for kv in ("host", "device"))
+    host, device = (Candidate(2, 2, 1, kv_cache=kv, weights_on_device=0.0) for kv in ("host", "device"))
     both = SearchSpace(parse(**gen), shape)
     assert both.candidates == [device, host]
     assert both.neighbours_up(host) == [device]
@@ -69,17 +69,17 @@ def test_weights_on_device_is_swept_in_generation_only_none_half_and_all_by_defa
     gen = {"workload": {"mode": "generate"}, "search": {"sub_batch_size": 2, "num_sub_batches": 2,
                                                         "num_live_blocks": 1, "kv_cache": "host"}}
     space = SearchSpace(parse(**gen), shape)
-    assert space.candidates == [Candidate(2, 2, 1, kv_cache="host", w=w) for w in (0.0, 0.5, 1.0)]
+    assert space.candidates == [Candidate(2, 2, 1, kv_cache="host", weights_on_device=w) for w in (0.0, 0.5, 1.0)]
     assert space.describe()["weights_on_device"] == [0.0, 0.5, 1.0]
-    half = Candidate(2, 2, 1, kv_cache="host", w=0.5)
+    half = Candidate(2, 2, 1, kv_cache="host", weights_on_device=0.5)
     assert str(half) == "b=2 N=2 k=1 kv_cache=host w=0.5" and half.knobs()["weights_on_device"] == 0.5
     assert Candidate.from_knobs(half.knobs()) == half == space.candidate(space.params(half))    # Optuna's params
-    assert space.neighbours_up(half) == [Candidate(2, 2, 1, kv_cache="host", w=1.0)]
+    assert space.neighbours_up(half) == [Candidate(2, 2, 1, kv_cache="host", weights_on_device=1.0)]
     assert space.distributions()["weights_on_device"].choices == (0.0, 0.5, 1.0)
     # keeping more weights needs at least as much device memory; a config without the knob keeps none
-    assert Candidate(2, 2, 1, w=1.0).dominates(Candidate(2, 2, 1, w=0.5))
-    assert not Candidate(2, 2, 1, w=0.5).dominates(Candidate(2, 2, 1, w=1.0))
-    assert Candidate(2, 2, 1, w=0.5).dominates(Candidate(2, 2, 1)) and not Candidate(2, 2, 1).dominates(half)
+    assert Candidate(2, 2, 1, weights_on_device=1.0).dominates(Candidate(2, 2, 1, weights_on_device=0.5))
+    assert not Candidate(2, 2, 1, weights_on_device=0.5).dominates(Candidate(2, 2, 1, weights_on_device=1.0))
+    assert Candidate(2, 2, 1, weights_on_device=0.5).dominates(Candidate(2, 2, 1)) and not Candidate(2, 2, 1).dominates(half)
     listed = parse(workload=gen["workload"], search={**gen["search"], "weights_on_device": [1, 0.5, 1, 0.5]})
     assert listed.search.weights_on_device == [0.5, 1.0]            # without repeats, in numeric order
     assert parse(workload=gen["workload"], search={**gen["search"], "weights_on_device": 0.25}
@@ -108,7 +108,7 @@ def test_fit_variable_w_is_the_share_of_the_parameter_bytes_kept_in_whole_units(
     shape = shape_of("llama-tiny")         # 4 layers, untied: embedding, head and 4 layers are every parameter
 
     def w_of(k: int, share: float | None) -> float:
-        return variables(Candidate(1, 1, k, kv_cache="host", w=share), shape, 24)["W"]
+        return variables(Candidate(1, 1, k, kv_cache="host", weights_on_device=share), shape, 24)["W"]
 
     assert shape.embed_bytes + shape.head_bytes + shape.layers * shape.layer_bytes == shape.param_bytes
     assert (w_of(1, 1.0), w_of(4, 1.0), w_of(1, 0.0), w_of(1, None)) == (1.0, 1.0, 0.0, 0.0)
@@ -150,18 +150,18 @@ def test_a_share_whose_kept_weights_cannot_fit_is_over_the_device_limit_before_a
         "still streamed in; add a smaller share (0 keeps none) or raise the limit")
     state = SearchState(spec, shape, SearchSpace(spec, shape))
     assert not state.fits                                           # no trial, no fit: known from the shape
-    assert state.predict(Candidate(1, 1, 1, kv_cache="host", w=1.0)).over == ["device"]
-    assert state.predict(Candidate(1, 1, 1, kv_cache="host", w=0.5)).fits       # 632064 bytes at least
+    assert state.predict(Candidate(1, 1, 1, kv_cache="host", weights_on_device=1.0)).over == ["device"]
+    assert state.predict(Candidate(1, 1, 1, kv_cache="host", weights_on_device=0.5)).fits       # 632064 bytes at least
     # one group of all 4 layers does not fit in half, and streamed in it lands beside the kept embedding and head
-    assert state.predict(Candidate(1, 1, 4, kv_cache="host", w=0.5)).over == ["device"]
-    assert state.predict(Candidate(1, 1, 4, kv_cache="host", w=0.0)).fits
+    assert state.predict(Candidate(1, 1, 4, kv_cache="host", weights_on_device=0.5)).over == ["device"]
+    assert state.predict(Candidate(1, 1, 4, kv_cache="host", weights_on_device=0.0)).fits
 
 
 def test_reading_a_spec_back_builds_nothing_and_admitting_it_checks_it_against_the_models_shape(monkeypatch):
     """Parsing (a stored job read back by a worker, `export`, GET /jobs/{id}/config.yaml) neither builds the model's
     shape nor runs the cost model: a spec whose limit nothing fits reads back as it was stored. Admission (tune,
     plan, POST /tune) refuses it."""
-    import sltune.tuning.shape as shape
+    import sltune.tuning.cost.shape as shape
 
     data = {**BASE, "model": {"hf_config": {"model_type": "llama", "hidden_size": 96, "intermediate_size": 160,
                                             "num_hidden_layers": 3, "num_attention_heads": 4, "vocab_size": 300}},
@@ -183,7 +183,7 @@ def needed(message: str) -> int:
 
 
 def test_a_limit_below_what_the_smallest_config_needs_says_that_minimum():
-    """Each limit is held to the smallest config's prior (sltune.tuning.prior, the process left out): refused one
+    """Each limit is held to the smallest config's prior (sltune.tuning.cost.prior, the process left out): refused one
     byte below it, term by term, and accepted at it; the prior is never below what the engine's units alone hold."""
     shape = shape_of("llama-tiny")
     with pytest.raises(ValueError, match=r"hardware.device_memory_limit .* below the .* the smallest config "
@@ -301,8 +301,8 @@ def test_the_optimizer_and_mixed_precision_reach_the_trials_and_best_yaml():
 
     from sltune.config import SpeedLoaderConfig
     from sltune.training.optimizer import OptimizerConfig
-    from sltune.tuning.result import export_yaml
-    from sltune.tuning.runner import trial_spec
+    from sltune.tuning.report.result import export_yaml
+    from sltune.tuning.search.trials import trial_spec
 
     default = parse()
     assert default.optimizer == OptimizerConfig() and default.model.mixed_precision is True

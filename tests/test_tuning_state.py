@@ -1,9 +1,9 @@
 """What the search concludes from out-of-memory trials, and which limit binds."""
 
-from sltune.tuning.shape import shape_of
+from sltune.tuning.cost.shape import shape_of
 from sltune.tuning.space import Candidate, SearchSpace
-from sltune.tuning.state import Done, SearchState
-from sltune.tuning.admission import load as admitted_spec
+from sltune.tuning.search.state import FinishedTrial, SearchState
+from sltune.tuning.cost.admission import load as admitted_spec
 
 
 def state(**search):
@@ -14,8 +14,8 @@ def state(**search):
     return SearchState(spec, shape, SearchSpace(spec, shape))
 
 
-def oom(c: Candidate, resource: str) -> Done:
-    return Done(0, c, "probe", {"status": "oom", "oom_resource": resource, "error": "x"})
+def oom(c: Candidate, resource: str) -> FinishedTrial:
+    return FinishedTrial(0, c, "probe", {"status": "oom", "oom_resource": resource, "error": "x"})
 
 
 def test_a_device_oom_rules_out_configs_needing_no_less_device_memory():
@@ -45,15 +45,15 @@ def test_binding_limit_steps_along_the_spec_knobs():
 
 
 def test_probes_come_from_real_candidates_in_awkward_spaces():
-    from sltune.tuning.strategies import OneShotStrategy
+    from sltune.tuning.search.strategies import OneShotStrategy
 
     st = state(sub_batch_size=[3, 4, 5], num_sub_batches=None, effective_batch_size=[5, 12])
     probes = OneShotStrategy(st, 0).probes()
     assert probes and all(p in st.space.candidates for p in probes)
 
 
-def ok(number: int, c: Candidate, tokens_per_s: float, ci: tuple[float, float]) -> Done:
-    return Done(number, c, "grid", {"status": "ok", "tokens_per_s": tokens_per_s, "step_seconds": 1.0,
+def ok(number: int, c: Candidate, tokens_per_s: float, ci: tuple[float, float]) -> FinishedTrial:
+    return FinishedTrial(number, c, "grid", {"status": "ok", "tokens_per_s": tokens_per_s, "step_seconds": 1.0,
                                     "peak_device_bytes": 1, "peak_host_bytes": 1,
                                     "timing": {"steps_s": [1.0] * 5, "tokens_per_s_ci95": list(ci)}})
 
@@ -61,7 +61,7 @@ def ok(number: int, c: Candidate, tokens_per_s: float, ci: tuple[float, float]) 
 def test_the_runner_up_is_a_finalist_even_when_no_interval_overlaps_the_best():
     """Two trials run at different moments cannot be compared by their own intervals: the runner-up is
     re-measured beside the best whatever the intervals say; overlapping rivals join it."""
-    from sltune.tuning import confirm
+    from sltune.tuning.search import confirm
 
     st = state()
     a, b, c = Candidate(4, 4, 1), Candidate(2, 4, 1), Candidate(1, 4, 1)
@@ -77,7 +77,7 @@ def test_oneshot_tries_the_fastest_config_when_only_the_safety_margin_rules_it_o
     """The fastest config often peaks just under a limit (the grid's best in bench/noise.py (a): 1.8% under
     it). Predicted to fit only inside the 5% margin, it is still tried when it is the one predicted fastest;
     `fits` (what plan and export report) keeps the margin."""
-    from sltune.tuning.strategies import OneShotStrategy
+    from sltune.tuning.search.strategies import OneShotStrategy
 
     s = 32
     def peak(c: Candidate) -> float:
@@ -92,7 +92,7 @@ def test_oneshot_tries_the_fastest_config_when_only_the_safety_margin_rules_it_o
         update={"device_memory_limit": limit})})
     for i, c in enumerate(Candidate(b, n, 1) for b in (1, 2) for n in (1, 2, 4)):
         tps = c.batch * s / step(c)
-        st.add(Done(i, c, "probe", {"status": "ok", "tokens_per_s": tps, "step_seconds": step(c),
+        st.add(FinishedTrial(i, c, "probe", {"status": "ok", "tokens_per_s": tps, "step_seconds": step(c),
                                      "peak_device_bytes": peak(c), "peak_host_bytes": 1e6 + c.batch,
                                      "timing": {"steps_s": [step(c)] * 5,
                                                 "tokens_per_s_ci95": [tps * 0.99, tps * 1.01]}}))
@@ -103,7 +103,7 @@ def test_oneshot_tries_the_fastest_config_when_only_the_safety_margin_rules_it_o
 
 
 def test_confirmation_rounds_end_early_only_when_the_search_best_won_decisively_and_cleanly():
-    from sltune.tuning import confirm
+    from sltune.tuning.search import confirm
 
     st = state()
     a, b = Candidate(4, 4, 1), Candidate(2, 4, 1)
@@ -139,7 +139,7 @@ def test_oneshot_measures_a_frontier_config_its_throughput_model_cannot_predict_
     """Five probes fitted by six step-time features can predict a step time <= 0 far from them (a generate
     job saw 28 of 90 configs so, the winning corner b=16 N=1 among them, and stopped at a config 3x slower):
     those configs have no prediction, so the search cannot rule them out and measures the largest first."""
-    from sltune.tuning.strategies import OneShotStrategy
+    from sltune.tuning.search.strategies import OneShotStrategy
 
     spec = admitted_spec({"name": "g", "model": {"preset": "llama-tiny"},
                           "workload": {"mode": "generate", "prompt_len": 8, "new_tokens": 8},
@@ -153,18 +153,18 @@ def test_oneshot_measures_a_frontier_config_its_throughput_model_cannot_predict_
     for i, ((b, n, k, w), t) in enumerate(runs):
         c = Candidate(b, n, k, "recompute", "device", w)
         tps = c.batch * 8 / t
-        st.add(Done(i, c, "probe", {"status": "ok", "tokens_per_s": tps, "step_seconds": t,
+        st.add(FinishedTrial(i, c, "probe", {"status": "ok", "tokens_per_s": tps, "step_seconds": t,
                                     "peak_device_bytes": 1e6 + 1e4 * b * k + 5e5 * w,
                                     "peak_host_bytes": 1e6 + c.batch,
                                     "timing": {"steps_s": [t] * 5, "tokens_per_s_ci95": [tps * 0.99, tps * 1.01]}}))
-    st.add(Done(5, Candidate(16, 1, 1, "recompute", "device", 0.5), "probe", {"status": "failed", "error": "x"}))
+    st.add(FinishedTrial(5, Candidate(16, 1, 1, "recompute", "device", 0.5), "probe", {"status": "failed", "error": "x"}))
     assert all(c in st.tried for c in OneShotStrategy(st, 0).probes())
     blind = [c for c in st.space.candidates if c not in st.tried and st.predict(c).tokens_per_s is None]
     assert Candidate(16, 1, 4, "recompute", "device", 0.5) in blind
     proposal = OneShotStrategy(st, 0).propose()
     assert proposal.candidate == Candidate(16, 1, 4, "recompute", "device", 0.5), proposal
     # once: after a frontier trial the blind configs rank as predicted nothing, and the search may stop
-    st.add(Done(6, proposal.candidate, "frontier", {"status": "failed", "error": "x"}))
+    st.add(FinishedTrial(6, proposal.candidate, "frontier", {"status": "failed", "error": "x"}))
     after = OneShotStrategy(st, 0).propose()
     assert getattr(after, "candidate", None) not in blind, after
 
@@ -172,7 +172,7 @@ def test_oneshot_measures_a_frontier_config_its_throughput_model_cannot_predict_
 def test_generation_probes_keep_the_most_weights_where_they_save_the_most():
     """The step-time fit sees kept weights as W/N: a probe at N=16 would give W/N = W/16 and let its noise,
     times 16, set the coefficient; the probe keeps the largest share at the fewest sub-batches."""
-    from sltune.tuning.strategies import OneShotStrategy
+    from sltune.tuning.search.strategies import OneShotStrategy
 
     spec = admitted_spec({"name": "g", "model": {"preset": "llama-tiny"},
                           "workload": {"mode": "generate", "prompt_len": 8, "new_tokens": 8},
@@ -180,7 +180,7 @@ def test_generation_probes_keep_the_most_weights_where_they_save_the_most():
                                      "num_live_blocks": [1, 4], "weights_on_device": [0, 0.5, 1]}})
     shape = shape_of("llama-tiny")
     probes = OneShotStrategy(SearchState(spec, shape, SearchSpace(spec, shape)), 0).probes()
-    assert [c for c in probes if c.w] == [Candidate(16, 1, 1, "recompute", "device", 1.0)]
+    assert [c for c in probes if c.weights_on_device] == [Candidate(16, 1, 1, "recompute", "device", 1.0)]
 
 
 def test_the_confirmation_is_a_race_the_decisively_beaten_drop_out_and_alike_rivals_end_it(tmp_path, monkeypatch):
@@ -217,7 +217,7 @@ def test_the_confirmation_is_a_race_the_decisively_beaten_drop_out_and_alike_riv
 def test_a_gap_measured_under_interference_must_show_in_two_rounds():
     """One round that measured a rival 1.67x slower drops it only if neither trial ran under interference;
     a second round with the same gap drops it either way."""
-    from sltune.tuning import confirm
+    from sltune.tuning.search import confirm
 
     st = state()
     a, b = Candidate(4, 4, 1), Candidate(2, 4, 1)

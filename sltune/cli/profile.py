@@ -92,20 +92,20 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _fits_host(spec: TrialSpec) -> None:
-    """What the trial would hold, predicted from the model's shape (sltune.tuning.prior): refused before anything
+    """What the trial would hold, predicted from the model's shape (sltune.tuning.cost.prior): refused before anything
     is built when over --host-memory-limit (else this machine's trial ceiling; all ranks together, as the trial
     is held to it) or --device-memory-limit."""
     from sltune.settings import Settings
-    from sltune.tuning.baseline import trial_baseline
-    from sltune.tuning.feasible import shortfall
-    from sltune.tuning.prior import Recipe
-    from sltune.tuning.shape import shape_of
+    from sltune.tuning.cost.baseline import trial_baseline
+    from sltune.tuning.cost.feasible import shortfall
+    from sltune.tuning.cost.prior import Setup
+    from sltune.tuning.cost.shape import shape_of
     from sltune.tuning.space import Candidate
 
     settings = Settings()
     shape = shape_of(spec.model, spec.dtype)
     config = Candidate.from_knobs(spec.knobs())
-    recipe = Recipe.of_trial(spec, shape, trial_baseline(spec.device, spec.world_size, spec.mode, spec.cpu_threads))
+    recipe = Setup.of_trial(spec, shape, trial_baseline(spec.device, spec.world_size, spec.mode, spec.cpu_threads))
     where = "--host-memory-limit" if spec.host_memory_limit else settings.trial_host_limit_source()
     short = shortfall(recipe, [config], spec.host_memory_limit or settings.trial_host_limit(),
                       spec.device_memory_limit, host_name=where, device_name="--device-memory-limit",

@@ -222,7 +222,7 @@ def _submission(path: str) -> tuple[dict, int]:
 def run_compare(args: argparse.Namespace) -> int:
     from sltune.service.client import Client, ServiceError
     from sltune.store import Store
-    from sltune.tuning import compare as cmp
+    from sltune.tuning.report import compare as cmp
 
     limit = _fraction(args.max_regression)
     if args.rounds < 1:

@@ -20,7 +20,7 @@ from sltune.yamlfile import read_yaml
 if TYPE_CHECKING:
     from sltune.runtime.memory import DeviceMemoryExceeded
     from sltune.training.loop import Inputs, TrainJob
-    from sltune.tuning.prior import Recipe
+    from sltune.tuning.cost.prior import Setup
     from sltune.tuning.space import Candidate
 
 DEFAULT_MODEL, DEFAULT_SEQ_LEN, DEFAULT_HOLDOUT = "llama-tiny", 128, 0.05
@@ -239,12 +239,12 @@ def _limit_source(args: argparse.Namespace) -> str:
 
 def _fits_device(job: TrainJob, inputs: Inputs, args: argparse.Namespace) -> None:
     """Refuse, before the model is built, a device memory limit below what even the smallest config (b=1 N=1 k=1)
-    is predicted to need (sltune.tuning.feasible's refusal, as tune refuses a spec): no knob helps then, so no step
+    is predicted to need (sltune.tuning.cost.feasible's refusal, as tune refuses a spec): no knob helps then, so no step
     is run to say so. A limit within PRIOR_MARGIN of that is left to the step, which measures."""
     import os
 
-    from sltune.tuning.feasible import shortfall
-    from sltune.tuning.prior import predict
+    from sltune.tuning.cost.feasible import shortfall
+    from sltune.tuning.cost.prior import predict
 
     limit = job.config.device_memory_limit
     if limit is None:
@@ -262,14 +262,14 @@ def _over_the_limit(err: DeviceMemoryExceeded, job: TrainJob, inputs: Inputs, ar
                     world: int) -> str:
     """The step's refusal with the fix the prior gives: the knobs whose config is predicted within the limit,
     keeping the batch (sub-batches of fewer rows, fewer live layers, recompute), else the limit it takes."""
-    from sltune.tuning.prior import predict
+    from sltune.tuning.cost.prior import predict
 
     cfg, this = job.config, _candidate(job.config)
     recipe = _recipe(job, inputs, world)
     needs = {c: predict(recipe, c).device for c in _lower_configs(cfg)}
     fitting = [c for c, need in needs.items() if c != this and need <= err.limit_bytes]
     if fitting:
-        best = max(fitting, key=lambda c: (c.b, c.k, c.a == cfg.activations))
+        best = max(fitting, key=lambda c: (c.b, c.k, c.activations == cfg.activations))
         fix = f"{best} is predicted to need {format_bytes(needs[best])}: pass {_flags(best, cfg)}"
     else:
         least, need = min(needs.items(), key=lambda cn: (cn[1], cn[0]))
@@ -281,15 +281,15 @@ def _over_the_limit(err: DeviceMemoryExceeded, job: TrainJob, inputs: Inputs, ar
             f"bytes). {fix} ({_limit_source(args)})")
 
 
-def _recipe(job: TrainJob, inputs: Inputs, world: int) -> Recipe:
+def _recipe(job: TrainJob, inputs: Inputs, world: int) -> Setup:
     """What the prior predicts this job from: the model (the resumed checkpoint's when resuming), how it steps,
     its optimizer, seq_len and ranks."""
-    from sltune.tuning.prior import Recipe
-    from sltune.tuning.shape import shape_of
+    from sltune.tuning.cost.prior import Setup
+    from sltune.tuning.cost.shape import shape_of
 
     cfg = job.config
     model = str(inputs.source) if inputs.source is not None else job.model
-    return Recipe(model, shape_of(model, cfg.dtype), "train", cfg.schedule, cfg.mixed_precision, job.optimizer,
+    return Setup(model, shape_of(model, cfg.dtype), "train", cfg.schedule, cfg.mixed_precision, job.optimizer,
                   world, cfg.device, job.seq_len, optimizer_offload=cfg.optimizer_offload)
 
 
@@ -306,7 +306,7 @@ def _smallest(cfg: SpeedLoaderConfig) -> list[Candidate]:
     import dataclasses
 
     one = dataclasses.replace(_candidate(cfg), b=1, n=1, k=1)
-    return [one] + ([dataclasses.replace(one, a="recompute")] if one.a != "recompute" else [])
+    return [one] + ([dataclasses.replace(one, activations="recompute")] if one.activations != "recompute" else [])
 
 
 def _lower_configs(cfg: SpeedLoaderConfig) -> list[Candidate]:
@@ -318,7 +318,7 @@ def _lower_configs(cfg: SpeedLoaderConfig) -> list[Candidate]:
     while k >= 1:
         ks.append(k)
         k //= 2
-    return [dataclasses.replace(_candidate(cfg), b=b, n=batch // b, k=k, a=a)
+    return [dataclasses.replace(_candidate(cfg), b=b, n=batch // b, k=k, activations=a)
             for b in range(1, cfg.sub_batch_size + 1) if batch % b == 0 for k in ks
             for a in sorted({cfg.activations, "recompute"})]
 
@@ -330,8 +330,8 @@ def _flags(c: Candidate, cfg: SpeedLoaderConfig) -> str:
         flags.append(f"--sub-batch-size {c.b} --num-sub-batches {c.n} (the same {c.b * c.n} rows a step)")
     if c.k != cfg.num_live_blocks:
         flags.append(f"--num-live-blocks {c.k}")
-    if c.a != cfg.activations:
-        flags.append(f"--activations {c.a}")
+    if c.activations != cfg.activations:
+        flags.append(f"--activations {c.activations}")
     return " ".join(flags)
 
 

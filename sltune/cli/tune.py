@@ -63,10 +63,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run_tune(args: argparse.Namespace) -> int:
-    from sltune.tuning.result import export_yaml
+    from sltune.tuning.report.result import export_yaml
     from sltune.service.local import fits_this_machine, tune
     from sltune.settings import Settings
-    from sltune.tuning.admission import admitted
+    from sltune.tuning.cost.admission import admitted
     from sltune.tuning.spec import TuningSpec
 
     spec = TuningSpec.load(args.spec)
@@ -121,7 +121,7 @@ def describe(r: dict, out: str | None = None, mode: str = "train") -> str:
         lines.append(f"  model {kind}: {m['n']} points, R^2 {r2}, {_loo(m)}" + beside)
     depth = r.get("depth")
     if depth:
-        from sltune.tuning.depth import AUTO_STEP_S
+        from sltune.tuning.search.probes import AUTO_STEP_S
 
         ran, layers = ", ".join(map(str, depth["probes_ran_at"])), depth["layers"]
         step = depth.get("first_probe_full_depth_step_s")
@@ -144,7 +144,7 @@ def describe(r: dict, out: str | None = None, mode: str = "train") -> str:
 
 def run_export(args: argparse.Namespace) -> int:
     from sltune.store import Store
-    from sltune.tuning.result import export_yaml
+    from sltune.tuning.report.result import export_yaml
     from sltune.tuning.spec import TuningSpec
 
     if args.server:
@@ -173,8 +173,8 @@ def _pct(x: float | None) -> str:
 
 
 def _loo(m: dict) -> str:
-    """'leave-one-out error 3.1% typical, 7.9% max', or why the fit has none (sltune.tuning.fit.no_loo_reason)."""
-    from sltune.tuning.fit import no_loo_reason
+    """'leave-one-out error 3.1% typical, 7.9% max', or why the fit has none (sltune.tuning.search.fit.no_loo_reason)."""
+    from sltune.tuning.search.fit import no_loo_reason
 
     why = no_loo_reason(m)
     if why:
@@ -197,8 +197,8 @@ def _loo_errors(loo: dict[str, dict]) -> str:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from sltune.tuning.plan import plan
-    from sltune.tuning.prior_plan import is_spec
+    from sltune.tuning.report.plan_from_fits import plan
+    from sltune.tuning.report.plan_from_prior import is_spec
     from sltune.yamlfile import read_yaml
 
     if args.source and args.from_file and args.source != args.from_file:
@@ -249,7 +249,7 @@ def run_plan(args: argparse.Namespace) -> int:
 
 def _plan_spec(data: dict, source: str, limits: list, as_json: bool, disk_limit: int | None = None) -> int:
     """Every config of a spec with its predicted peaks; the refusal when none fits (exit code 1)."""
-    from sltune.tuning.prior_plan import plan_spec
+    from sltune.tuning.report.plan_from_prior import plan_spec
 
     r = plan_spec(data, source, *limits, disk_limit=disk_limit)
     if as_json:

@@ -260,7 +260,7 @@ def write_pretrained(path: str | Path, model: nn.Module, state: dict[str, torch.
     """Write `state` (each tensor once: tied names already dropped) as a Hugging Face folder in `dtype`; returns
     the weight files. Floating tensors are cast shard by shard, so at most one shard's cast copy is held.
     `metadata` goes into every safetensors header beside {"format": "pt"} (a checkpoint's step and run).
-    `staged=False` writes straight into `path`, a fresh folder of the caller's own (sltune.training.state's unit).
+    `staged=False` writes straight into `path`, a fresh folder of the caller's own (sltune.training.checkpoints's unit).
     A file that cannot be written (a full disk) is an OSError naming it."""
     from huggingface_hub import split_torch_state_dict_into_shards
     from safetensors.torch import save_file

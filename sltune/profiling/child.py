@@ -117,7 +117,7 @@ def model_folder(model: Any) -> str | None:
 
 def run(spec: TrialSpec, rank: int = 0, started: float | None = None) -> dict[str, Any]:
     from sltune.config import SpeedLoaderConfig
-    from sltune.data import batches
+    from sltune.training.data import batches
     from sltune.models import load_config, with_layers
     from sltune.models.seeded import SeededWeights
     from sltune.profiling.breakdown import profile_call
@@ -199,7 +199,7 @@ def _run_generate(spec: TrialSpec, engine, setup: dict[str, Any]) -> dict[str, A
     """Generation throughput: spec.rows random prompts of prompt_len tokens, new_tokens each per call.
 
     End-of-sequence stopping is off so every call generates the same number of tokens."""
-    from sltune.data import batches
+    from sltune.training.data import batches
     from sltune.profiling.breakdown import profile_call
 
     model = engine.model

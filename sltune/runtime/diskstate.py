@@ -511,7 +511,7 @@ def write_manifest(folder: Path, manifest: dict[str, Any]) -> None:
 
 def pack(items: Sequence[T], numel: Callable[[T], int]) -> list[list[T]]:
     """Items in order, in blocks of at most BLOCK_NUMEL values (a larger item is a block of its own): how a unit's
-    stepped tensors go to files, and how the tuner's prior counts them (sltune.tuning.prior)."""
+    stepped tensors go to files, and how the tuner's prior counts them (sltune.tuning.cost.prior)."""
     blocks: list[list[T]] = []
     current: list[T] = []
     size = 0

@@ -13,6 +13,8 @@ num_live_blocks layers plus the embedding and the head as units:
                recomputes nothing
     optimizer  the user's optimizer steps the host parameters
 
+sltune.runtime.phases plans these phases; the expected traffic and the tuner's prior walk the same plan.
+
 How a group's backward gets its forward's intermediates is the `activations` knob:
     recompute  it re-runs the forward from the group's stored input (dropout replays its RNG state); device
                memory holds one group's intermediates for one sub-batch
@@ -54,8 +56,8 @@ Sharded over W ranks (torch.distributed initialised), P_u above is this rank's s
 collectives see whole (padded) units: allgather = the same count of loads times the unit's bytes,
 reduce_scatter = the unit's bytes once per gradient offload. Each rank runs its own b*N rows.
 
-`expected_io()` computes these (S from the step: it depends on the family's code; the tests hold it to what
-plain autograd saves); the tests hold the counters to them.
+`expected_io()` (sltune.runtime.traffic) computes these (S from the step: it depends on the family's code; the
+tests hold it to what plain autograd saves); the tests hold the counters to them.
 
 `generate()` runs the same inversion for decoding (sltune.runtime.generate): per step each unit loads once
 and every sub-batch passes through it with its own KV cache, in host or device memory as kv_cache says
@@ -88,9 +90,10 @@ from sltune.config import SpeedLoaderConfig
 from sltune.models.checkpoint import Checkpoint, materialize, write_pretrained
 from sltune.runtime.activations import DeviceActivations, HostActivations
 from sltune.runtime.device import check_device, check_dtype
-from sltune.runtime.direct_io import padded
 from sltune.runtime.diskstate import DiskState, state_layout
+from sltune.runtime import phases, traffic
 from sltune.runtime.family import CausalLM, LayerCall, unique_params
+from sltune.runtime.inputs import IGNORE_INDEX, check_batch, check_prompt
 from sltune.runtime.kvcache import kv_store
 from sltune.runtime.memory import DeviceMemory, monitor_for
 from sltune.runtime.params import BufferPool, ParamStore, ParamUnit
@@ -107,7 +110,6 @@ if TYPE_CHECKING:
     from sltune.models.seeded import SeededWeights
     from sltune.runtime.generate import GenerationStats
 
-IGNORE_INDEX = -100
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
 
@@ -137,9 +139,6 @@ class _Group:
     first: int
     last: int
     unit: ParamUnit
-
-
-_BACKWARD = ("turn", "bwd", "embed_bwd")
 
 
 class SpeedLoaderEngine:
@@ -314,7 +313,7 @@ class SpeedLoaderEngine:
         if self.optimizer is None:
             raise ValueError("this engine was built with optimizer=None and can only generate; "
                              "pass optimizer=lambda params: torch.optim.AdamW(params, lr=...) to train")
-        ids, labels, mask = self._check_batch(input_ids, labels, attention_mask)
+        ids, labels, mask = check_batch(input_ids, labels, attention_mask, self.config, self.lm.config, self.device)
         start = time.perf_counter()
         before = self.io.copy()
         shape = tuple(ids.shape)
@@ -389,7 +388,7 @@ class SpeedLoaderEngine:
                  attention_mask: torch.Tensor | None = None) -> float:
         """The mean token loss on b*N rows without training: each unit loaded once, every sub-batch through it
         (sharded, over the union of the ranks' rows). Dropout is off while it runs."""
-        ids, labels, mask = self._check_batch(input_ids, labels, attention_mask)
+        ids, labels, mask = check_batch(input_ids, labels, attention_mask, self.config, self.lm.config, self.device)
         b, n = self.config.sub_batch_size, self.config.num_sub_batches
         num_items = (labels[:, 1:] != IGNORE_INDEX).sum()
         if self.world > 1:
@@ -450,18 +449,21 @@ class SpeedLoaderEngine:
         store = self.params
         hidden = self.lm.config.hidden_size
         self.acts.prepare(len(self.groups), len(subs), (*subs[0].ids.shape, hidden), self.dtype)
-        trains, phases = self._plan()
+        trains, plan = self._plan()
+        live = [[self._unit(u) for u in phase.units] for phase in plan]
         graphs: dict = {}            # kept forward graphs, by (unit key, sub-batch), until their backward
         losses: list[torch.Tensor] = []
         store.activate(self.tied)
         store.begin_grads(self.tied)
-        for idx, (kind, units, group) in enumerate(phases):
+        for idx, phase in enumerate(plan):
+            kind, units = phase.kind, live[idx]
+            group = None if phase.group is None else self.groups[phase.group]
             for unit in units:
                 store.activate(unit)
-            if idx + 1 < len(phases):
-                for unit in phases[idx + 1][1]:
+            if idx + 1 < len(plan):
+                for unit in live[idx + 1]:
                     store.prefetch(unit)
-            backward = kind in _BACKWARD
+            backward = phase.backward
             if backward:
                 for unit in units:
                     store.begin_grads(unit)
@@ -576,28 +578,26 @@ class SpeedLoaderEngine:
             self.saved.release(("embed", i))
             self.acts.drop(0, i)
 
-    def _plan(self) -> tuple[list[bool], list[tuple]]:
-        """The phases of a pass (kind, units live in it, group), and for each group edge whether a gradient
-        must flow back through it.
+    def _plan(self) -> tuple[list[bool], list[phases.Phase]]:
+        """The phases of a pass (sltune.runtime.phases.plan), and for each group edge whether a gradient must
+        flow back through it.
 
-        The last group and the head form the turnaround: forward, loss and backward at once. Backward
-        through a unit is needed while a trainable parameter sits in it or before it: a frozen prefix of the
-        model (fine-tuning the top layers) gets no backward, no loads and no copies for it. Sharded,
+        Backward through a unit is needed while a trainable parameter sits in it or before it: a frozen prefix of
+        the model (fine-tuning the top layers) gets no backward, no loads and no copies for it. Sharded,
         `has_grads` is the same on every rank, so every rank runs the same collectives."""
-        trains = [self.embed.has_grads or self.tied.has_grads]
-        for g in self.groups:
-            trains.append(trains[-1] or g.unit.has_grads)
-        *body, last = self.groups
-        phases = ([("embed_fwd", (self.embed,), None)] + [("fwd", (g.unit,), g) for g in body]
-                  + [("turn", (last.unit, self.head), last)]
-                  + [("bwd", (g.unit,), g) for g in reversed(body) if trains[g.index + 1]]
-                  + ([("embed_bwd", (self.embed,), None)] if trains[0] else []))
-        return trains, phases
+        trains = phases.trained_edges(self.embed.has_grads or self.tied.has_grads,
+                                      [g.unit.has_grads for g in self.groups])
+        return trains, phases.plan(len(self.groups), trains)
+
+    def _unit(self, unit: phases.Unit) -> ParamUnit:
+        """The engine's unit a phase names: a group's index, or "embed", "head", "tied"."""
+        if isinstance(unit, int):
+            return self.groups[unit].unit
+        return {"embed": self.embed, "head": self.head, "tied": self.tied}[unit]
 
     def _step_order(self) -> list[ParamUnit]:
         """The units in the order a step makes their gradients final: the backward's, the tied weights last."""
-        _, phases = self._plan()
-        return [u for kind, units, _ in phases if kind in _BACKWARD for u in units] + [self.tied]
+        return [self._unit(u) for u in phases.step_order(self._plan()[1])]
 
     def _each(self, edge: int | None, grad_edge: int | None, n: int, saved=None) -> Iterator:
         """Sub-batch indices with their inputs fetched one ahead (the next copy overlaps this compute), and
@@ -641,7 +641,7 @@ class SpeedLoaderEngine:
 
         if self.world > 1:
             raise ValueError("generation runs in one process; call generate outside torch.distributed")
-        ids, mask = self._check_prompt(input_ids, attention_mask, max_new_tokens)
+        ids, mask = check_prompt(input_ids, attention_mask, max_new_tokens, self.config, self.lm.config, self.device)
         choose = generation.chooser(do_sample, temperature, top_k, generator)
         eos, pad = generation.special_tokens(self.model, eos_token_id, pad_token_id)
         shape = ("generate", *ids.shape, max_new_tokens)
@@ -658,82 +658,6 @@ class SpeedLoaderEngine:
         stats.peak_device_bytes = self._measured.get(shape)
         self.last_generation = stats
         return tokens
-
-    # -- inputs ------------------------------------------------------------------------------------
-    def _check_ids(self, input_ids, what: str, extra_tokens: int = 0) -> None:
-        """b*N rows of token ids that fit the model: the checks training and generation share."""
-        cfg = self.config
-        rows = cfg.sub_batch_size * cfg.num_sub_batches
-        if not torch.is_tensor(input_ids) or input_ids.dim() != 2 or input_ids.is_floating_point():
-            got = (f"a {input_ids.dim()}-D {input_ids.dtype} tensor of shape {tuple(input_ids.shape)}"
-                   if torch.is_tensor(input_ids) else type(input_ids).__name__)
-            raise ValueError(f"input_ids must be a 2-D LongTensor [rows, {what}], got {got}")
-        if input_ids.shape[0] != rows:
-            raise ValueError(
-                f"input_ids has {input_ids.shape[0]} rows but sub_batch_size*num_sub_batches = "
-                f"{cfg.sub_batch_size}*{cfg.num_sub_batches} = {rows}; pass {rows} rows or change num_sub_batches"
-            )
-        total = input_ids.shape[1] + extra_tokens
-        max_pos = getattr(self.lm.config, "max_position_embeddings", None)
-        if max_pos is not None and total > max_pos:
-            tokens = "prompt_len + max_new_tokens" if extra_tokens else "seq_len"
-            raise ValueError(f"{tokens} = {total} exceeds the model's max_position_embeddings {max_pos}")
-        vocab = self.lm.config.vocab_size
-        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab):
-            raise ValueError(f"input_ids must be token ids in [0, {vocab}); got values in "
-                             f"[{int(input_ids.min())}, {int(input_ids.max())}]")
-
-    def _check_batch(self, input_ids, labels, attention_mask):
-        self._check_ids(input_ids, "seq_len")
-        if input_ids.shape[1] < 2:
-            raise ValueError("input_ids needs at least 2 tokens per row to have a next-token loss")
-        if labels is None:
-            labels = input_ids
-        elif not torch.is_tensor(labels) or labels.shape != input_ids.shape:
-            got = tuple(labels.shape) if torch.is_tensor(labels) else type(labels).__name__
-            raise ValueError(f"labels {got} must have input_ids' shape {tuple(input_ids.shape)}")
-        vocab = self.lm.config.vocab_size
-        used = labels[:, 1:][labels[:, 1:] != IGNORE_INDEX]
-        if used.numel() == 0:
-            raise ValueError(f"labels: every next-token label is {IGNORE_INDEX} (ignored), so there is nothing to "
-                             "train on; pass labels with some real token ids")
-        if int(used.min()) < 0 or int(used.max()) >= vocab:
-            raise ValueError(f"labels must be token ids in [0, {vocab}) or {IGNORE_INDEX} (ignored); got values in "
-                             f"[{int(used.min())}, {int(used.max())}]")
-        if attention_mask is not None:
-            if not torch.is_tensor(attention_mask) or attention_mask.shape != input_ids.shape:
-                got = tuple(attention_mask.shape) if torch.is_tensor(attention_mask) else type(attention_mask).__name__
-                raise ValueError(f"attention_mask {got} must have input_ids' shape {tuple(input_ids.shape)}")
-            if not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
-                raise ValueError("attention_mask must hold 0 (padding) and 1 (token) only")
-        dev = self.device
-        return (input_ids.to(dev, torch.long), labels.to(dev, torch.long),
-                None if attention_mask is None else attention_mask.to(dev))
-
-    def _check_prompt(self, input_ids, attention_mask, max_new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Prompt ids and a 0/1 mask (all ones if None) on the device, left padding checked."""
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-        self._check_ids(input_ids, "prompt_len", extra_tokens=max_new_tokens)
-        if input_ids.shape[1] < 1:
-            raise ValueError("input_ids needs at least 1 prompt token per row")
-        if attention_mask is None:
-            mask = torch.ones(input_ids.shape, dtype=torch.long)
-        else:
-            if not torch.is_tensor(attention_mask) or attention_mask.shape != input_ids.shape:
-                got = tuple(attention_mask.shape) if torch.is_tensor(attention_mask) else type(attention_mask).__name__
-                raise ValueError(f"attention_mask {got} must be a tensor shaped like input_ids "
-                                 f"{tuple(input_ids.shape)}")
-            mask = attention_mask.long()
-            if not bool(((mask == 0) | (mask == 1)).all()):
-                raise ValueError("attention_mask must hold 0 (padding) and 1 (token) only")
-            if not bool(mask[:, -1].all()):
-                raise ValueError("attention_mask: every row's last prompt position must be a token; pad prompts on "
-                                 "the left (tokenizer.padding_side = 'left')")
-            if not bool((mask[:, 1:] >= mask[:, :-1]).all()):
-                raise ValueError("attention_mask has padding after a token; pad prompts on the left only "
-                                 "(tokenizer.padding_side = 'left')")
-        return input_ids.to(self.device, torch.long), mask.to(self.device)
 
     # -- results -----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -756,53 +680,8 @@ class SpeedLoaderEngine:
                 for name, value in self.model.state_dict().items()}
 
     def expected_io(self, seq_len: int) -> IOCounters:
-        """The traffic one train_step should move, from the formulas in this module's docstring, walking
-        the same phases a step runs (a frozen prefix skips its backward). Under `activations: offload` the
-        saved-tensor term is the bytes autograd saved on the last step (they depend on the family's code;
-        the tests hold them to plain autograd's)."""
-        cfg = self.config
-        n, b = cfg.num_sub_batches, cfg.sub_batch_size
-        if cfg.schedule == "resident":
-            return IOCounters()
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        trains, phases = self._plan()
-        loaded = [u for _, units, _ in phases for u in units] + [self.tied]      # tied: once per pass
-        backward = [u for kind, units, _ in phases if kind in _BACKWARD for u in units] + [self.tied]
-        loads = sum(u.nbytes for u in loaded)
-        # gradients move as the device sums them: float32 under a master (dtype per micro-batch in canonical)
-        grad_size = 4 if self.params.accumulate32 else itemsize
-        grads = sum(u.host_grad.numel() * grad_size for u in backward if u.host_grad is not None)
-        gathered = scattered = 0
-        if self.world > 1:   # sharded: the loads above are this rank's shards; collectives see whole units
-            gathered = sum(u.padded * itemsize for u in loaded if u.host is not None)
-            scattered = sum(u.padded * grad_size for u in backward if u.host is not None and u.has_grads)
-        # optimizer_offload disk: every block's file read and written once (its master and optimizer state,
-        # padded to pages; the first step reads only the masters: the state does not exist yet)
-        disk = sum(padded(self.disk.nbytes(b, True)) for b in self.disk.blocks) if self.disk is not None else 0
-        if cfg.schedule == "canonical":
-            return IOCounters(param_load_bytes=n * loads, grad_offload_bytes=n * grads,
-                              allgather_bytes=n * gathered, reduce_scatter_bytes=n * scattered,
-                              disk_read_bytes=disk, disk_write_bytes=disk)
-        # boundary activations per sub-batch, in edges of b*s*hidden values: forward puts the G group inputs
-        # and fetches each once; the turnaround puts its input's gradient; each group's backward fetches its
-        # output's gradient (and, recomputing, its input) and puts its input's gradient where one is needed;
-        # the embedding's backward fetches its output's gradient
-        offload = cfg.activations == "offload"
-        edges_out = edges_in = len(self.groups)
-        for kind, _, group in phases:
-            if kind == "turn":
-                edges_out += int(trains[group.index])
-            elif kind == "bwd":
-                edges_in += 1 if offload else 2
-                edges_out += int(trains[group.index])
-            elif kind == "embed_bwd":
-                edges_in += 1
-        edge_bytes = b * seq_len * self.lm.config.hidden_size * itemsize
-        saved = self.saved.packed_bytes if offload else 0
-        return IOCounters(param_load_bytes=loads, grad_offload_bytes=grads, allgather_bytes=gathered,
-                          reduce_scatter_bytes=scattered, act_offload_bytes=n * edges_out * edge_bytes + saved,
-                          act_load_bytes=n * edges_in * edge_bytes + saved, disk_read_bytes=disk,
-                          disk_write_bytes=disk)
+        """The traffic one train_step on rows of seq_len tokens should move (sltune.runtime.traffic)."""
+        return traffic.expected_io(self, seq_len)
 
     @property
     def param_bytes(self) -> int:

@@ -12,7 +12,6 @@ synchronously and has no streams.
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 
@@ -144,22 +143,3 @@ class CudaStreams(Streams):
 
     def issue_after(self, stream, after: Event | None) -> contextlib.AbstractContextManager:
         return torch.cuda.stream(stream)        # `after` was issued on `stream`: stream order covers it
-
-
-def streams_for(device: torch.device) -> Streams | None:
-    """CUDA streams on a GPU; on the CPU the emulated device when SLTUNE_EMULATED_STREAMS asks for it,
-    else None (copies are synchronous memcpy)."""
-    if device.type == "cuda":
-        return CudaStreams(device)
-    mode = os.environ.get(ENV, "").strip().lower()
-    if not mode or mode in ("0", "off"):
-        return None
-    from sltune.runtime.emulated import EmulatedStreams    # the emulated device builds on this module
-
-    if mode == "lazy":
-        return EmulatedStreams()
-    try:
-        delay_ms = float(mode)
-    except ValueError:
-        raise ValueError(f"{ENV}={mode!r}: use 'lazy' or a delay in milliseconds") from None
-    return EmulatedStreams(delay=delay_ms / 1000)

@@ -11,6 +11,7 @@ compute stream wait for it. The emulated device
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Any, Callable
 
 import torch
@@ -19,7 +20,7 @@ from sltune.runtime.counters import IOCounters
 from sltune.runtime.emulated import EmulatedStreams
 from sltune.runtime.pinned import CudaPinner, EmulatedPinner, HostMemory
 from sltune.runtime.regions import region
-from sltune.runtime.streams import Event, Streams, WorkEvent, streams_for
+from sltune.runtime.streams import ENV, CudaStreams, Event, Streams, WorkEvent
 
 
 class Pending:
@@ -115,3 +116,20 @@ class Copier:
 
     def _count(self, channel: str, t: torch.Tensor) -> None:
         setattr(self.counters, channel, getattr(self.counters, channel) + t.numel() * t.element_size())
+
+
+def streams_for(device: torch.device) -> Streams | None:
+    """CUDA streams on a GPU; on the CPU the emulated device when SLTUNE_EMULATED_STREAMS asks for it,
+    else None (copies are synchronous memcpy)."""
+    if device.type == "cuda":
+        return CudaStreams(device)
+    mode = os.environ.get(ENV, "").strip().lower()
+    if not mode or mode in ("0", "off"):
+        return None
+    if mode == "lazy":
+        return EmulatedStreams()
+    try:
+        delay_ms = float(mode)
+    except ValueError:
+        raise ValueError(f"{ENV}={mode!r}: use 'lazy' or a delay in milliseconds") from None
+    return EmulatedStreams(delay=delay_ms / 1000)

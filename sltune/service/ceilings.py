@@ -12,10 +12,10 @@ from typing import Any
 
 from sltune.settings import Settings
 from sltune.sizes import format_bytes
-from sltune.tuning.admission import admit
-from sltune.tuning.confirm import MAX_FINALISTS
-from sltune.tuning.runner import machine_cores
-from sltune.tuning.shape import ModelShape, shape_of
+from sltune.tuning.cost.admission import admit
+from sltune.tuning.search.confirm import MAX_FINALISTS
+from sltune.tuning.search.trials import machine_cores
+from sltune.tuning.cost.shape import ModelShape, shape_of
 from sltune.tuning.space import Candidate, SearchSpace
 from sltune.tuning.spec import TuningSpec
 
@@ -59,14 +59,14 @@ def within_ceilings(spec: TuningSpec, settings: Settings) -> tuple[TuningSpec, d
 
 def _fits(spec: TuningSpec, shape: ModelShape, candidates: list[Candidate], limits: dict[str, Any]) -> None:
     """Refused when the smallest config is predicted over the limits that apply (the server's ceiling where the
-    request named none or more), the process a trial runs in counted (sltune.tuning.baseline)."""
-    from sltune.tuning.baseline import trial_baseline
-    from sltune.tuning.feasible import shortfall
-    from sltune.tuning.prior import Recipe
+    request named none or more), the process a trial runs in counted (sltune.tuning.cost.baseline)."""
+    from sltune.tuning.cost.baseline import trial_baseline
+    from sltune.tuning.cost.feasible import shortfall
+    from sltune.tuning.cost.prior import Setup
 
     hw = spec.hardware
     baseline = trial_baseline(hw.device, hw.world_size, spec.workload.mode, hw.cpu_threads, measure=False)
-    recipe = Recipe.of_spec(spec, shape, baseline)
+    recipe = Setup.of_spec(spec, shape, baseline)
     short = shortfall(recipe, candidates, hw.host_memory_limit, hw.device_memory_limit,
                       disk_limit=hw.disk_limit)
     if short:

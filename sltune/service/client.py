@@ -1,4 +1,4 @@
-"""The CI client: submit a job, wait for it with progress, fetch the config (compare: sltune.tuning.compare)."""
+"""The CI client: submit a job, wait for it with progress, fetch the config (compare: sltune.tuning.report.compare)."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ from typing import Any
 from sltune.service.worker import Worker
 from sltune.settings import Settings
 from sltune.store import Store
-from sltune.tuning.admission import admitted
+from sltune.tuning.cost.admission import admitted
 from sltune.tuning.runner import ProgressFn, requirements
 from sltune.tuning.spec import TuningSpec
 
@@ -61,19 +61,19 @@ def tune(spec: TuningSpec | dict[str, Any] | str | Path, db: str | None = None, 
 
 
 def fits_this_machine(spec: TuningSpec, settings: Settings) -> None:
-    """Refuse, before any trial, a spec whose least config is predicted over a limit (sltune.tuning.feasible): the
+    """Refuse, before any trial, a spec whose least config is predicted over a limit (sltune.tuning.cost.feasible): the
     spec's host limit, or without one this machine's trial ceiling (a 70B spec's trials would each grow to it and
     be killed), for all the trial's ranks together; and its device limit. The host prior counts what a trial
-    process holds before its model, measured on this machine (once: sltune.tuning.baseline)."""
-    from sltune.tuning.baseline import trial_baseline
-    from sltune.tuning.feasible import disk_room, shortfall
-    from sltune.tuning.prior import Recipe
-    from sltune.tuning.shape import shape_of
+    process holds before its model, measured on this machine (once: sltune.tuning.cost.baseline)."""
+    from sltune.tuning.cost.baseline import trial_baseline
+    from sltune.tuning.cost.feasible import disk_room, shortfall
+    from sltune.tuning.cost.prior import Setup
+    from sltune.tuning.cost.shape import shape_of
     from sltune.tuning.space import SearchSpace
 
     hw = spec.hardware
     shape = shape_of(spec.model.source, spec.model.dtype)
-    recipe = Recipe.of_spec(spec, shape, trial_baseline(hw.device, hw.world_size, spec.workload.mode, hw.cpu_threads))
+    recipe = Setup.of_spec(spec, shape, trial_baseline(hw.device, hw.world_size, spec.workload.mode, hw.cpu_threads))
     unset = hw.host_memory_limit is None
     space = SearchSpace(spec, shape)
     disk_limit, disk_name = hw.disk_limit, "hardware.disk_limit"

@@ -79,7 +79,7 @@ def _uncached(verdict: Verdict) -> Verdict:
 
 
 def _check(data: dict[str, Any], settings: Settings) -> Verdict:
-    from sltune.tuning import admission
+    from sltune.tuning.cost import admission
     from sltune.tuning.runner import requirements
     from sltune.tuning.spec import TuningSpec, field_errors
 

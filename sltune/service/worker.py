@@ -22,7 +22,7 @@ from sltune.service.capabilities import can_run, local_capabilities, why_not
 from sltune.settings import Settings
 from sltune.store import Store
 from sltune.store.faults import describe, is_transient
-from sltune.tuning.runner import run_job
+from sltune.tuning.runner import StopReason, run_job
 
 log = logging.getLogger("sltune.worker")
 UNRUNNABLE_AFTER_S = 60.0   # a queued job no live worker can run fails after this long, saying why
@@ -120,14 +120,14 @@ class Worker:
                     else:
                         log.exception("heartbeat for job %s failed", job_id)
 
-        def should_stop() -> str | None:
+        def should_stop() -> StopReason | None:
             if self.stop.is_set():
-                return "released: the worker is shutting down"
+                return StopReason("released", "released: the worker is shutting down")
             if lost.is_set():
-                return "released: this worker lost its lease on the job"
+                return StopReason("released", "released: this worker lost its lease on the job")
             try:
                 if self.quick.cancel_requested(job_id):
-                    return "cancelled by request"
+                    return StopReason("cancelled", "cancelled by request")
             except Exception as err:  # noqa: BLE001 - the database is away; the trial goes on meanwhile
                 log.warning("job %s: cannot check for a cancel request (%s)", job_id, describe(err))
             return None

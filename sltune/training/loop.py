@@ -20,7 +20,7 @@ from sltune.config import SpeedLoaderConfig
 from sltune.models.checkpoint import TOKENIZER_FILES, read_tokenizer_files
 from sltune.training.optimizer import OptimizerConfig
 from sltune.training.schedule import LRSchedule, lr_scheduler
-from sltune.training import state as checkpoints
+from sltune.training import checkpoints
 from sltune.training.text import TEXT_SUFFIXES, has_tokenizer, load_tokenizer
 
 
@@ -74,7 +74,7 @@ class Inputs:
             self.lock.release()
 
 
-TOKEN_SUFFIXES = (".npy", ".pt", ".bin")      # what sltune.data.load_tokens reads besides text
+TOKEN_SUFFIXES = (".npy", ".pt", ".bin")      # what sltune.training.data.load_tokens reads besides text
 
 
 def find_inputs(job: TrainJob) -> Inputs:
@@ -84,7 +84,7 @@ def find_inputs(job: TrainJob) -> Inputs:
     checkpoints --save holds, the tokenizer text needs, then the ids. Under several ranks this runs before the
     process group: rank 0 recovers and picks the checkpoint, the other ranks only look (run() then loads the one
     rank 0 picked on every rank, state.agree)."""
-    from sltune.data import load_tokens
+    from sltune.training.data import load_tokens
 
     if job.data:
         _check_data_file(Path(job.data))
@@ -172,7 +172,7 @@ def run(job: TrainJob, rank: int = 0, world: int = 1, progress: Callable[[dict[s
 def _run(job: TrainJob, rank: int, world: int, progress: Callable[[dict[str, Any]], None] | None, inputs: Inputs,
          start: float) -> TrainReport:
     from sltune import SpeedLoaderEngine
-    from sltune.data import TokenBatches
+    from sltune.training.data import TokenBatches
     from sltune.models import build
     from sltune.models.checkpoint import Checkpoint
 

@@ -8,50 +8,62 @@ a trial that was running is marked interrupted and run again, nothing finished r
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import tempfile
 import threading
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 import optuna
 
 from sltune.profiling import run_trial
-from sltune.profiling.schema import TrialSpec
-from sltune.store import Store
 from sltune.sizes import format_bytes
+from sltune.store import Store
 from sltune.store.faults import durable_rdb_storage, retrying
 from sltune.store.optuna import optuna_location
-from sltune.tuning import confirm
-from sltune.tuning.baseline import trial_baseline
-from sltune.tuning.feasible import free_bytes
-from sltune.tuning.result import job_result
-from sltune.tuning.shape import shape_of
+from sltune.tuning.cost.baseline import trial_baseline
+from sltune.tuning.cost.feasible import free_bytes
+from sltune.tuning.cost.shape import shape_of
+from sltune.tuning.report.result import job_result
+from sltune.tuning.search import confirm
+from sltune.tuning.search.state import FinishedTrial, SearchState
+from sltune.tuning.search.strategies import STRATEGIES, Proposal, Stop, Strategy
+from sltune.tuning.search.study import add_confirms, name_metric, set_pick, study_name, tell
+from sltune.tuning.search.trials import trial_spec
 from sltune.tuning.space import Candidate, SearchSpace
 from sltune.tuning.spec import TuningSpec
-from sltune.tuning.state import Done, SearchState
-from sltune.tuning.strategies import STRATEGIES, Stop
-from sltune.tuning.study import add_confirms, name_metric, set_pick, study_name, tell
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 log = logging.getLogger("sltune.tuning")
 
+StopKind = Literal["exhausted", "converged", "max_trials", "time_budget", "stuck", "cancelled", "released"]
+
+
+@dataclass(frozen=True)
+class StopReason:
+    """Why the search ended or the job was stopped. The runner decides by kind alone: "cancelled" ends the job as
+    cancelled and "released" hands it back unfinished (neither runs the confirmation round); every other kind is
+    the search ending by itself: the strategy's Stop ("exhausted", "converged"), a budget ("max_trials",
+    "time_budget"), or a sampler that only repeats itself ("stuck"). text is what the job's result and progress
+    say, word for word."""
+
+    kind: StopKind
+    text: str
+
+    def cut_short(self, why: str) -> StopReason:
+        """This reason, and why the confirmation round after the search ended early."""
+        return replace(self, text=f"{self.text}; confirmation cut short: {why}")
+
+
+TAKEN_OVER = StopReason("released", "released: another worker holds the job now")   # a fenced write was refused
 ProgressFn = Callable[[dict[str, Any]], None]
-# should_stop returns None to go on, "cancelled: ..." to end the job as cancelled, or "released: ..." to
-# hand it back unfinished (a worker shutting down or losing its lease): the trial in flight is killed and
-# marked interrupted either way, so a resumed job runs it again.
-StopFn = Callable[[], str | None]
+# should_stop returns None to go on, a "cancelled" StopReason to end the job as cancelled, or a "released" one to
+# hand it back unfinished (a worker shutting down or losing its lease): the trial in flight is killed and marked
+# interrupted either way, so a resumed job runs it again.
+StopFn = Callable[[], StopReason | None]
 MAX_REPEATS = 200   # asks that return an already-tried or invalid config before the sampler is given up on
-
-
-def machine_cores() -> int:
-    """The cores this process may run on (its affinity), which its trials share."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:          # not Linux
-        return os.cpu_count() or 1
 
 
 def requirements(spec: TuningSpec) -> dict[str, Any]:
@@ -92,299 +104,337 @@ def run_job(store: Store, job_id: str, *, progress: ProgressFn | None = None, sh
     server's, recorded in the job's limits). offload_root is where trials of optimizer_offload disk keep their
     files (a folder per job and trial, removed after each; default: beside artifact_dir, else a temporary
     folder); its free space bounds their disk beside the spec's hardware.disk_limit."""
-    job = store.job(job_id)
-    if job is None:
-        raise ValueError(f"no job {job_id!r} in {store.url}")
-    in_all = [n for n in (max_trials, ((job.limits or {}).get("trials_in_all") or {}).get("applied")) if n]
-    trials_cap = min(in_all) if in_all else None
-    spec = TuningSpec.model_validate(job.spec)
-    shape = shape_of(spec.model.source, spec.model.dtype)
-    space = SearchSpace(spec, shape)
-    hw = spec.hardware      # the host prior holds what a trial process holds before its model, measured here
-    baseline = trial_baseline(hw.device, hw.world_size, spec.workload.mode, hw.cpu_threads)
-    if offload_root is None:
-        offload_root = (Path(artifact_dir).parent if artifact_dir is not None
-                        else Path(tempfile.gettempdir())) / "offload"
-    # a previous holder killed mid-trial left its trial's optimizer files: this runner holds the job, so no trial of
-    # it runs anywhere else, and the room they took is free again before the disk ceiling is read
-    shutil.rmtree(offload_root / job_id, ignore_errors=True)
-    on_disk = any(c.on_disk for c in space.candidates)
-    state = SearchState(spec, shape, space, baseline=baseline, host_ceiling=default_host_limit,
-                        disk_ceiling=free_bytes(offload_root) if on_disk else None)
-    if worker_id is None:
-        store.set_status(job_id, "running")
-    store.interrupt_running_trials(job_id)          # left running by a previous holder that died
-    finished = [t for t in store.trials(job_id) if t.status not in ("running", "interrupted")]
-    # each config's trial times, search and confirmation apart (a confirmation trial is neither profiled nor timed
-    # twice): what its next trial will take
-    seconds: dict[tuple[Candidate, bool], list[float]] = {}
-    for t in finished:   # replayed in order: margins widened by past out-of-memory trials come back too
-        done = Done(t.number, Candidate.from_knobs(t.config), t.role, t.result)
-        if t.started_at and t.finished_at and not state.reduced(done):     # what a full-depth trial takes
-            seconds.setdefault((done.candidate, t.role == "confirm"), []).append(
-                (t.finished_at - t.started_at).total_seconds())
-        if t.role == "confirm":
-            state.confirms.append(done)         # not search history: they neither refit nor count as tried
-        else:
-            state.add(done)
-    if not finished:
-        state.refit()           # fits (empty) exist before the first proposal
-    number = max((t.number for t in store.trials(job_id)), default=-1) + 1
+    run = JobRun(store, job_id, progress=progress, should_stop=should_stop, worker_id=worker_id,
+                 artifact_dir=artifact_dir, default_host_limit=default_host_limit, max_trial_steps=max_trial_steps,
+                 max_trials=max_trials, offload_root=offload_root)
+    run.resume()
+    run.search()
+    run.confirm()
+    return run.finish()
 
-    study = optuna.create_study(study_name=study_name(job_id), storage=optuna_storage(store.url, store.retry_s),
-                                direction="maximize", load_if_exists=True,
-                                sampler=STRATEGIES[spec.search.strategy](state, spec.search.seed).sampler())
-    name_metric(study)
-    # Optuna trials left running by a dead process. The store is the record: a trial it holds as
-    # finished (killed between writing the row and telling Optuna) is told its result now.
-    by_number = {t.optuna_number: t for t in finished if t.optuna_number is not None}
-    for stale in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
-        row = by_number.get(stale.number)
-        if row is not None:
-            tell(study, optuna.Trial(study, stale._trial_id), row.result, row.role, row.number,
-                 state.depth_of(Done(row.number, Candidate.from_knobs(row.config), row.role, row.result)))
-        else:
-            study.tell(stale.number, state=optuna.trial.TrialState.FAIL)
-    add_confirms(study, space.params, space.distributions(), state.confirms)   # killed before adding them
-    strategy = STRATEGIES[spec.search.strategy](state, spec.search.seed)
 
-    search = spec.search
-    elapsed_before = float(job.progress.get("elapsed_s", 0.0))
-    start = time.monotonic()
-    trial_seconds: list[float] = []
-    picks: list[Candidate] = []         # the confirmation round's finalists, once the search has ended
-    repeats = 0
-    stop_reason = None
+class JobRun:
+    """One run of a job by one holder, in run_job's four steps: resume, search, confirm, finish."""
 
-    def elapsed() -> float:
-        return elapsed_before + time.monotonic() - start
+    study: optuna.Study
+    strategy: Strategy
+    start: float                # the clock of this run (elapsed_before holds the runs before it)
 
-    def report(last: dict[str, Any] | None = None, phase: str = "running", best: Done | None = None,
-               figure: float | None = None) -> None:
-        best = best or state.best()         # finished: the confirmed winner and its figure, as the result names
-        done = len(state.history)
-        avg = sum(trial_seconds) / len(trial_seconds) if trial_seconds else None
-        # the confirmation trials that will still run: as many as the server's cap on trials in all leaves (a
-        # capped job said 40 planned where none could run); finished, none (what ran is all there is)
-        rest = confirm.remaining(state, picks, search.confirm_rounds) if phase == "confirm" else None
-        if rest and trials_cap is not None:
-            rest = rest[:max(0, trials_cap - len(state.history) - len(state.confirms))]
-        if phase == "finished":
-            rest = []
-        left = confirm.time_left(state, search, elapsed(), rest, seconds, avg, trials_cap)
-        if phase == "finished":
-            left = 0.0
-        payload = {"trials_done": done, "max_trials": search.max_trials, "confirm_done": len(state.confirms),
-                   "confirm_planned": len(state.confirms) + len(rest) if rest is not None and len(picks) > 1 else None,
-                   "elapsed_s": round(elapsed(), 2),
-                   "time_left_s": max(0.0, round(left, 1)), "phase": phase, "stop_reason": stop_reason,
-                   "best_tokens_per_s": figure if figure is not None else best.tokens_per_s if best else None,
-                   "best_config": best.candidate.knobs() if best else None, "last_trial": last}
-        store.update_progress(job_id, payload, holder=worker_id)
-        if progress:
-            progress(payload)
+    def __init__(self, store: Store, job_id: str, *, progress: ProgressFn | None, should_stop: StopFn | None,
+                 worker_id: str | None, artifact_dir: Path | None, default_host_limit: int | None,
+                 max_trial_steps: int | None, max_trials: int | None, offload_root: Path | None):
+        job = store.job(job_id)
+        if job is None:
+            raise ValueError(f"no job {job_id!r} in {store.url}")
+        self.store, self.job_id, self.worker_id = store, job_id, worker_id
+        self.progress, self.should_stop = progress, should_stop
+        self.artifact_dir = artifact_dir
+        self.default_host_limit, self.max_trial_steps = default_host_limit, max_trial_steps
+        in_all = [n for n in (max_trials, ((job.limits or {}).get("trials_in_all") or {}).get("applied")) if n]
+        self.trials_cap = min(in_all) if in_all else None
+        self.spec = spec = TuningSpec.model_validate(job.spec)
+        shape = shape_of(spec.model.source, spec.model.dtype)
+        self.space = space = SearchSpace(spec, shape)
+        hw = spec.hardware      # the host prior holds what a trial process holds before its model, measured here
+        baseline = trial_baseline(hw.device, hw.world_size, spec.workload.mode, hw.cpu_threads)
+        if offload_root is None:
+            offload_root = (Path(artifact_dir).parent if artifact_dir is not None
+                            else Path(tempfile.gettempdir())) / "offload"
+        self.offload_root = offload_root
+        # a previous holder killed mid-trial left its trial's optimizer files: this runner holds the job, so no trial
+        # of it runs anywhere else, and the room they took is free again before the disk ceiling is read
+        shutil.rmtree(offload_root / job_id, ignore_errors=True)
+        on_disk = any(c.on_disk for c in space.candidates)
+        self.state = SearchState(spec, shape, space, baseline=baseline, host_ceiling=default_host_limit,
+                                 disk_ceiling=free_bytes(offload_root) if on_disk else None)
+        self.elapsed_before = float(job.progress.get("elapsed_s", 0.0))
+        # each config's trial times, search and confirmation apart (a confirmation trial is neither profiled nor
+        # timed twice): what its next trial will take
+        self.seconds: dict[tuple[Candidate, bool], list[float]] = {}
+        self.trial_seconds: list[float] = []    # this run's trials, for the average a trial takes
+        self.picks: list[Candidate] = []        # the confirmation round's finalists, once the search has ended
+        self.number = 0                         # the next trial's number
+        self.stop: StopReason | None = None     # why the search ended, once it has
+        self.confirmation: dict[str, Any] | None = None
 
-    def measure(cand: Candidate, role: str, optuna_number: int | None,
+    def resume(self) -> None:
+        """Read back what earlier runs finished (a trial left running is marked interrupted, to run again), refit on
+        it, and bring the Optuna study in line with the store, which is the record."""
+        store, job_id, state, spec = self.store, self.job_id, self.state, self.spec
+        if self.worker_id is None:
+            store.set_status(job_id, "running")
+        store.interrupt_running_trials(job_id)          # left running by a previous holder that died
+        finished = [t for t in store.trials(job_id) if t.status not in ("running", "interrupted")]
+        for t in finished:   # replayed in order: margins widened by past out-of-memory trials come back too
+            done = FinishedTrial(t.number, Candidate.from_knobs(t.config), t.role, t.result)
+            if t.started_at and t.finished_at and not state.reduced(done):     # what a full-depth trial takes
+                self.seconds.setdefault((done.candidate, t.role == "confirm"), []).append(
+                    (t.finished_at - t.started_at).total_seconds())
+            if t.role == "confirm":
+                state.confirms.append(done)         # not search history: they neither refit nor count as tried
+            else:
+                state.add(done)
+        if not finished:
+            state.refit()           # fits (empty) exist before the first proposal
+        self.number = max((t.number for t in store.trials(job_id)), default=-1) + 1
+
+        self.strategy = STRATEGIES[spec.search.strategy](state, spec.search.seed)
+        self.study = study = optuna.create_study(study_name=study_name(job_id),
+                                                 storage=optuna_storage(store.url, store.retry_s),
+                                                 direction="maximize", load_if_exists=True,
+                                                 sampler=self.strategy.sampler())
+        name_metric(study)
+        # Optuna trials left running by a dead process. The store is the record: a trial it holds as
+        # finished (killed between writing the row and telling Optuna) is told its result now.
+        by_number = {t.optuna_number: t for t in finished if t.optuna_number is not None}
+        for stale in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+            row = by_number.get(stale.number)
+            if row is not None:
+                tell(study, optuna.Trial(study, stale._trial_id), row.result, row.role, row.number,
+                     state.depth_of(FinishedTrial(row.number, Candidate.from_knobs(row.config), row.role, row.result)))
+            else:
+                study.tell(stale.number, state=optuna.trial.TrialState.FAIL)
+        add_confirms(study, self.space.params, self.space.distributions(), state.confirms)   # killed before adding them
+        self.start = time.monotonic()
+
+    def search(self) -> None:
+        """Propose, run an isolated trial, record it, refit, report progress; until the strategy stops, a budget is
+        spent, the sampler only repeats itself, or should_stop says so. self.stop says which."""
+        self.report(phase="starting")
+        repeats = 0
+        while True:
+            self.stop = self._search_may_not_go_on()
+            if self.stop is not None:
+                return
+            proposal = self.strategy.propose()
+            if isinstance(proposal, Stop):
+                self.stop = StopReason(proposal.kind, proposal.reason)
+                return
+            ot, cand = self._ask(proposal)
+            if cand is None:
+                repeats += 1
+                if repeats > MAX_REPEATS:
+                    self.stop = StopReason("stuck", "the sampler keeps proposing configs already tried")
+                    return
+                continue
+            result = self.measure(cand, proposal.role, ot.number, proposal.layers)
+            if result is None:
+                self.study.tell(ot, state=optuna.trial.TrialState.FAIL)
+                return
+            done = FinishedTrial(self.number, cand, proposal.role, result)
+            tell(self.study, ot, result, proposal.role, self.number, self.state.depth_of(done))
+            self.state.add(done)                # and refit
+            for kind, fit in self.state.fits.items():
+                self.store.save_fit(self.job_id, kind, fit.n, fit.to_dict())
+            self.report(last=self._last(cand, result), phase=proposal.role)
+            self.number += 1
+
+    def confirm(self) -> None:
+        """The confirmation round: the finalists run again, a race the beaten drop out of, within the same budgets;
+        none when the job was cancelled or released. A budget running out cuts it short, said in self.stop."""
+        assert self.stop is not None            # search() has ended, saying why
+        if self.stop.kind in ("cancelled", "released"):
+            return
+        search, state, cap = self.spec.search, self.state, self.trials_cap
+        self.picks = confirm.finalists(state) if search.confirm_rounds else []
+        while rest := confirm.remaining(state, self.picks, search.confirm_rounds):
+            cand = rest[0]
+            if cap is not None and len(state.history) + len(state.confirms) >= cap:
+                self.stop = self.stop.cut_short(f"this server allows {cap} trials in all, confirmation included "
+                                                "(SLTUNE_MAX_TRIALS)")
+                break
+            if self.elapsed() >= search.time_budget_s:
+                self.stop = self.stop.cut_short(f"time_budget_s ({search.time_budget_s:g}s) used up")
+                break
+            if why := self._asked_to_stop():
+                self.stop = why
+                break
+            result = self.measure(cand, "confirm", None)
+            if result is None:
+                break
+            state.confirms.append(FinishedTrial(self.number, cand, "confirm", result))
+            add_confirms(self.study, self.space.params, self.space.distributions(), state.confirms[-1:])
+            self.report(last=self._last(cand, result), phase="confirm")
+            self.number += 1
+        self.confirmation = confirm.verdict(state, self.picks)
+
+    def finish(self) -> dict[str, Any]:
+        """The job's result. Stored with the job's status (succeeded, failed when no config ran, cancelled), except
+        for a released job, handed back unfinished: its progress says so and its holder's worker takes it from
+        there (status "released" in the answer only)."""
+        stop = self.stop
+        assert stop is not None
+        out = job_result(self.job_id, self.spec, self.state, stop.text, self.elapsed(), self.confirmation)
+        if stop.kind == "released":
+            self.store.update_progress(self.job_id, {**self.store.job(self.job_id).progress, "phase": "released",
+                                                     "stop_reason": stop.text}, holder=self.worker_id)
+            out["status"], out["error"] = "released", None
+            return out
+        cancelled = stop.kind == "cancelled"
+        status = "cancelled" if cancelled else ("succeeded" if out["best"] else "failed")
+        error = None if out["best"] or cancelled else ("no config ran successfully: " + self._failures())
+        self.report(phase="finished", best=confirm.winner_of(self.state, self.confirmation),
+                    figure=out["best"]["tokens_per_s"] if out["best"] else None)
+        set_pick(self.study, out)
+        self.store.set_status(self.job_id, status, holder=self.worker_id, result=out, error=error)
+        out["status"] = status
+        out["error"] = error
+        return out
+
+    def _failures(self) -> str:
+        """The last few trials' failures: why a job without a result has none."""
+        errs = [f"{d.candidate}: {d.result['status']} ({d.result.get('error')})" for d in self.state.history[-3:]]
+        return "; ".join(errs) or "no trial ran"
+
+    # -- what the steps share ------------------------------------------------------------------------------------
+
+    def elapsed(self) -> float:
+        """The job's time so far, this run's and every earlier run's: the time budget is the job's."""
+        return self.elapsed_before + time.monotonic() - self.start
+
+    def _asked_to_stop(self) -> StopReason | None:
+        return self.should_stop() if self.should_stop else None
+
+    def _search_may_not_go_on(self) -> StopReason | None:
+        """Why no further search trial may start: a budget spent, or should_stop."""
+        search = self.spec.search
+        if len(self.state.history) >= search.max_trials:
+            return StopReason("max_trials", f"max_trials ({search.max_trials}) reached")
+        if self.elapsed() >= search.time_budget_s:
+            return StopReason("time_budget", f"time_budget_s ({search.time_budget_s:g}s) used up")
+        return self._asked_to_stop()
+
+    def _ask(self, proposal: Proposal) -> tuple[optuna.Trial, Candidate | None]:
+        """The proposal as an Optuna trial (the sampler's choice, or the strategy's enqueued) and its config; None for
+        a config that is not a candidate or has run at this depth, its trial told already (a repeat, not run)."""
+        if proposal.candidate is not None:
+            self.study.enqueue_trial(self.space.params(proposal.candidate))
+        ot = self.study.ask(self.space.distributions())
+        cand = self.space.candidate(ot.params)
+        if cand is None or self.state.ran(cand, proposal.layers):
+            prev = next((d for d in self.state.history
+                         if d.candidate == cand and self.state.depth_of(d) == proposal.layers), None)
+            if prev is not None and prev.result["status"] == "ok":
+                self.study.tell(ot, prev.tokens_per_s)
+            else:
+                self.study.tell(ot, state=optuna.trial.TrialState.PRUNED)
+            return ot, None
+        return ot, cand
+
+    def measure(self, cand: Candidate, role: str, optuna_number: int | None,
                 layers: int | None = None) -> dict[str, Any] | None:
         """Run one trial (of `layers` decoder layers: a probe at reduced depth; None: the whole model) and record
-        it; None (stop_reason set) when the job was stopped or taken over."""
-        nonlocal stop_reason
+        it; None (self.stop set) when the job was stopped or taken over."""
         began = time.monotonic()       # the trial's whole cost, its records included: what the next will take
-        pred = state.predict(cand, layers=layers)
-        trace = trace_error = None
-        if search.profile and artifact_dir is not None and role != "confirm":
-            trace = Path(artifact_dir) / job_id / f"trial-{number}.json"
-            try:
-                trace.parent.mkdir(parents=True, exist_ok=True)
-            except OSError as err:          # a full disk costs the trial its trace, nothing more
-                trace, trace_error = None, f"no trace: its folder could not be made ({err.strerror})"
+        pred = self.state.predict(cand, layers=layers)
+        trace, trace_error = self._trace_file(role)
         depth = {"num_layers": layers} if layers is not None else {}
-        if not store.start_trial(job_id, number, role, {**cand.knobs(), "schedule": search.schedule, **depth},
-                                 pred.to_dict(), optuna_number, worker_id):
-            stop_reason = "released: another worker holds the job now"
+        if not self.store.start_trial(self.job_id, self.number, role,
+                                      {**cand.knobs(), "schedule": self.spec.search.schedule, **depth},
+                                      pred.to_dict(), optuna_number, self.worker_id):
+            self.stop = TAKEN_OVER
             return None
-        report(last={"number": number, "config": cand.knobs(), "status": "running"}, phase=role)
+        self.report(last={"number": self.number, "config": cand.knobs(), "status": "running"}, phase=role)
         t0 = time.monotonic()
-        folder = offload_root / job_id / f"trial-{number}" if cand.on_disk else None
+        result = self._run_trial(cand, role, trace, layers)
+        if trace is not None and result["status"] == "ok" and not trace.exists():
+            trace, trace_error = None, f"no trace: it could not be written ({free_space(self.artifact_dir)})"
+        if trace_error:
+            result["trace_error"] = trace_error
+        self.trial_seconds.append(time.monotonic() - t0)
+        if (why := self._asked_to_stop()) and result["status"] == "failed":
+            # killed mid-way: not a result, run it again
+            self.store.interrupt_running_trials(self.job_id, self.worker_id)
+            self.stop = why
+            return None
+        if not self.store.finish_trial(self.job_id, self.number, result, worker_id=self.worker_id):
+            self.stop = TAKEN_OVER
+            return None
+        if trace is not None and trace.exists():
+            try:
+                self.store.add_artifact(self.job_id, self.number, "trace", str(trace.relative_to(self.artifact_dir)),
+                                        trace.stat().st_size)
+            except Exception as err:  # noqa: BLE001 - the trial's result is stored; only its trace is lost
+                log.warning("job %s trial %d: its trace could not be recorded (%s)", self.job_id, self.number, err)
+        if layers is None:
+            self.seconds.setdefault((cand, role == "confirm"), []).append(time.monotonic() - began)
+        return result
+
+    def _trace_file(self, role: str) -> tuple[Path | None, str | None]:
+        """Where the next trial writes its profile (search.profile: search trials only), or why it writes none."""
+        if not (self.spec.search.profile and self.artifact_dir is not None and role != "confirm"):
+            return None, None
+        trace = Path(self.artifact_dir) / self.job_id / f"trial-{self.number}.json"
+        try:
+            trace.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as err:          # a full disk costs the trial its trace, nothing more
+            return None, f"no trace: its folder could not be made ({err.strerror})"
+        return trace, None
+
+    def _run_trial(self, cand: Candidate, role: str, trace: Path | None, layers: int | None) -> dict[str, Any]:
+        """The trial in processes of its own; killed if should_stop says so while it runs."""
+        folder = self.offload_root / self.job_id / f"trial-{self.number}" if cand.on_disk else None
         try:
             if folder is not None:
                 folder.mkdir(parents=True, exist_ok=True)
-            result = run_trial(trial_spec(spec, cand, trace, default_host_limit, max_trial_steps, layers, folder,
-                                          confirming=role == "confirm"),
-                               stop=should_stop).model_dump(mode="json")
+            spec = trial_spec(self.spec, cand, trace, self.default_host_limit, self.max_trial_steps, layers, folder,
+                              confirming=role == "confirm")
+            return run_trial(spec, stop=self._stop_text if self.should_stop else None).model_dump(mode="json")
         finally:
             if folder is not None:       # the optimizer's files are the trial's alone: gone with it
                 shutil.rmtree(folder, ignore_errors=True)
                 _remove_if_empty(folder.parent)
-        if trace is not None and result["status"] == "ok" and not trace.exists():
-            trace, trace_error = None, f"no trace: it could not be written ({free_space(artifact_dir)})"
-        if trace_error:
-            result["trace_error"] = trace_error
-        trial_seconds.append(time.monotonic() - t0)
-        if should_stop and (why := should_stop()) and result["status"] == "failed":
-            store.interrupt_running_trials(job_id, worker_id)   # killed mid-way: not a result, run it again
-            stop_reason = why
-            return None
-        if not store.finish_trial(job_id, number, result, worker_id=worker_id):
-            stop_reason = "released: another worker holds the job now"     # fenced: the job has a new holder
-            return None
-        if trace is not None and trace.exists():
-            try:
-                store.add_artifact(job_id, number, "trace", str(trace.relative_to(artifact_dir)), trace.stat().st_size)
-            except Exception as err:  # noqa: BLE001 - the trial's result is stored; only its trace is lost
-                log.warning("job %s trial %d: its trace could not be recorded (%s)", job_id, number, err)
-        if layers is None:
-            seconds.setdefault((cand, role == "confirm"), []).append(time.monotonic() - began)
-        return result
 
-    report(phase="starting")
-    while True:
-        if len(state.history) >= search.max_trials:
-            stop_reason = f"max_trials ({search.max_trials}) reached"
-            break
-        if elapsed() >= search.time_budget_s:
-            stop_reason = f"time_budget_s ({search.time_budget_s:g}s) used up"
-            break
-        if should_stop and (why := should_stop()):
-            stop_reason = why
-            break
-        proposal = strategy.propose()
-        if isinstance(proposal, Stop):
-            stop_reason = proposal.reason
-            break
-        if proposal.candidate is not None:
-            study.enqueue_trial(space.params(proposal.candidate))
-        ot = study.ask(space.distributions())
-        cand = space.candidate(ot.params)
-        if cand is None or state.ran(cand, proposal.layers):
-            prev = next((d for d in state.history if d.candidate == cand and state.depth_of(d) == proposal.layers),
-                        None)
-            if prev is not None and prev.result["status"] == "ok":
-                study.tell(ot, prev.tokens_per_s)
-            else:
-                study.tell(ot, state=optuna.trial.TrialState.PRUNED)
-            repeats += 1
-            if repeats > MAX_REPEATS:
-                stop_reason = "the sampler keeps proposing configs already tried"
-                break
-            continue
+    def _stop_text(self) -> str | None:
+        """should_stop as run_trial polls it: the reason's words, which a killed trial's error quotes."""
+        why = self._asked_to_stop()
+        return why.text if why else None
 
-        result = measure(cand, proposal.role, ot.number, proposal.layers)
-        if result is None:
-            study.tell(ot, state=optuna.trial.TrialState.FAIL)
-            break
-        done = Done(number, cand, proposal.role, result)
-        tell(study, ot, result, proposal.role, number, state.depth_of(done))
-        state.add(done)
-        for kind, fit in state.fits.items():
-            store.save_fit(job_id, kind, fit.n, fit.to_dict())
-        report(last={"number": number, "config": cand.knobs(), "status": result["status"],
-                     "tokens_per_s": result.get("tokens_per_s"), "error": result.get("error")}, phase=proposal.role)
-        number += 1
+    def report(self, last: dict[str, Any] | None = None, phase: str = "running", best: FinishedTrial | None = None,
+               figure: float | None = None) -> None:
+        """Store the job's progress and pass it to the progress callback."""
+        state, search, picks = self.state, self.spec.search, self.picks
+        best = best or state.best()         # finished: the confirmed winner and its figure, as the result names
+        done = len(state.history)
+        avg = sum(self.trial_seconds) / len(self.trial_seconds) if self.trial_seconds else None
+        # the confirmation trials that will still run: as many as the server's cap on trials in all leaves (a
+        # capped job said 40 planned where none could run); finished, none (what ran is all there is)
+        rest = confirm.remaining(state, picks, search.confirm_rounds) if phase == "confirm" else None
+        if rest and self.trials_cap is not None:
+            rest = rest[:max(0, self.trials_cap - len(state.history) - len(state.confirms))]
+        if phase == "finished":
+            rest = []
+        left = confirm.time_left(state, search, self.elapsed(), rest, self.seconds, avg, self.trials_cap)
+        if phase == "finished":
+            left = 0.0
+        payload = {"trials_done": done, "max_trials": search.max_trials, "confirm_done": len(state.confirms),
+                   "confirm_planned": len(state.confirms) + len(rest) if rest is not None and len(picks) > 1 else None,
+                   "elapsed_s": round(self.elapsed(), 2),
+                   "time_left_s": max(0.0, round(left, 1)), "phase": phase,
+                   "stop_reason": self.stop.text if self.stop else None,
+                   "best_tokens_per_s": figure if figure is not None else best.tokens_per_s if best else None,
+                   "best_config": best.candidate.knobs() if best else None, "last_trial": last}
+        self.store.update_progress(self.job_id, payload, holder=self.worker_id)
+        if self.progress:
+            self.progress(payload)
 
-    confirmation = None
-    if not stop_reason.startswith(("cancelled", "released")):
-        picks = confirm.finalists(state) if search.confirm_rounds else []
-        while rest := confirm.remaining(state, picks, search.confirm_rounds):    # a race: the beaten drop out
-            cand = rest[0]
-            if trials_cap is not None and len(state.history) + len(state.confirms) >= trials_cap:
-                stop_reason += (f"; confirmation cut short: this server allows {trials_cap} trials in all, "
-                                "confirmation included (SLTUNE_MAX_TRIALS)")
-                break
-            if elapsed() >= search.time_budget_s:
-                stop_reason += f"; confirmation cut short: time_budget_s ({search.time_budget_s:g}s) used up"
-                break
-            if should_stop and (why := should_stop()):
-                stop_reason = why
-                break
-            result = measure(cand, "confirm", None)
-            if result is None:
-                break
-            state.confirms.append(Done(number, cand, "confirm", result))
-            add_confirms(study, space.params, space.distributions(), state.confirms[-1:])
-            report(last={"number": number, "config": cand.knobs(), "status": result["status"],
-                         "tokens_per_s": result.get("tokens_per_s"), "error": result.get("error")}, phase="confirm")
-            number += 1
-        confirmation = confirm.verdict(state, picks)
-
-    out = job_result(job_id, spec, state, stop_reason, elapsed(), confirmation)
-    if stop_reason and stop_reason.startswith("released"):
-        store.update_progress(job_id, {**store.job(job_id).progress, "phase": "released", "stop_reason": stop_reason},
-                              holder=worker_id)
-        out["status"], out["error"] = "released", None
-        return out
-    cancelled = bool(stop_reason and stop_reason.startswith("cancelled"))
-    status = "cancelled" if cancelled else ("succeeded" if out["best"] else "failed")
-    error = None if out["best"] or cancelled else ("no config ran successfully: " + _failures(state))
-    report(phase="finished", best=confirm.winner_of(state, confirmation),
-           figure=out["best"]["tokens_per_s"] if out["best"] else None)
-    set_pick(study, out)
-    store.set_status(job_id, status, holder=worker_id, result=out, error=error)
-    out["status"] = status
-    out["error"] = error
-    return out
-
-
-def _failures(state: SearchState) -> str:
-    errs = [f"{d.candidate}: {d.result['status']} ({d.result.get('error')})" for d in state.history[-3:]]
-    return "; ".join(errs) or "no trial ran"
-
-
-def _remove_if_empty(folder: Path) -> None:
-    try:
-        folder.rmdir()
-    except OSError:
-        pass
+    def _last(self, cand: Candidate, result: dict[str, Any]) -> dict[str, Any]:
+        """A finished trial as progress shows it."""
+        return {"number": self.number, "config": cand.knobs(), "status": result["status"],
+                "tokens_per_s": result.get("tokens_per_s"), "error": result.get("error")}
 
 
 def free_space(folder: Path | None) -> str:
+    """The data directory's free space, in words: why a trial's trace could not be written."""
     try:
         return f"{format_bytes(shutil.disk_usage(folder).free)} free in the data directory"
     except (OSError, TypeError):
         return "the data directory cannot be read"
 
 
-def trial_spec(spec: TuningSpec, c: Candidate, trace: Path | None, default_host_limit: int | None = None,
-               max_trial_steps: int | None = None, layers: int | None = None,
-               offload_dir: Path | None = None, confirming: bool = False) -> TrialSpec:
-    """What one trial runs. The worker's ceilings hold whatever the stored spec says: host memory; timed steps,
-    every round together (an unstable round is re-measured only while both fit); and intra-op threads, at most
-    this machine's cores shared by the ranks (more would only take turns on them). A probe at reduced depth
-    (`layers`) times its steps for that share of trial_min_time_s: as many steps as the whole model's would. A
-    config of optimizer_offload disk writes its files in `offload_dir`, the runner's folder for the trial (never
-    a path from the spec). A confirmation trial (`confirming`) only times its steps, once: its config's breakdown
-    and trace are its search trial's, and the paired rounds are its re-measurement (a round of its own measured
-    again would pick the quieter of two moments for one finalist and not for the others); it cost a search trial's
-    time again under load (bench/tuner.py)."""
-    w, hw, s = spec.workload, spec.hardware, spec.search
-    min_time = s.trial_min_time_s
-    if layers is not None:
-        min_time *= min(1.0, layers / shape_of(spec.model.source, spec.model.dtype).layers)
-    steps, max_steps, remeasure = s.trial_steps, s.trial_max_steps, 1
-    if max_trial_steps is not None:
-        steps, max_steps = min(steps, max_trial_steps), min(max_steps, max_trial_steps)
-        remeasure = 1 if 2 * max(steps, max_steps) <= max_trial_steps else 0
-    if confirming:
-        remeasure = 0
-    threads = hw.cpu_threads
-    if threads is not None:
-        threads = min(threads, max(1, machine_cores() // hw.world_size))
-    return TrialSpec(model=spec.model.source, dtype=spec.model.dtype, mixed_precision=spec.model.mixed_precision,
-                     optimizer=spec.optimizer, sub_batch_size=c.b, num_sub_batches=c.n,
-                     num_live_blocks=c.k, schedule=s.schedule, activations=c.a, mode=w.mode,
-                     kv_cache=c.kv_cache or "host", weights_on_device=c.w or 0.0, seq_len=w.seq_len,
-                     prompt_len=w.prompt_len, new_tokens=w.new_tokens, world_size=hw.world_size, device=hw.device,
-                     device_memory_limit=hw.device_memory_limit,
-                     host_memory_limit=min((x for x in (hw.host_memory_limit, default_host_limit) if x),
-                                           default=None),
-                     steps=steps, min_time_s=min_time, max_steps=max_steps, remeasure=remeasure,
-                     cpu_threads=threads, profile=s.profile and not confirming, trace_path=str(trace) if trace else None,
-                     timeout_s=s.trial_timeout_s, seed=s.seed, num_layers=layers,
-                     **({"optimizer_offload": "disk", "offload_dir": str(_required(offload_dir))}
-                        if c.on_disk and w.mode == "train" else {}))
-
-
-def _required(offload_dir: Path | None) -> Path:
-    if offload_dir is None:
-        raise ValueError("a config of optimizer_offload disk needs the runner's offload folder for its trial")
-    return offload_dir
+def _remove_if_empty(folder: Path) -> None:
+    """The job's offload folder, once its trial's folder is gone: a finished job leaves nothing there."""
+    try:
+        folder.rmdir()
+    except OSError:
+        pass

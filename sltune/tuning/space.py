@@ -13,7 +13,7 @@ import optuna
 from sltune.tuning.knobs import knob_values
 
 if TYPE_CHECKING:
-    from sltune.tuning.shape import ModelShape
+    from sltune.tuning.cost.shape import ModelShape
     from sltune.tuning.spec import TuningSpec
 
 
@@ -26,9 +26,9 @@ class Candidate:
     b: int
     n: int
     k: int
-    a: str = "recompute"            # activations
+    activations: str = "recompute"
     kv_cache: str | None = None     # generation only: "host" | "device"
-    w: float | None = None          # generation only: weights_on_device, the share of the weights kept there
+    weights_on_device: float | None = None  # generation only: the share of the weights kept there
     optimizer_offload: str = "host"  # training: the master and optimizer state in host memory, or in files ("disk")
 
     @classmethod
@@ -47,11 +47,11 @@ class Candidate:
 
     def knobs(self) -> dict[str, Any]:
         out: dict[str, Any] = {"sub_batch_size": self.b, "num_sub_batches": self.n, "num_live_blocks": self.k,
-                               "activations": self.a}
+                               "activations": self.activations}
         if self.kv_cache is not None:
             out["kv_cache"] = self.kv_cache
-        if self.w is not None:
-            out["weights_on_device"] = self.w
+        if self.weights_on_device is not None:
+            out["weights_on_device"] = self.weights_on_device
         if self.optimizer_offload != "host":     # trials and configs from before the knob are host's
             out["optimizer_offload"] = self.optimizer_offload
         return out
@@ -65,14 +65,15 @@ class Candidate:
         device if the other's is, at least its share of the weights kept there, the optimizer in host memory if the
         other's is: needs at least as much device memory (and, moving less, runs no slower; disk's reads and
         writes come on top of the same step)."""
-        return self.b >= other.b and self.batch >= other.batch and self.k >= other.k and self.a == other.a \
-            and self.kv_on_device >= other.kv_on_device and (self.w or 0.0) >= (other.w or 0.0) \
+        return self.b >= other.b and self.batch >= other.batch and self.k >= other.k \
+            and self.activations == other.activations and self.kv_on_device >= other.kv_on_device \
+            and (self.weights_on_device or 0.0) >= (other.weights_on_device or 0.0) \
             and self.on_disk <= other.on_disk and self != other
 
     def __str__(self) -> str:
-        return (f"b={self.b} N={self.n} k={self.k}" + ("" if self.a == "recompute" else f" {self.a}")
+        return (f"b={self.b} N={self.n} k={self.k}" + ("" if self.activations == "recompute" else f" {self.activations}")
                 + (f" kv_cache={self.kv_cache}" if self.kv_cache else "")
-                + (f" w={self.w:g}" if self.w is not None else "")
+                + (f" w={self.weights_on_device:g}" if self.weights_on_device is not None else "")
                 + (f" optimizer_offload={self.optimizer_offload}" if self.optimizer_offload != "host" else ""))
 
 
@@ -90,7 +91,7 @@ class SearchSpace:
         s = spec.search
         self.b_values = knob_values(s.sub_batch_size, "sub_batch_size")
         self.k_values = sorted({min(k, shape.layers) for k in knob_values(s.num_live_blocks, "num_live_blocks")})
-        self.a_values = list(s.activations)
+        self.activation_values = list(s.activations)
         self.by_batch = s.effective_batch_size is not None
         if self.by_batch:
             self.batch_values = knob_values(s.effective_batch_size, "effective_batch_size")
@@ -99,11 +100,11 @@ class SearchSpace:
             self.n_values = knob_values(s.num_sub_batches, "num_sub_batches")
             pairs = [(b, n) for b in self.b_values for n in self.n_values]
         self.kv_values = s.kv_cache_values(spec.workload.mode)
-        self.w_values = s.weights_on_device_values(spec.workload.mode)
-        self.o_values = s.optimizer_offload_values(spec.workload.mode)
+        self.weight_shares = s.weights_on_device_values(spec.workload.mode)
+        self.offload_values = s.optimizer_offload_values(spec.workload.mode)
         self.candidates = sorted({Candidate(b, n, k, a, kv, w, o) for b, n in pairs for k in self.k_values
-                                  for a in self.a_values for kv in self.kv_values or [None]
-                                  for w in self.w_values or [None] for o in self.o_values})
+                                  for a in self.activation_values for kv in self.kv_values or [None]
+                                  for w in self.weight_shares or [None] for o in self.offload_values})
         self._members = frozenset(self.candidates)
 
     def __contains__(self, c: object) -> bool:
@@ -113,9 +114,9 @@ class SearchSpace:
     @property
     def param_names(self) -> tuple[str, ...]:
         names = ("sub_batch_size", "effective_batch_size" if self.by_batch else "num_sub_batches", "num_live_blocks")
-        return (names + (("activations",) if len(self.a_values) > 1 else ())
-                + (("kv_cache",) if self.kv_values else ()) + (("weights_on_device",) if self.w_values else ())
-                + (("optimizer_offload",) if len(self.o_values) > 1 else ()))
+        return (names + (("activations",) if len(self.activation_values) > 1 else ())
+                + (("kv_cache",) if self.kv_values else ()) + (("weights_on_device",) if self.weight_shares else ())
+                + (("optimizer_offload",) if len(self.offload_values) > 1 else ()))
 
     def distributions(self) -> dict[str, optuna.distributions.BaseDistribution]:
         second = self.batch_values if self.by_batch else self.n_values
@@ -124,14 +125,14 @@ class SearchSpace:
             self.param_names[1]: optuna.distributions.CategoricalDistribution(second),
             "num_live_blocks": optuna.distributions.CategoricalDistribution(self.k_values),
         }
-        if len(self.a_values) > 1:
-            out["activations"] = optuna.distributions.CategoricalDistribution(self.a_values)
+        if len(self.activation_values) > 1:
+            out["activations"] = optuna.distributions.CategoricalDistribution(self.activation_values)
         if self.kv_values:
             out["kv_cache"] = optuna.distributions.CategoricalDistribution(self.kv_values)
-        if self.w_values:
-            out["weights_on_device"] = optuna.distributions.CategoricalDistribution(self.w_values)
-        if len(self.o_values) > 1:
-            out["optimizer_offload"] = optuna.distributions.CategoricalDistribution(self.o_values)
+        if self.weight_shares:
+            out["weights_on_device"] = optuna.distributions.CategoricalDistribution(self.weight_shares)
+        if len(self.offload_values) > 1:
+            out["optimizer_offload"] = optuna.distributions.CategoricalDistribution(self.offload_values)
         return out
 
     def grid(self) -> dict[str, list[Any]]:
@@ -140,22 +141,22 @@ class SearchSpace:
     def params(self, c: Candidate) -> dict[str, Any]:
         second = c.batch if self.by_batch else c.n
         out: dict[str, Any] = {"sub_batch_size": c.b, self.param_names[1]: second, "num_live_blocks": c.k}
-        if len(self.a_values) > 1:
-            out["activations"] = c.a
+        if len(self.activation_values) > 1:
+            out["activations"] = c.activations
         if self.kv_values:
             out["kv_cache"] = c.kv_cache
-        if self.w_values:
-            out["weights_on_device"] = c.w
-        if len(self.o_values) > 1:
+        if self.weight_shares:
+            out["weights_on_device"] = c.weights_on_device
+        if len(self.offload_values) > 1:
             out["optimizer_offload"] = c.optimizer_offload
         return out
 
     def candidate(self, params: dict[str, Any]) -> Candidate | None:
         b, k = int(params["sub_batch_size"]), int(params["num_live_blocks"])
-        a = str(params.get("activations", self.a_values[0]))
+        a = str(params.get("activations", self.activation_values[0]))
         kv = params.get("kv_cache") if self.kv_values else None
-        w = params.get("weights_on_device") if self.w_values else None
-        o = str(params.get("optimizer_offload", self.o_values[0]))
+        w = params.get("weights_on_device") if self.weight_shares else None
+        o = str(params.get("optimizer_offload", self.offload_values[0]))
         if self.by_batch:
             batch = int(params["effective_batch_size"])
             if batch % b:
@@ -184,15 +185,15 @@ class SearchSpace:
     def describe(self) -> dict[str, Any]:
         """What best.yaml records so `sltune plan` can rebuild the space."""
         out: dict[str, Any] = {"sub_batch_size": self.b_values, "num_live_blocks": self.k_values,
-                               "activations": self.a_values}
+                               "activations": self.activation_values}
         if self.by_batch:
             out["effective_batch_size"] = self.batch_values
         else:
             out["num_sub_batches"] = self.n_values
         if self.kv_values:
             out["kv_cache"] = self.kv_values
-        if self.w_values:
-            out["weights_on_device"] = self.w_values
-        if self.o_values != ["host"]:
-            out["optimizer_offload"] = self.o_values
+        if self.weight_shares:
+            out["weights_on_device"] = self.weight_shares
+        if self.offload_values != ["host"]:
+            out["optimizer_offload"] = self.offload_values
         return out

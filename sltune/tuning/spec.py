@@ -2,7 +2,7 @@
 
 Every error names the field and the fix. Parsing checks types, ranges and knobs that contradict each other, and
 reads nothing but a model folder's config: a stored job is read back with it in milliseconds. The checks against
-the model's shape and the cost model (seconds for a big config) are admission's (sltune.tuning.admission), which
+the model's shape and the cost model (seconds for a big config) are admission's (sltune.tuning.cost.admission), which
 tune, plan and POST /tune run before a job is created.
 """
 
@@ -22,6 +22,7 @@ from sltune.sizes import SIZE_SCHEMA, parse_bytes
 from sltune.training.optimizer import OptimizerConfig
 from sltune.tuning.knobs import MAX_KNOB_VALUES, Range, knob_values
 from sltune.yamlfile import read_yaml
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
@@ -347,7 +348,7 @@ class TuningSpec(_Strict):
     @model_validator(mode="after")
     def _consistent(self) -> "TuningSpec":
         """The knobs that contradict each other or the mode, and a space too large to search: all without the
-        model's shape (the checks that need it, and the cost model, are sltune.tuning.admission's)."""
+        model's shape (the checks that need it, and the cost model, are sltune.tuning.cost.admission's)."""
         mode = self.workload.mode
         hw = self.hardware
         if hw.world_size > 1 and self.workload.mode == "generate":

@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 from sltune.profiling.stats import paired_ratio_ci, ratio_ci
 from sltune.profiling.timing import step_tokens_per_s, timing_of
-from sltune.tuning.figure import median_of
+from sltune.tuning.report.throughput import median_of
 
 Key = tuple[int, int, int]
 CONFOUNDING_CORES = 0.5     # a difference in other processes' busy cores that makes two measurements incomparable
@@ -102,7 +102,7 @@ def by_config(job: JobData) -> dict[Key, list[list[float]]]:
 
 
 def _median(groups: list[list[float]]) -> float:
-    """A config's figure: the one a job reports as its best (sltune.tuning.figure), so both say the same."""
+    """A config's figure: the one a job reports as its best (sltune.tuning.report.throughput), so both say the same."""
     return median_of(groups)
 
 
@@ -183,7 +183,7 @@ def remeasure(cmp: dict[str, Any], old: JobData, new: JobData, rounds: int = 3,
     difference in, say, hardware.cpu_threads stays); the verdict becomes the paired one. `run` takes a
     TrialSpec and returns a TrialResult dict (run_trial's by default)."""
     from sltune.profiling import run_trial
-    from sltune.tuning.runner import trial_spec
+    from sltune.tuning.search.trials import trial_spec
     from sltune.tuning.space import Candidate
     from sltune.tuning.spec import TuningSpec
 

@@ -9,17 +9,17 @@ from typing import Any
 
 from sltune.config import SpeedLoaderConfig
 from sltune.profiling.timing import timing_of
-from sltune.tuning.depth import summary
-from sltune.tuning.figure import figure
+from sltune.tuning.report.throughput import figure
+from sltune.tuning.search.probes import summary
+from sltune.tuning.search.state import SearchState
 from sltune.tuning.spec import TuningSpec
-from sltune.tuning.state import SearchState
 
 
 def job_result(job_id: str, spec: TuningSpec, state: SearchState, stop_reason: str | None,
                wall_seconds: float, confirmation: dict[str, Any] | None = None) -> dict[str, Any]:
     """`confirmation` is confirm.verdict's answer: its winner is the best, its statement the confidence. The
-    best's tokens_per_s and interval are its one figure (sltune.tuning.figure) over all its trials."""
-    from sltune.tuning.confirm import winner_of
+    best's tokens_per_s and interval are its one figure (sltune.tuning.report.throughput) over all its trials."""
+    from sltune.tuning.search.confirm import winner_of
 
     best = winner_of(state, confirmation)
     depth = summary(state)

@@ -31,7 +31,7 @@ Peak memory is close to linear in the knobs (../shared/design/speedloader.md):
              keeping every weight ran 1.39x faster at b=16 N=1 and 0.86x at b=1 N=16; a plain W term
              fitted to probes at large N predicted step times <= 0 at N=1.
 
-Across depths (search.probe_layers: oneshot's probes run fewer layers, sltune.tuning.depth) a training job's
+Across depths (search.probe_layers: oneshot's probes run fewer layers, sltune.tuning.search.probes) a training job's
 models are ACROSS_DEPTHS: each term carries its known depth scaling, so that probes of one depth fix every
 coefficient. The step's per-step cost grows with the parameter bytes P (loads, gradient offload, optimizer), a
 token's work with the weights it reads F (the layers and the head), the group terms with G and the offload
@@ -66,7 +66,7 @@ from typing import Any, Callable
 import numpy as np
 from scipy.optimize import least_squares
 
-from sltune.tuning.shape import ModelShape
+from sltune.tuning.cost.shape import ModelShape
 from sltune.tuning.space import Candidate
 
 FEATURES: dict[str, Callable[[dict[str, float]], float]] = {
@@ -91,11 +91,11 @@ FEATURES: dict[str, Callable[[dict[str, float]], float]] = {
     "[disk]*P": lambda v: v.get("disk", 0.0) * v["P"],
     "W": lambda v: v["W"],
     "W/N": lambda v: v["W"] / v["N"],
-    # across depths (search.probe_layers; sltune.tuning.depth): P the parameter bytes, F those a token's compute
+    # across depths (search.probe_layers; sltune.tuning.search.probes): P the parameter bytes, F those a token's compute
     # reads (the layers and the head)
     "P": lambda v: v["P"],
     "F*N*b*s": lambda v: v["F"] * v["N"] * v["b"] * v["s"],
-    # the prior (sltune.tuning.prior): each peak predicted from the shape before any trial; the memory models fit
+    # the prior (sltune.tuning.cost.prior): each peak predicted from the shape before any trial; the memory models fit
     # what the trials measure beyond it (LinearFit.offset), so with no trial the prior alone predicts
     "prior_device": lambda v: v["prior_device"],
     "prior_host": lambda v: v["prior_host"],
@@ -116,7 +116,7 @@ MODELS = {
 }
 
 
-# search.probe_layers (training): the step time's terms each with its depth scaling (sltune.tuning.depth): the
+# search.probe_layers (training): the step time's terms each with its depth scaling (sltune.tuning.search.probes): the
 # per-step costs grow with P, a token's work with F; over trials of one depth P and F are constants and this is the
 # model above. The peaks start from the prior at each trial's own depth, which counts the weights, master,
 # gradients, optimizer state and group-edge activations term by term; the device's residual terms do not depend
@@ -128,7 +128,7 @@ ACROSS_DEPTHS = {
     "host": ("peak_host_bytes", ["1"]),
     "throughput": ("step_seconds", ["P", "G", "N", "F*N*b*s", "N*G", "[off]*(L-k)*N*b*s", "[disk]*P"]),
 }
-# the memory models fit what trials measure beyond the prior (its peaks, sltune.tuning.prior), at one depth or
+# the memory models fit what trials measure beyond the prior (its peaks, sltune.tuning.cost.prior), at one depth or
 # across depths alike
 PRIOR_OFFSETS = {"device": "prior_device", "host": "prior_host"}
 
@@ -136,18 +136,18 @@ PRIOR_OFFSETS = {"device": "prior_device", "host": "prior_host"}
 def variables(c: Candidate, shape: ModelShape, tokens_per_row: int) -> dict[str, float]:
     """The quantities the features are made of, for one candidate."""
     return {"b": c.b, "N": c.n, "k": c.k, "B": c.batch, "s": tokens_per_row, "G": shape.groups(c.k),
-            "L": shape.layers, "off": 1.0 if c.a == "offload" else 0.0, "D": float(c.kv_on_device),
+            "L": shape.layers, "off": 1.0 if c.activations == "offload" else 0.0, "D": float(c.kv_on_device),
             "disk": float(c.on_disk),
             "W": kept_fraction(shape, c)}
 
 
 def kept_fraction(shape: ModelShape, c: Candidate) -> float:
     """W: the share of the parameter bytes c keeps on the device, in the whole units the engine keeps (so
-    at most c.w); 0 in training, where nothing is kept."""
-    if not c.w:
+    at most c.weights_on_device); 0 in training, where nothing is kept."""
+    if not c.weights_on_device:
         return 0.0
     total = sum(shape.unit_bytes(c.k))
-    return shape.kept_bytes(c.k, c.w) / total if total else 0.0
+    return shape.kept_bytes(c.k, c.weights_on_device) / total if total else 0.0
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """What one sub-batch's compute allocates on the device beyond the engine's own buffers, traced on the meta device.
 
 The engine's buffers (parameters, gradients, boundary activations, KV blocks) have exact byte formulas
-(sltune.tuning.prior). What a layer allocates while it computes is its family's code's business: its
+(sltune.tuning.cost.prior). What a layer allocates while it computes is its family's code's business: its
 intermediates, what autograd saves, the gradient a weight's backward makes before it is added into the unit's
 buffer. So the prior runs that code, the engine's way (the prologue recording every layer's arguments, a group
 of layers, the head and loss, each forward and backward), on the meta device, where tensors have shapes and no

@@ -1,11 +1,11 @@
 """`sltune plan SPEC.yaml`: every config of a spec with its peaks predicted from the shape alone, before any trial.
 
-No trial runs and no best.yaml is needed: the prior (sltune.tuning.prior) predicts each config's host and device
+No trial runs and no best.yaml is needed: the prior (sltune.tuning.cost.prior) predicts each config's host and device
 peaks term by term (and under optimizer_offload disk its files' bytes), the spec's limits (the disk's by default
 the free space where trials offload to) (or, with none, this machine's trial ceiling) rule configs in or out with
 the tuner's own margin, and each of the largest that fit names the limit that stops it growing. A spec none of
 whose configs can fit is refused with every limit the closest config is over, its terms there, and what would fit
-(sltune.tuning.feasible). A hardware.disk_limit larger than the free space is named beside it: the free space
+(sltune.tuning.cost.feasible). A hardware.disk_limit larger than the free space is named beside it: the free space
 applies.
 """
 
@@ -16,13 +16,13 @@ from typing import Any
 
 from sltune.settings import Settings
 from sltune.sizes import parse_bytes
-from sltune.tuning.admission import load
-from sltune.tuning.baseline import trial_baseline
-from sltune.tuning.feasible import FreeSpace, disk_room, shortfall
-from sltune.tuning.shape import shape_of
+from sltune.tuning.cost.admission import load
+from sltune.tuning.cost.baseline import trial_baseline
+from sltune.tuning.cost.feasible import FreeSpace, disk_room, shortfall
+from sltune.tuning.cost.shape import shape_of
+from sltune.tuning.search.state import SearchState
 from sltune.tuning.space import SearchSpace
 from sltune.tuning.spec import DISK_LIMIT_WITHOUT_DISK
-from sltune.tuning.state import SearchState
 
 LIMITS = ("device_memory_limit", "host_memory_limit", "disk_limit")
 

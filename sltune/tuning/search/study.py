@@ -67,7 +67,7 @@ def tell(study: optuna.Study, trial: optuna.Trial, result: dict[str, Any], role:
 
 def add_confirms(study: optuna.Study, params: Callable[[Any], dict[str, Any]],
                  distributions: dict[str, optuna.distributions.BaseDistribution], confirms: list) -> None:
-    """The confirmation trials (sltune.tuning.state.Done, role "confirm") the study lacks, added as finished
+    """The confirmation trials (sltune.tuning.search.state.FinishedTrial, role "confirm") the study lacks, added as finished
     trials: the sampler never proposed them, but Optuna's tools should see every measurement the pick rests
     on. Ones already there (by their sltune_trial attribute) are skipped, so a resumed job adds only what a
     killed one had not."""

@@ -2,7 +2,7 @@
 refuses it when it cannot.
 
 The least configs (the smallest batch, with each of the space's live-block counts, activations, KV placements,
-kept shares and offload places) are predicted term by term (sltune.tuning.prior). When none of them is within
+kept shares and offload places) are predicted term by term (sltune.tuning.cost.prior). When none of them is within
 every limit, the job is refused before any trial: the host limit holds all the trial's ranks together (trials
 enforce it so: more ranks do not bring more room), the device limit each rank, the disk limit the files of
 search.optimizer_offload disk (a host config needs none). The answer names every limit the closest config is
@@ -29,7 +29,7 @@ from typing import Iterable
 
 from sltune.sizes import format_bytes
 from sltune.training.optimizer import OptimizerConfig
-from sltune.tuning.prior import Prior, Recipe, at_depth, predict
+from sltune.tuning.cost.prior import Prior, Setup, at_depth, predict
 from sltune.tuning.space import Candidate
 
 RESOURCES = ("device", "host", "disk")      # the scarcest first: the closest config is over the least of it
@@ -107,7 +107,7 @@ def smallest(candidates: Iterable[Candidate]) -> list[Candidate]:
     return [c for c in cands if (c.batch, c.b) == least]
 
 
-def shortfall(recipe: Recipe, candidates: Iterable[Candidate], host_limit: int | None, device_limit: int | None,
+def shortfall(recipe: Setup, candidates: Iterable[Candidate], host_limit: int | None, device_limit: int | None,
               host_name: str = "hardware.host_memory_limit", device_name: str = "hardware.device_memory_limit",
               what: str = "the smallest config", disk_limit: int | None = None,
               disk_name: str = "hardware.disk_limit") -> str | None:
@@ -134,7 +134,7 @@ def shortfall(recipe: Recipe, candidates: Iterable[Candidate], host_limit: int |
     return text + ". What would fit: " + _would_fit(recipe, cands, limits, closest)
 
 
-def overs(recipe: Recipe, c: Candidate, limits: list[Limit]) -> Over:
+def overs(recipe: Setup, c: Candidate, limits: list[Limit]) -> Over:
     """c's prior and the limits it is over (the disk's only when its optimizer lives in files)."""
     prior = predict(recipe, c)
     over = tuple((limit, need) for limit in limits
@@ -154,7 +154,7 @@ def nearest(found: list[Over]) -> list[Over]:
     return kept[:1 + ALTERNATIVES]
 
 
-def _clause(recipe: Recipe, f: Over, limit: Limit, need: int, subject: str) -> str:
+def _clause(recipe: Setup, f: Over, limit: Limit, need: int, subject: str) -> str:
     """'hardware.host_memory_limit 20.0 GiB is below the 46.8 GiB (N bytes) <subject> in host memory: terms'."""
     terms = {"device": f.prior.device_terms, "host": f.prior.host_terms, "disk": f.prior.disk_terms}[limit.resource]
     ranks = " (all ranks together)" if limit.resource == "host" and recipe.world_size > 1 else ""
@@ -177,7 +177,7 @@ def listing(terms: list[tuple[str, int]], total: int) -> str:
     return ", ".join(shown) + f" {unit}"
 
 
-def _would_fit(recipe: Recipe, cands: list[Candidate], limits: list[Limit], closest: list[Over]) -> str:
+def _would_fit(recipe: Setup, cands: list[Candidate], limits: list[Limit], closest: list[Over]) -> str:
     """The recipe changes, alone or together, under which some least config is predicted within every limit;
     then the limits each closest config takes, all of them together."""
     named = [limit.resource for limit, _ in closest[0].over]
@@ -195,7 +195,7 @@ def _would_fit(recipe: Recipe, cands: list[Candidate], limits: list[Limit], clos
     return text + _without_process(recipe, closest)
 
 
-def _without_process(recipe: Recipe, closest: list[Over]) -> str:
+def _without_process(recipe: Setup, closest: list[Over]) -> str:
     """The spec's own check predicts without the trial process (it is the machine's that runs the trials): its host
     figures take that process's memory on top, or the spec is refused again where trials run."""
     if recipe.baseline or not any(limit.resource == "host" for f in closest for limit, _ in f.over):
@@ -203,11 +203,11 @@ def _without_process(recipe: Recipe, closest: list[Over]) -> str:
     return " (the host figures leave out the trial process's own memory; `sltune plan SPEC.yaml` adds it)"
 
 
-def _changes(recipe: Recipe) -> list[tuple[str, Recipe]]:
+def _changes(recipe: Setup) -> list[tuple[str, Setup]]:
     """Each change of precision, optimizer or dtype that needs less memory."""
-    from sltune.tuning.shape import shape_of
+    from sltune.tuning.cost.shape import shape_of
 
-    changes: list[tuple[str, Recipe]] = []
+    changes: list[tuple[str, Setup]] = []
     sgd = OptimizerConfig(name="sgd")
     train = recipe.mode == "train"
     if train and recipe.master:
@@ -241,7 +241,7 @@ def _needs(f: Over, closest: Candidate, named: list[str]) -> str:
     return ", ".join(f"{format_bytes(getattr(f.prior, r))} {WHERE[r]}" for r in shown) + place
 
 
-def _within(recipe: Recipe, cands: list[Candidate], limits: list[Limit], named: list[str]) -> Over | None:
+def _within(recipe: Setup, cands: list[Candidate], limits: list[Limit], named: list[str]) -> Over | None:
     """The least config predicted within every limit that needs the least of the `named` resources, or None."""
     ok = [f for f in (overs(recipe, c, limits) for c in smallest(cands)) if not f.over]
     return min(ok, key=lambda f: (tuple(getattr(f.prior, r) for r in named), f.config), default=None)

@@ -2,7 +2,7 @@
 
 Parsing (sltune.tuning.spec) reads a spec; admission decides whether its search can run at all: the model builds,
 the workload fits its positions, the space is not empty, and the smallest config fits the memory limits (refused
-term by term with what would fit, sltune.tuning.feasible). `tune`, `plan` and POST /tune call it; a stored job is
+term by term with what would fit, sltune.tuning.cost.feasible). `tune`, `plan` and POST /tune call it; a stored job is
 never admitted again when it is read (a worker resuming it, `export`, GET /jobs/{id}/config.yaml).
 """
 
@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from sltune.sizes import format_bytes
-from sltune.tuning.shape import ModelShape, shape_of
+from sltune.tuning.cost.shape import ModelShape, shape_of
 from sltune.tuning.space import SearchSpace
 from sltune.tuning.spec import TuningSpec
 
@@ -58,7 +58,7 @@ def _probe_depth(spec: TuningSpec, shape: ModelShape, space: SearchSpace) -> Non
     """search.probe_layers is for oneshot's training probes, and a number must leave the fits' terms apart:
     at least two groups of the largest num_live_blocks (so G = ceil(L/k) and the (L-k) of the offload
     terms vary as at full depth), and fewer layers than the model has."""
-    from sltune.tuning.depth import least_probe_layers
+    from sltune.tuning.cost.depth import least_probe_layers
 
     layers = spec.search.probe_layers
     if layers is None:
@@ -86,17 +86,17 @@ def _probe_depth(spec: TuningSpec, shape: ModelShape, space: SearchSpace) -> Non
 
 
 def _memory_fits(spec: TuningSpec, shape: ModelShape, space: SearchSpace) -> None:
-    """Refuse limits below what the smallest config is predicted to need (sltune.tuning.prior), term by term
+    """Refuse limits below what the smallest config is predicted to need (sltune.tuning.cost.prior), term by term
     with what would fit: the device limit per rank, the host limit for all ranks together (trials hold it so).
     The process a trial runs in is left out here (it is this machine's, measured where trials run: tune and
     the server add it), so what is refused here fits nowhere."""
-    from sltune.tuning.feasible import shortfall
-    from sltune.tuning.prior import Recipe
+    from sltune.tuning.cost.feasible import shortfall
+    from sltune.tuning.cost.prior import Setup
 
     hw = spec.hardware
     if hw.host_memory_limit is None and hw.device_memory_limit is None and hw.disk_limit is None:
         return
-    short = shortfall(Recipe.of_spec(spec, shape), space.candidates, hw.host_memory_limit, hw.device_memory_limit,
+    short = shortfall(Setup.of_spec(spec, shape), space.candidates, hw.host_memory_limit, hw.device_memory_limit,
                       disk_limit=hw.disk_limit)
     if short:
         raise ValueError(short)
@@ -105,7 +105,7 @@ def _memory_fits(spec: TuningSpec, shape: ModelShape, space: SearchSpace) -> Non
 def _weights_fit(spec: TuningSpec, shape: ModelShape, space: SearchSpace) -> None:
     """Refuse shares of the weights that no config can keep on the device under its limit, when keeping
     none would fit: the device holds the kept weights beside the largest unit still streamed in."""
-    limit, shares = spec.hardware.device_memory_limit, space.w_values
+    limit, shares = spec.hardware.device_memory_limit, space.weight_shares
     if limit is None or not shares or shares[0] == 0:
         return
     mode = spec.workload.mode

@@ -50,8 +50,8 @@ def trial_baseline(device: str = "cpu", world_size: int = 1, mode: str = "train"
 def _measure(device: str, world_size: int, mode: str, cpu_threads: int | None) -> int:
     from sltune.profiling import run_trial
     from sltune.profiling.schema import TrialSpec
-    from sltune.tuning.prior import Recipe, predict
-    from sltune.tuning.shape import shape_of
+    from sltune.tuning.cost.prior import Setup, predict
+    from sltune.tuning.cost.shape import shape_of
     from sltune.tuning.space import Candidate
 
     trial = TrialSpec(model=MICRO, mode=mode, seq_len=4, prompt_len=2, new_tokens=2, world_size=world_size,
@@ -60,7 +60,7 @@ def _measure(device: str, world_size: int, mode: str, cpu_threads: int | None) -
     result = run_trial(trial)
     if result.status != "ok" or not result.peak_host_bytes:
         raise RuntimeError(f"measuring what a trial process holds failed: {result.status}: {result.error}")
-    own = predict(Recipe.of_trial(trial, shape_of(MICRO, trial.dtype)), Candidate(1, 1, 1)).host
+    own = predict(Setup.of_trial(trial, shape_of(MICRO, trial.dtype)), Candidate(1, 1, 1)).host
     return max(int(result.peak_host_bytes) - own, 1)
 
 

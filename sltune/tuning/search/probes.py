@@ -3,7 +3,7 @@
 A trial runs every layer, and at real depth on a CPU a step takes seconds to minutes, so the probes alone of
 a search can take hours. The one-shot method's premise is that cost is linear in the knobs; it is linear in
 depth too, so oneshot's probes may run Lp < L layers and the fits take the layer count as a variable. Each
-term of the models has a depth scaling known from the shape (sltune.tuning.fit's features):
+term of the models has a depth scaling known from the shape (sltune.tuning.search.fit's features):
 
 - per layer, through the parameter bytes P = embedding + head + L*layer: a step's parameter loads, gradient
   offloads and optimizer step ("P" in the step time);
@@ -11,7 +11,7 @@ term of the models has a depth scaling known from the shape (sltune.tuning.fit's
 - per group, G = ceil(L/k) ("G", "N*G"), and per layer below the last group ("(L-k)" terms);
 - not at all: per sub-batch ("N").
 
-The peaks start from the prior (sltune.tuning.prior) computed at the trial's own depth: the weights, master,
+The peaks start from the prior (sltune.tuning.cost.prior) computed at the trial's own depth: the weights, master,
 gradients and optimizer state of L layers, the activations at every group edge, term by term; the device's
 fitted residual does not depend on L (it holds one or two groups of k layers whatever L is), and the host's is a
 constant. So probes at a single depth fix every coefficient, and a full-depth prediction is the same fit at L.
@@ -27,13 +27,13 @@ left out of the fits (a whole-model probe costs a few seconds then, and nothing 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from statistics import median
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any
+
+from sltune.tuning.cost.depth import least_probe_layers
 
 if TYPE_CHECKING:
-    from sltune.tuning.shape import ModelShape
-    from sltune.tuning.state import Done, SearchState
+    from sltune.tuning.search.state import FinishedTrial, SearchState
 
 # A full-depth step at least this long makes auto probe at reduced depth: a whole-model probe's steps (a warm-up
 # that measures memory, at least two timed, the profiled one) then take several seconds, where its start-up
@@ -41,33 +41,7 @@ if TYPE_CHECKING:
 AUTO_STEP_S = 0.5
 
 
-def least_probe_layers(k_values: Iterable[int]) -> int:
-    """The fewest layers a probe may run: two groups of the largest k."""
-    return 2 * max(k_values)
-
-
-@dataclass(frozen=True)
-class DepthTerms:
-    """The shape's depth-dependent quantities of the step time, P and F, at any layer count (uniform layers: the
-    largest one's bytes, as ModelShape counts them)."""
-
-    layers: int                  # the model's own
-    layer_bytes: int
-    other_bytes: int             # embedding, head, tied weights: P = other + L*layer
-    head_bytes: int              # what a token's compute reads beyond the layers: the head (or the tied weight)
-
-    @classmethod
-    def of(cls, shape: "ModelShape") -> "DepthTerms":
-        return cls(layers=shape.layers, layer_bytes=shape.layer_bytes,
-                   other_bytes=shape.param_bytes - shape.layers * shape.layer_bytes,
-                   head_bytes=shape.head_bytes + shape.tied_bytes)
-
-    def vars(self, layers: int) -> dict[str, float]:
-        return {"P": float(self.other_bytes + layers * self.layer_bytes),
-                "F": float(self.head_bytes + layers * self.layer_bytes)}
-
-
-def layers_of(done: "Done") -> int | None:
+def layers_of(done: "FinishedTrial") -> int | None:
     """The decoder layers a trial ran, as it reported them (None: not reported, the whole model)."""
     return ((done.result or {}).get("config") or {}).get("num_layers")
 
@@ -88,7 +62,7 @@ def probe_layers(state: "SearchState") -> int | None:
     return least if full_depth_step(state, first) >= AUTO_STEP_S else None
 
 
-def full_depth_step(state: "SearchState", done: "Done") -> float:
+def full_depth_step(state: "SearchState", done: "FinishedTrial") -> float:
     """A reduced-depth probe's step time scaled to the whole model by the layer count: an upper bound, since
     the per-step costs (the embedding, the head) do not grow with depth; it errs towards reducing."""
     return float(done.result["step_seconds"]) * state.shape.layers / layers_of(done)

@@ -7,16 +7,16 @@ Optuna's samplers choose; oneshot chooses itself (from its fitted models) and en
 from __future__ import annotations
 
 import dataclasses
-
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import optuna
 
-from sltune.tuning.depth import probe_layers
-from sltune.tuning.fit import FEATURES
+from sltune.tuning.search.fit import FEATURES
+from sltune.tuning.search.probes import probe_layers
+from sltune.tuning.search.state import SearchState
 from sltune.tuning.space import Candidate
-from sltune.tuning.state import SearchState
 
 
 @dataclass
@@ -26,8 +26,11 @@ class Proposal:
     layers: int | None = None       # decoder layers to run (a probe at reduced depth); None: the whole model
 
 
-@dataclass
+@dataclass(frozen=True)
 class Stop:
+    """Nothing more is worth a trial: every candidate has run ("exhausted"), or none untried is predicted to fit and
+    be faster than the best ("converged"). The runner ends the search with it; reason is the job's stop_reason."""
+    kind: Literal["exhausted", "converged"]
     reason: str
 
 
@@ -43,7 +46,7 @@ class Strategy:
 
     def propose(self) -> Proposal | Stop:
         if self.state.tried >= set(self.state.space.candidates):
-            return Stop("every candidate has been tried")
+            return Stop("exhausted", "every candidate has been tried")
         return Proposal(None, self.name)
 
 
@@ -79,7 +82,7 @@ class GridStrategy(Strategy):
     def propose(self) -> Proposal | Stop:
         untried = [c for c in self.state.space.candidates if c not in self.state.tried]
         if not untried:
-            return Stop("every candidate has been tried")
+            return Stop("exhausted", "every candidate has been tried")
         return Proposal(untried[0], "grid")   # in order, so an interrupted grid resumes where it stopped
 
 
@@ -97,7 +100,7 @@ class OneShotStrategy(Strategy):
     bench/noise.py (a) peaked 1.8% under it), a trial that runs out of memory costs one short trial and
     teaches the model its error, and a pick is always a measured config, whose peak is known.
 
-    With search.probe_layers the probes run fewer layers (sltune.tuning.depth) and every other trial the whole
+    With search.probe_layers the probes run fewer layers (sltune.tuning.search.probes) and every other trial the whole
     model; the search then ends only once two configs have run at full depth, so that the pick has a measured
     rival (the probes measured a smaller model)."""
 
@@ -111,14 +114,14 @@ class OneShotStrategy(Strategy):
 
         def cheapest(b: int, k: int, at_least: int = 0, w: float | None = None) -> Candidate | None:
             # the optimizer in host memory where that is predicted to fit, else on disk (search.optimizer_offload)
-            fits = [c for c in cands if c.b == b and c.k == k and c.n >= at_least and (w is None or c.w == w)]
+            fits = [c for c in cands if c.b == b and c.k == k and c.n >= at_least and (w is None or c.weights_on_device == w)]
             return min(fits, key=lambda c: (c.batch, c.on_disk and not self._host_over(c), c.on_disk), default=None)
 
         plan = [cheapest(b, k) for b in (b_lo, b_mid) for k in (ks[0], ks[-1])]
         if not self.state.space.by_batch:
             ns = sorted({c.n for c in cands if c.b == b_lo})
             plan += [cheapest(b_lo, k, at_least=ns[len(ns) // 2]) for k in (ks[0], ks[-1])]
-        shares = sorted({c.w for c in cands if c.w is not None})
+        shares = sorted({c.weights_on_device for c in cands if c.weights_on_device is not None})
         if shares and shares[-1] > 0:
             # generation: the most weights kept, where they save the most (the fewest sub-batches: W/N in the
             # step-time fit); measured at many sub-batches instead, W/N is tiny and its noise sets the fit
@@ -144,13 +147,13 @@ class OneShotStrategy(Strategy):
         options = self.frontier()
         options += [c for c in self.frontier(padded=False) if c not in options]
         if not options:
-            return Stop("no untried config is predicted to fit and to be faster")
+            return Stop("converged", "no untried config is predicted to fit and to be faster")
         preds = {c: st.predict(c).tokens_per_s for c in options}
         blind = [c for c in options if preds[c] is None]
         if blind and not any(d.role == "frontier" for d in st.history):
             # the fitted probes fail there (a step time <= 0): the largest is measured once, so that the model
             # sees beyond the probes; only once, which bounds what a poor fit costs in trials
-            return Proposal(max(blind, key=lambda c: (c.batch, c.b, c.kv_on_device, c.w or 0.0, c.k)), "frontier")
+            return Proposal(max(blind, key=lambda c: (c.batch, c.b, c.kv_on_device, c.weights_on_device or 0.0, c.k)), "frontier")
         preds = {c: p or 0.0 for c, p in preds.items()}
         best = st.best()
         top = max(options, key=lambda c: (preds[c], c.batch, c.b))
@@ -160,9 +163,9 @@ class OneShotStrategy(Strategy):
         if best is not None and preds[top] * (1 + st.uncertainty()) <= best.tokens_per_s * (1 + noise) and rival:
             # (after probes at reduced depth, the search's best has a rival measured at full depth, the next best
             # predicted, for the confirmation round to weigh it against: the probes measured another model)
-            return Stop(f"no untried config is predicted to beat the best ({best.tokens_per_s:.1f} tokens/s) by "
-                        f"more than its measured noise (±{noise:.1%}), allowing the throughput model's typical "
-                        f"error ({st.uncertainty():.1%})")
+            return Stop("converged", f"no untried config is predicted to beat the best ({best.tokens_per_s:.1f} "
+                        f"tokens/s) by more than its measured noise (±{noise:.1%}), allowing the throughput model's "
+                        f"typical error ({st.uncertainty():.1%})")
         return Proposal(top, "frontier")
 
     def frontier(self, padded: bool = True) -> list[Candidate]:
@@ -178,7 +181,7 @@ class OneShotStrategy(Strategy):
         for c in fitting:
             if c in st.tried:
                 continue
-            if not any(o.k == c.k and o.w == c.w and o.dominates(c) for o in fitting):
+            if not any(o.k == c.k and o.weights_on_device == c.weights_on_device and o.dominates(c) for o in fitting):
                 out.append(c)
         return out
 

@@ -28,17 +28,17 @@ from typing import Any
 
 from sltune.profiling.stats import paired_ratio_ci, ratio_ci
 from sltune.profiling.timing import step_tokens_per_s, timing_of
+from sltune.tuning.search.state import FinishedTrial, SearchState
 from sltune.tuning.space import Candidate
-from sltune.tuning.state import Done, SearchState
 
 MAX_FINALISTS = 3
 DECISIVE = 1.10     # the low end of the leader's paired interval over a rival that drops the rival
 EQUIVALENT = 1.05   # a paired interval within [1/1.05, 1.05] after two rounds: measured alike, the rounds end
 
 
-def ranked(state: SearchState) -> list[Done]:
+def ranked(state: SearchState) -> list[FinishedTrial]:
     """Each successfully measured config's best search trial, fastest first."""
-    seen: dict[Candidate, Done] = {}
+    seen: dict[Candidate, FinishedTrial] = {}
     for d in sorted((d for d in state.history if d.ok and not state.reduced(d)), key=lambda d: d.tokens_per_s,
                     reverse=True):
         seen.setdefault(d.candidate, d)
@@ -66,7 +66,7 @@ def plan(state: SearchState, rounds: int) -> list[Candidate]:
 @dataclass
 class Race:
     """The confirmation trials run so far, grouped into rounds; the finalists still in the race."""
-    rounds: list[dict[Candidate, Done]]     # round r: each finalist measured in it, and its trial
+    rounds: list[dict[Candidate, FinishedTrial]]     # round r: each finalist measured in it, and its trial
     racing: list[Candidate]                 # measured in the round under way, or the next
     partial: bool                           # the last round is under way
 
@@ -162,7 +162,7 @@ def verdict(state: SearchState, picks: list[Candidate]) -> dict[str, Any] | None
                    how="")
 
 
-def _series(rounds: list[dict[Candidate, Done]], picks: list[Candidate]) -> dict[Candidate, list[list[float] | None]]:
+def _series(rounds: list[dict[Candidate, FinishedTrial]], picks: list[Candidate]) -> dict[Candidate, list[list[float] | None]]:
     """Each finalist's step tokens/s per round (None: not measured in that round, or its trial failed)."""
     return {c: [step_tokens_per_s(r[c].result) if c in r else None for r in rounds] for c in picks}
 
@@ -183,7 +183,7 @@ def _leader(series: dict[Candidate, list[list[float] | None]], racing: list[Cand
     return max(racing, key=ratio)
 
 
-def _survivors(rounds: list[dict[Candidate, Done]], racing: list[Candidate], ref: Candidate) -> list[Candidate]:
+def _survivors(rounds: list[dict[Candidate, FinishedTrial]], racing: list[Candidate], ref: Candidate) -> list[Candidate]:
     """After a whole round: the finalists the leader did not beat decisively. The search's best always stays.
     One round decides only where neither trial ran under interference; two rounds decide either way."""
     series = _series(rounds, racing)
@@ -199,7 +199,7 @@ def _survivors(rounds: list[dict[Candidate, Done]], racing: list[Candidate], ref
     return [c for c in racing if c in (ref, leader) or not beaten(c)]
 
 
-def _dropped_after(rounds: list[dict[Candidate, Done]], c: Candidate) -> int:
+def _dropped_after(rounds: list[dict[Candidate, FinishedTrial]], c: Candidate) -> int:
     return sum(c in r for r in rounds)
 
 
@@ -213,7 +213,7 @@ def _answer(winner: Candidate, runner: Candidate, ratio: float, lo: float, hi: f
             "statement": statement}
 
 
-def winner_of(state: SearchState, confirmation: dict[str, Any] | None) -> Done | None:
+def winner_of(state: SearchState, confirmation: dict[str, Any] | None) -> FinishedTrial | None:
     """The search trial of the confirmed winner, or the search's best when nothing was confirmed."""
     best = state.best()
     if not confirmation:
@@ -248,6 +248,6 @@ def time_left(state: SearchState, search: Any, elapsed: float, rest: list[Candid
     return min(budget, (search.max_trials - len(state.history)) * avg + sum(map(cost, coming)))
 
 
-def _ci(d: Done) -> tuple[float, float]:
+def _ci(d: FinishedTrial) -> tuple[float, float]:
     ci = timing_of(d.result).get("tokens_per_s_ci95")
     return tuple(ci) if ci else (d.tokens_per_s, d.tokens_per_s)

@@ -11,18 +11,18 @@ Term by term, as the runtime allocates them:
             KV caches when they live on the host (2*L*B*T*kv_heads*head_dim*itemsize); on the CPU, where the
             device is host memory, the device's buffers (below) with what the pool keeps of them for reuse; and
             the process itself (python, torch and transformers, what a trial holds before its model:
-            sltune.tuning.baseline measures it). Under optimizer_offload disk the master and the optimizer
+            sltune.tuning.cost.baseline measures it). Under optimizer_offload disk the master and the optimizer
             state leave host memory for files; the host holds the window instead (sltune.runtime.diskstate: the
             DEPTH largest blocks' master and state, page-padded) and, from the first step, the optimizer's fresh
             state of the largest block, allocated before it is copied into its slot
     disk    optimizer_offload disk: every block's file (master and state, page-padded) twice, since a step
             writes the new version beside the committed one and removes the old files only once it commits
-    device  the step played phase by phase as the engine runs it (sltune.runtime.engine._plan): the units live
+    device  the step played phase by phase as the engine runs it (the plan of sltune.runtime.phases): the units live
             in each phase (a group, the embedding, the head, the tied weights all pass) with their gradient
             buffers in backward (and a float32 sum under a master), the next phase's units prefetched, the
             boundary activations in flight (this sub-batch's, the next one's, the last one's output), the layer
             arguments each sub-batch's prologue recorded, and what the phase's compute allocates for one
-            sub-batch (sltune.tuning.footprint, traced on the meta device); resident keeps everything on the
+            sub-batch (sltune.tuning.cost.footprint, traced on the meta device); resident keeps everything on the
             device, its optimizer state too; generation adds the kept weights and a device KV cache
 
 Every term is a byte formula or a traced count; nothing is fitted. Trials measure the host peak as the trial's
@@ -36,12 +36,13 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from sltune.runtime.diskstate import DEPTH, pack
+from sltune.runtime import phases
 from sltune.runtime.direct_io import padded
+from sltune.runtime.diskstate import DEPTH, pack
 from sltune.runtime.residency import keep_order, kept_share
 from sltune.training.optimizer import OptimizerConfig
-from sltune.tuning.footprint import Footprint, footprint
-from sltune.tuning.shape import ModelShape
+from sltune.tuning.cost.footprint import Footprint, footprint
+from sltune.tuning.cost.shape import ModelShape
 from sltune.tuning.space import Candidate
 
 if TYPE_CHECKING:
@@ -50,7 +51,7 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class Recipe:
+class Setup:
     """What every config of a job shares: the model, how it is stepped, where it runs."""
 
     source: Any                     # a preset's name, an inline config.json or a folder: what the footprint traces
@@ -64,18 +65,18 @@ class Recipe:
     seq_len: int = 128
     prompt_len: int = 32
     new_tokens: int = 16
-    baseline: int = 0               # what a trial process holds before its model (sltune.tuning.baseline)
+    baseline: int = 0               # what a trial process holds before its model (sltune.tuning.cost.baseline)
     optimizer_offload: str = "host"  # disk: the float32 master and the optimizer state live in files (a
                                      # candidate's optimizer_offload says so too: either makes it disk)
 
     @classmethod
-    def of_spec(cls, spec: "TuningSpec", shape: ModelShape, baseline: int = 0) -> "Recipe":
+    def of_spec(cls, spec: "TuningSpec", shape: ModelShape, baseline: int = 0) -> "Setup":
         w, hw = spec.workload, spec.hardware
         return cls(spec.model.source, shape, w.mode, spec.search.schedule, spec.model.mixed_precision, spec.optimizer,
                    hw.world_size, hw.device, w.seq_len, w.prompt_len, w.new_tokens, baseline)
 
     @classmethod
-    def of_trial(cls, trial: "TrialSpec", shape: ModelShape, baseline: int = 0) -> "Recipe":
+    def of_trial(cls, trial: "TrialSpec", shape: ModelShape, baseline: int = 0) -> "Setup":
         return cls(trial.model, shape, trial.mode, trial.schedule, trial.mixed_precision, trial.optimizer,
                    trial.world_size, trial.device, trial.seq_len, trial.prompt_len, trial.new_tokens, baseline,
                    getattr(trial, "optimizer_offload", "host"))
@@ -119,7 +120,7 @@ class Prior:
                 **({"peak_disk_bytes": self.disk, "disk_terms": dict(self.disk_terms)} if self.disk else {})}
 
 
-def predict(recipe: Recipe, c: Candidate) -> Prior:
+def predict(recipe: Setup, c: Candidate) -> Prior:
     """The prior of one config; W ranks together for the host (as trials hold the host limit), one rank's
     device."""
     shape, world = recipe.shape, max(1, recipe.world_size)
@@ -152,7 +153,7 @@ def predict(recipe: Recipe, c: Candidate) -> Prior:
         acts = edges * n * fp.hidden
     if acts:
         host.append(("boundary activations", world * acts))
-    if train and c.a == "offload" and recipe.schedule == "speedloader":
+    if train and c.activations == "offload" and recipe.schedule == "speedloader":
         saved = world * n * ((len(groups) - 1) * fp.saved + fp.saved_embed)
         host.append(("saved tensors (offload)", saved))
         # the first step packs a slab per tensor (no layout known yet), later steps one per sub-batch and group:
@@ -195,7 +196,7 @@ def _block_sizes(numels: list[int]) -> list[int]:
     return [sum(block) for block in pack(numels, int)]
 
 
-def _disk_terms(recipe: Recipe, k: int) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
+def _disk_terms(recipe: Setup, k: int) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
     """optimizer_offload disk: what host memory holds for it (all ranks together) and the files (every rank's)."""
     per_value = recipe.disk_value_bytes
     step = 4 if recipe.master else recipe.shape.itemsize
@@ -300,7 +301,9 @@ def _in_flight(n: int, per_sub_batch: int) -> int:
     return min(n, 3) * per_sub_batch
 
 
-def _train_step(t: _Timeline, r: Recipe, c: Candidate, groups: list[int], fp: Footprint) -> None:
+def _train_step(t: _Timeline, r: Setup, c: Candidate, groups: list[int], fp: Footprint) -> list[phases.Phase]:
+    """The step's device buffers played into `t`; the phases played, in order (none under resident, which runs
+    plain autograd): the engine's plan, with no frozen prefix."""
     shape, e = r.shape, r.shape.itemsize
     embed, tied, units, head = _units(shape, _compressed(groups))
     if r.schedule == "resident":
@@ -315,9 +318,9 @@ def _train_step(t: _Timeline, r: Recipe, c: Candidate, groups: list[int], fp: Fo
             t.moment([], unseen=4 * max(shape.layer_bytes, shape.embed_bytes, shape.head_bytes, shape.tied_bytes) // e)
         state = r.optimizer.state_bytes_per_param(4 if r.master else e) * count
         t.moment([("gradients", grads), ("optimizer state", state)])
-        return
+        return []
     n = c.n if r.schedule == "speedloader" else 1
-    offload = c.a == "offload"
+    offload = c.activations == "offload"
     accumulate32 = r.master and r.schedule != "canonical"
     prologue_kept = c.n * fp.kept       # every sub-batch's layer arguments, all step
 
@@ -337,9 +340,9 @@ def _train_step(t: _Timeline, r: Recipe, c: Candidate, groups: list[int], fp: Fo
         for suffix in ("", ".grad", ".grad32"):
             t.give(u.name + suffix)
 
-    *body, last = units
-    phases = ([("embed_fwd", [embed])] + [("fwd", [g]) for g in body] + [("turn", [last, head])]
-              + [("bwd", [g]) for g in reversed(body)] + [("embed_bwd", [embed])])
+    plan = phases.plan(len(units))     # the engine's plan, over the groups _compressed keeps
+    named = {"embed": embed, "head": head, "tied": tied}
+    lives = [[units[u] if isinstance(u, int) else named[u] for u in phase.units] for phase in plan]
     device_acts = r.schedule == "canonical"
     G = len(groups)
     a = fp.hidden
@@ -349,13 +352,16 @@ def _train_step(t: _Timeline, r: Recipe, c: Candidate, groups: list[int], fp: Fo
         t.held += 2 * fp.saved
     activate(tied)
     begin_grads(tied)
-    for idx, (kind, live) in enumerate(phases):
+    played: list[phases.Phase] = []
+    for idx, phase in enumerate(plan):
+        kind, live = phase.kind, lives[idx]
+        played.append(phase)
         for u in live:
             activate(u)
-        if idx + 1 < len(phases):
-            for u in phases[idx + 1][1]:
+        if idx + 1 < len(plan):
+            for u in lives[idx + 1]:
                 prefetch(u)
-        if kind in ("turn", "bwd", "embed_bwd"):
+        if phase.backward:
             for u in live:
                 begin_grads(u)
         kept = ("layer arguments of every sub-batch", prologue_kept)
@@ -384,7 +390,7 @@ def _train_step(t: _Timeline, r: Recipe, c: Candidate, groups: list[int], fp: Fo
             if offload:
                 compute.append(("saved tensors", (G - 1) * fp.saved))
         t.moment(compute)
-        if r.master and kind in ("turn", "bwd", "embed_bwd"):
+        if r.master and phase.backward:
             # on the CPU, adding dtype gradients into float32 ones (the sum over sub-batches; canonical's on the
             # host) first casts them to a float32 temporary inside the kernel, which the tracker cannot see
             summed = [u.nbytes for u in live] + ([tied.nbytes] if kind != "bwd" else [])
@@ -392,6 +398,7 @@ def _train_step(t: _Timeline, r: Recipe, c: Candidate, groups: list[int], fp: Fo
         for u in live:
             release(u)
     release(tied)
+    return played
 
 
 def _compressed(groups: list[int]) -> list[int]:
@@ -401,7 +408,7 @@ def _compressed(groups: list[int]) -> list[int]:
     return body[:3] + [last] if len(set(body)) <= 1 else groups
 
 
-def _generate_step(t: _Timeline, r: Recipe, c: Candidate, groups: list[int], fp: Footprint) -> None:
+def _generate_step(t: _Timeline, r: Setup, c: Candidate, groups: list[int], fp: Footprint) -> None:
     """The prefill, the step that holds the most: every unit loaded once (kept ones stay), every sub-batch's
     prompt through it, the last position's logits of every sub-batch."""
     shape, e = r.shape, r.shape.itemsize
@@ -413,7 +420,7 @@ def _generate_step(t: _Timeline, r: Recipe, c: Candidate, groups: list[int], fp:
         t.static.append(("weights", shape.param_bytes))
     embed, tied, units, head = _units(shape, groups)
     order = keep_order(tied, embed, head, units)
-    kept = {u.name for u, keep in zip(order, kept_share([u.nbytes for u in order], c.w or 0.0)) if keep}
+    kept = {u.name for u, keep in zip(order, kept_share([u.nbytes for u in order], c.weights_on_device or 0.0)) if keep}
     m = 1 if r.schedule == "canonical" else n      # canonical: one sub-batch per pass, the earlier ones' logits held
     ahead = not r.on_cpu
     logits = 4 * b * shape.vocab                    # the last position's, in float32, kept to the step's end

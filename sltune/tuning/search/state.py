@@ -8,16 +8,17 @@ from typing import Any
 
 import numpy as np
 
-from sltune.tuning.depth import DepthTerms, layers_of, least_probe_layers, probe_layers
-from sltune.tuning.fit import ACROSS_DEPTHS, FEATURES, MODELS, PRIOR_OFFSETS, LinearFit, variables
-from sltune.tuning.prior import Prior, Recipe, at_depth, predict as prior_of
-from sltune.tuning.shape import ModelShape
+from sltune.tuning.cost.depth import DepthTerms, least_probe_layers
+from sltune.tuning.cost.prior import Prior, Setup, at_depth, predict as prior_of
+from sltune.tuning.cost.shape import ModelShape
+from sltune.tuning.search.fit import ACROSS_DEPTHS, FEATURES, MODELS, PRIOR_OFFSETS, LinearFit, variables
+from sltune.tuning.search.probes import layers_of, probe_layers
 from sltune.tuning.space import Candidate, SearchSpace
 from sltune.tuning.spec import TuningSpec
 
 
 @dataclass
-class Done:
+class FinishedTrial:
     """A trial that finished (ok, oom, failed or timeout) with its TrialResult as a dict."""
 
     number: int
@@ -56,7 +57,7 @@ class Prediction:
     tokens_per_s: float | None
     fits: bool
     over: list[str] = field(default_factory=list)       # which limits it is predicted to exceed
-    prior_device: float | None = None                   # the prior alone (sltune.tuning.prior), before any trial
+    prior_device: float | None = None                   # the prior alone (sltune.tuning.cost.prior), before any trial
     prior_host: float | None = None
     disk: float | None = None                           # optimizer_offload disk: its files at their fullest (exact,
                                                         # from the shape: the prior's)
@@ -73,7 +74,7 @@ class SearchState:
 
     def __init__(self, spec: TuningSpec, shape: ModelShape, space: SearchSpace, baseline: int = 0,
                  host_ceiling: int | None = None, disk_ceiling: int | None = None):
-        """`baseline`: what a trial process holds before its model (sltune.tuning.baseline; 0 leaves it out of the
+        """`baseline`: what a trial process holds before its model (sltune.tuning.cost.baseline; 0 leaves it out of the
         host prior); `host_ceiling`: the host limit trials get when the spec names none (the machine's or the
         server's), which predictions are held to as to the spec's own; `disk_ceiling`: the free space where
         trials offload to, which disk configs are held to beside the spec's hardware.disk_limit."""
@@ -81,14 +82,14 @@ class SearchState:
         self.shape = shape
         self.space = space
         self.tokens_per_row = spec.workload.tokens_per_row
-        self.history: list[Done] = []
-        self.confirms: list[Done] = []          # the confirmation round's trials: not search history
+        self.history: list[FinishedTrial] = []
+        self.confirms: list[FinishedTrial] = []          # the confirmation round's trials: not search history
         self.fits: dict[str, LinearFit] = {}
         self.margins = {"device": spec.search.margin, "host": spec.search.margin, "disk": spec.search.margin}
-        # search.probe_layers: the fits take the depth as a variable (sltune.tuning.depth)
+        # search.probe_layers: the fits take the depth as a variable (sltune.tuning.search.probes)
         self.depth = DepthTerms.of(shape) if spec.search.probe_layers is not None else None
         self.models = ACROSS_DEPTHS if self.depth else MODELS[spec.workload.mode]
-        self.recipe = Recipe.of_spec(spec, shape, baseline)
+        self.recipe = Setup.of_spec(spec, shape, baseline)
         self.host_ceiling = host_ceiling
         self.disk_ceiling = disk_ceiling
         self._priors: dict[tuple[Candidate, int | None], Prior] = {}
@@ -112,7 +113,7 @@ class SearchState:
         return v
 
     def prior(self, c: Candidate, layers: int | None = None) -> Prior:
-        """c's peaks predicted from the shape alone (sltune.tuning.prior), at `layers` decoder layers."""
+        """c's peaks predicted from the shape alone (sltune.tuning.cost.prior), at `layers` decoder layers."""
         key = (c, layers)
         if key not in self._priors:
             recipe = self.recipe if layers is None else dataclasses.replace(
@@ -131,7 +132,7 @@ class SearchState:
         return [features[j] for j in kept]
 
     # -- history -------------------------------------------------------------------------------------
-    def add(self, done: Done) -> None:
+    def add(self, done: FinishedTrial) -> None:
         self.history.append(done)
         if done.result["status"] == "oom":
             self._widen_margin(done)
@@ -140,7 +141,7 @@ class SearchState:
     def refit(self) -> None:
         self.fits = self.fit(self.fitted())
 
-    def fitted(self) -> list[Done]:
+    def fitted(self) -> list[FinishedTrial]:
         """The trials the models are fitted to: every one that ran ok, at its own depth; when auto chose the
         whole model after its first probe, that one reduced-depth probe is left out."""
         ok = [d for d in self.history if d.ok]
@@ -148,7 +149,7 @@ class SearchState:
             ok = [d for d in ok if not self.reduced(d)]
         return ok
 
-    def fit(self, done: list[Done]) -> dict[str, LinearFit]:
+    def fit(self, done: list[FinishedTrial]) -> dict[str, LinearFit]:
         """The models fitted to these trials, each at the depth it ran."""
         rows = [(self.vars(d.candidate, self.depth_of(d)), d.result) for d in done]
         fits = {}
@@ -160,12 +161,12 @@ class SearchState:
                                        offset=PRIOR_OFFSETS.get(kind))
         return fits
 
-    def reduced(self, done: Done) -> bool:
+    def reduced(self, done: FinishedTrial) -> bool:
         """Whether a trial ran fewer decoder layers than the model has (a probe at reduced depth)."""
         layers = layers_of(done)
         return layers is not None and layers < self.shape.layers
 
-    def depth_of(self, done: Done) -> int | None:
+    def depth_of(self, done: FinishedTrial) -> int | None:
         """The layers a reduced-depth probe ran; None for a trial of the whole model."""
         return layers_of(done) if self.reduced(done) else None
 
@@ -173,7 +174,7 @@ class SearchState:
         """Whether c has a trial at this depth (None: the whole model) already."""
         return any(d.candidate == c and self.depth_of(d) == layers for d in self.history)
 
-    def _widen_margin(self, done: Done) -> None:
+    def _widen_margin(self, done: FinishedTrial) -> None:
         """A config predicted to fit ran out of memory: trust the model less by what it missed."""
         pred = self.predict(done.candidate, update_margins=False, layers=self.depth_of(done))
         for res, measured, predicted in (("device", done.result.get("peak_device_bytes"), pred.device),
@@ -196,14 +197,14 @@ class SearchState:
         """Would c need at least as much of `resource` as o, which ran out of it?"""
         if resource == "host":   # host peaks grow with B and with (G+1)*B; more live blocks mean fewer groups;
             # offload holds every sub-batch's saved tensors on the host on top of recompute's boundary activations
-            if c.a != o.a and c.a != "offload":
+            if c.activations != o.activations and c.activations != "offload":
                 return False
             if c.on_disk and not o.on_disk:     # the master and optimizer state in files: less host memory
                 return False
             return c.batch >= o.batch and (self.shape.groups(c.k) + 1) * c.batch >= (self.shape.groups(o.k) + 1) * o.batch
         return c == o or c.dominates(o)
 
-    def best(self) -> Done | None:
+    def best(self) -> FinishedTrial | None:
         ok = [d for d in self.history if d.ok and not self.reduced(d)]
         return max(ok, key=lambda d: d.tokens_per_s) if ok else None
 
@@ -230,7 +231,7 @@ class SearchState:
         if disk and disk_limit is not None and disk * (1 + self.margins["disk"] - pad) > disk_limit:
             over.append("disk")
         if "device" not in over and hw.device_memory_limit and \
-                self.shape.min_device_bytes(self.spec.workload.mode, c.k, c.w or 0.0) > hw.device_memory_limit:
+                self.shape.min_device_bytes(self.spec.workload.mode, c.k, c.weights_on_device or 0.0) > hw.device_memory_limit:
             over.append("device")           # known without a fit: the kept weights beside a streamed unit
         for o, resource in self.oom:
             if resource not in over and self._needs_more(c, o, resource):
@@ -268,7 +269,7 @@ class SearchState:
         return 0.10 if loo is None else max(loo, 0.01)
 
     @staticmethod
-    def noise(d: Done) -> float:
+    def noise(d: FinishedTrial) -> float:
         """A measurement's relative noise: the half-width of its 95% interval over its median (as measured:
         an unstable best must not end the search sooner)."""
         return 1.96 * rel_sigma(d.result, believe_unstable=True)
@@ -284,7 +285,7 @@ class SearchState:
             over.update(mine)
             # over host: the same config with its optimizer on disk may fit; if it does not either, what stops it
             # (the disk, say) binds too
-            twins = [dataclasses.replace(o, optimizer_offload=x) for x in self.space.o_values
+            twins = [dataclasses.replace(o, optimizer_offload=x) for x in self.space.offload_values
                      if x != o.optimizer_offload]
             if "host" in mine and twins and not any(self.predict(t).fits for t in twins):
                 over.update(r for t in twins for r in self.predict(t).over)

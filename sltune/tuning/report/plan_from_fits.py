@@ -9,11 +9,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from sltune.tuning.admission import load
-from sltune.tuning.fit import LinearFit
-from sltune.tuning.shape import shape_of
+from sltune.tuning.cost.admission import load
+from sltune.tuning.cost.shape import shape_of
+from sltune.tuning.search.fit import LinearFit
+from sltune.tuning.search.state import SearchState
 from sltune.tuning.space import SearchSpace
-from sltune.tuning.state import SearchState
 from sltune.yamlfile import read_yaml
 
 

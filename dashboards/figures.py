@@ -27,7 +27,8 @@ BREAKDOWN = {"compute": "compute", "memcpy": "memcpy", "cpu": "CPU", "all_gather
 BREAKDOWN_COLORS = {"compute": "#4c78a8", "memcpy": "#f58518", "cpu": "#54a24b", "all_gather": "#b279a2",
                     "reduce_scatter": "#e45756", "disk": "#9d755d", "other": "#bab0ac"}
 STATUS_COLORS = {"ok": "#2ca02c", "oom": "#d62728", "failed": "#7f7f7f", "timeout": "#ff7f0e",
-                 "running": "#1f77b4", "interrupted": "#bcbd22"}
+                 "running": "#1f77b4", "interrupted": "#bcbd22",
+                 "diverged": "#b00020"}     # its step-1 loss is not plain PyTorch's: measured, never picked
 CONFIRM_COLOR = "#9467bd"     # confirmation trials: re-measurements of the finalists, not search steps
 LIVE_BLOCK_COLORS = ["#4c78a8", "#f58518", "#54a24b", "#b279a2", "#e45756", "#72b7b2", "#eeca3b", "#9d755d"]
 PIE_LIMIT = 12
@@ -211,7 +212,7 @@ def throughput_figure(trials: Iterable[dict[str, Any]], best_number: int | None 
                 text=[_hover_config(t) for t in pts],
                 hovertemplate="%{text}<br>%{y:,.1f} tokens/s<extra></extra>"), row=row, col=col)
             seen_legend.add(name)
-        for status in ("oom", "failed", "timeout", "interrupted"):
+        for status in ("oom", "failed", "timeout", "diverged", "interrupted"):
             bad = [t for t in in_panel if status_of(t) == status]
             if not bad:
                 continue
@@ -245,7 +246,7 @@ def history_figure(trials: Iterable[dict[str, Any]]) -> go.Figure | None:
     if not done:
         return None
     fig = go.Figure()
-    for status in ("ok", "oom", "failed", "timeout"):
+    for status in ("ok", "oom", "failed", "timeout", "diverged"):
         for confirm in (False, True):
             sel = [t for t in done if status_of(t) == status and (t.get("role") == "confirm") == confirm]
             if not sel:

@@ -34,7 +34,9 @@ def test_cli_json_is_a_trial_result_whose_fractions_sum_to_one(tmp_path):
     assert data["config"] == {"sub_batch_size": 2, "num_sub_batches": 3, "num_live_blocks": 2,
                               "schedule": "speedloader", "activations": "recompute", "seq_len": 32, "world_size": 1,
                               "kv_cache": None, "weights_on_device": None,  # a training trial keeps neither
-                              "optimizer_offload": "host", "num_layers": 4}  # the depth it ran: llama-tiny's own
+                              "optimizer_offload": "host", "num_layers": 4,  # the depth it ran: llama-tiny's own
+                              "backend": "speedloader"}
+    assert data["parity"]["ok"] and data["parity"]["rel_diff"] <= data["parity"]["tolerance"]
     assert set(data["breakdown"]) == set(SLICES)
     assert sum(data["breakdown"].values()) == pytest.approx(1.0, abs=1e-9)
     assert data["breakdown"]["compute"] > 0.1 and data["breakdown"]["memcpy"] > 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -16,15 +17,30 @@ from sltune.training.optimizer import OptimizerConfig
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("profile", help="run one isolated, profiled trial",
                        description="Run one config in its own process: throughput, measured peaks and a time "
-                                   "breakdown. Exit code 0 when the trial is ok, 3 when it is oom/failed/timeout.")
+                                   "breakdown, and its step-1 loss against plain PyTorch's (parity). Exit code 0 "
+                                   "when the trial is ok, 3 when it is oom/failed/timeout/diverged.")
     p.add_argument("--model", default="llama-tiny",
                    help="preset name, a Hugging Face model folder (its weights are loaded: model.safetensors or the "
                         "shards its index lists; a folder with only config.json gets random weights) or a "
                         "transformers config.json")
+    p.add_argument("--backend", default="speedloader", choices=("speedloader", "deepspeed", "fsdp"),
+                   help="what trains: SpeedLoader's engine, DeepSpeed ZeRO (deepspeed.initialize; pip install "
+                        "--no-build-isolation -e '.[backends]') or PyTorch FSDP2 (fully_shard per decoder layer)")
+    p.add_argument("--zero-stage", type=int, choices=(2, 3), help="deepspeed: ZeRO stage (default 2)")
+    p.add_argument("--offload-optimizer", choices=("none", "cpu", "nvme"),
+                   help="deepspeed: the optimizer's state on the device, in host memory or on NVMe under "
+                        "--offload-dir (default none)")
+    p.add_argument("--offload-param", choices=("none", "cpu", "nvme"),
+                   help="deepspeed, --zero-stage 3: the parameter partitions on the device, in host memory or on "
+                        "NVMe under --offload-dir (default none)")
+    p.add_argument("--cpu-offload", action="store_const", const=True,
+                   help="fsdp: CPUOffloadPolicy, the sharded parameters, gradients and optimizer state in host memory")
+    p.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction,
+                   help="fsdp: free each layer's gathered parameters after its forward (default: yes)")
     p.add_argument("--sub-batch-size", type=int, default=1, help="rows per sub-batch (b)")
     p.add_argument("--num-sub-batches", type=int, default=1, help="sub-batches per step (N)")
-    p.add_argument("--num-live-blocks", type=int, default=1, help="layers live on the device at once (k)")
-    p.add_argument("--schedule", default="speedloader", help="speedloader | canonical | resident")
+    p.add_argument("--num-live-blocks", type=int, default=1, help="speedloader: layers live on the device at once (k)")
+    p.add_argument("--schedule", default="speedloader", help="speedloader: speedloader | canonical | resident")
     p.add_argument("--activations", default="recompute", choices=["recompute", "offload"],
                    help="recompute | offload: rerun each group's forward in backward, or keep autograd's saved "
                         "tensors in host memory")
@@ -71,24 +87,48 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.weights_on_device <= 1:
         raise ValueError(f"--weights-on-device {args.weights_on_device:g}: give a share from 0 (no weights kept on "
                          "the device) to 1 (all of them)")
-    spec = TrialSpec(model=_model(args.model), optimizer=_optimizer(args), mixed_precision=args.mixed_precision is not False,
-                     sub_batch_size=args.sub_batch_size, num_sub_batches=args.num_sub_batches,
-                     num_live_blocks=args.num_live_blocks, schedule=args.schedule,
-                     activations=args.activations, mode=args.mode, kv_cache=args.kv_cache,
-                     weights_on_device=args.weights_on_device,
-                     seq_len=args.seq_len, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
-                     steps=args.steps, min_time_s=args.min_time, max_steps=args.max_steps,
-                     cpu_threads=args.cpu_threads, world_size=args.world_size, device=args.device, dtype=args.dtype,
-                     device_memory_limit=args.device_memory_limit, host_memory_limit=args.host_memory_limit,
-                     timeout_s=args.timeout, trace_path=args.trace, profile=not args.no_profile,
-                     optimizer_offload=args.optimizer_offload, offload_dir=_offload_dir(args))
-    _fits_host(spec)
+    spec = _spec(model=_model(args.model), optimizer=_optimizer(args),
+                 mixed_precision=args.mixed_precision is not False,
+                 sub_batch_size=args.sub_batch_size, num_sub_batches=args.num_sub_batches,
+                 num_live_blocks=args.num_live_blocks, schedule=args.schedule,
+                 activations=args.activations, mode=args.mode, kv_cache=args.kv_cache,
+                 weights_on_device=args.weights_on_device,
+                 seq_len=args.seq_len, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
+                 steps=args.steps, min_time_s=args.min_time, max_steps=args.max_steps,
+                 cpu_threads=args.cpu_threads, world_size=args.world_size, device=args.device, dtype=args.dtype,
+                 device_memory_limit=args.device_memory_limit, host_memory_limit=args.host_memory_limit,
+                 timeout_s=args.timeout, trace_path=args.trace, profile=not args.no_profile,
+                 optimizer_offload=args.optimizer_offload, offload_dir=_offload_dir(args),
+                 backend=args.backend, zero_stage=args.zero_stage, offload_optimizer=args.offload_optimizer,
+                 offload_param=args.offload_param, cpu_offload=args.cpu_offload,
+                 reshard_after_forward=args.reshard_after_forward)
+    if spec.backend == "speedloader":   # the prior models SpeedLoader's memory; another backend's is measured only
+        _fits_host(spec)
     result = run_trial(spec)
     if args.json:
         print(result.model_dump_json())
     else:
         print(describe(result))
     return 0 if result.status == "ok" else 3
+
+
+# the spec's fields a refusal names, as this command's flags
+FLAGS = {name: "--" + name.replace("_", "-") for name in
+         ("zero_stage", "offload_optimizer", "offload_param", "cpu_offload", "reshard_after_forward",
+          "offload_dir", "num_live_blocks", "schedule", "optimizer_offload", "mode", "dtype")}
+FLAGS["mixed_precision"] = "--no-mixed-precision"
+
+
+def _spec(**fields: Any) -> TrialSpec:
+    """The trial spec; a refusal (a knob of another backend, offload_param without stage 3, ...) names the flags."""
+    import re
+
+    try:
+        return TrialSpec(**fields)
+    except ValidationError as err:
+        why = "; ".join(e["msg"].removeprefix("Value error, ") if not e["loc"] else
+                        f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in err.errors())
+        raise ValueError(re.sub(r"\b(" + "|".join(FLAGS) + r")\b", lambda m: FLAGS[m.group(1)], why)) from None
 
 
 def _fits_host(spec: TrialSpec) -> None:
@@ -115,9 +155,12 @@ def _fits_host(spec: TrialSpec) -> None:
 
 
 def _offload_dir(args: argparse.Namespace) -> str | None:
-    """--offload-dir, checked writable here (a mistake is one line, not a failed trial), and only with disk."""
+    """--offload-dir, checked writable here (a mistake is one line, not a failed trial), and only with disk (or
+    DeepSpeed's nvme offload)."""
     from sltune.runtime.direct_io import writable_dir
 
+    if args.backend == "deepspeed":         # nvme offload's folder; the spec refuses it without nvme
+        return str(writable_dir(args.offload_dir, "--offload-dir")) if args.offload_dir else None
     if args.optimizer_offload == "host":
         if args.offload_dir:
             raise ValueError("--offload-dir: the optimizer's files go there under --optimizer-offload disk; add "
@@ -158,11 +201,24 @@ def _optimizer(args: argparse.Namespace) -> OptimizerConfig:
 
 def describe(r) -> str:
     c = r.config
-    lines = [f"trial {r.status}: {c.schedule} ({c.activations}) b={c.sub_batch_size} N={c.num_sub_batches} "
-             f"k={c.num_live_blocks} s={c.seq_len} W={c.world_size}" + (f" kv_cache={c.kv_cache}" if c.kv_cache else "")
+    if c.backend == "speedloader":
+        what = f"{c.schedule} ({c.activations}) b={c.sub_batch_size} N={c.num_sub_batches} k={c.num_live_blocks}"
+    else:
+        knobs = " ".join(f"{k}={v}" for k, v in c.model_dump().items()
+                         if k in ("zero_stage", "offload_optimizer", "offload_param", "cpu_offload",
+                                  "reshard_after_forward"))
+        what = f"{c.backend} {knobs} ({c.activations}) b={c.sub_batch_size} N={c.num_sub_batches}"
+    lines = [f"trial {r.status}: {what} s={c.seq_len} W={c.world_size}"
+             + (f" kv_cache={c.kv_cache}" if c.kv_cache else "")
              + (f" weights_on_device={c.weights_on_device:g}" if c.weights_on_device is not None else "")]
     if r.error:
         lines.append(f"  {r.error}")
+    if r.parity is not None:
+        p = r.parity
+        lines.append(f"  parity {'ok' if p.ok else 'OFF'}: step-1 loss {p.loss:.6g} against plain PyTorch's "
+                     f"{p.reference_loss:.6g}, relative difference {p.rel_diff:.2g} (tolerance {p.tolerance:.2g})")
+    if r.backend_detail:
+        lines.append("  " + ", ".join(f"{k}: {v}" for k, v in r.backend_detail.items()))
     if r.tokens_per_s is not None:
         lines.append(f"  {r.tokens_per_s:,.1f} tokens/s, {r.step_seconds:.3f} s/step (medians)")
     if r.timing is not None:

@@ -11,6 +11,10 @@ step's thread and walking down from the step's event:
   disk            optimizer_offload disk: the step waiting, after the backward, for the optimizer's files to be
                   written and committed (reads and writes under compute and stepping are not waited for)
   other           the step's time outside every region (the runtime's own bookkeeping between phases)
+A wrapped backend (DeepSpeed, FSDP2: sltune.backends) labels the phases it drives the same way; the
+collectives its wrapper issues inside them are found by the profiler's names for them (c10d's and gloo's
+ops, FSDP2's all-gather and reduce-scatter labels): all-gathers and reduce-scatters have their slices, other
+collectives (all-reduce, broadcast) are other.
 Fractions are of the step's wall time and sum to 1. On CUDA the device timeline decides: kernels within
 the steps are classified by name (host<->device memcpy; NCCL all-gather, reduce-scatter, and its other
 collectives as other; every other kernel, device-to-device copies and memsets included, as compute); the
@@ -150,6 +154,20 @@ def _top_ops(events: list[_Event], windows: list[tuple[int, int]], top: int) -> 
     return [{"name": n, "count": c, "self_seconds": t / 1e9} for n, c, t in ops]
 
 
+def collective_of(name: str) -> str | None:
+    """The slice of a collective the profiler names (a wrapper's, outside the runtime's regions), or None."""
+    n = name.lower()
+    if not n.startswith(("c10d::", "gloo:", "nccl:", "fsdp::")):
+        return None
+    if "all_gather" in n or "allgather" in n:
+        return "all_gather"
+    if "reduce_scatter" in n or "reducescatter" in n or "post_backward_reduce" in n:
+        return "reduce_scatter"
+    if n.startswith("fsdp::"):      # FSDP2's hooks around its collectives: looked into, not a collective
+        return None
+    return "other"
+
+
 def _nest(events: list[_Event]) -> list[list[int]]:
     """children[i]: the events directly inside event i (events sorted by start, longest first)."""
     children: list[list[int]] = [[] for _ in events]
@@ -169,15 +187,15 @@ def _attribute(events, children, i: int, category: str | None, seconds: dict[str
     for c in children[i]:
         child = events[c]
         span = child.end - child.start
-        cat = category_of(child.name)
+        cat = category_of(child.name) or collective_of(child.name)
         if cat is not None:
             _attribute(events, children, c, cat, seconds)
             covered += span
         elif category == "compute" and child.name.startswith("aten::"):
             seconds["compute"] += span
             covered += span
-        elif category in (None, "compute"):
-            # autograd wrappers, optimizer hooks and the like: look inside them for ops and regions
+        elif category in (None, "compute", "cpu"):
+            # autograd wrappers, optimizer hooks and the like: look inside them for ops, regions and collectives
             _attribute(events, children, c, category, seconds)
             covered += span
     own = (events[i].end - events[i].start) - covered

@@ -1,4 +1,5 @@
-"""The body of a trial: runs in its own process, builds the model and engine, measures, reports.
+"""The body of a trial: runs in its own process, builds the spec's backend (SpeedLoader's engine, DeepSpeed or
+FSDP: sltune.backends), measures, reports, and checks the step-1 loss against plain PyTorch's (parity).
 
 Everything it can explain becomes a result (oom with the peak, failed with the exception); only a
 crash or a kill leaves the parent to explain the silence.
@@ -106,69 +107,78 @@ def forget_fork_server_heap() -> None:
         pass
 
 
-def model_folder(model: Any) -> str | None:
-    """The Hugging Face folder a trial's model is (not a preset's name, an inline config or a config.json)."""
-    from sltune.models import PRESETS
+def _give_back_freed_memory() -> None:
+    """What the released backend held, back to the system (Linux): the reference then allocates anew rather than
+    growing the trial's memory past what its measured steps needed."""
+    import gc
 
-    if not isinstance(model, str) or model in PRESETS or not os.path.isdir(model):
-        return None
-    return model
+    gc.collect()
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except OSError:
+            pass
 
 
 def run(spec: TrialSpec, rank: int = 0, started: float | None = None) -> dict[str, Any]:
-    from sltune.config import SpeedLoaderConfig
-    from sltune.training.data import batches
-    from sltune.models import load_config, with_layers
-    from sltune.models.seeded import SeededWeights
-    from sltune.profiling.breakdown import profile_call
-    from sltune.runtime.engine import SpeedLoaderEngine
+    """Build the spec's backend, warm it up, time its steps, read its peaks, profile one step; then, the backend
+    released, check its step-1 loss against plain PyTorch's (parity: status diverged when it is off)."""
+    from sltune.backends import build
 
     started = time.perf_counter() if started is None else started
     forget_fork_server_heap()
     torch.manual_seed(spec.seed)
     if spec.cpu_threads is not None:
         torch.set_num_threads(spec.cpu_threads)
-    cfg = SpeedLoaderConfig(sub_batch_size=spec.sub_batch_size, num_sub_batches=spec.num_sub_batches,
-                            num_live_blocks=spec.num_live_blocks, schedule=spec.schedule,
-                            activations=spec.activations, device=spec.device,
-                            dtype=spec.dtype, mixed_precision=spec.mixed_precision,
-                            device_memory_limit=spec.device_memory_limit,
-                            kv_cache=spec.kv_cache, weights_on_device=spec.weights_on_device,
-                            optimizer_offload=spec.optimizer_offload if spec.mode == "train" else "host",
-                            offload_dir=spec.offload_dir)
-    train = spec.mode == "train"
-    optimizer = spec.optimizer.factory if train else None     # the optimizer the training job will step with
-    folder = model_folder(spec.model)
-    if folder is not None and spec.num_layers is None:   # its weights into the engine's host buffers (none: seeded)
-        engine = SpeedLoaderEngine.from_pretrained(folder, cfg, optimizer=optimizer, seed=spec.seed)
-    else:   # a preset or a config: built on the meta device, the engine's buffers filled in place, each once
-        config = load_config(spec.model)
-        if spec.num_layers is not None:     # a probe at reduced depth: the shapes matter, not a checkpoint's values
-            config = with_layers(config, spec.num_layers)
-        weights = SeededWeights(config, spec.seed)
-        engine = SpeedLoaderEngine(weights.empty_model(), cfg, optimizer=optimizer, weights=weights)
-    model = engine.model
-    setup = {"setup_s": time.perf_counter() - started, "host_bytes_at_start": resident_bytes()}
-    ran = {**spec.knobs(), "num_layers": model.config.num_hidden_layers}     # the depth it ran, reported
-    if not train:
-        return {**_run_generate(spec, engine, setup), "config": ran}
+    backend = build(spec.backend, spec)
+    try:
+        setup = {"setup_s": time.perf_counter() - started, "host_bytes_at_start": resident_bytes()}
+        ran = {**spec.knobs(), "num_layers": backend.model.config.num_hidden_layers}   # the depth it ran, reported
+        if spec.mode == "generate":
+            return {**_run_generate(spec, backend.engine, setup), "config": ran}
+        result, step_one = _run_train(spec, backend, rank, setup)
+        result["config"] = ran
+        vocab = backend.model.config.vocab_size
+    finally:
+        backend.close()
+    del backend                 # the reference is built in the memory the backend held
+    if rank != 0:               # rank 0 checks the loss over every rank's rows; a merged result is rank 0's
+        return result
+    result["parity"] = _parity(spec, step_one, vocab)
+    if not result["parity"]["ok"]:
+        p = result["parity"]
+        result.update(status="diverged",
+                      error=f"step-1 loss {p['loss']:.6g} is not plain PyTorch's {p['reference_loss']:.6g} on the same "
+                            f"weights and batch: relative difference {p['rel_diff']:.3g} > tolerance "
+                            f"{p['tolerance']:.3g} ({spec.dtype}); this {spec.backend} config does not train the "
+                            "model correctly")
+    return result
+
+
+def _run_train(spec: TrialSpec, backend, rank: int, setup: dict[str, Any]) -> tuple[dict[str, Any], float]:
+    """Training throughput, peaks and breakdown; with the first step's loss (parity's)."""
+    from sltune.profiling.breakdown import profile_call
+    from sltune.training.data import batches
+
+    model = backend.model
     model.train()
     data = batches(spec.rows, spec.seq_len, model.config.vocab_size, seed=spec.seed + rank)   # each rank its own rows
 
     peak_device = None
+    step_one = None
     for _ in range(spec.warmup_steps):
-        res = engine.train_step(next(data))
+        res = backend.step(next(data))
+        step_one = res.loss if step_one is None else step_one
         peak_device = res.peak_device_bytes if peak_device is None else max(peak_device, res.peak_device_bytes or 0)
     last = []
 
     def step() -> tuple[float, int]:
-        last[:] = [engine.train_step(next(data))]
+        last[:] = [backend.step(next(data))]
         return last[0].seconds, last[0].tokens
 
     timing = {**_measure(spec, step), **setup}
     result: dict[str, Any] = {
         "status": "ok",
-        "config": ran,
         **_headline(timing),
         "peak_device_bytes": peak_device,
         "peak_host_bytes": host_peak_bytes(),
@@ -178,10 +188,25 @@ def run(spec: TrialSpec, rank: int = 0, started: float | None = None) -> dict[st
     if spec.profile:
         batch = next(data)
         trace = spec.trace_path if rank == 0 else None        # every rank profiles (collectives match)
-        bd = profile_call(lambda: engine.train_step(batch), trace_path=trace)
+        bd = profile_call(lambda: backend.step(batch), trace_path=trace)
         result.update(breakdown=bd.fractions, breakdown_seconds=bd.seconds, top_ops=bd.top_ops,
                       profiled_step_seconds=bd.wall_seconds, trace_path=trace)
-    return result
+    if backend.detail():
+        result["backend_detail"] = backend.detail()
+    return result, step_one
+
+
+def _parity(spec: TrialSpec, loss: float, vocab: int) -> dict[str, Any]:
+    """The step-1 loss (the mean over every rank's rows) against plain PyTorch's on those rows: each rank's first
+    batch drawn again from its seed, as _run_train drew it."""
+    from sltune.profiling.parity import parity, reference_loss
+    from sltune.training.data import batches
+
+    _give_back_freed_memory()
+    rows = torch.cat([next(batches(spec.rows, spec.seq_len, vocab, seed=spec.seed + r))
+                      for r in range(spec.world_size)])
+    reference, allowance = reference_loss(spec, rows)
+    return parity(loss, reference, spec.dtype, allowance)
 
 
 def _measure(spec: TrialSpec, step) -> dict[str, Any]:

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
+from sltune.backends.knobs import DEFAULTS, KNOBS, BackendName, OffloadTarget, ZeroStage, refusals
 from sltune.config import Activations, DType, KVCache, OptimizerOffload, Schedule
 from sltune.runtime.counters import IOCounters
 from sltune.sizes import parse_bytes
 from sltune.training.optimizer import OptimizerConfig
 
-Status = Literal["ok", "oom", "failed", "timeout"]
+Status = Literal["ok", "oom", "failed", "timeout", "diverged"]
+BACKEND_KNOBS = tuple(k for names in KNOBS.values() for k in names)
 
 
 class TrialSpec(BaseModel):
@@ -21,6 +23,17 @@ class TrialSpec(BaseModel):
 
     model: str | dict[str, Any] = Field("llama-tiny", description="preset, config.json path, inline config, or a "
                                         "Hugging Face model folder (whose weights the trial loads, if it has any)")
+    backend: BackendName = Field("speedloader", description="what trains: SpeedLoader's engine, DeepSpeed ZeRO "
+                                 "(deepspeed.initialize) or PyTorch FSDP2 (fully_shard per decoder layer)")
+    zero_stage: ZeroStage | None = Field(None, description="deepspeed: ZeRO stage 2 or 3 (default 2)")
+    offload_optimizer: OffloadTarget | None = Field(None, description="deepspeed: the optimizer's state in device "
+                                                    "memory (none), host memory (cpu) or files on NVMe (default none)")
+    offload_param: OffloadTarget | None = Field(None, description="deepspeed, zero_stage 3: the parameter partitions "
+                                                "on the device (none), in host memory (cpu) or on NVMe (default none)")
+    cpu_offload: bool | None = Field(None, description="fsdp: CPUOffloadPolicy, the sharded parameters, gradients "
+                                     "and optimizer state in host memory (default false)")
+    reshard_after_forward: bool | None = Field(None, description="fsdp: free each layer's gathered parameters after "
+                                               "its forward and gather them again for its backward (default true)")
     sub_batch_size: int = Field(1, ge=1)
     num_sub_batches: int = Field(1, ge=1)
     num_live_blocks: int = Field(1, ge=1)
@@ -64,26 +77,41 @@ class TrialSpec(BaseModel):
     def _sizes(cls, value: Any, info) -> int | None:
         return None if value is None else parse_bytes(value, info.field_name)
 
+    @model_validator(mode="after")
+    def _backend_knobs(self) -> "TrialSpec":
+        """A knob of another backend, or a SpeedLoader-only value under another backend, is refused naming the
+        field and the fix; the chosen backend's knobs left out take their defaults."""
+        why = refusals({name: getattr(self, name) for name in type(self).model_fields})
+        if why:
+            raise ValueError("; ".join(why))
+        for knob in KNOBS[self.backend]:
+            if getattr(self, knob) is None:
+                setattr(self, knob, DEFAULTS[knob])
+        return self
+
     @property
     def rows(self) -> int:
         return self.sub_batch_size * self.num_sub_batches
 
     def knobs(self) -> dict[str, Any]:
+        speedloader = self.backend == "speedloader"
         return {"sub_batch_size": self.sub_batch_size, "num_sub_batches": self.num_sub_batches,
-                "num_live_blocks": self.num_live_blocks, "schedule": self.schedule,
+                "num_live_blocks": self.num_live_blocks if speedloader else None,
+                "schedule": self.schedule if speedloader else None,
                 "activations": self.activations,
                 "seq_len": self.seq_len if self.mode == "train" else self.prompt_len + self.new_tokens,
                 "world_size": self.world_size, "kv_cache": self.kv_cache if self.mode == "generate" else None,
                 "weights_on_device": self.weights_on_device if self.mode == "generate" else None,
-                "optimizer_offload": self.optimizer_offload if self.mode == "train" else None,
-                "num_layers": self.num_layers}
+                "optimizer_offload": self.optimizer_offload if self.mode == "train" and speedloader else None,
+                "num_layers": self.num_layers, "backend": self.backend,
+                **{knob: getattr(self, knob) for knob in KNOBS[self.backend]}}
 
 
 class TrialConfig(BaseModel):
     sub_batch_size: int
     num_sub_batches: int
-    num_live_blocks: int
-    schedule: Schedule
+    num_live_blocks: int | None = Field(description="SpeedLoader's live blocks (None under another backend)")
+    schedule: Schedule | None = Field(description="SpeedLoader's schedule (None under another backend)")
     activations: Activations = "recompute"
     seq_len: int
     world_size: int = 1
@@ -92,6 +120,33 @@ class TrialConfig(BaseModel):
     optimizer_offload: OptimizerOffload | None = None   # training trials (None in results older than the field)
     num_layers: int | None = Field(None, description="the decoder layers the trial ran (fewer than the model's in "
                                    "a reduced-depth probe); None in results older than the field")
+    backend: BackendName = Field("speedloader", description="what trained (speedloader in results older than the "
+                                 "field)")
+    zero_stage: ZeroStage | None = Field(None, description="deepspeed: the ZeRO stage it ran")
+    offload_optimizer: OffloadTarget | None = Field(None, description="deepspeed: where the optimizer's state was")
+    offload_param: OffloadTarget | None = Field(None, description="deepspeed: where the parameter partitions were")
+    cpu_offload: bool | None = Field(None, description="fsdp: CPUOffloadPolicy on or off")
+    reshard_after_forward: bool | None = Field(None, description="fsdp: gathered parameters freed after the forward")
+
+    @model_serializer(mode="wrap")
+    def _its_own_knobs(self, handler) -> dict[str, Any]:
+        """The backend's own knobs only: another backend's (None) are left out, so a SpeedLoader result reads as
+        it did before there were backends, plus its name."""
+        out = handler(self)
+        for knob in BACKEND_KNOBS:
+            if out.get(knob, 0) is None:
+                del out[knob]
+        return out
+
+
+class Parity(BaseModel):
+    """The trial's step-1 loss against plain PyTorch's on the same initial weights and batch (sltune.profiling.parity)."""
+
+    loss: float = Field(description="the backend's loss on its first step, before any update")
+    reference_loss: float = Field(description="the model's own forward with labels on that batch, same dtype")
+    rel_diff: float = Field(description="|loss - reference_loss| / |reference_loss|")
+    tolerance: float = Field(description="the largest rel_diff a correct run of this dtype shows")
+    ok: bool
 
 
 class BreakdownFractions(BaseModel):
@@ -139,7 +194,9 @@ class Timing(BaseModel):
 
 
 class TrialResult(BaseModel):
-    """The design's TrialResult, plus the raw seconds behind the fractions and the top operators."""
+    """The design's TrialResult, plus the raw seconds behind the fractions and the top operators. Status diverged:
+    the trial ran and was measured, but its step-1 loss is not plain PyTorch's (parity), so its figures are of a
+    run that does not train the model correctly."""
 
     status: Status
     error: str | None = None
@@ -159,6 +216,17 @@ class TrialResult(BaseModel):
     trace_path: str | None = None
     wall_seconds: float | None = None
     ranks: list[dict[str, Any]] = Field(default_factory=list, description="per-rank figures when world_size > 1")
+    parity: Parity | None = Field(None, description="training trials: the step-1 loss against plain PyTorch's; not "
+                                  "ok makes the status diverged")
+    backend_detail: dict[str, str] | None = Field(None, description="what the backend chose that its knobs do not "
+                                                  "say (DeepSpeed's optimizer: DeepSpeedCPUAdam or torch's)")
+
+    @model_serializer(mode="wrap")
+    def _detail_when_any(self, handler) -> dict[str, Any]:
+        out = handler(self)
+        if out.get("backend_detail", 0) is None:        # SpeedLoader's trials: as before there were backends
+            del out["backend_detail"]
+        return out
 
     @model_validator(mode="after")
     def _error_when_not_ok(self) -> "TrialResult":

@@ -23,6 +23,7 @@ from sltune.profiling.schema import TrialResult, TrialSpec
 from sltune.sizes import format_bytes
 
 StopFn = Callable[[], str | None]
+MEASURED = ("ok", "diverged")       # a rank's result with figures to merge (diverged: measured, but not correct)
 
 
 def run_trial(spec: TrialSpec | dict[str, Any], stop: StopFn | None = None) -> TrialResult:
@@ -69,13 +70,13 @@ def _wait(ranks, spec: TrialSpec, start: float, stop: StopFn | None) -> dict[str
             got = _poll(recv, 0.05 / len(ranks))
             if got is not None:
                 results[r] = got
-                if got["status"] != "ok":
+                if got["status"] not in MEASURED:
                     return _from_rank(got, r, ranks)
             elif not proc.is_alive():
                 got = _poll(recv, 0)
                 if got is not None:
                     results[r] = got
-                    if got["status"] != "ok":
+                    if got["status"] not in MEASURED:
                         return _from_rank(got, r, ranks)
                     continue
                 who = "the trial process" if len(ranks) == 1 else f"rank {r} of {len(ranks)}"

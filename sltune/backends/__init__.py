@@ -1,0 +1,37 @@
+"""Training backends a trial can run, chosen by name: SpeedLoader's engine, DeepSpeed ZeRO, PyTorch FSDP2.
+
+    backend = build("deepspeed", spec)      # spec: a TrialSpec (what sltune.backends.base.TrainingSpec reads)
+    result = backend.step(ids)              # one optimizer step on b*N rows: loss, tokens, seconds, device peak
+    backend.close()
+
+Each lives in a module of its own, imported only when chosen (DeepSpeed is an optional extra:
+`pip install -e '.[backends]'`). This package and `knobs` load without torch.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import TYPE_CHECKING
+
+from sltune.backends.knobs import BACKENDS
+
+if TYPE_CHECKING:
+    from sltune.backends.base import Backend, TrainingSpec
+
+__all__ = ["BACKENDS", "build"]
+
+
+def build(name: str, spec: TrainingSpec) -> Backend:
+    """The backend called `name`, built for `spec` (a multi-rank trial's process group already joined)."""
+    if name == "speedloader":
+        from sltune.backends import speedloader as module
+    elif name == "deepspeed":
+        if importlib.util.find_spec("deepspeed") is None:    # not imported here: its accelerator is chosen first
+            raise ImportError("backend deepspeed: DeepSpeed is not installed; install it with "
+                              "pip install --no-build-isolation -e '.[backends]'")
+        from sltune.backends import deepspeed as module
+    elif name == "fsdp":
+        from sltune.backends import fsdp as module
+    else:
+        raise ValueError(f"backend {name!r}: choose one of {', '.join(BACKENDS)}")
+    return module.build(spec)

@@ -1,0 +1,175 @@
+"""DeepSpeed ZeRO through `deepspeed.initialize`: stage 2 or 3, the optimizer's state and (stage 3) the parameter
+partitions optionally offloaded to host memory or NVMe.
+
+The micro-batch is sub_batch_size rows and gradient_accumulation_steps is num_sub_batches, so one step is one
+optimizer step on b*N rows, as SpeedLoader's. Precision follows the spec: a bf16 or fp16 section (DeepSpeed
+keeps float32 masters under either). The optimizer is the spec's: DeepSpeedCPUAdam where the optimizer is
+offloaded and its op loads (prebuilt with DS_BUILD_CPU_ADAM=1, or built on first use), torch's otherwise;
+`detail()` says which. On a machine without a GPU, DeepSpeed runs on its CPU accelerator (DS_ACCELERATOR=cpu)
+over gloo.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from sltune.backends.base import (
+    TrainingSpec,
+    WrappedBackend,
+    checkpoint_activations,
+    full_model,
+    optimizer_tensors,
+    storage_bytes,
+)
+
+NO_CLIPPING = 0.0       # DeepSpeed clips to norm 1.0 unless told; SpeedLoader and the reference do not clip
+
+
+@contextlib.contextmanager
+def stdout_to_stderr() -> Iterator[None]:
+    """DeepSpeed and its op builder print progress to stdout; a trial's stdout may be `sltune profile --json`'s,
+    so while DeepSpeed sets up, what it prints goes to stderr."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def import_deepspeed(device: str) -> Any:
+    """deepspeed on the accelerator the trial's device asks for (its CPU accelerator without a GPU), quiet."""
+    os.environ["DS_ACCELERATOR"] = "cuda" if device.startswith("cuda") else "cpu"
+    with stdout_to_stderr():
+        import deepspeed
+    log = logging.getLogger("DeepSpeed")      # its handler writes to stdout: warnings go to stderr instead
+    log.setLevel(logging.WARNING)
+    for handler in log.handlers:
+        if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stdout:
+            handler.setStream(sys.stderr)
+    # DeepSpeed 0.19 calls collectives torch 2.13 renamed: a FutureWarning per call
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
+    return deepspeed
+
+
+def ds_config(spec: TrainingSpec, world: int, hidden: int) -> dict[str, Any]:
+    """The DeepSpeed config for the spec's knobs (what `sltune export --format ds_config` can write, too). Bucket
+    sizes are what transformers' DeepSpeed integration fills in for "auto", from the hidden size: DeepSpeed's
+    own defaults (5e8 elements) would allocate gigabytes for any model."""
+    stage = spec.zero_stage or 2
+    zero: dict[str, Any] = {"stage": stage, "reduce_bucket_size": hidden * hidden}
+    if stage == 3:
+        zero.update(stage3_prefetch_bucket_size=int(0.9 * hidden * hidden),
+                    stage3_param_persistence_threshold=10 * hidden)
+    for knob in ("offload_optimizer", "offload_param"):
+        target = getattr(spec, knob) or "none"
+        if target != "none":
+            zero[knob] = {"device": target, **({"nvme_path": spec.offload_dir} if target == "nvme" else {})}
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": spec.sub_batch_size,
+        "gradient_accumulation_steps": spec.num_sub_batches,
+        "train_batch_size": spec.sub_batch_size * spec.num_sub_batches * world,
+        "zero_optimization": zero,
+        "gradient_clipping": NO_CLIPPING,
+        "zero_force_ds_cpu_optimizer": False,       # the spec's optimizer may be torch's (SGD, or no CPU Adam op)
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+    if spec.dtype == "bfloat16":
+        config["bf16"] = {"enabled": True}
+    elif spec.dtype == "float16":
+        config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}
+    return config
+
+
+def cpu_adam(params: list[torch.nn.Parameter], optimizer: Any) -> tuple[torch.optim.Optimizer | None, str]:
+    """DeepSpeedCPUAdam with the spec's AdamW settings (torch's default weight decay where it gives none), or
+    None and why its op did not load."""
+    try:
+        with stdout_to_stderr():
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            decay = 0.01 if optimizer.weight_decay is None else optimizer.weight_decay
+            return DeepSpeedCPUAdam(params, lr=optimizer.lr, betas=optimizer.betas, eps=optimizer.eps,
+                                    weight_decay=decay, adamw_mode=True), ""
+    except Exception as err:        # noqa: BLE001 - a missing compiler, a failed build: fall back, saying why
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        return None, f"its CPU Adam op did not load ({first[:200]})"
+
+
+class DeepSpeedBackend(WrappedBackend):
+    name = "deepspeed"
+
+    def __init__(self, spec: TrainingSpec):
+        deepspeed = import_deepspeed(spec.device)
+        super().__init__(spec)
+        self.offload_optimizer = (spec.offload_optimizer or "none") != "none"
+        self.offload_param = (spec.offload_param or "none") != "none"
+        model = full_model(spec, torch.float32)         # DeepSpeed casts to the precision section's dtype itself
+        if spec.activations == "recompute":
+            checkpoint_activations(model)
+        model.config.use_cache = False
+        model.train()
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt, why = None, ""
+        if self.offload_optimizer and spec.optimizer.name == "adamw":
+            opt, why = cpu_adam(params, spec.optimizer)
+        if opt is None:
+            opt = spec.optimizer.build(params)
+            reason = "" if not why else f"; DeepSpeedCPUAdam not used: {why}"
+            self.optimizer_name = f"torch.optim.{type(opt).__name__}{reason}"
+        else:
+            self.optimizer_name = "DeepSpeedCPUAdam"
+        self.basic_optimizer = opt
+        config = ds_config(spec, self.world, model.config.hidden_size)
+        with stdout_to_stderr():
+            self.engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+        self.model = self.engine.module
+        self.version = deepspeed.__version__
+
+    @property
+    def optimizer_on_host(self) -> bool:
+        return self.offload_optimizer
+
+    def _forward(self, ids: torch.Tensor, index: int) -> torch.Tensor:
+        return self.engine(input_ids=ids, labels=ids).loss
+
+    def _backward(self, loss: torch.Tensor, index: int) -> None:
+        self.engine.backward(loss)      # divided by gradient_accumulation_steps: the mean over the step's rows
+        if index < self.n - 1:          # DeepSpeed counts micro-batches in step(); it steps the optimizer only
+            self.engine.step()          # at the accumulation boundary, the last micro-batch's (_update)
+
+    def _update(self) -> None:
+        self.engine.step()
+
+    def device_resident_bytes(self) -> int:
+        params = []
+        if not self.offload_param:
+            for p in self.model.parameters():
+                params.append(p.ds_tensor if hasattr(p, "ds_tensor") else p)
+        state = [] if self.offload_optimizer else list(optimizer_tensors(self.basic_optimizer))
+        return storage_bytes(params + state)
+
+    def detail(self) -> dict[str, str]:
+        return {"optimizer": self.optimizer_name, "deepspeed": self.version,
+                "precision": {"bfloat16": "bf16", "float16": "fp16"}.get(self.spec.dtype, "fp32")}
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):    # a failed step may leave it half torn down; the trial's own
+            self.engine.destroy()               # error is the one to report
+        super().close()
+
+
+def build(spec: TrainingSpec) -> DeepSpeedBackend:
+    return DeepSpeedBackend(spec)

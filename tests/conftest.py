@@ -1,90 +1,15 @@
-"""Shared fixtures: real servers and workers as subprocesses, a throwaway PostgreSQL database."""
+"""Fixtures every layer may ask for (real servers and workers, a throwaway PostgreSQL database), and the hook that marks
+each test by its folder."""
 
 from __future__ import annotations
 
 import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-import uuid
 from pathlib import Path
 
-import httpx
 import pytest
 
-TOKEN = "test-token"
-FAST_LEASES = {"SLTUNE_LEASE_SECONDS": "3", "SLTUNE_HEARTBEAT_SECONDS": "0.5", "SLTUNE_POLL_SECONDS": "0.2"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Proc:
-    """A subprocess in its own session, so a kill takes its trial children with it."""
-
-    def __init__(self, args: list[str], env: dict[str, str], log: Path):
-        self.log = log
-        self._fh = open(log, "wb")
-        self.p = subprocess.Popen([sys.executable, "-m", "sltune", *args], env=env, stdout=self._fh,
-                                  stderr=subprocess.STDOUT, start_new_session=True)
-
-    def kill(self, sig=signal.SIGKILL) -> None:
-        try:
-            os.killpg(self.p.pid, sig)
-        except ProcessLookupError:
-            pass
-        try:
-            self.p.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.p.pid, signal.SIGKILL)
-            self.p.wait(10)
-        self._fh.close()
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace")
-
-
-class Services:
-    """Starts `sltune serve` and `sltune worker` processes against one database; stops them all."""
-
-    def __init__(self, tmp: Path, db: str):
-        self.tmp, self.db = tmp, db
-        self.env = {**os.environ, "SLTUNE_API_TOKEN": TOKEN, "SLTUNE_DATA_DIR": str(tmp / "data"), **FAST_LEASES}
-        self.procs: list[Proc] = []
-        self.url = None
-
-    def serve(self, worker: bool = False, workers: int = 1) -> str:
-        port = free_port()
-        args = ["serve", "--port", str(port), "--db", self.db] + ([] if worker else ["--no-worker"])
-        args += ["--workers", str(workers)] if workers > 1 else []
-        self.procs.append(Proc(args, self.env, self.tmp / f"serve-{port}.log"))
-        self.url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 150           # a loaded 2-core machine: every process imports torch
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(self.url + "/healthz", timeout=1).status_code == 200:
-                    return self.url
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        raise RuntimeError("server did not come up:\n" + self.procs[-1].output())
-
-    def worker(self) -> Proc:
-        proc = Proc(["worker", "--db", self.db], self.env, self.tmp / f"worker-{len(self.procs)}.log")
-        self.procs.append(proc)
-        return proc
-
-    def client(self, token: str | None = TOKEN) -> httpx.Client:
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
-        return httpx.Client(base_url=self.url, headers=headers, timeout=30)
-
-    def stop(self) -> None:
-        for p in self.procs:
-            p.kill(signal.SIGTERM)
+from tests.support.postgres import fresh_pg_database
+from tests.support.servers import Services
 
 
 @pytest.fixture
@@ -102,51 +27,23 @@ def pg_server_url():
     return url
 
 
-def _fresh_pg_database(server_url: str):
-    import sqlalchemy as sa
-
-    from sltune.store.db import normalize_url
-
-    # pre-pinged: a test may restart the server between this database's creation and its drop
-    admin = sa.create_engine(normalize_url(server_url), isolation_level="AUTOCOMMIT", pool_pre_ping=True)
-    name = f"sltune_t_{uuid.uuid4().hex[:10]}"
-    with admin.connect() as c:
-        c.execute(sa.text(f'CREATE DATABASE "{name}"'))
-    base = server_url.rsplit("/", 1)[0]
-    yield f"{base}/{name}"
-    from sltune.store.db import engine_for
-
-    engine_for.cache_clear()
-    with admin.connect() as c:
-        c.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-    admin.dispose()
-
-
 @pytest.fixture
 def pg_url(pg_server_url):
     """A fresh database on the PostgreSQL server for one test, dropped afterwards."""
-    yield from _fresh_pg_database(pg_server_url)
+    yield from fresh_pg_database(pg_server_url)
 
 
 @pytest.fixture(scope="module")
 def pg_module_url(pg_server_url):
     """A fresh database for one test module (a server shared by its tests), dropped afterwards."""
-    yield from _fresh_pg_database(pg_server_url)
+    yield from fresh_pg_database(pg_server_url)
 
 
-def tiny_spec(name: str = "job", trials: int = 3, **search) -> dict:
-    return {"name": name, "model": {"preset": "llama-tiny"}, "workload": {"seq_len": 32},
-            "hardware": {"device_memory_limit": "3MiB"},
-            "search": {"sub_batch_size": [1, 2, 4], "num_sub_batches": [1, 2], "num_live_blocks": [1, 2],
-                       "max_trials": trials, "trial_steps": 1, "trial_min_time_s": 0, "confirm_rounds": 0,
-                       "profile": False, **search}}
-
-
-def wait_for(client: httpx.Client, job_id: str, statuses=("succeeded", "failed", "cancelled"), timeout=240) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        job = client.get(f"/jobs/{job_id}").json()
-        if job["status"] in statuses:
-            return job
-        time.sleep(0.3)
-    raise AssertionError(f"job {job_id} did not reach {statuses}: {job}")
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items):
+    """Mark each test by its folder (tests/integration/, tests/e2e/), before `-m` selects on the markers."""
+    here = Path(__file__).resolve().parent
+    for item in items:
+        parts = Path(item.path).resolve().relative_to(here).parts
+        if parts and parts[0] in ("integration", "e2e"):
+            item.add_marker(getattr(pytest.mark, parts[0]))

@@ -78,3 +78,11 @@ def open_store(settings: Settings) -> None:
     from sltune.store import Store
 
     Store(settings.db_url())
+
+
+def field_error(e: dict) -> str:
+    """One pydantic error as a line names it: 'field: reason' (pydantic's "Value error, " and a reason that names
+    its field already, dropped)."""
+    where = ".".join(str(p) for p in e["loc"])
+    reason = e["msg"].removeprefix("Value error, ")
+    return f"{where}: {reason.removeprefix(f'{where}: ')}" if where else reason

@@ -11,6 +11,7 @@ from typing import NoReturn, Sequence
 from pydantic import ValidationError
 
 from sltune.cli import profile, service, train, tune
+from sltune.cli.common import field_error
 from sltune.service.client import ServiceError
 
 COMMANDS = [train, profile, tune, service]
@@ -114,7 +115,7 @@ def _one_line(err: Exception) -> str:
     if isinstance(err, OSError) and err.filename is not None:
         return f"{err.filename}: {err.strerror or err}"
     if isinstance(err, ValidationError):            # a model built from flags: the field and pydantic's reason
-        return "; ".join(_field_error(e) for e in err.errors())
+        return "; ".join(field_error(e) for e in err.errors())
     text = " ".join(str(err).split())
     if isinstance(err, USER_ERRORS):
         return text
@@ -127,11 +128,6 @@ def _end_progress_bars() -> None:
     tqdm = sys.modules.get("tqdm")
     for bar in list(getattr(getattr(tqdm, "tqdm", None), "_instances", None) or ()):
         bar.close()
-
-
-def _field_error(e: dict) -> str:
-    where = ".".join(str(p) for p in e["loc"])
-    return f"{where}: {e['msg'].removeprefix('Value error, ').removeprefix(f'{where}: ')}"
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from sltune.cli.common import field_error
 from sltune.profiling import run_trial
 from sltune.profiling.schema import TrialSpec
 from sltune.sizes import format_bytes
@@ -126,8 +127,7 @@ def _spec(**fields: Any) -> TrialSpec:
     try:
         return TrialSpec(**fields)
     except ValidationError as err:
-        why = "; ".join(e["msg"].removeprefix("Value error, ") if not e["loc"] else
-                        f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in err.errors())
+        why = "; ".join(field_error(e) for e in err.errors())
         raise ValueError(re.sub(r"\b(" + "|".join(FLAGS) + r")\b", lambda m: FLAGS[m.group(1)], why)) from None
 
 

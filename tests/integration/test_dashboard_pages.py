@@ -1,0 +1,320 @@
+"""The dashboards' pages in-process over a SQLite store: every section, escaping, the compare page, and one
+job's best figure the same on every surface."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import plotly
+import pytest
+from fastapi.testclient import TestClient
+
+from sltune.settings import Settings
+from sltune.tuning.cost.admission import load as admitted_spec
+from tests.support.dashboard_data import realistic_models, realistic_trials
+from tests.support.specs import tiny_spec
+
+
+# -- pages, in-process --------------------------------------------------------------------------------
+XSS = '<script>alert("x")</script>'
+
+
+def _spec(name):
+    return admitted_spec({**tiny_spec(name), "hardware": {"device_memory_limit": "6MiB",
+                                                          "host_memory_limit": "8GiB"}})
+
+
+def _job(store, name, status, trials, scale=1.0, result=True):
+    spec = _spec(name)
+    job = store.create_job(name, spec.model_dump(mode="json"), spec.digest(), {}, status="running")
+    for t in trials:
+        store.start_trial(job.id, t["number"], t["role"], t["config"], t["predicted"], None, None)
+        if t["status"] != "running":
+            r = dict(t["result"])
+            if r.get("tokens_per_s"):
+                r["tokens_per_s"] *= scale
+            store.finish_trial(job.id, t["number"], r)
+            if t["status"] == "ok":
+                store.add_artifact(job.id, t["number"], "trace", f"{job.id}/trial-{t['number']}.json", 10)
+    done = [t for t in trials if t["status"] == "ok"]
+    best = max(done, key=lambda t: t["result"]["tokens_per_s"]) if done else None
+    res = None
+    if result:
+        res = {"job_id": job.id, "name": name, "strategy": "oneshot", "stop_reason": "max_trials reached",
+               "best": None, "predicted": None, "binding_limit": None, "models": realistic_models(trials),
+               "margins": {"device": 0.05, "host": 0.05}, "trials": []}
+        if best is not None and status == "succeeded":
+            r = best["result"]
+            res["best"] = {"trial_number": best["number"], "config": {**best["config"]},
+                           "tokens_per_s": r["tokens_per_s"] * scale, "step_seconds": r["step_seconds"],
+                           "peak_device_bytes": r["peak_device_bytes"], "peak_host_bytes": r["peak_host_bytes"]}
+            res["predicted"] = {"peak_device_bytes": 5.7e6, "peak_host_bytes": 3.4e8, "step_seconds": 2.6,
+                                "tokens_per_s": 1500.0, "fits": True, "over": []}
+            res["binding_limit"] = "device"
+    store.update_progress(job.id, {"trials_done": len(done), "max_trials": 12, "phase": "frontier",
+                                   "best_tokens_per_s": best["result"]["tokens_per_s"] if best else None,
+                                   "best_config": best["config"] if best else None})
+    if status == "running":
+        for kind, fit in realistic_models(trials).items():
+            store.save_fit(job.id, kind, fit["n"], fit)
+        store.set_status(job.id, "running")
+    else:
+        store.set_status(job.id, status, result=res, error="no config ran successfully" if status == "failed" else None)
+    return job.id
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    from sltune.api.app import create_app
+
+    tmp = tmp_path_factory.mktemp("site")
+    app = create_app(Settings(data_dir=tmp / "data", db=f"sqlite:///{tmp / 'jobs.db'}"))
+    store = app.state.store
+    trials = realistic_trials()
+    ids = {
+        "done": _job(store, "tiny-llama-cpu", "succeeded", trials),
+        "slower": _job(store, "tiny-llama-cpu-slower", "succeeded", trials, scale=0.8),
+        "running": _job(store, XSS, "running", trials[:3] + [{**trials[3], "status": "running"}], result=False),
+        "failed": _job(store, "all-oom", "failed", [t for t in trials if t["status"] == "oom"]),
+    }
+    spec = _spec("waiting")
+    ids["queued"] = store.create_job("waiting", spec.model_dump(mode="json"), spec.digest(), {"device": "cpu"}).id
+    with TestClient(app) as client:
+        yield client, ids
+
+
+def _no_cdn(text: str) -> None:
+    assert "cdn" not in text.lower()
+    assert f'<script src="/dashboard/static/plotly.min.js?v={plotly.__version__}"></script>' in text or \
+        "plotly-graph-div" not in text
+
+
+def test_job_list_shows_every_job_with_status_progress_best_and_links(site):
+    client, ids = site
+    r = client.get("/dashboard")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+    for job_id in ids.values():
+        assert f"/dashboard/jobs/{job_id}" in r.text
+    assert f"/jobs/{ids['done']}/config.yaml" in r.text and f"/jobs/{ids['failed']}/config.yaml" not in r.text
+    assert "1,618.8" in r.text and "s-succeeded" in r.text and "s-queued" in r.text and "<progress" in r.text
+    # a finished job that stopped before max_trials (12) has a full bar; a running one counts to its max
+    done_row = r.text.split(f"/dashboard/jobs/{ids['done']}'>")[1].split("</tr>")[0]
+    assert '<progress max="8" value="8">' in done_row and "8 search + 0 confirm" in done_row
+    running_row = r.text.split(f"/dashboard/jobs/{ids['running']}'>")[1].split("</tr>")[0]
+    assert '<progress max="12" value="3">' in running_row and "3/12 search" in running_row
+    assert XSS not in r.text and html_escaped(XSS) in r.text
+    assert 'http-equiv="refresh"' in r.text            # a job is still running
+    _no_cdn(r.text)
+    assert ids["failed"] in client.get("/dashboard?status=failed").text
+    assert ids["done"] not in client.get("/dashboard?status=failed").text
+
+
+def html_escaped(s: str) -> str:
+    import html
+
+    return html.escape(s)
+
+
+def test_job_page_has_every_section_and_the_links(site):
+    client, ids = site
+    r = client.get(f"/dashboard/jobs/{ids['done']}")
+    assert r.status_code == 200
+    text = r.text
+    # history, parallel coordinates, throughput, peaks, pies, seconds, timeline; importance needs the job's
+    # Optuna study, which these hand-made jobs lack (the browser test's real job has it)
+    assert text.count('class="plotly-graph-div"') == 7
+    for heading in ("Best config", "History", "Parameter importance", "Parallel coordinates",
+                    "Throughput against the knobs", "Measured peaks against the fitted models",
+                    "Time breakdown per trial", "Seconds per trial", "Trial timeline", "Trials"):
+        assert f">{heading}</h2>" in text
+    assert "Not enough successful trials with different knobs to say yet." in text
+    assert "<table id='trials'>" in text and "sltuneSort(this)" in text and "oninput='sltuneFilter(this)'" in text
+    assert "8 search + 0 confirm trials, finished" in text and "s left" not in text   # finished: no time left
+    assert f"href='/jobs/{ids['done']}/config.yaml'" in text
+    for n in (0, 1, 2, 4, 5, 6, 7, 8):
+        assert f"/jobs/{ids['done']}/trials/{n}/trace" in text
+    assert f"/jobs/{ids['done']}/trials/3/trace" not in text           # the oom trial has no trace
+    assert "Perfetto" in text and "device memory limit exceeded" in text
+    assert 'http-equiv="refresh"' not in text
+    _no_cdn(text)
+
+
+def test_running_failed_and_queued_jobs_show_what_they_have(site):
+    client, ids = site
+    r = client.get(f"/dashboard/jobs/{ids['running']}")
+    assert r.status_code == 200 and XSS not in r.text and html_escaped(XSS) in r.text
+    assert "Best so far" in r.text and "config.yaml'" not in r.text and 'http-equiv="refresh"' in r.text
+    assert r.text.count('class="plotly-graph-div"') == 7           # the models come from the fits table
+    assert "s-running" in r.text
+    r = client.get(f"/dashboard/jobs/{ids['failed']}")
+    assert r.status_code == 200 and "no config ran successfully" in r.text
+    assert "No ok trial with a time breakdown yet" in r.text and "oom" in r.text
+    r = client.get(f"/dashboard/jobs/{ids['queued']}")
+    assert r.status_code == 200 and "No trials yet" in r.text and "waiting for" in r.text
+    assert r.text.count('class="plotly-graph-div"') == 0
+    for page in (f"/dashboard/jobs/{ids[k]}" for k in ids):
+        _no_cdn(client.get(page).text)
+
+
+def test_unknown_job_is_a_404_page(site):
+    client, _ = site
+    r = client.get("/dashboard/jobs/" + "nope%3Cb%3E")
+    assert r.status_code == 404 and r.headers["content-type"].startswith("text/html")
+    assert "<b>" not in r.text.split("<main>")[1] and "Not found" in r.text
+    assert client.get("/dashboard/compare?a=nope&b=nope").status_code == 404
+
+
+def test_user_text_is_escaped_on_every_page(site):
+    """The templates autoescape: a job name or a query value with markup shows as text on every page that prints
+    it (headings, tables, the compare form's options, the 400 page); only Plotly's figure divs go in raw."""
+    client, ids = site
+    for path, params in [("/dashboard", {}), ("/dashboard", {"status": XSS}),
+                         (f"/dashboard/jobs/{ids['running']}", {}),
+                         ("/dashboard/compare", {}),
+                         ("/dashboard/compare", {"a": ids["running"], "b": ids["done"]}),
+                         ("/dashboard/compare", {"a": ids["done"], "b": ids["running"], "max_regression": XSS})]:
+        r = client.get(path, params=params)
+        assert r.status_code in (200, 400), (path, params, r.status_code)
+        assert XSS not in r.text and html_escaped(XSS) in r.text, (path, params)
+
+
+def test_compare_page_shows_both_jobs_side_by_side_and_the_ci_verdict(site):
+    client, ids = site
+    r = client.get("/dashboard/compare", params={"a": ids["done"], "b": ids["slower"]})
+    assert r.status_code == 200 and r.text.count('class="plotly-graph-div"') == 1
+    assert "REGRESSION" in r.text and "20.0%" in r.text
+    assert "1,618.8" in r.text and "1,295.0" in r.text
+    _no_cdn(r.text)
+    r = client.get("/dashboard/compare", params={"a": ids["slower"], "b": ids["done"]})
+    assert "REGRESSION" not in r.text and ">faster<" in r.text
+    r = client.get("/dashboard/compare", params={"a": ids["done"], "b": ids["slower"], "max_regression": "25%"})
+    assert "REGRESSION" not in r.text
+    r = client.get("/dashboard/compare", params={"a": ids["done"], "b": ids["failed"]})
+    assert r.status_code == 200 and "nothing to compare" in r.text
+    r = client.get("/dashboard/compare")
+    assert r.status_code == 200 and "<form" in r.text and ids["done"] in r.text
+    assert client.get("/dashboard/compare", params={"a": ids["done"], "b": ids["done"],
+                                                    "max_regression": "lots"}).status_code == 400
+
+
+def test_plotly_js_is_served_by_the_app_with_caching_headers(site):
+    client, _ = site
+    bundled = (Path(plotly.__file__).parent / "package_data" / "plotly.min.js").read_bytes()
+    r = client.get("/dashboard/static/plotly.min.js")
+    assert r.status_code == 200 and "javascript" in r.headers["content-type"]
+    assert r.headers["content-encoding"] == "gzip" and r.content == bundled     # httpx decodes it
+    assert "max-age=" in r.headers["cache-control"] and r.headers["etag"]
+    plain = client.get("/dashboard/static/plotly.min.js", headers={"accept-encoding": "identity"})
+    assert plain.content == bundled and "content-encoding" not in plain.headers
+    again = client.get("/dashboard/static/plotly.min.js", headers={"if-none-match": r.headers["etag"]})
+    assert again.status_code == 304
+
+
+# -- one job, one best figure (issue #23) ----------------------------------------------------------
+def test_the_post_tune_example_is_the_readme_spec_and_the_server_accepts_it(site):
+    """Swagger's and ReDoc's example body was made up from the schema (preset "string", sub_batch_size 0) and
+    refused; it is the README's spec now (examples/tiny-llama-cpu.yaml, which the README shows), and "Try it out"
+    queues a job."""
+    import yaml
+
+    client, _ = site
+    spec = (Path(__file__).resolve().parents[2] / "examples" / "tiny-llama-cpu.yaml").read_text()
+    body = client.get("/openapi.json").json()["paths"]["/tune"]["post"]["requestBody"]["content"]
+    example = body["application/json"]["example"]
+    assert example == yaml.safe_load(spec)
+    r = client.post("/tune", json=example)
+    assert r.status_code == 202, r.text
+
+
+def test_one_job_reports_one_best_figure_everywhere(site, monkeypatch, tmp_path, capsys):
+    """Issue #23: the pick's search trial said one figure, its confirmation trials (the machine got faster
+    mid-job) others, and each surface quoted a different one. Here the confirmation measures the pick 1.5x
+    its search trial, by construction, and every surface shows the one figure: the median of every step of
+    all the pick's trials, search and confirm. The Optuna study holds the confirmation trials and names the
+    pick."""
+    import io
+    import json
+    from statistics import median
+
+    import optuna
+    import yaml
+
+    import sltune.tuning.runner as runner
+    from sltune.cli.main import main
+    from sltune.cli.progress import JobBar
+    from sltune.cli.tune import describe
+    from sltune.service.local import tune
+    from sltune.store.optuna import optuna_location
+    from tests.support.fake_trials import FakeTrials
+
+    client, _ = site
+    store = client.app.state.store
+    monkeypatch.setattr(runner, "run_trial", FakeTrials({1: 1900.0, 2: 2000.0}, later=(1.5,)))
+    spec = {**tiny_spec("one-truth"), "search": {**tiny_spec()["search"], "strategy": "grid", "sub_batch_size": [1, 2],
+                                                 "num_sub_batches": [1], "num_live_blocks": [1], "max_trials": 2,
+                                                 "confirm_rounds": 2}}
+    calls = []
+    r = tune(spec, store.url, progress=calls.append, settings=Settings(data_dir=tmp_path))
+    assert r["status"] == "succeeded", r
+    best = r["best"]
+    job_id, pick = r["job_id"], best["config"]["sub_batch_size"]
+    rows = [t for t in store.trials(job_id) if t.config["sub_batch_size"] == pick]
+    search = [t for t in rows if t.role != "confirm"]
+    confirms = [t for t in rows if t.role == "confirm"]
+    assert len(search) == 1 and len(confirms) == 2
+    assert all(t.tokens_per_s > 1.4 * search[0].tokens_per_s for t in confirms)    # measured differently
+    steps = [t.result["timing"]["tokens_per_step"] / s for t in rows for s in t.result["timing"]["steps_s"]]
+    figure = median(steps)
+    assert best["tokens_per_s"] == figure and best["from_trials"] == sorted(t.number for t in rows)
+    assert figure not in {t.tokens_per_s for t in rows}       # no one trial's figure: all of them pooled
+    lo, hi = best["tokens_per_s_ci95"]
+    assert lo < figure < hi
+    shown = f"{figure:,.1f}"
+
+    # the API, its job list and best.yaml
+    assert client.get(f"/jobs/{job_id}").json()["best"]["tokens_per_s"] == figure
+    assert next(j for j in client.get("/jobs").json() if j["id"] == job_id)["best"]["tokens_per_s"] == figure
+    measured = yaml.safe_load(client.get(f"/jobs/{job_id}/config.yaml").text)["measured"]
+    assert measured["tokens_per_s"] == figure and measured["tokens_per_s_ci95"] == [lo, hi]
+    # the job list and the job page (with counts that tell search and confirm trials apart)
+    row = client.get("/dashboard").text.split(f"/dashboard/jobs/{job_id}'>")[1].split("</tr>")[0]
+    assert shown in row and "2 search + 4 confirm" in row
+    page = client.get(f"/dashboard/jobs/{job_id}").text
+    section = page.split(">Best config</h2>")[1].split("<h2")[0]
+    assert f"<th>tokens/s</th><td class='num'>{shown}</td>" in section                  # measured (then predicted)
+    assert "1 search + 2 confirm" in section and "2 search + 4 confirm trials, finished" in page
+    # the compare page and `sltune compare` (the job against itself: both sides are its best)
+    cmp_page = client.get("/dashboard/compare", params={"a": job_id, "b": job_id}).text
+    assert cmp_page.split("</table>")[0].count(f"<td class='num'>{shown}</td>") == 2
+    for args in (["--json"], []):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert main(["compare", job_id, job_id, "--db", store.url, *args]) == 0
+        if args:
+            assert json.loads(out.getvalue())["best_a"] == figure
+        else:
+            assert f"best: {shown} -> {shown} tokens/s" in out.getvalue()
+    # the CLI: `tune`'s text and its bar's last frame, from the last progress report
+    assert f"best: b={pick} N=1 k=1 (speedloader): {shown} [" in describe(r)
+    assert calls[-1]["best_tokens_per_s"] == figure and calls[-1]["phase"] == "finished"
+    capsys.readouterr()
+    bar = JobBar("tune one-truth", 2)
+    bar.show(calls[-1])
+    bar.close()
+    frame = capsys.readouterr().err.strip().split("\r")[-1]
+    assert f"best={shown} tok/s" in frame and "2 search + 4 confirm" in frame and "6/6" in frame, frame
+
+    # Optuna's own API: every trial, confirmation ones with their role, and the pick as the study's attributes
+    study = optuna.load_study(study_name=f"sltune-{job_id}", storage=optuna_location(store.url)[0])
+    by_number = {t.user_attrs["sltune_trial"]: t for t in study.trials}
+    assert sorted(by_number) == sorted(t.number for t in store.trials(job_id))
+    for t in store.trials(job_id):
+        assert by_number[t.number].user_attrs["role"] == t.role and by_number[t.number].value == t.tokens_per_s
+    attrs = study.user_attrs
+    assert attrs["pick"] == best["config"] and attrs["pick_tokens_per_s"] == figure
+    assert attrs["pick_tokens_per_s_ci95"] == [lo, hi] and attrs["pick_trials"] == best["from_trials"]
+    assert sorted(attrs["pick_optuna_trials"]) == sorted(by_number[n].number for n in best["from_trials"])
+    assert attrs["pick_confidence"] == r["confidence"]
+    # Optuna's best_trial is one trial, here a confirmation trial of a faster round: not the pick's figure
+    assert study.best_trial.value > figure and study.best_trial.user_attrs["role"] == "confirm"

@@ -1,0 +1,43 @@
+"""The prior, which sees no trial, within 10% of what one real trial per case measures."""
+
+import pytest
+
+from sltune.profiling import run_trial
+from sltune.profiling.schema import TrialSpec
+from sltune.tuning.cost.baseline import trial_baseline
+from sltune.tuning.cost.prior import Setup, predict
+from sltune.tuning.cost.shape import shape_of
+from sltune.tuning.space import Candidate
+
+SGD = {"name": "sgd", "momentum": 0.9}
+# every precision and both optimizers on each model, training; and generation with its KV caches on either side
+CASES = {
+    "tiny-fp32-adamw": dict(model="llama-tiny"),
+    "tiny-bf16-mixed-sgd": dict(model="llama-tiny", dtype="bfloat16", optimizer=SGD),
+    "tiny-bf16-pure-adamw": dict(model="llama-tiny", dtype="bfloat16", mixed_precision=False),
+    "small-fp32-sgd": dict(model="llama-small", optimizer={"name": "sgd"}, num_live_blocks=2),
+    "small-bf16-mixed-adamw": dict(model="llama-small", dtype="bfloat16"),
+    "small-bf16-pure-sgd": dict(model="llama-small", dtype="bfloat16", mixed_precision=False, optimizer=SGD,
+                                sub_batch_size=4, num_sub_batches=1),
+    "tiny-generate": dict(model="llama-tiny", mode="generate", prompt_len=16, new_tokens=4),
+    "small-generate-device-kv": dict(model="llama-small", mode="generate", prompt_len=16, new_tokens=4,
+                                     kv_cache="device", dtype="bfloat16"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_prior_is_within_ten_percent_of_what_a_trial_measures(case):
+    """One real trial per case, measured as every trial is (its resident peak, the runtime's device tracker);
+    the prior, which saw no trial, within 10% of both."""
+    spec = TrialSpec(**{"sub_batch_size": 2, "num_sub_batches": 2, "num_live_blocks": 1, "seq_len": 32, "steps": 1,
+                        "min_time_s": 0.0, "max_steps": 1, "remeasure": 0, "profile": False, **CASES[case]})
+    generate = spec.mode == "generate"
+    config = Candidate(spec.sub_batch_size, spec.num_sub_batches, spec.num_live_blocks, spec.activations,
+                       spec.kv_cache if generate else None, spec.weights_on_device if generate else None)
+    baseline = trial_baseline(spec.device, spec.world_size, spec.mode, spec.cpu_threads)
+    prior = predict(Setup.of_trial(spec, shape_of(spec.model, spec.dtype), baseline), config)
+    result = run_trial(spec)
+    assert result.status == "ok", result.error
+    assert prior.host == pytest.approx(result.peak_host_bytes, rel=0.10), (prior.host_terms, result.peak_host_bytes)
+    assert prior.device == pytest.approx(result.peak_device_bytes, rel=0.10), (prior.device_terms,
+                                                                             result.peak_device_bytes)

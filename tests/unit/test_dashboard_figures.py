@@ -1,0 +1,200 @@
+"""The dashboards' figure builders on realistic data."""
+
+from __future__ import annotations
+
+import math
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import pytest
+
+from sltune.dashboards import figures
+from sltune.tuning.report.compare import JobData, compare
+from tests.support.dashboard_data import realistic_models, realistic_trials
+
+MIB = 1024 * 1024
+DEVICE_LIMIT, HOST_LIMIT = 6 * MIB, 8 * 1024 * MIB
+SPEC = {"model": {"preset": "llama-tiny"}, "workload": {"seq_len": 64}}     # the job ROWS come from
+
+
+# -- figure builders ---------------------------------------------------------------------------------
+def test_pies_show_each_ok_trials_breakdown_fastest_first():
+    trials = realistic_trials()
+    fig = figures.breakdown_pies(trials)
+    pies = [tr for tr in fig.data if tr.type == "pie"]
+    ok = [t for t in trials if t["status"] == "ok"]
+    assert len(pies) == len(ok) == 8
+    assert [p.name for p in pies][0] == "trial #8"                   # the fastest first
+    by_name = {f"trial #{t['number']}": t for t in ok}
+    for p in pies:
+        r = by_name[p.name]["result"]
+        bd = r["breakdown"]
+        # one rank: all-gather and reduce-scatter took no time, and are no slice (nor a legend entry)
+        assert list(p.labels) == ["compute", "memcpy", "CPU", "other"]
+        assert list(p.values) == [bd[k] for k in ("compute", "memcpy", "cpu", "other")]
+        assert math.isclose(sum(p.values), 1.0, abs_tol=1e-9)
+        # hover: the seconds behind each percentage, here the fraction of the step time
+        assert list(p.customdata) == [f"{bd[k] * r['step_seconds'] * 1000:,.1f} ms"
+                                      for k in ("compute", "memcpy", "cpu", "other")]
+
+
+def test_pies_are_capped_at_the_fastest_twelve():
+    base = realistic_trials()[0]
+    many = [{**base, "number": i, "result": {**base["result"], "tokens_per_s": 10.0 + i}} for i in range(30)]
+    shown, total = figures.pie_trials(many)
+    assert total == 30 and len(shown) == 12 and shown[0]["number"] == 29
+    assert len(figures.breakdown_pies(many).data) == 12
+
+
+def test_history_draws_every_trial_in_order_and_the_best_so_far():
+    trials = realistic_trials()
+    fig = figures.history_figure(trials)
+    by_name = {tr.name: tr for tr in fig.data}
+    assert list(by_name["search trial"].x) == [0, 1, 2, 4, 5, 6, 7, 8] and list(by_name["oom"].x) == [3]
+    best = by_name["best so far (search trials only)"]
+    assert list(best.x) == list(range(9))
+    assert list(best.y) == [74.2, 97.6, 372.2, 372.2, 372.2, 372.2, 372.2, 372.2, 1618.8]
+    assert [b.label for b in fig.layout.updatemenus[0].buttons] == ["linear y", "log y"]
+
+
+def test_history_draws_confirmation_trials_apart_and_keeps_them_out_of_the_best_so_far():
+    """Issue #23: the confirmation round re-measured the pick while the machine ran faster; plotted as search
+    trials, they lifted the best-so-far line past anything the search found."""
+    trials = realistic_trials()
+    last = trials[-1]
+    for number, tps in ((9, 2500.0), (10, 400.0), (11, 2400.0)):
+        trials.append({**last, "number": number, "role": "confirm",
+                       "result": {**last["result"], "tokens_per_s": tps}})
+    fig = figures.history_figure(trials)
+    by_name = {tr.name: tr for tr in fig.data}
+    assert list(by_name["search trial"].x) == [0, 1, 2, 4, 5, 6, 7, 8]
+    confirm = by_name["confirmation trial"]
+    assert list(confirm.x) == [9, 10, 11] and list(confirm.y) == [2500.0, 400.0, 2400.0]
+    assert confirm.marker.symbol != by_name["search trial"].marker.symbol
+    best = by_name["best so far (search trials only)"]
+    assert list(best.x) == list(range(9)) and max(best.y) == 1618.8
+
+
+def test_throughput_draws_confirmation_trials_beside_the_search_line_not_on_it():
+    """Issue #23: the throughput figure joined a finalist's confirmation trials into its k's dotted line, so the
+    line zig-zagged at one b between the rounds' figures."""
+    trials = realistic_trials()
+    last = trials[-1]
+    for number, tps in ((9, 2500.0), (10, 2400.0)):
+        trials.append({**last, "number": number, "role": "confirm", "result": {**last["result"], "tokens_per_s": tps}})
+    fig = figures.throughput_figure(trials, best_number=8)
+    lines = [tr for tr in fig.data if tr.name.startswith("num_live_blocks")]
+    assert 2500.0 not in {y for tr in lines for y in tr.y} and 2400.0 not in {y for tr in lines for y in tr.y}
+    confirm = [tr for tr in fig.data if tr.name == "confirmation trial"]
+    assert len(confirm) == 1 and confirm[0].mode == "markers" and sorted(confirm[0].y) == [2400.0, 2500.0]
+    assert set(confirm[0].x) == {last["config"]["sub_batch_size"]}
+
+
+def test_parallel_coordinates_and_seconds_per_trial_cover_the_ok_trials():
+    trials = realistic_trials()
+    ok = [t for t in trials if t["status"] == "ok"]
+    par = figures.parallel_figure(trials).data[0]
+    assert [d.label for d in par.dimensions] == ["sub_batch_size b", "num_sub_batches N", "num_live_blocks k",
+                                                 "tokens/s"]
+    assert list(par.dimensions[3].values) == [t["result"]["tokens_per_s"] for t in ok]
+    assert sorted(par.dimensions[0].ticktext) == ["1", "2", "4", "8"]
+    bars = figures.seconds_figure(trials).data
+    assert [b.name for b in bars] == ["compute", "memcpy", "CPU", "other"]    # no all-gather at one rank
+    for i, t in enumerate(ok):                                                # absolute seconds, stacked
+        r = t["result"]
+        assert sum(b.y[i] for b in bars) == pytest.approx(r["step_seconds"])
+    assert figures.importance_figure({"num_sub_batches": 0.6, "sub_batch_size": 0.3, "num_live_blocks": 0.1}) \
+        .data[0].y == ("num_live_blocks", "sub_batch_size", "num_sub_batches")
+
+
+def test_throughput_figure_facets_by_n_colours_by_k_and_marks_the_oom():
+    trials = realistic_trials()
+    fig = figures.throughput_figure(trials, best_number=8)
+    ok_points = {(x, y) for tr in fig.data if tr.name.startswith("num_live_blocks") for x, y in zip(tr.x, tr.y)}
+    assert ok_points == {(t["config"]["sub_batch_size"], t["result"]["tokens_per_s"])
+                         for t in trials if t["status"] == "ok"}
+    oom = [tr for tr in fig.data if tr.name == "oom"]
+    assert len(oom) == 1 and list(oom[0].y) == [0.0] and oom[0].marker.symbol == "x"
+    assert {a.text for a in fig.layout.annotations} >= {"num_sub_batches N=1", "num_sub_batches N=4",
+                                                        "num_sub_batches N=8"}
+    star = [tr for tr in fig.data if tr.marker.symbol is not None and "star" in list(tr.marker.symbol or [])]
+    assert len(star) == 1
+
+
+def test_peaks_figure_draws_measured_against_predicted_with_both_limits():
+    trials = realistic_trials()
+    models = realistic_models(trials)
+    fig = figures.peaks_figure(models, trials, {"device": DEVICE_LIMIT, "host": HOST_LIMIT}, SPEC)
+    limits = [tr for tr in fig.data if tr.name == "memory limit"]
+    assert [tr.y[0] for tr in limits] == [6.0]          # the device limit, near the data: a line
+    # the host limit (8 GiB, 25x the largest peak) is a note at the top, not an axis stretched to it
+    host_peaks = [t["result"]["peak_host_bytes"] / MIB for t in trials if t["result"]["peak_host_bytes"]]
+    note = [a.text for a in fig.layout.annotations if a.text.startswith("host limit")]
+    assert note == [f"host limit 8.0 GiB: {HOST_LIMIT / MIB / max(host_peaks):.1f}x the largest measured peak, "
+                    "above the plot"]
+    assert 10 ** fig.layout.yaxis2.range[1] < 1.3 * max(host_peaks)
+    fit = [tr for tr in fig.data if tr.name == "trials the fit used"]
+    assert len(fit) == 2 and len(fit[0].x) == 8
+    measured = sorted(r["measured"] / MIB for r in models["device"]["residuals"])
+    assert sorted(fit[0].y) == pytest.approx(measured)
+    oom = [tr for tr in fig.data if tr.name == "other trials (oom)"]   # predicted by the same fit
+    assert len(oom) == 1 and oom[0].y[0] == pytest.approx(6323716 / MIB) and oom[0].x[0] > 0
+    prior = [tr for tr in fig.data if tr.name == "predicted before the trial ran"]
+    assert len(prior) == 1 and len(prior[0].x) == 2
+    assert fig.layout.xaxis.type == "log" and fig.layout.yaxis2.type == "log"
+
+
+def test_timeline_has_a_bar_per_started_trial_and_runs_a_running_one_to_now():
+    trials = realistic_trials()
+    trials.append({"number": 9, "role": "frontier", "status": "running", "config": {}, "result": None,
+                   "started_at": trials[-1]["finished_at"], "finished_at": None})
+    now = trials[-1]["started_at"] + timedelta(seconds=30)
+    fig = figures.timeline_figure(trials, now=now)
+    bars = {tr.name: tr for tr in fig.data}
+    assert set(bars) == {"ok", "oom", "running"}
+    assert sum(len(tr.y) for tr in fig.data) == 10
+    assert list(bars["running"].x) == [30_000.0]
+    assert list(fig.layout.yaxis.categoryarray)[0] == "#0 probe"
+
+
+def test_compare_figure_puts_both_jobs_side_by_side():
+    a = realistic_trials()
+    b = [{**t, "result": {**t["result"], "tokens_per_s": t["result"]["tokens_per_s"] * 0.9}}
+         if t["result"]["tokens_per_s"] else t for t in a]
+    cmp = compare(JobData("a", "succeeded", {}, None, a), JobData("b", "succeeded", {}, None, b))
+    fig = figures.compare_figure(cmp, "A: base", "B: new", max_regression=0.05)
+    bars = {tr.name: tr for tr in fig.data}
+    assert list(bars["A: base"].y) == [r["a"] for r in cmp["rows"]]
+    assert list(bars["B: new"].y) == [r["b"] for r in cmp["rows"]]
+    assert all(c == pytest.approx(-0.1) for c in bars["change"].y)
+    assert set(bars["change"].marker.color) == {"#d62728"}          # every config dropped more than 5%
+    assert fig.layout.barmode == "group"
+
+
+def test_partial_and_missing_data_give_no_figure_instead_of_an_error():
+    running = [{"number": 0, "role": "probe", "status": "running", "config": {"sub_batch_size": 1},
+                "result": None, "started_at": datetime.now(timezone.utc), "finished_at": None}]
+    odd = [{"status": "ok"}, {"status": "ok", "result": {"breakdown": {"compute": 0}}}, {}]
+    for trials in ([], running, odd):
+        assert figures.breakdown_pies(trials) is None
+        assert figures.throughput_figure(trials) is None
+        assert figures.peaks_figure(None, trials, {}) is None
+    assert figures.timeline_figure([]) is None
+    assert figures.timeline_figure(running) is not None
+    assert figures.compare_figure({"rows": []}) is None
+    failed = [t for t in realistic_trials() if t["status"] == "oom"]
+    assert figures.throughput_figure(failed) is not None          # the oom cross, on its own
+    assert figures.peaks_figure({}, failed, {"device": DEVICE_LIMIT}) is None   # no model: nothing to compare
+
+
+def test_every_template_ships_as_package_data():
+    """pip install . (not editable) carries dashboards/templates/ only where pyproject's package data names it."""
+    import fnmatch
+    import tomllib
+
+    root = Path(__file__).resolve().parents[2]
+    conf = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    names = [p.relative_to(root / "dashboards").as_posix() for p in (root / "dashboards" / "templates").rglob("*")
+             if p.is_file()]
+    assert "templates/base.html" in names
+    assert all(any(fnmatch.fnmatch(n, g) for g in conf["sltune.dashboards"]) for n in names), names

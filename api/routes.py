@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request, status
+from fastapi.exceptions import RequestValidationError
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
 
@@ -14,7 +15,8 @@ from sltune.api.examples import TUNE_EXAMPLE
 from sltune.api.schemas import Accepted, Health, JobDetail, JobSummary, TrialOut
 from sltune.service.jobs import job_detail, job_summary
 from sltune.service.validation import Busy
-from sltune.tuning.report.result import export_yaml
+from sltune.backends.export import FormatMismatch, NoPick
+from sltune.tuning.report.formats import export_config
 from sltune.tuning.spec import TuningSpec
 
 router = APIRouter()
@@ -89,18 +91,41 @@ class YamlResponse(PlainTextResponse):
     media_type = "application/yaml"
 
 
-# declared as what a YAML parser reads from it (a mapping), in the one media type it is served as
+# declared as what a parser reads from it (a mapping), in the media types it is served as: YAML (best.yaml, and
+# accelerate's config), JSON (DeepSpeed's config)
 @router.get("/jobs/{job_id}/config.yaml", response_class=YamlResponse,
-            responses={200: {"content": {"application/yaml": {"schema": {
-                "type": "object", "description": "the knobs, schedule, device and dtype; the measured and "
-                "predicted peaks and throughput; the fitted models; where it came from"}}},
-                "description": "the YAML SpeedLoaderConfig.from_yaml reads"}, **responses(404, 409, 422)},
-            summary="The best config, as the YAML SpeedLoaderConfig.from_yaml reads")
-def get_config(request: Request, job_id: str = JobId) -> YamlResponse:
+            responses={200: {"content": {
+                "application/yaml": {"schema": {
+                    "type": "object", "description": "format yaml: the backend and its knobs, schedule, device and "
+                    "dtype; the measured and predicted peaks and throughput; the fitted models; where it came from. "
+                    "format accelerate: accelerate's config (distributed_type FSDP, fsdp_config with fsdp_version 2)"}},
+                "application/json": {"schema": {
+                    "type": "object", "description": "format ds_config: the DeepSpeed config "
+                    "deepspeed.initialize(config=...) trains with (zero_optimization, micro-batch, accumulation, "
+                    "precision, optimizer, scheduler)"}}},
+                "description": "the YAML SpeedLoaderConfig.from_yaml reads (format yaml), or the pick in its "
+                "backend's own format"}, **responses(404, 409, 422)},
+            summary="The best config, as the YAML SpeedLoaderConfig.from_yaml reads, or in its backend's format")
+def get_config(request: Request, job_id: str = JobId,
+               backend: Literal["speedloader", "deepspeed", "fsdp"] | None = Query(
+                   None, description="that backend's pick (a job that searched several has one each); default: the "
+                   "overall best"),
+               fmt: Literal["yaml", "ds_config", "accelerate"] = Query(
+                   "yaml", alias="format", description="yaml: best.yaml (any pick); ds_config: DeepSpeed's JSON "
+                   "config (a deepspeed pick); accelerate: accelerate's FSDP2 config YAML (an fsdp pick)"),
+               ) -> PlainTextResponse:
     job = _job(request, job_id)
     if job.status != "succeeded":
         raise HTTPException(409, f"job {job_id} is {job.status}; the config exists once it has succeeded")
-    return YamlResponse(export_yaml(TuningSpec.model_validate(job.spec), job.result))
+    try:
+        text, media_type = export_config(TuningSpec.model_validate(job.spec), job.result, backend, fmt,
+                                         flags=("backend", "format"))
+    except NoPick as err:
+        raise HTTPException(404, str(err)) from None
+    except FormatMismatch as err:       # a 422 on the parameter, as a value outside its choices is
+        raise RequestValidationError([{"loc": ("query", "format"), "msg": str(err).removeprefix("format "),
+                                       "type": "value_error"}]) from None
+    return PlainTextResponse(text, media_type=media_type)
 
 
 @router.post("/jobs/{job_id}/cancel", response_model=JobSummary, dependencies=[Depends(require_token)],

@@ -21,7 +21,9 @@ class JobSummary(BaseModel):
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
-    best: dict[str, Any] | None = None
+    best: dict[str, Any] | None = Field(None, description="the job's pick over every backend it swept: its config "
+                                        "(naming its backend when the job swept several), the figure over all its "
+                                        "trials and their largest peaks; never a diverged trial")
     error: str | None = None
 
 
@@ -43,6 +45,11 @@ class JobDetail(JobSummary):
                                                                   "paired ratio and its 95% interval")
     depth: dict[str, Any] | None = Field(None, description="search.probe_layers: what was asked, the depths the "
                                          "probes ran and each model's full_depth_error (as in models)")
+    best_by_backend: dict[str, Any] | None = Field(None, description="each backend the job swept (search.backend) "
+                                                   "and its best, in best's shape with its config naming the backend, "
+                                                   "plus its own predicted peaks and binding_limit; one of them is "
+                                                   "best. models holds each backend's fits, a wrapped backend's as "
+                                                   "'deepspeed.device', 'fsdp.throughput', ...")
 
 
 class TrialOut(BaseModel):

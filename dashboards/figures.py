@@ -2,7 +2,9 @@
 
 A *trial* here is a dict as `GET /jobs/{id}/trials` returns it: number, role, status, config
 (sub_batch_size, num_sub_batches, num_live_blocks, ...), result (the TrialResult or None while it
-runs), predicted (what the fitted models said before it ran), started_at, finished_at. Every key may
+runs), predicted (what the fitted models said before it ran), started_at, finished_at. Its backend
+(speedloader, deepspeed, fsdp; issue #33) is its config's or its result's config's, speedloader when
+neither names one (trials from before there were backends). Every key may
 be missing or None (a running or failed job has partial data): builders skip what they cannot draw
 and return None when nothing is left, so the page can say "no data yet" instead of failing.
 
@@ -19,7 +21,9 @@ from typing import Any, Callable, Iterable
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from sltune.tuning.report.compare import config_name
+from sltune.backends.knobs import BACKENDS
+from sltune.backends.knobs import KNOBS as BACKEND_KNOBS
+from sltune.tuning.report.compare import backend_name, config_name, knob_value, normalized, trial_config
 
 # the TrialResult breakdown keys, in drawing order, with their labels and fixed colours
 BREAKDOWN = {"compute": "compute", "memcpy": "memcpy", "cpu": "CPU", "all_gather": "all-gather",
@@ -42,9 +46,30 @@ def knobs(trial: dict[str, Any]) -> tuple[int | None, int | None, int | None]:
     return c.get("sub_batch_size"), c.get("num_sub_batches"), c.get("num_live_blocks")
 
 
+def _config_of(trial_or_config: dict[str, Any]) -> dict[str, Any]:
+    """A trial's knobs with its backend's (compare.trial_config), or a config dict as given."""
+    if isinstance(trial_or_config.get("config"), dict) or isinstance(trial_or_config.get("result"), dict):
+        return trial_config(trial_or_config)
+    return trial_or_config
+
+
+def backend_of(trial_or_config: dict[str, Any]) -> str:
+    """"deepspeed": the backend a trial (or a config) ran on; speedloader when it does not say."""
+    return str(_config_of(trial_or_config).get("backend") or "speedloader")
+
+
+def backends_in(trials: Iterable[dict[str, Any]]) -> list[str]:
+    """The backends the trials ran on, in the tuner's order (speedloader, deepspeed, fsdp)."""
+    seen = {backend_of(t) for t in trials}
+    return sorted(seen, key=lambda b: (BACKENDS.index(b) if b in BACKENDS else len(BACKENDS), b))
+
+
 def config_label(trial_or_config: dict[str, Any]) -> str:
-    """"b=2 N=4 k=1" for a trial or a config dict."""
-    c = trial_or_config.get("config") if isinstance(trial_or_config.get("config"), dict) else trial_or_config
+    """"b=2 N=4 k=1" for a trial or a config dict; another backend's leads with it and ends with its knobs
+    ("deepspeed b=2 N=4 zero_stage=3 offload_optimizer=cpu offload_param=none"), having no k."""
+    c = _config_of(trial_or_config)
+    if backend_of(c) != "speedloader":
+        return config_name(c)
     return (f"b={c.get('sub_batch_size', '?')} N={c.get('num_sub_batches', '?')} "
             f"k={c.get('num_live_blocks', '?')}")
 
@@ -83,8 +108,16 @@ def seconds_of(trial: dict[str, Any]) -> dict[str, float] | None:
 def _hover_config(trial: dict[str, Any]) -> str:
     b, n, k = knobs(trial)
     layers = (trial.get("config") or {}).get("num_layers")      # a probe at reduced depth (search.probe_layers)
-    return (f"trial #{trial.get('number', '?')} ({trial.get('role') or '?'})<br>b={b} N={n} k={k}"
+    what = f"b={b} N={n} k={k}" if backend_of(trial) == "speedloader" else config_label(trial)
+    return (f"trial #{trial.get('number', '?')} ({trial.get('role') or '?'})<br>{what}"
             + (f" at {layers} layers" if layers else ""))
+
+
+def parity_of(trial: dict[str, Any]) -> dict[str, Any] | None:
+    """The trial's step-1 loss against plain PyTorch's ({loss, reference_loss, rel_diff, tolerance, ok}), if
+    it was checked."""
+    p = (trial.get("result") or {}).get("parity")
+    return p if isinstance(p, dict) else None
 
 
 def _mib(v: Any) -> float | None:
@@ -135,18 +168,26 @@ def breakdown_pies(trials: Iterable[dict[str, Any]], limit: int = PIE_LIMIT, col
     shown, _total = pie_trials(trials, limit)
     if not shown:
         return None
-    cols = max(1, min(cols, len(shown)))
-    rows = math.ceil(len(shown) / cols)
     titles = [f"#{t.get('number')} {config_label(t)}<br>{(tokens_per_s(t) or 0):,.0f} tok/s" for t in shown]
+    return _pie_grid([(t, f"trial #{t.get('number')}") for t in shown], titles, cols,
+                     "Time breakdown of the profiled step")
+
+
+def _pie_grid(pies: list[tuple[dict[str, Any], str]], titles: list[str], cols: int, title: str,
+              height: int = 250) -> go.Figure:
+    """(trial, trace name) pies in rows of `cols`, each titled; a slice per breakdown category the trial spent
+    time in, its hover the seconds behind the percentage."""
+    cols = max(1, min(cols, len(pies)))
+    rows = math.ceil(len(pies) / cols)
     fig = make_subplots(rows=rows, cols=cols, specs=[[{"type": "domain"}] * cols for _ in range(rows)],
                         subplot_titles=titles, vertical_spacing=0.12 / rows + 0.04)
-    for i, t in enumerate(shown):
+    for i, (t, name) in enumerate(pies):
         b, secs = breakdown_of(t), seconds_of(t) or {}
         keys = [k for k in BREAKDOWN if b[k] > 0]         # an empty slice (all-gather at one rank) says nothing
         fig.add_trace(go.Pie(labels=[BREAKDOWN[k] for k in keys], values=[b[k] for k in keys],
                              marker=dict(colors=[BREAKDOWN_COLORS[k] for k in keys]), sort=False,
                              direction="clockwise", textinfo="percent", textposition="inside",
-                             name=f"trial #{t.get('number')}", hole=0.3,
+                             name=name, hole=0.3,
                              customdata=[f"{secs[k] * 1000:,.1f} ms" if k in secs else "-" for k in keys],
                              hovertemplate="%{label}: %{percent}, %{customdata}<extra>trial #"
                                            + str(t.get("number")) + "</extra>"),
@@ -154,7 +195,152 @@ def breakdown_pies(trials: Iterable[dict[str, Any]], limit: int = PIE_LIMIT, col
     fig.update_annotations(font_size=11)
     fig.update_layout(legend=dict(orientation="h", y=-0.02, yanchor="top", x=0.5, xanchor="center"),
                       uniformtext=dict(minsize=9, mode="hide"))
-    return _base_layout(fig, "Time breakdown of the profiled step", 130 + 250 * rows)
+    return _base_layout(fig, title, 130 + height * rows)
+
+
+# -- the backends side by side (issue #33) ----------------------------------------------------------
+def _full_depth_ok(t: dict[str, Any]) -> bool:
+    """An ok trial of the model itself: a probe at reduced depth measured a smaller one, never a best."""
+    return status_of(t) == "ok" and tokens_per_s(t) is not None and not (t.get("config") or {}).get("num_layers")
+
+
+def backend_bests(trials: Iterable[dict[str, Any]], result: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
+    """Each backend's best trial: the trial of the job result's best_by_backend entry for it (or of the job's
+    best, for that best's backend), else the backend's fastest ok trial at full depth. Only an ok trial is ever a
+    best: a diverged one was measured but does not train the model correctly."""
+    trials = list(trials)
+    result = result or {}
+    by_number = {t["number"]: t for t in trials if t.get("number") is not None}
+    entries = dict(result.get("best_by_backend") or {})
+    best = result.get("best") or {}
+    if best.get("trial_number") in by_number:
+        entries.setdefault(backend_of(by_number[best["trial_number"]]), best)
+    out: dict[str, dict[str, Any]] = {}
+    for backend in backends_in(trials):
+        entry = entries.get(backend) or {}
+        picks = [by_number.get(n) for n in [entry.get("trial_number"), *(entry.get("from_trials") or [])]]
+        picks = [t for t in picks if t is not None and _full_depth_ok(t) and backend_of(t) == backend]
+        if not picks:
+            picks = sorted((t for t in trials if backend_of(t) == backend and _full_depth_ok(t)),
+                           key=lambda t: (-(tokens_per_s(t) or 0.0), t.get("number") or 0))
+        if picks:
+            out[backend] = picks[0]
+    return out
+
+
+def backend_pies(trials: Iterable[dict[str, Any]], bests: dict[str, dict[str, Any]],
+                 cols: int = 3) -> go.Figure | None:
+    """One pie per backend, side by side (as the SpeedLoader paper's profiling figure): the breakdown of its best
+    config, titled with the backend, its knobs and tokens/s. A best trial without a breakdown lends its pie to
+    another ok trial of the same config that has one (a confirmation trial); a backend with none is left out."""
+    trials = list(trials)
+    pies = []
+    for backend, best in bests.items():
+        same = [t for t in trials if _full_depth_ok(t) and breakdown_of(t) is not None
+                and config_name(trial_config(t)) == config_name(trial_config(best))]
+        t = best if breakdown_of(best) is not None else next(iter(same), None)
+        if t is not None:
+            pies.append((backend, best, t))
+    if not pies:
+        return None
+    titles = [f"<b>{backend}</b> · {(tokens_per_s(best) or 0):,.0f} tok/s (trial #{t.get('number')})<br>"
+              f"{knob_text(best)}" for backend, best, t in pies]
+    return _pie_grid([(t, backend) for backend, _best, t in pies], titles, cols,
+                     "Time breakdown of each backend's best config", height=280)
+
+
+# a tick's short names of another backend's knobs (the hover has them in full)
+SHORT_KNOBS = {"zero_stage": "ZeRO-{}", "offload_optimizer": "opt:{}", "offload_param": "param:{}",
+               "cpu_offload": "offload:{}", "reshard_after_forward": "reshard:{}"}
+
+
+def short_label(config: dict[str, Any]) -> str:
+    """A config as a tick names it: compare.config_name for SpeedLoader's, "deepspeed b=4 N=2 ZeRO-3 opt:cpu
+    param:none" for another backend's (every knob's value, so two configs never share a tick)."""
+    if backend_of(config) == "speedloader":
+        return config_name(config)
+    c = normalized(config)
+    return " ".join([c["backend"], f"b={c['sub_batch_size']} N={c['num_sub_batches']}",
+                     *([] if c["activations"] in (None, "recompute") else [str(c["activations"])]),
+                     *(SHORT_KNOBS.get(k, k + "={}").format(knob_value(c[k]))
+                       for k in BACKEND_KNOBS.get(c["backend"], ()))])
+
+
+def knob_text(trial_or_config: dict[str, Any]) -> str:
+    """"b=4 N=2 zero_stage=3 offload_optimizer=cpu offload_param=none": config_label without the backend's name,
+    for a place that names it beside (a pie's title, the trials table's backend column)."""
+    c = _config_of(trial_or_config)
+    if backend_of(c) == "speedloader":
+        return config_label(c)
+    return " ".join([f"b={c.get('sub_batch_size', '?')} N={c.get('num_sub_batches', '?')}",
+                     *backend_name(c).split(" ")[1:]])
+
+
+def backend_throughput_figure(trials: Iterable[dict[str, Any]],
+                              bests: dict[str, dict[str, Any]] | None = None) -> go.Figure | None:
+    """Every trial's tokens/s, one column per backend, each backend's best a star. A diverged trial (its step-1
+    loss is not plain PyTorch's) is a ringed red cross on the zero line, as oom and failed ones are crosses in
+    their colours: what it measured is not a throughput of training the model. Probes at reduced depth (a smaller
+    model's figures) are left out."""
+    trials = [t for t in trials if status_of(t) not in ("running", "interrupted")]
+    backends = backends_in(trials)
+    column = {b: i for i, b in enumerate(backends)}
+    spread: dict[int, float] = {}       # a column's trials across half its width, in trial order: none hides another
+    for b in backends:
+        same = sorted((t for t in trials if backend_of(t) == b), key=lambda t: t.get("number") or 0)
+        for i, t in enumerate(same):
+            spread[id(t)] = column[b] + (0.0 if len(same) < 2 else 0.5 * (i / (len(same) - 1) - 0.5))
+
+    def x(group: list[dict[str, Any]]) -> list[float]:
+        return [spread[id(t)] for t in group]
+
+    fig = go.Figure()
+    ok = sorted((t for t in trials if _full_depth_ok(t)), key=lambda t: t.get("number") or 0)
+    for confirm in (False, True):
+        sel = [t for t in ok if (t.get("role") == "confirm") == confirm]
+        if sel:
+            fig.add_trace(go.Scatter(
+                x=x(sel), y=[tokens_per_s(t) for t in sel], mode="markers",
+                name="confirmation trial" if confirm else "trial", text=[_hover_config(t) for t in sel],
+                marker=dict(size=9, symbol="diamond" if confirm else "circle",
+                            color=CONFIRM_COLOR if confirm else "#4c78a8", line=dict(width=1, color="white")),
+                hovertemplate="%{text}<br>%{y:,.1f} tokens/s<extra></extra>"))
+    starred = [t for t in (bests or {}).values() if _full_depth_ok(t) and backend_of(t) in column]
+    if starred:
+        fig.add_trace(go.Scatter(
+            x=[spread.get(id(t), column[backend_of(t)]) for t in starred], y=[tokens_per_s(t) for t in starred],
+            mode="markers+text", name="best of its backend", text=[f"{tokens_per_s(t):,.0f}" for t in starred],
+            textposition="top center", cliponaxis=False, customdata=[_hover_config(t) for t in starred],
+            marker=dict(symbol="star", size=18, color="#eeca3b", line=dict(width=1, color="#555")),
+            hovertemplate="best: %{customdata}<br>%{y:,.1f} tokens/s<extra></extra>"))
+    for status in ("diverged", "oom", "failed", "timeout"):
+        bad = [t for t in trials if status_of(t) == status]
+        if bad:
+            fig.add_trace(go.Scatter(
+                x=x(bad), y=[0.0] * len(bad), mode="markers", name=status, cliponaxis=False,
+                # diverged: a ringed cross, told apart from an oom's red cross
+                marker=dict(symbol="circle-x-open" if status == "diverged" else "x", size=12,
+                            color=STATUS_COLORS[status], line=dict(width=2 if status == "diverged" else 0)),
+                text=[_hover_config(t) + "<br>" + _why_not(t) for t in bad],
+                hovertemplate="%{text}<extra>" + status + "</extra>"))
+    if not fig.data:
+        return None
+    fig.update_xaxes(tickvals=list(range(len(backends))), ticktext=backends, range=[-0.6, len(backends) - 0.4],
+                     title_text="backend")
+    fig.update_yaxes(title_text="tokens/s", rangemode="tozero")
+    fig.update_layout(legend=dict(orientation="h", y=-0.22, x=0))
+    return _log_toggle(_base_layout(fig, "Throughput by backend", 420))
+
+
+def _why_not(trial: dict[str, Any]) -> str:
+    """A failed trial's hover: a diverged one's parity (its measured tokens/s only as a note), else its error."""
+    p = parity_of(trial)
+    if status_of(trial) == "diverged" and p:
+        tps = tokens_per_s(trial)
+        rel, tol = (f"{v:.2g}" if isinstance(v, (int, float)) else "?" for v in (p.get("rel_diff"), p.get("tolerance")))
+        return (f"step-1 loss off plain PyTorch's by {rel} (tolerance {tol})"
+                + (f"; ran {tps:,.0f} tokens/s, not counted" if tps else ""))
+    return _short((trial.get("result") or {}).get("error"))
 
 
 # -- throughput against the knobs -------------------------------------------------------------------
@@ -162,8 +348,9 @@ def throughput_figure(trials: Iterable[dict[str, Any]], best_number: int | None 
                       max_facets: int = 8) -> go.Figure | None:
     """tokens/s against sub_batch_size, one panel per num_sub_batches, coloured by num_live_blocks;
     confirmation trials as open diamonds beside the search's line; oom / failed / timeout trials as crosses
-    on the zero line."""
-    trials = [t for t in trials if all(v is not None for v in knobs(t)) and status_of(t) != "running"]
+    on the zero line. SpeedLoader's trials only: the knobs are its own (backend_throughput_figure has the rest)."""
+    trials = [t for t in trials if all(v is not None for v in knobs(t)) and status_of(t) != "running"
+              and backend_of(t) == "speedloader"]
     if not trials:
         return None
     ns = sorted({knobs(t)[1] for t in trials})
@@ -293,8 +480,10 @@ def importance_figure(importances: dict[str, float] | None) -> go.Figure | None:
 
 
 def parallel_figure(trials: Iterable[dict[str, Any]]) -> go.Figure | None:
-    """Every ok trial as a line through b, N, k and tokens/s, coloured by tokens/s: drag an axis to filter."""
-    ok = [t for t in trials if status_of(t) == "ok" and tokens_per_s(t) is not None and None not in knobs(t)]
+    """Every ok SpeedLoader trial as a line through b, N, k and tokens/s, coloured by tokens/s: drag an axis to
+    filter."""
+    ok = [t for t in trials if status_of(t) == "ok" and tokens_per_s(t) is not None and None not in knobs(t)
+          and backend_of(t) == "speedloader"]
     if len(ok) < 2:
         return None
     tps = [tokens_per_s(t) for t in ok]
@@ -319,14 +508,17 @@ def seconds_figure(trials: Iterable[dict[str, Any]]) -> go.Figure | None:
     rows = [(t, sec) for t, sec in rows if sec]
     if not rows:
         return None
-    labels = [f"#{t.get('number')} {config_label(t)}" for t, _ in rows]
+    # another backend's knobs are too long for a tick: the tick names it and its sizes, the hover all of it
+    labels = [f"#{t.get('number')} {config_label(t)}" if backend_of(t) == "speedloader" else
+              f"#{t.get('number')} {backend_of(t)} b={knobs(t)[0]} N={knobs(t)[1]}" for t, _ in rows]
+    full = [f"#{t.get('number')} {config_label(t)}" for t, _ in rows]
     fig = go.Figure()
     for k, name in BREAKDOWN.items():
         ys = [sec.get(k, 0.0) for _, sec in rows]
         if not any(ys):
             continue                         # a category no trial spent time in stays out of the legend
-        fig.add_trace(go.Bar(x=labels, y=ys, name=name, marker_color=BREAKDOWN_COLORS[k],
-                             hovertemplate="%{x}<br>" + name + ": %{y:.4f} s<extra></extra>"))
+        fig.add_trace(go.Bar(x=labels, y=ys, name=name, marker_color=BREAKDOWN_COLORS[k], customdata=full,
+                             hovertemplate="%{customdata}<br>" + name + ": %{y:.4f} s<extra></extra>"))
     fig.update_layout(barmode="stack", legend=dict(orientation="h", y=-0.35, x=0))
     fig.update_yaxes(title_text="seconds of the profiled step")
     return _log_toggle(_base_layout(fig, "Seconds per trial", 430))
@@ -378,10 +570,11 @@ def peaks_figure(models: dict[str, Any] | None, trials: Iterable[dict[str, Any]]
     Filled circles: the job's (final or latest) fit on the trials it was fitted to (its residuals).
     Crosses: trials the fit did not use (oom ones), predicted by the same fit (given the job's spec, which
     the fit's variables need). Open diamonds: what the models predicted for a trial before it ran (the
-    trial's `predicted`), where there was a prediction."""
+    trial's `predicted`), where there was a prediction. SpeedLoader's trials only: the models are of its memory,
+    another backend's peaks are measured only."""
     models = models or {}
     limits = limits or {}
-    trials = list(trials)
+    trials = [t for t in trials if backend_of(t) == "speedloader"]
     by_knobs = {knobs(t): t for t in trials}
     at = job_variables(spec)
     fig = make_subplots(rows=1, cols=2, subplot_titles=["device peak", "host peak"], horizontal_spacing=0.1)
@@ -516,7 +709,8 @@ def timeline_figure(trials: Iterable[dict[str, Any]], now: datetime | None = Non
             marker=dict(color=STATUS_COLORS.get(status, "#444")),
             text=[f"{(b - a).total_seconds():.1f}s" for *_, a, b in sel], textposition="inside",
             customdata=[[_hover_config(t), f"{(b - a).total_seconds():.1f}",
-                         f"{tokens_per_s(t):,.1f} tokens/s" if tokens_per_s(t) else status_of(t)]
+                         f"{tokens_per_s(t):,.1f} tokens/s" if tokens_per_s(t) and status_of(t) == "ok"
+                         else status_of(t)]
                         for _, t, a, b in sel],
             hovertemplate="%{customdata[0]}<br>%{customdata[1]} s<br>%{customdata[2]}<extra></extra>"))
     fig.update_xaxes(type="date", title_text="time (UTC)")
@@ -533,12 +727,15 @@ def compare_figure(cmp: dict[str, Any], label_a: str = "A", label_b: str = "B",
     rows = (cmp or {}).get("rows") or []
     if not rows:
         return None
-    labels = [config_name(r["config"]) for r in rows]     # every knob: a host and a disk twin are two bars
+    labels = [short_label(r["config"]) for r in rows]     # every knob: a host and a disk twin are two bars
+    names = [config_name(r["config"]) for r in rows]
     fig = make_subplots(rows=2, cols=1, shared_xaxes=True, row_heights=[0.65, 0.35], vertical_spacing=0.1,
                         subplot_titles=["best tokens/s per config", "change B vs A per config"])
     for key, name, color in (("a", label_a, "#4c78a8"), ("b", label_b, "#f58518")):
         fig.add_trace(go.Bar(x=labels, y=[r.get(key) for r in rows], name=name, marker_color=color,
-                             hovertemplate="%{x}<br>%{y:,.1f} tokens/s<extra>" + name + "</extra>"), row=1, col=1)
+                             customdata=names,
+                             hovertemplate="%{customdata}<br>%{y:,.1f} tokens/s<extra>" + name + "</extra>"),
+                      row=1, col=1)
     changes = [(r["ratio"] - 1.0) if isinstance(r.get("ratio"), (int, float)) else None for r in rows]
     colors = ["#d62728" if r.get("verdict") == "regression" else "#54a24b" for r in rows]
     cis = [r.get("ci95") for r in rows]
@@ -548,7 +745,8 @@ def compare_figure(cmp: dict[str, Any], label_a: str = "A", label_b: str = "B",
                      array=[(ci[1] - 1.0 - c) if ci and c is not None else 0 for ci, c in zip(cis, changes)],
                      arrayminus=[(c - (ci[0] - 1.0)) if ci and c is not None else 0 for ci, c in zip(cis, changes)])
     fig.add_trace(go.Bar(x=labels, y=changes, name="change", marker_color=colors, showlegend=False, error_y=error,
-                         hovertemplate="%{x}<br>B vs A %{y:+.1%}<extra></extra>"), row=2, col=1)
+                         customdata=names, hovertemplate="%{customdata}<br>B vs A %{y:+.1%}<extra></extra>"),
+                  row=2, col=1)
     fig.add_hline(y=0.0, line=dict(color="#555", width=1), row=2, col=1)
     if max_regression is not None:
         fig.add_hline(y=-max_regression, line=dict(color="#d62728", dash="dash", width=1), row=2, col=1,

@@ -6,6 +6,9 @@ the machines that run this are often offline. This module gathers each page's da
 templates in dashboards/templates/ lay it out (base.html the shared head, nav and style). Templates
 autoescape, so every string a user chose (job names, errors) is HTML-escaped; only Plotly's figure
 divs are inserted raw (|safe in macros.html). A running, failed or queued job shows what it has so far.
+A job over several backends (SpeedLoader, DeepSpeed, FSDP; issue #33) shows them side by side: each one's best
+and its breakdown pie, every trial's throughput by backend, a backend column and picker in the trials table; with
+one backend the page is as it was, plus the table's backend and parity columns.
 """
 
 from __future__ import annotations
@@ -114,10 +117,8 @@ def _bytes(v: Any) -> str:
 
 
 def _knobs(c: dict[str, Any] | None) -> str:
-    c = c or {}
-    if not c:
-        return "-"
-    return f"b={c.get('sub_batch_size', '?')} N={c.get('num_sub_batches', '?')} k={c.get('num_live_blocks', '?')}"
+    """"b=2 N=4 k=1", or another backend's "deepspeed b=2 N=4 zero_stage=3 ..." (figures.config_label)."""
+    return figures.config_label(c) if c else "-"
 
 
 def trial_dicts(store, job_id: str) -> list[dict[str, Any]]:
@@ -201,19 +202,26 @@ def job_page(job_id: str, request: Request) -> HTMLResponse:
     best_number = (best or {}).get("trial_number")
     limits = {"device": hw.get("device_memory_limit"), "host": hw.get("host_memory_limit")}
     shown, total = figures.pie_trials(trials)
+    # issue #33: a job over several backends, or on one other than SpeedLoader, shows them side by side
+    backends = figures.backends_in(t for t in trials if figures.status_of(t) != "running")
+    by_backend = backends not in ([], ["speedloader"])
+    bests = figures.backend_bests(trials, result) if by_backend else {}
     figs = {"history": figures.history_figure(trials),
             "importance": figures.importance_figure(param_importances(optuna_storage(store.url), job.id)),
             "parallel": figures.parallel_figure(trials),
+            "by_backend": figures.backend_throughput_figure(trials, bests) if by_backend else None,
             "throughput": figures.throughput_figure(trials, best_number),
             "peaks": figures.peaks_figure(detail.get("models"), trials, limits, spec),
-            "pies": figures.breakdown_pies(trials),
+            "pies": figures.backend_pies(trials, bests) if len(backends) > 1 else figures.breakdown_pies(trials),
             "seconds": figures.seconds_figure(trials),
             "timeline": figures.timeline_figure(trials)}
     so_far = progress.get("best_config") if job.status in ACTIVE else None
     return _page("job.html", f"job {job.name}", plots=True, refresh=15 if job.status in ACTIVE else None,
                  job=job, qid=_q(job.id), active=job.status in ACTIVE,
                  summary=_job_summary(job, detail, spec, progress),
-                 best=_best(best, result, hw) if best else None,
+                 best=_best(best, result, hw, trials, named=len(backends) > 1) if best else None,
+                 backends=backends, by_backend=by_backend,
+                 backend_bests=_backend_bests(bests, result) if len(backends) > 1 else [],
                  so_far={"knobs": _knobs(so_far), "tokens_per_s": _num(progress.get("best_tokens_per_s"))}
                  if so_far else None,
                  figs={name: _plot(fig) for name, fig in figs.items()},
@@ -260,14 +268,28 @@ def _job_summary(job, detail: dict[str, Any], spec: dict[str, Any], progress: di
     return items
 
 
-def _best(best: dict[str, Any], result: dict[str, Any], hw: dict[str, Any]) -> dict[str, Any]:
-    """The best config measured against what the models predicted for it, and what bounds it."""
+def _best(best: dict[str, Any], result: dict[str, Any], hw: dict[str, Any],
+          trials: list[dict[str, Any]] | None = None, named: bool = False) -> dict[str, Any]:
+    """The best config measured against what the models predicted for it, and what bounds it. A best of another
+    backend than SpeedLoader names it and its own knobs instead of k and the schedule; `named`: name SpeedLoader
+    too (the job ran several backends)."""
     c = best.get("config") or {}
+    pick = next((t for t in trials or [] if t.get("number") == best.get("trial_number")), None)
+    if "backend" not in c and pick is not None:
+        c = {**comparing.trial_config(pick), **c}       # the pick's result names its backend
     pred = result.get("predicted") or {}
+    backend = figures.backend_of(c)
+    if backend == "speedloader":
+        own = [("num_live_blocks (k)", str(c.get("num_live_blocks")), ""),
+               ("schedule", str(c.get("schedule", "-")), "")]
+    else:
+        knobs = comparing.normalized(c)
+        own = [(k, comparing.knob_value(knobs[k]), "") for k in comparing.BACKEND_KNOBS.get(backend, ())]
+    if backend != "speedloader" or named:
+        own.insert(0, ("backend", backend, ""))
     rows = [("sub_batch_size (b)", str(c.get("sub_batch_size")), ""),
             ("num_sub_batches (N)", str(c.get("num_sub_batches")), ""),
-            ("num_live_blocks (k)", str(c.get("num_live_blocks")), ""),
-            ("schedule", str(c.get("schedule", "-")), ""),
+            *own,
             ("tokens/s", _num(best.get("tokens_per_s")), _num(pred.get("tokens_per_s"))),
             ("step seconds", _num(best.get("step_seconds"), ".3f"), _num(pred.get("step_seconds"), ".3f")),
             ("device peak", _bytes(best.get("peak_device_bytes")), _bytes(pred.get("peak_device_bytes"))),
@@ -289,20 +311,45 @@ def _measured_in(best: dict[str, Any]) -> str:
             f"{int(best.get('confirm_trials') or 0)} confirm): tokens/s is the median of all their steps{interval}")
 
 
-def _trial_rows(trials: list[dict[str, Any]], best_number: int | None) -> list[dict[str, Any]]:
-    """The trials table's rows; a number cell keeps its raw value (data-v) for the table's sort."""
-    def cell(v: Any, shown: str) -> dict[str, Any]:
-        return {"value": v if isinstance(v, (int, float)) else "", "shown": shown}
+def _cell(v: Any, shown: str) -> dict[str, Any]:
+    """A sortable cell (macros.html num_cell): the raw number (data-v, "" for none) and its display."""
+    return {"value": v if isinstance(v, (int, float)) else "", "shown": shown}
 
+
+def _g(v: Any, fmt: str = ".2g") -> str:
+    return format(v, fmt) if isinstance(v, (int, float)) and math.isfinite(v) else "?"
+
+
+def _parity(trial: dict[str, Any]) -> dict[str, Any]:
+    """A trial's parity cell: "ok", or how far its step-1 loss was off plain PyTorch's (sorted by rel_diff); the
+    title spells out both losses. "-": not checked (generation, or a trial from before the check)."""
+    p = figures.parity_of(trial)
+    if p is None:
+        return {**_cell(None, "-"), "bad": False, "title": ""}
+    rel = p.get("rel_diff")
+    title = (f"step-1 loss {_g(p.get('loss'), '.6g')} against plain PyTorch's {_g(p.get('reference_loss'), '.6g')}: "
+             f"relative difference {_g(rel)}, tolerance {_g(p.get('tolerance'))}")
+    shown = "ok" if p.get("ok") else f"off: {_g(rel)}"
+    return {**_cell(rel, shown), "bad": not p.get("ok"), "title": title}
+
+
+def _trial_rows(trials: list[dict[str, Any]], best_number: int | None) -> list[dict[str, Any]]:
+    """The trials table's rows; a number cell keeps its raw value (data-v) for the table's sort. A diverged
+    trial's tokens/s is shown in parentheses and sorts as none: it ran, but not training the model correctly."""
+    cell = _cell
     rows = []
     for t in trials:
         r = t.get("result") or {}
         timing = r.get("timing") or {}      # setup: fork to first step; host at start: RSS then
         a, b = _utc(t.get("started_at")), _utc(t.get("finished_at"))
         setup, host_at_start = timing.get("setup_s"), timing.get("host_bytes_at_start")
-        rows.append({"number": str(t.get("number")), "best": t.get("number") == best_number,
-                     "role": str(t.get("role") or "-"), "status": t.get("status"), "knobs": _knobs(t.get("config")),
-                     "tokens_per_s": cell(r.get("tokens_per_s"), _num(r.get("tokens_per_s"))),
+        diverged = figures.status_of(t) == "diverged"
+        rows.append({"number": str(t.get("number")), "best": t.get("number") == best_number and not diverged,
+                     "role": str(t.get("role") or "-"), "status": t.get("status"),
+                     "backend": figures.backend_of(t), "knobs": figures.knob_text(t) if t.get("config") else "-",
+                     "tokens_per_s": cell(None, f"({_num(r.get('tokens_per_s'))})") if diverged
+                     else cell(r.get("tokens_per_s"), _num(r.get("tokens_per_s"))),
+                     "parity": _parity(t),
                      "device_peak": cell(r.get("peak_device_bytes"), _bytes(r.get("peak_device_bytes"))),
                      "host_peak": cell(r.get("peak_host_bytes"), _bytes(r.get("peak_host_bytes"))),
                      "setup": cell(setup, "-" if setup is None else f"{setup:.1f} s"),
@@ -310,6 +357,23 @@ def _trial_rows(trials: list[dict[str, Any]], best_number: int | None) -> list[d
                      "duration": cell((b - a).total_seconds() if a and b else None,
                                       _duration(t.get("started_at"), t.get("finished_at"))),
                      "trace_url": t.get("trace_url"), "error": str(r.get("error") or "")})
+    return rows
+
+
+def _backend_bests(bests: dict[str, dict[str, Any]], result: dict[str, Any]) -> list[dict[str, Any]]:
+    """The job page's best per backend (several backends): the job result's best_by_backend entry where it names
+    that trial (its figure pools the config's trials), else the trial's own figure."""
+    entries = dict(result.get("best_by_backend") or {})
+    best = result.get("best") or {}
+    rows = []
+    for backend, t in bests.items():
+        entry = entries.get(backend) or (best if best.get("trial_number") == t.get("number") else {})
+        if t.get("number") not in [entry.get("trial_number"), *(entry.get("from_trials") or [])]:
+            entry = {}                  # the entry's trial is not an ok one here: the trial speaks for itself
+        rows.append({"backend": backend, "knobs": figures.knob_text(t),
+                     "tokens_per_s": _num(entry.get("tokens_per_s", figures.tokens_per_s(t))),
+                     "measured_in": _measured_in(entry) if entry else f"Trial #{t.get('number')}",
+                     "parity": _parity(t)})
     return rows
 
 
@@ -361,20 +425,28 @@ def compare_page(request: Request, a: str | None = None, b: str | None = None,
     # Plotly renders a little HTML in labels: the figure gets the names escaped
     label_a, label_b = (f"A: {html.escape(job_a.name)} ({html.escape(job_a.id)})",
                         f"B: {html.escape(job_b.name)} ({html.escape(job_b.id)})")
-    rows = [{"config": comparing.config_name(r["config"]), "a": _num(r["a"]), "b": _num(r["b"]),
+    # a row per config and backend: the backend its own column, the config named as the tuner names it
+    rows = [{"backend": comparing.backend_of(r["config"]),
+             "config": comparing.config_name(r["config"]).removeprefix(comparing.backend_of(r["config"]) + " "),
+             "a": _num(r["a"]), "b": _num(r["b"]),
              "regression": r.get("verdict") == "regression", "ratio": _num(r["ratio"], ".3f"),
              "interval": _interval(r.get("ci95")), "verdict": r.get("verdict") or "-"} for r in cmp["rows"]]
     swap = {"a": job_b.id, "b": job_a.id, "max_regression": max_regression}
     active = job_a.status in ACTIVE or job_b.status in ACTIVE
     return _page("compare.html", "compare", plots=True, refresh=15 if active else None,
-                 job_a=_side(job_a, cmp["best_a"]), job_b=_side(job_b, cmp["best_b"]), verdict=verdict,
+                 job_a=_side(job_a, cmp["best_a"], cmp.get("best_config_a")),
+                 job_b=_side(job_b, cmp["best_b"], cmp.get("best_config_b")), verdict=verdict,
                  why=why if verdict is None else None, max_regression=max_regression, rows=rows,
                  swap=f"/dashboard/compare?{urlencode(swap)}",
                  fig=_plot(figures.compare_figure(cmp, label_a, label_b, limit)),
                  form=_compare_form(jobs, job_a.id, job_b.id, max_regression))
 
 
-def _side(job, best_tokens_per_s: float | None) -> dict[str, Any]:
-    """One job's row in the compare page's summary."""
+def _side(job, best_tokens_per_s: float | None, best_config: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One job's row in the compare page's summary: its best's figure and config (with the backend: two jobs'
+    bests may be of different backends)."""
     return {"id": job.id, "qid": _q(job.id), "name": job.name, "status": job.status,
-            "best_tokens_per_s": _num(best_tokens_per_s)}
+            "best_tokens_per_s": _num(best_tokens_per_s),
+            "best_backend": comparing.backend_of(best_config) if best_config else "-",
+            "best_config": comparing.config_name(best_config).removeprefix(comparing.backend_of(best_config) + " ")
+            if best_config else "-"}

@@ -8,6 +8,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from sltune.backend_knobs import DEFAULTS as BACKEND_DEFAULTS
+from sltune.backend_knobs import KNOBS, BackendName, OffloadTarget, ZeroStage, refusals
 from sltune.sizes import parse_bytes
 from sltune.yamlfile import read_yaml
 
@@ -22,6 +24,8 @@ REPORT_SECTIONS = ("effective_batch_size", "workload", "measured", "predicted", 
                    "limits", "binding_limit", "search_space", "provenance", "trials", "confidence", "optimizer")
 # ...of which `optimizer` is read by `sltune train` (sltune.training.OptimizerConfig): the optimizer the job
 # was tuned with and will train with
+# The backend and every backend's knobs: a speedloader config's YAML leaves them out
+BACKEND_FIELDS = ("backend", *(k for names in KNOBS.values() for k in names))
 
 
 class SpeedLoaderConfig(BaseModel):
@@ -64,6 +68,20 @@ class SpeedLoaderConfig(BaseModel):
     memory_tracking: Literal["first", "always", "never"] = Field(
         "first", description="CPU only: measure device allocations on the first step of each batch shape, "
         "on every step, or never (then device_memory_limit cannot be enforced)")
+    # what trains the config (sltune.backends): SpeedLoader's engine, or a wrapped backend with its own knobs; a
+    # speedloader config's YAML leaves them out, as before there were backends
+    backend: BackendName = Field(
+        "speedloader", description="what trains: SpeedLoader's engine, DeepSpeed ZeRO or PyTorch FSDP2 (the b*N rows "
+        "of a step as N micro-batches of b; num_live_blocks, schedule and optimizer_offload are SpeedLoader's)")
+    zero_stage: ZeroStage | None = Field(None, description="deepspeed: ZeRO stage 2 or 3 (default 2)")
+    offload_optimizer: OffloadTarget | None = Field(None, description="deepspeed: the optimizer's state on the "
+                                                    "device (none), in host memory (cpu) or on NVMe (default none)")
+    offload_param: OffloadTarget | None = Field(None, description="deepspeed, zero_stage 3: the parameter partitions "
+                                                "on the device (none), in host memory (cpu) or on NVMe (default none)")
+    cpu_offload: bool | None = Field(None, description="fsdp: CPUOffloadPolicy, the sharded parameters, gradients "
+                                     "and optimizer state in host memory (default false)")
+    reshard_after_forward: bool | None = Field(None, description="fsdp: free each layer's gathered parameters after "
+                                               "its forward (default true)")
 
     @field_validator("device_memory_limit", mode="before")
     @classmethod
@@ -90,6 +108,19 @@ class SpeedLoaderConfig(BaseModel):
             if self.schedule == "resident":
                 raise ValueError("optimizer_offload: the resident schedule steps its optimizer on the device; use "
                                  "'host', or schedule 'speedloader' or 'canonical' for 'disk'")
+        return self
+
+    @model_validator(mode="after")
+    def _backend_knobs(self) -> "SpeedLoaderConfig":
+        """As a trial spec validates them (sltune.backends.knobs): a knob of another backend, or a SpeedLoader-only
+        value under another backend, is refused naming the field and the fix; the backend's own knobs left out take
+        their defaults, so a config names every knob its backend runs with."""
+        why = refusals({name: getattr(self, name) for name in type(self).model_fields})
+        if why:
+            raise ValueError("; ".join(why))
+        for knob in KNOBS[self.backend]:
+            if getattr(self, knob) is None:
+                self.__dict__[knob] = BACKEND_DEFAULTS[knob]     # frozen: set once, while validating
         return self
 
     @property
@@ -125,7 +156,12 @@ class SpeedLoaderConfig(BaseModel):
         return cls.from_dict(read_yaml(path), source=str(path))
 
     def to_dict(self) -> dict[str, Any]:
+        """The fields, the backend and its knobs first under another backend; a speedloader config without them (its
+        YAML byte for byte as before there were backends)."""
         out = self.model_dump()
+        knobs = {name: out.pop(name) for name in BACKEND_FIELDS}
+        if self.backend != "speedloader":
+            out = {"backend": self.backend, **{k: knobs[k] for k in KNOBS[self.backend]}, **out}
         out["effective_batch_size"] = self.effective_batch_size
         return out
 
@@ -137,6 +173,9 @@ class SpeedLoaderConfig(BaseModel):
             raise ValueError(f"to_yaml: unknown sections {sorted(unknown)}; allowed: {list(REPORT_SECTIONS)}")
         data.update({k: v for k, v in sections.items() if v is not None})
         text = "# sltune SpeedLoader config; read it with SpeedLoaderConfig.from_yaml\n"
+        if self.backend != "speedloader":
+            text = (f"# sltune config for backend {self.backend}: `sltune train --config FILE` trains with it; read it "
+                    "with SpeedLoaderConfig.from_yaml\n")
         text += yaml.safe_dump(data, sort_keys=False)
         if path is not None:
             Path(path).write_text(text)

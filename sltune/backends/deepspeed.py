@@ -29,8 +29,8 @@ from sltune.backends.base import (
     optimizer_tensors,
     storage_bytes,
 )
+from sltune.backends.export import NO_CLIPPING, ds_config  # noqa: F401 - the trial's config, written by export too
 
-NO_CLIPPING = 0.0       # DeepSpeed clips to norm 1.0 unless told; SpeedLoader and the reference do not clip
 
 
 @contextlib.contextmanager
@@ -61,36 +61,6 @@ def import_deepspeed(device: str) -> Any:
     # DeepSpeed 0.19 calls collectives torch 2.13 renamed: a FutureWarning per call
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
     return deepspeed
-
-
-def ds_config(spec: TrainingSpec, world: int, hidden: int) -> dict[str, Any]:
-    """The DeepSpeed config for the spec's knobs (what `sltune export --format ds_config` can write, too). Bucket
-    sizes are what transformers' DeepSpeed integration fills in for "auto", from the hidden size: DeepSpeed's
-    own defaults (5e8 elements) would allocate gigabytes for any model."""
-    stage = spec.zero_stage or 2
-    zero: dict[str, Any] = {"stage": stage, "reduce_bucket_size": hidden * hidden}
-    if stage == 3:
-        zero.update(stage3_prefetch_bucket_size=int(0.9 * hidden * hidden),
-                    stage3_param_persistence_threshold=10 * hidden)
-    for knob in ("offload_optimizer", "offload_param"):
-        target = getattr(spec, knob) or "none"
-        if target != "none":
-            zero[knob] = {"device": target, **({"nvme_path": spec.offload_dir} if target == "nvme" else {})}
-    config: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": spec.sub_batch_size,
-        "gradient_accumulation_steps": spec.num_sub_batches,
-        "train_batch_size": spec.sub_batch_size * spec.num_sub_batches * world,
-        "zero_optimization": zero,
-        "gradient_clipping": NO_CLIPPING,
-        "zero_force_ds_cpu_optimizer": False,       # the spec's optimizer may be torch's (SGD, or no CPU Adam op)
-        "steps_per_print": 2**31 - 1,
-        "wall_clock_breakdown": False,
-    }
-    if spec.dtype == "bfloat16":
-        config["bf16"] = {"enabled": True}
-    elif spec.dtype == "float16":
-        config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}
-    return config
 
 
 def cpu_adam(params: list[torch.nn.Parameter], optimizer: Any) -> tuple[torch.optim.Optimizer | None, str]:
@@ -143,7 +113,7 @@ class DeepSpeedBackend(WrappedBackend):
         return self.offload_optimizer
 
     def _forward(self, ids: torch.Tensor, index: int) -> torch.Tensor:
-        return self.engine(input_ids=ids, labels=ids).loss
+        return self.engine(input_ids=ids, labels=ids, use_cache=False).loss   # no KV cache, whatever the config says
 
     def _backward(self, loss: torch.Tensor, index: int) -> None:
         self.engine.backward(loss)      # divided by gradient_accumulation_steps: the mean over the step's rows

@@ -69,7 +69,7 @@ class FSDPBackend(WrappedBackend):
 
     def _forward(self, ids: torch.Tensor, index: int) -> torch.Tensor:
         self.model.set_requires_gradient_sync(index == self.n - 1)   # reduce-scatter once, on the last
-        return self.model(input_ids=ids, labels=ids).loss
+        return self.model(input_ids=ids, labels=ids, use_cache=False).loss    # no KV cache, whatever the config says
 
     def _backward(self, loss: torch.Tensor, index: int) -> None:
         (loss / self.n).backward()

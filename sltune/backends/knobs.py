@@ -1,91 +1,22 @@
 """Each backend's name and knobs, and the one-line refusals of a knob that does not fit (light: no torch).
 
-The trial spec validates with these, and so can any spec that sweeps backends: one wording everywhere.
+Defined in sltune.backend_knobs, below sltune.config (which validates a best.yaml's backend with them, and which the
+backends' runtime imports: defined here, config and backends would import each other); the backends and the specs
+read them from here.
 """
 
-from __future__ import annotations
+from sltune.backend_knobs import (
+    BACKENDS,
+    DEFAULTS,
+    KNOBS,
+    SPEEDLOADER_ONLY,
+    BackendName,
+    OffloadTarget,
+    ZeroStage,
+    libaio_found,
+    owner,
+    refusals,
+)
 
-from typing import Any, Literal
-
-BackendName = Literal["speedloader", "deepspeed", "fsdp"]
-ZeroStage = Literal[2, 3]
-OffloadTarget = Literal["none", "cpu", "nvme"]
-
-BACKENDS: tuple[str, ...] = ("speedloader", "deepspeed", "fsdp")
-KNOBS: dict[str, tuple[str, ...]] = {
-    "speedloader": (),
-    "deepspeed": ("zero_stage", "offload_optimizer", "offload_param"),
-    "fsdp": ("cpu_offload", "reshard_after_forward"),
-}
-DEFAULTS: dict[str, Any] = {"zero_stage": 2, "offload_optimizer": "none", "offload_param": "none",
-                            "cpu_offload": False, "reshard_after_forward": True}
-# what only SpeedLoader's engine has; another backend refuses a value other than the default
-SPEEDLOADER_ONLY: dict[str, Any] = {"num_live_blocks": 1, "schedule": "speedloader", "optimizer_offload": "host",
-                                    "mode": "train"}
-
-
-def owner(knob: str) -> str:
-    """The backend a knob belongs to."""
-    return next(b for b, names in KNOBS.items() if knob in names)
-
-
-def libaio_found() -> bool:
-    """DeepSpeed's NVMe offload runs its async I/O op, built against libaio: its header and its library."""
-    import ctypes.util
-    import os
-
-    dirs = ["/usr/include", "/usr/local/include", *filter(None, os.environ.get("CPATH", "").split(os.pathsep))]
-    header = any(os.path.isfile(os.path.join(d, "libaio.h")) for d in dirs)
-    return header and ctypes.util.find_library("aio") is not None
-
-
-def refusals(values: dict[str, Any]) -> list[str]:
-    """Why these trial values do not make a run of their backend, one line per field, each naming the field
-    and the fix; [] when they do. `values` holds `backend`, the knobs and the fields read here."""
-    backend = values.get("backend", "speedloader")
-    out = []
-    for knob in (k for names in KNOBS.values() for k in names):
-        if values.get(knob) is not None and knob not in KNOBS[backend]:
-            article = "an" if owner(knob) == "fsdp" else "a"
-            out.append(f"{knob}: {article} {owner(knob)} knob; add backend {owner(knob)}, or drop {knob} "
-                       f"(backend {backend} has {', '.join(KNOBS[backend]) or 'none of these knobs'})")
-    if backend == "speedloader":
-        return out
-    for field, default in SPEEDLOADER_ONLY.items():
-        if values.get(field, default) != default:
-            out.append(f"{field}: {values[field]!r} is SpeedLoader's; backend {backend} runs "
-                       f"{field} {default!r} only (drop {field}, or use backend speedloader)")
-    dtype = values.get("dtype", "float32")
-    if dtype != "float32" and values.get("mixed_precision") is False:
-        out.append(f"mixed_precision: backend {backend} keeps float32 master weights under {dtype}; keep mixed "
-                   "precision on, or use backend speedloader")
-    if backend == "fsdp" and dtype == "float16":
-        out.append("dtype: float16 needs loss scaling, which the fsdp backend does not run; use bfloat16 (its "
-                   "MixedPrecisionPolicy) or float32")
-    if backend == "deepspeed":
-        out += _deepspeed(values)
-    elif values.get("offload_dir"):
-        out.append(f"offload_dir: backend {backend} writes no offload files; drop offload_dir")
-    return out
-
-
-def _deepspeed(values: dict[str, Any]) -> list[str]:
-    out = []
-    stage = values.get("zero_stage") or DEFAULTS["zero_stage"]
-    param = values.get("offload_param") or "none"
-    if param != "none" and stage != 3:
-        out.append(f"offload_param: {param} offloads ZeRO-3's parameter partitions; set zero_stage 3, or "
-                   "offload_param none")
-    if "nvme" in (param, values.get("offload_optimizer")):
-        which = "offload_param" if param == "nvme" else "offload_optimizer"
-        if not values.get("offload_dir"):
-            out.append(f"{which}: nvme swaps to files under offload_dir; give offload_dir (a directory on a "
-                       "local NVMe disk)")
-        elif not libaio_found():
-            out.append(f"{which}: nvme needs libaio for DeepSpeed's async I/O (apt-get install libaio-dev, then "
-                       "reinstall deepspeed), or use cpu")
-    if values.get("offload_dir") and "nvme" not in (param, values.get("offload_optimizer")):
-        out.append("offload_dir: only nvme offload writes there; set offload_optimizer or offload_param nvme, or "
-                   "drop offload_dir")
-    return out
-
+__all__ = ["BACKENDS", "DEFAULTS", "KNOBS", "SPEEDLOADER_ONLY", "BackendName", "OffloadTarget", "ZeroStage",
+           "libaio_found", "owner", "refusals"]

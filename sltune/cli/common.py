@@ -54,7 +54,8 @@ def config_from_args(args: argparse.Namespace, base: SpeedLoaderConfig | None = 
     data: dict[str, Any] = base.model_dump() if base is not None else {}
     given = {f: getattr(args, f) for f in (*KNOB_FLAGS, "mixed_precision") if getattr(args, f, None) is not None}
     data.update(given)
-    if "offload_dir" in given and data.get("optimizer_offload", "host") == "host":
+    if "offload_dir" in given and data.get("optimizer_offload", "host") == "host" and \
+            data.get("backend", "speedloader") == "speedloader":     # another backend's own check names its use
         raise ValueError("--offload-dir: the optimizer's files go there under --optimizer-offload disk; add "
                          "--optimizer-offload disk (or drop --offload-dir)")
     try:

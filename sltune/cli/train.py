@@ -39,7 +39,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "(its weights) on synthetic tokens, token files or text; write a Hugging Face "
                                    "folder with --save, resume exactly with --resume.")
     p.add_argument("--config", help="a best-config YAML (sltune tune --out / sltune export): its model, seq_len, "
-                                    "dtype, knobs and optimizer are the defaults; flags override them")
+                                    "dtype, knobs and optimizer are the defaults; flags override them. Its backend "
+                                    "(deepspeed, fsdp) trains instead of the SpeedLoader runtime when it names one")
     p.add_argument("--model", help=f"preset name, a transformers config.json (random weights), or a Hugging Face "
                                    f"model folder whose safetensors are loaded (default: the --config file's model, "
                                    f"else {DEFAULT_MODEL})")
@@ -126,9 +127,8 @@ def run(args: argparse.Namespace) -> int:
         inputs.release()                    # the --save folder's lock (run() releases it at its end)
         raise
     quiet = args.json or rank != 0
-    bar = tqdm(total=job.steps, desc=f"train {model_name} s={job.seq_len} ({cfg.schedule} b={cfg.sub_batch_size} "
-               f"N={cfg.num_sub_batches} k={cfg.num_live_blocks}" + (f" x{world} ranks" if world > 1 else "") + ")",
-               unit="step", disable=quiet)
+    bar = tqdm(total=job.steps, desc=f"train {model_name} s={job.seq_len} ({_how(cfg)}"
+               + (f" x{world} ranks" if world > 1 else "") + ")", unit="step", disable=quiet)
 
     def progress(line: dict[str, Any]) -> None:
         if bar.n == 0 and line["step"] > 1:
@@ -139,8 +139,15 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         report = train(job, rank, world, progress, inputs)
+        close = getattr(report.engine, "close", None)     # a wrapped backend's own process group, when it started one
+        if close is not None:
+            close()
     except DeviceMemoryExceeded as err:
         bar.close()
+        if cfg.backend != "speedloader":
+            raise ValueError(f"device memory limit exceeded on {cfg.device} by backend {cfg.backend}: the step "
+                             f"reached {format_bytes(err.peak_bytes)} against {format_bytes(err.limit_bytes)} "
+                             f"({_limit_source(args)}); raise it, or tune again for this limit") from None
         raise ValueError(_over_the_limit(err, job, inputs, args, world)) from None
     finally:
         bar.close()
@@ -171,15 +178,33 @@ def run(args: argparse.Namespace) -> int:
     if report.evals:
         print(f"held-out loss {report.evals[0]['eval_loss']:.4f} (step {report.evals[0]['step']}) -> "
               f"{report.evals[-1]['eval_loss']:.4f} (step {report.evals[-1]['step']})")
+    if cfg.backend != "speedloader":        # its traffic is the wrapper's own, not counted as SpeedLoader's is
+        print(f"backend {_how(cfg)}; device peak {format_bytes(summary['peak_device_bytes'])}")
+    else:
+        _print_io(io, summary)
+    if report.saved:
+        print(f"saved a Hugging Face folder to {report.saved}: AutoModelForCausalLM.from_pretrained({report.saved!r})"
+              + (f"; continue with --resume {report.saved}" if cfg.backend != "deepspeed" else
+                 f"; a deepspeed run does not resume: start another from it with --model {report.saved}"))
+    return 0
+
+
+def _how(cfg: SpeedLoaderConfig) -> str:
+    """'speedloader b=2 N=4 k=1', 'fsdp cpu_offload=True reshard_after_forward=True b=2 N=4': what trains."""
+    from sltune.backends.knobs import KNOBS
+
+    if cfg.backend == "speedloader":
+        return f"{cfg.schedule} b={cfg.sub_batch_size} N={cfg.num_sub_batches} k={cfg.num_live_blocks}"
+    knobs = " ".join(f"{k}={getattr(cfg, k)}" for k in KNOBS[cfg.backend])
+    return f"{cfg.backend} {knobs} b={cfg.sub_batch_size} N={cfg.num_sub_batches}"
+
+
+def _print_io(io: Any, summary: dict[str, Any]) -> None:
     print(f"per step: params loaded {format_bytes(io.param_load_bytes)}, grads offloaded "
           f"{format_bytes(io.grad_offload_bytes)}, activations {format_bytes(io.act_offload_bytes)} out / "
           f"{format_bytes(io.act_load_bytes)} in; device peak {format_bytes(summary['peak_device_bytes'])}"
           + (f"; optimizer files {format_bytes(io.disk_read_bytes)} read, {format_bytes(io.disk_write_bytes)} written"
              if io.disk_write_bytes else ""))
-    if report.saved:
-        print(f"saved a Hugging Face folder to {report.saved}: AutoModelForCausalLM.from_pretrained({report.saved!r})"
-              f"; continue with --resume {report.saved}")
-    return 0
 
 
 def _optimizer(args: argparse.Namespace, tuned: dict[str, Any]) -> OptimizerConfig:
@@ -247,8 +272,8 @@ def _fits_device(job: TrainJob, inputs: Inputs, args: argparse.Namespace) -> Non
     from sltune.tuning.cost.prior import predict
 
     limit = job.config.device_memory_limit
-    if limit is None:
-        return
+    if limit is None or job.config.backend != "speedloader":   # the prior models SpeedLoader's memory; a wrapped
+        return                                                  # backend's is measured by its first step only
     recipe = _recipe(job, inputs, int(os.environ.get("WORLD_SIZE", "1")))
     least = _smallest(job.config)
     if min(predict(recipe, c).device for c in least) <= limit * (1 + PRIOR_MARGIN):

@@ -6,6 +6,8 @@ import argparse
 import json
 from pathlib import Path
 
+from sltune.backends.export import FORMATS
+from sltune.backends.knobs import BACKENDS
 from sltune.cli.common import DB_HELP, JOB_ID_HELP, SERVER_HELP, open_store
 from sltune.cli.progress import JobBar, describe_config
 from sltune.profiling import forks
@@ -29,15 +31,24 @@ def register(sub: argparse._SubParsersAction) -> None:
                                                        "text")
     p.set_defaults(run=run_tune)
 
-    e = sub.add_parser("export", help="write the best config of a finished job as YAML",
+    e = sub.add_parser("export", help="write the best config of a finished job as YAML (or its backend's own "
+                                      "format)",
                        description="Write the best config of a succeeded job as the best.yaml `sltune train "
                                    "--config` reads, from a server (--server) or straight from the job database "
-                                   "(--db; the default database when neither is given).")
+                                   "(--db; the default database when neither is given). A job that searched several "
+                                   "backends has a pick of each (--backend); a deepspeed pick also exports as "
+                                   "DeepSpeed's JSON config, an fsdp pick as accelerate's config YAML (--format).")
     e.add_argument("job_id", help=JOB_ID_HELP)
     where = e.add_mutually_exclusive_group()
     where.add_argument("--server", help=SERVER_HELP)
     where.add_argument("--db", help=DB_HELP)
     e.add_argument("--out", help="file to write (default: print it)")
+    e.add_argument("--backend", choices=BACKENDS, help="that backend's pick (default: the overall best, whichever "
+                                                       "backend it is)")
+    e.add_argument("--format", dest="fmt", choices=FORMATS, default="yaml",
+                   help="yaml: the best.yaml `sltune train --config` reads (any pick); ds_config: the JSON "
+                        "deepspeed.initialize(config=...) reads (a deepspeed pick); accelerate: the YAML `accelerate "
+                        "launch --config_file` reads, FSDP2 (an fsdp pick)")
     e.set_defaults(run=run_export)
 
     pl = sub.add_parser("plan", help="predict peaks before any trial (a spec), or the best config under other "
@@ -144,13 +155,13 @@ def describe(r: dict, out: str | None = None, mode: str = "train") -> str:
 
 def run_export(args: argparse.Namespace) -> int:
     from sltune.store import Store
-    from sltune.tuning.report.result import export_yaml
     from sltune.tuning.spec import TuningSpec
 
     if args.server:
         from sltune.service.client import Client
 
-        text = Client(args.server).config_yaml(args.job_id)
+        # yaml of the overall best: the plain request, which servers from before backends answer too
+        text = Client(args.server).config_yaml(args.job_id, args.backend, None if args.fmt == "yaml" else args.fmt)
         if args.out:
             Path(args.out).write_text(text)
         else:
@@ -162,8 +173,12 @@ def run_export(args: argparse.Namespace) -> int:
         raise ValueError(f"no job {args.job_id!r} in {store.url}")
     if job.status != "succeeded":
         raise ValueError(f"job {job.id} is {job.status}; only a succeeded job has a best config")
-    text = export_yaml(TuningSpec.model_validate(job.spec), job.result, args.out)
-    if not args.out:
+    from sltune.tuning.report.formats import export_config
+
+    text, _ = export_config(TuningSpec.model_validate(job.spec), job.result, args.backend, args.fmt)
+    if args.out:
+        Path(args.out).write_text(text)
+    else:
         print(text, end="")
     return 0
 

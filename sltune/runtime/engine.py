@@ -160,6 +160,9 @@ class SpeedLoaderEngine:
             config = SpeedLoaderConfig(**config)
         if not isinstance(config, SpeedLoaderConfig):
             raise TypeError(f"config must be a SpeedLoaderConfig or a dict, got {type(config).__name__}")
+        if config.backend != "speedloader":
+            raise ValueError(f"backend {config.backend!r}: this engine is SpeedLoader's; train the config with "
+                             "`sltune train --config`, which runs the backend it names (sltune.backends)")
         self.config = config
         self.device = check_device(config.device)
         self.dtype = getattr(torch, config.dtype)

@@ -298,7 +298,7 @@ def generate(engine: Runtime, ids: torch.Tensor, mask: torch.Tensor, max_new_tok
 
 def _step(engine: Runtime, subs: list[_Rows]) -> torch.Tensor:
     """One forward step of these sub-batches through every unit, each unit loaded once: last-position logits."""
-    store, acts, kv, lm = engine.params, engine.acts, engine.kv, engine.lm
+    store, acts, lm = engine.params, engine.acts, engine.lm
     b, q = subs[0].ids.shape
     past = subs[0].cache.past
     edges = len(engine.groups) + 1

@@ -38,8 +38,10 @@ class Client:
     def trials(self, job_id: str) -> list[dict[str, Any]]:
         return self._call("GET", f"/jobs/{job_id}/trials").json()
 
-    def config_yaml(self, job_id: str) -> str:
-        return self._call("GET", f"/jobs/{job_id}/config.yaml").text
+    def config_yaml(self, job_id: str, backend: str | None = None, fmt: str | None = None) -> str:
+        """The job's best.yaml; with `backend` that backend's pick, with `fmt` in that format (ds_config: JSON)."""
+        params = {k: v for k, v in (("backend", backend), ("format", fmt)) if v is not None}
+        return self._call("GET", f"/jobs/{job_id}/config.yaml", params=params).text
 
     def cancel(self, job_id: str) -> dict[str, Any]:
         return self._call("POST", f"/jobs/{job_id}/cancel").json()

@@ -362,13 +362,17 @@ def _write_optimizer(staging: Path, path: Path, engine, rank: int, world: int) -
     their manifest entries."""
     mine = f"{TRAINING_STATE}/optimizer-rank{rank}-of-{world}"
     on_disk = getattr(engine, "disk", None) is not None
+    # a wrapped backend's own (sltune.training.wrapped): FSDP2's by parameter name, none for DeepSpeed (no resume)
+    own = getattr(engine, "optimizer_state", None)
     with _writing(staging, path, staging / (mine if on_disk else f"{mine}.pt")):
         if on_disk:
             engine.disk.link_into(staging / mine, engine.optimizer.state_dict())
             written = sorted(p for p in (staging / mine).rglob("*") if p.is_file())
         else:
-            torch.save(engine.optimizer.state_dict(), staging / f"{mine}.pt")
-            written = [staging / f"{mine}.pt"]
+            state = own() if own is not None else engine.optimizer.state_dict()
+            if state is not None:
+                torch.save(state, staging / f"{mine}.pt")
+            written = [staging / f"{mine}.pt"] if state is not None else []
         files = {p.relative_to(staging).as_posix(): _record(p) for p in written}
     crash_point("save.optimizer")
     return files
@@ -732,7 +736,7 @@ def restore(folder: Path, trainer: dict[str, Any], engine) -> None:
     else:       # host to either: under disk the first step moves the loaded state into the files
         file = saved.with_suffix(".pt")
         try:
-            engine.optimizer.load_state_dict(_load(file))
+            getattr(engine, "load_optimizer_state", engine.optimizer.load_state_dict)(_load(file))
         except (ValueError, KeyError, TypeError) as err:
             if isinstance(err, Incomplete):
                 raise

@@ -94,6 +94,11 @@ def find_inputs(job: TrainJob) -> Inputs:
         resumed, trainer = None, None
         if job.resume and first:        # the steps left are those of the checkpoint the resume would continue
             resumed, trainer = checkpoints.latest(job.resume)
+            saved_by = trainer.get("backend", "speedloader")
+            if saved_by != job.config.backend:
+                raise ValueError(f"--resume {job.resume}: saved by a {saved_by} run and this run's backend is "
+                                 f"{job.config.backend}; resume with the config it trained with (backend {saved_by}), "
+                                 f"or start a new run from its weights with --model {resumed}")
             if int(trainer["step"]) >= job.steps:
                 raise ValueError(f"--resume {job.resume}: the checkpoint is at step {trainer['step']} ({resumed}), "
                                  f"and --steps {job.steps} is the total; pass a larger --steps to train on")
@@ -181,10 +186,17 @@ def _run(job: TrainJob, rank: int, world: int, progress: Callable[[dict[str, Any
     resumed, trainer = checkpoints.agree(inputs.resumed, inputs.trainer)
     source = resumed if resumed is not None else inputs.source
     checkpoint = Checkpoint(source) if source is not None else None
-    if resumed is not None and checkpoints.exact_weights(resumed) is not None:
-        checkpoint.use_weights(checkpoints.exact_weights(resumed))
+    exact = checkpoints.exact_weights(resumed) if resumed is not None else None
+    if exact is not None and job.config.backend == "speedloader":
+        checkpoint.use_weights(exact)
     engine_kwargs = dict(max_grad_norm=job.max_grad_norm, track_grad_norm=True)
-    if checkpoint is not None and checkpoint.has_weights:
+    if job.config.backend != "speedloader":     # DeepSpeed or FSDP2, stepping as its trials did (training.wrapped)
+        from sltune.training.wrapped import BackendEngine
+
+        engine = BackendEngine(job.config, source if source is not None else job.model, job.optimizer, seed=job.seed,
+                               max_grad_norm=job.max_grad_norm, exact_weights=exact)
+        model = engine.model
+    elif checkpoint is not None and checkpoint.has_weights:
         model = checkpoint.empty_model()
         engine = SpeedLoaderEngine(model, job.config, optimizer=job.optimizer.factory, weights=checkpoint,
                                    **engine_kwargs)
@@ -220,6 +232,8 @@ def _run(job: TrainJob, rank: int, world: int, progress: Callable[[dict[str, Any
 
     def save(path: Path, step: int, periodic: bool) -> None:
         state = {"step": step, "run": run_id, "data": data.state_dict()}
+        if job.config.backend != "speedloader":     # a resume checks it trains the same way
+            state["backend"] = job.config.backend
         checkpoints.save_checkpoint(path, engine, state, save_dtype, job.max_shard_size, inputs.tokenizer_files,
                                     owner=owner, periodic=periodic)
 
@@ -277,6 +291,8 @@ def _save_dtype(job: TrainJob, trainer: dict[str, Any] | None, checkpoint, engin
         return getattr(torch, trainer["save_dtype"])
     if checkpoint is not None and checkpoint.has_weights and checkpoint.dtype is not None:
         return checkpoint.dtype
+    if getattr(engine, "stepped_dtype", None) is not None:     # a wrapped backend's (training.wrapped)
+        return engine.stepped_dtype
     return torch.float32 if engine.params.master else engine.dtype
 
 
@@ -303,3 +319,7 @@ def _check(job: TrainJob) -> None:
         raise ValueError(f"--save-dtype {job.save_dtype!r}: use float32, bfloat16 or float16")
     if job.eval_every and job.holdout == 0:
         raise ValueError("--eval-every evaluates on held-out rows: pass --holdout (e.g. 0.05) to keep some")
+    if job.resume and job.config.backend == "deepspeed":
+        raise ValueError(f"--resume {job.resume}: a deepspeed run cannot resume exactly (its optimizer state lives in "
+                         "ZeRO's partitions, which sltune's checkpoints do not hold); start a new run from the saved "
+                         f"weights with --model {job.resume}, or train with backend fsdp or speedloader to resume")

@@ -288,6 +288,11 @@ class JobRun:
 
     # -- what the steps share ------------------------------------------------------------------------------------
 
+    @property
+    def _named(self) -> bool:
+        """Whether configs name their backend in progress, SpeedLoader's too: a job of several backends."""
+        return len(self.space.backends) > 1
+
     def elapsed(self) -> float:
         """The job's time so far, this run's and every earlier run's: the time budget is the job's."""
         return self.elapsed_before + time.monotonic() - self.start
@@ -309,8 +314,8 @@ class JobRun:
         a config that is not a candidate or has run at this depth, its trial told already (a repeat, not run)."""
         if proposal.candidate is not None:
             self.study.enqueue_trial(self.space.params(proposal.candidate))
-        ot = self.study.ask(self.space.distributions())
-        cand = self.space.candidate(ot.params)
+        ot = self.study.ask()
+        cand = self.space.suggest(ot)       # define-by-run: a backend's own knobs only (as ask(distributions) alone)
         if cand is None or self.state.ran(cand, proposal.layers):
             prev = next((d for d in self.state.history
                          if d.candidate == cand and self.state.depth_of(d) == proposal.layers), None)
@@ -329,12 +334,12 @@ class JobRun:
         pred = self.state.predict(cand, layers=layers)
         trace, trace_error = self._trace_file(role)
         depth = {"num_layers": layers} if layers is not None else {}
-        if not self.store.start_trial(self.job_id, self.number, role,
-                                      {**cand.knobs(), "schedule": self.spec.search.schedule, **depth},
+        schedule = self.spec.search.schedule if cand.backend == "speedloader" else None    # as TrialResult.config
+        if not self.store.start_trial(self.job_id, self.number, role, {**cand.knobs(), "schedule": schedule, **depth},
                                       pred.to_dict(), optuna_number, self.worker_id):
             self.stop = TAKEN_OVER
             return None
-        self.report(last={"number": self.number, "config": cand.knobs(), "status": "running"}, phase=role)
+        self.report(last={"number": self.number, "config": cand.knobs(self._named), "status": "running"}, phase=role)
         t0 = time.monotonic()
         result = self._run_trial(cand, role, trace, layers)
         if trace is not None and result["status"] == "ok" and not trace.exists():
@@ -373,7 +378,7 @@ class JobRun:
 
     def _run_trial(self, cand: Candidate, role: str, trace: Path | None, layers: int | None) -> dict[str, Any]:
         """The trial in processes of its own; killed if should_stop says so while it runs."""
-        folder = self.offload_root / self.job_id / f"trial-{self.number}" if cand.on_disk else None
+        folder = self.offload_root / self.job_id / f"trial-{self.number}" if cand.writes_files else None
         try:
             if folder is not None:
                 folder.mkdir(parents=True, exist_ok=True)
@@ -413,14 +418,14 @@ class JobRun:
                    "time_left_s": max(0.0, round(left, 1)), "phase": phase,
                    "stop_reason": self.stop.text if self.stop else None,
                    "best_tokens_per_s": figure if figure is not None else best.tokens_per_s if best else None,
-                   "best_config": best.candidate.knobs() if best else None, "last_trial": last}
+                   "best_config": best.candidate.knobs(self._named) if best else None, "last_trial": last}
         self.store.update_progress(self.job_id, payload, holder=self.worker_id)
         if self.progress:
             self.progress(payload)
 
     def _last(self, cand: Candidate, result: dict[str, Any]) -> dict[str, Any]:
         """A finished trial as progress shows it."""
-        return {"number": self.number, "config": cand.knobs(), "status": result["status"],
+        return {"number": self.number, "config": cand.knobs(self._named), "status": result["status"],
                 "tokens_per_s": result.get("tokens_per_s"), "error": result.get("error")}
 
 

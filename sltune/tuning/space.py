@@ -1,15 +1,19 @@
 """The configs a job may try: sub-batch size b, sub-batches N (or effective batch B = b*N), live blocks k, how
 a group's backward gets its activations (recompute or offload), in training where the optimizer's master and
 state live (host memory or files on disk), and for generation where the KV caches live and the share of the
-weights kept on the device (w)."""
+weights kept on the device (w). A job sweeping several backends (search.backend) searches the union of their
+spaces: b, N (or B) and activations are every backend's (a wrapped backend's micro-batch and accumulation steps),
+the rest SpeedLoader's; DeepSpeed and FSDP2 candidates carry their own knobs instead (sltune.backends.knobs)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 import optuna
 
+from sltune.backends.knobs import DEFAULTS, KNOBS
 from sltune.tuning.knobs import knob_values
 
 if TYPE_CHECKING:
@@ -21,21 +25,52 @@ KV_ORDER = ("host", "device")     # device KV needs more device memory, and move
 OFFLOAD_ORDER = ("disk", "host")  # host holds the master and optimizer state in memory: more host, no disk traffic
 
 
-@dataclass(frozen=True, order=True)
+BACKEND_KNOBS = tuple(k for names in KNOBS.values() for k in names)
+
+
+@functools.total_ordering
+@dataclass(frozen=True)
 class Candidate:
     b: int
     n: int
-    k: int
+    k: int | None                   # SpeedLoader's live blocks; None under another backend
     activations: str = "recompute"
     kv_cache: str | None = None     # generation only: "host" | "device"
     weights_on_device: float | None = None  # generation only: the share of the weights kept there
     optimizer_offload: str = "host"  # training: the master and optimizer state in host memory, or in files ("disk")
+    backend: str = "speedloader"    # what trains it (sltune.backends); the knobs below are deepspeed's and fsdp's
+    zero_stage: int | None = None
+    offload_optimizer: str | None = None
+    offload_param: str | None = None
+    cpu_offload: bool | None = None
+    reshard_after_forward: bool | None = None
 
     @classmethod
     def from_knobs(cls, knobs: dict[str, Any]) -> "Candidate":
+        """A candidate from its knobs, a stored trial's config or a result's: a config of another backend names it
+        and has its knobs (num_live_blocks None); one without a backend is SpeedLoader's."""
+        backend = knobs.get("backend") or "speedloader"
+        if backend != "speedloader":
+            own = {knob: knobs.get(knob, DEFAULTS[knob]) for knob in KNOBS[backend]}
+            return cls(knobs["sub_batch_size"], knobs["num_sub_batches"], None, knobs.get("activations", "recompute"),
+                       backend=backend, **own)
         return cls(knobs["sub_batch_size"], knobs["num_sub_batches"], knobs["num_live_blocks"],
                    knobs.get("activations", "recompute"), knobs.get("kv_cache"), knobs.get("weights_on_device"),
                    knobs.get("optimizer_offload") or "host")
+
+    def _order(self) -> tuple:
+        """Field by field, None first: a backend's candidates have None where another's have values, and sorting
+        a union space must not compare None with a number (within one backend the order is the fields' own)."""
+        return tuple((0,) if v is None else (1, v) for v in (getattr(self, f.name) for f in fields(self)))
+
+    def __lt__(self, other: object) -> bool:
+        if not isinstance(other, Candidate):
+            return NotImplemented
+        return self._order() < other._order()
+
+    def backend_knobs(self) -> dict[str, Any]:
+        """Its backend's own knobs (sltune.backends.knobs.KNOBS): {} for speedloader."""
+        return {knob: getattr(self, knob) for knob in KNOBS[self.backend]}
 
     @property
     def batch(self) -> int:
@@ -45,32 +80,53 @@ class Candidate:
     def kv_on_device(self) -> bool:
         return self.kv_cache == "device"
 
-    def knobs(self) -> dict[str, Any]:
+    def knobs(self, named: bool = False) -> dict[str, Any]:
+        """As a trial's config names them: SpeedLoader's as before there were backends (`named`: with its backend
+        too, as in a job of several); another backend's with its name and knobs, and num_live_blocks None (as
+        TrialResult.config has it)."""
         out: dict[str, Any] = {"sub_batch_size": self.b, "num_sub_batches": self.n, "num_live_blocks": self.k,
                                "activations": self.activations}
+        if self.backend != "speedloader":
+            return {**out, "backend": self.backend, **self.backend_knobs()}
         if self.kv_cache is not None:
             out["kv_cache"] = self.kv_cache
         if self.weights_on_device is not None:
             out["weights_on_device"] = self.weights_on_device
         if self.optimizer_offload != "host":     # trials and configs from before the knob are host's
             out["optimizer_offload"] = self.optimizer_offload
-        return out
+        return {**out, "backend": self.backend} if named else out
 
     @property
     def on_disk(self) -> bool:
         return self.optimizer_offload == "disk"
 
+    @property
+    def writes_files(self) -> bool:
+        """Whether its trial needs an offload folder: SpeedLoader's optimizer on disk, or DeepSpeed's nvme offload."""
+        return self.on_disk or "nvme" in (self.offload_optimizer, self.offload_param)
+
     def dominates(self, other: "Candidate") -> bool:
         """At least as large in sub-batch, effective batch and live blocks, activations kept alike, KV on the
         device if the other's is, at least its share of the weights kept there, the optimizer in host memory if the
         other's is: needs at least as much device memory (and, moving less, runs no slower; disk's reads and
-        writes come on top of the same step)."""
+        writes come on top of the same step). Across backends, or across a backend's own knobs (whose memory and
+        speed trade against each other), no config dominates another."""
+        if self.backend != other.backend or self.backend_knobs() != other.backend_knobs():
+            return False
+        if self.backend != "speedloader":
+            return self.b >= other.b and self.batch >= other.batch and self.activations == other.activations \
+                and self != other
         return self.b >= other.b and self.batch >= other.batch and self.k >= other.k \
             and self.activations == other.activations and self.kv_on_device >= other.kv_on_device \
             and (self.weights_on_device or 0.0) >= (other.weights_on_device or 0.0) \
             and self.on_disk <= other.on_disk and self != other
 
     def __str__(self) -> str:
+        if self.backend != "speedloader":
+            return " ".join([self.backend, f"b={self.b} N={self.n}",
+                             *([self.activations] if self.activations != "recompute" else []),
+                             *(f"{knob}={str(v).lower() if isinstance(v, bool) else v}"
+                               for knob, v in self.backend_knobs().items())])
         return (f"b={self.b} N={self.n} k={self.k}" + ("" if self.activations == "recompute" else f" {self.activations}")
                 + (f" kv_cache={self.kv_cache}" if self.kv_cache else "")
                 + (f" w={self.weights_on_device:g}" if self.weights_on_device is not None else "")
@@ -85,6 +141,11 @@ class SearchSpace:
     it, optimizer_offload when the spec sweeps it (training), and kv_cache and weights_on_device for generation.
     A combination that is not a candidate (b does not divide
     B) is pruned without running.
+
+    Sweeping several backends, a trial's first parameter is `backend`, and the rest are conditional on it (Optuna's
+    define-by-run): num_live_blocks and SpeedLoader's other knobs for speedloader, each DeepSpeed or FSDP knob the
+    spec sweeps (more than one value) for its backend. A spec of one backend has no `backend` parameter, and a
+    SpeedLoader-only spec's parameters are the ones above, so its stored studies resume.
     """
 
     def __init__(self, spec: "TuningSpec", shape: "ModelShape"):
@@ -102,77 +163,115 @@ class SearchSpace:
         self.kv_values = s.kv_cache_values(spec.workload.mode)
         self.weight_shares = s.weights_on_device_values(spec.workload.mode)
         self.offload_values = s.optimizer_offload_values(spec.workload.mode)
-        self.candidates = sorted({Candidate(b, n, k, a, kv, w, o) for b, n in pairs for k in self.k_values
-                                  for a in self.activation_values for kv in self.kv_values or [None]
-                                  for w in self.weight_shares or [None] for o in self.offload_values})
+        self.backends: list[str] = list(s.backend)
+        # each backend's knobs and the values the spec sweeps (sltune.tuning.spec.Search.backend_values)
+        self.backend_values = {b: s.backend_values(b) for b in self.backends}
+        found: set[Candidate] = set()
+        if "speedloader" in self.backends:
+            found = {Candidate(b, n, k, a, kv, w, o) for b, n in pairs for k in self.k_values
+                     for a in self.activation_values for kv in self.kv_values or [None]
+                     for w in self.weight_shares or [None] for o in self.offload_values}
+        for backend in (b for b in self.backends if b != "speedloader"):
+            found |= {Candidate(b, n, None, a, backend=backend, **v) for b, n in pairs
+                      for a in self.activation_values for v in s.backend_variants(backend)}
+        self.candidates = sorted(found)
         self._members = frozenset(self.candidates)
 
     def __contains__(self, c: object) -> bool:
         return c in self._members
 
+    def of_backend(self, backend: str) -> list[Candidate]:
+        return [c for c in self.candidates if c.backend == backend]
+
     # -- Optuna ------------------------------------------------------------------------------------
     @property
     def param_names(self) -> tuple[str, ...]:
-        names = ("sub_batch_size", "effective_batch_size" if self.by_batch else "num_sub_batches", "num_live_blocks")
-        return (names + (("activations",) if len(self.activation_values) > 1 else ())
-                + (("kv_cache",) if self.kv_values else ()) + (("weights_on_device",) if self.weight_shares else ())
-                + (("optimizer_offload",) if len(self.offload_values) > 1 else ()))
+        """Every parameter a trial of this space may have (each backend's, sweeping several)."""
+        return tuple(self.distributions())
 
-    def distributions(self) -> dict[str, optuna.distributions.BaseDistribution]:
-        second = self.batch_values if self.by_batch else self.n_values
-        out = {
-            "sub_batch_size": optuna.distributions.CategoricalDistribution(self.b_values),
-            self.param_names[1]: optuna.distributions.CategoricalDistribution(second),
-            "num_live_blocks": optuna.distributions.CategoricalDistribution(self.k_values),
-        }
+    def distributions(self, backend: str | None = None) -> dict[str, optuna.distributions.BaseDistribution]:
+        """The parameters of a trial of `backend`, in the order they are suggested (None: every backend's, the
+        union): `backend` first when the space has several."""
+        def categorical(values: list[Any]) -> optuna.distributions.CategoricalDistribution:
+            return optuna.distributions.CategoricalDistribution(values)
+
+        speedloader = backend in (None, "speedloader") and "speedloader" in self.backends
+        out: dict[str, optuna.distributions.BaseDistribution] = {}
+        if len(self.backends) > 1:
+            out["backend"] = categorical(self.backends)
+        out["sub_batch_size"] = categorical(self.b_values)
+        if self.by_batch:
+            out["effective_batch_size"] = categorical(self.batch_values)
+        else:
+            out["num_sub_batches"] = categorical(self.n_values)
+        if speedloader:
+            out["num_live_blocks"] = categorical(self.k_values)
         if len(self.activation_values) > 1:
-            out["activations"] = optuna.distributions.CategoricalDistribution(self.activation_values)
-        if self.kv_values:
-            out["kv_cache"] = optuna.distributions.CategoricalDistribution(self.kv_values)
-        if self.weight_shares:
-            out["weights_on_device"] = optuna.distributions.CategoricalDistribution(self.weight_shares)
-        if len(self.offload_values) > 1:
-            out["optimizer_offload"] = optuna.distributions.CategoricalDistribution(self.offload_values)
+            out["activations"] = categorical(self.activation_values)
+        if speedloader and self.kv_values:
+            out["kv_cache"] = categorical(self.kv_values)
+        if speedloader and self.weight_shares:
+            out["weights_on_device"] = categorical(self.weight_shares)
+        if speedloader and len(self.offload_values) > 1:
+            out["optimizer_offload"] = categorical(self.offload_values)
+        for name in self.backends:
+            if name != "speedloader" and backend in (None, name):
+                out.update({knob: categorical(values) for knob, values in self.backend_values[name].items()
+                            if len(values) > 1})
         return out
 
     def grid(self) -> dict[str, list[Any]]:
         return {name: list(d.choices) for name, d in self.distributions().items()}
 
+    def suggest(self, trial: optuna.Trial) -> Candidate | None:
+        """The trial's candidate, its parameters suggested define-by-run: the backend first, then that backend's
+        (an enqueued trial's are its fixed values); None for a combination that is no candidate. One backend's
+        space suggests what study.ask(distributions()) would, in the same order."""
+        backend = self.backends[0]
+        if len(self.backends) > 1:
+            backend = trial.suggest_categorical("backend", self.backends)
+        params = {"backend": backend, **{name: trial.suggest_categorical(name, dist.choices)
+                                          for name, dist in self.distributions(backend).items() if name != "backend"}}
+        return self.candidate(params)
+
     def params(self, c: Candidate) -> dict[str, Any]:
-        second = c.batch if self.by_batch else c.n
-        out: dict[str, Any] = {"sub_batch_size": c.b, self.param_names[1]: second, "num_live_blocks": c.k}
-        if len(self.activation_values) > 1:
-            out["activations"] = c.activations
-        if self.kv_values:
-            out["kv_cache"] = c.kv_cache
-        if self.weight_shares:
-            out["weights_on_device"] = c.weights_on_device
-        if len(self.offload_values) > 1:
-            out["optimizer_offload"] = c.optimizer_offload
-        return out
+        values = {"backend": c.backend, "sub_batch_size": c.b, "num_sub_batches": c.n, "effective_batch_size": c.batch,
+                  "num_live_blocks": c.k, "activations": c.activations, "kv_cache": c.kv_cache,
+                  "weights_on_device": c.weights_on_device, "optimizer_offload": c.optimizer_offload,
+                  **c.backend_knobs()}
+        return {name: values[name] for name in self.distributions(c.backend)}
 
     def candidate(self, params: dict[str, Any]) -> Candidate | None:
-        b, k = int(params["sub_batch_size"]), int(params["num_live_blocks"])
+        backend = str(params.get("backend", self.backends[0]))
+        b = int(params["sub_batch_size"])
         a = str(params.get("activations", self.activation_values[0]))
-        kv = params.get("kv_cache") if self.kv_values else None
-        w = params.get("weights_on_device") if self.weight_shares else None
-        o = str(params.get("optimizer_offload", self.offload_values[0]))
         if self.by_batch:
             batch = int(params["effective_batch_size"])
             if batch % b:
                 return None
-            c = Candidate(b, batch // b, k, a, kv, w, o)
+            n = batch // b
         else:
-            c = Candidate(b, int(params["num_sub_batches"]), k, a, kv, w, o)
+            n = int(params["num_sub_batches"])
+        if backend != "speedloader":
+            own = {knob: params.get(knob, values[0]) for knob, values in self.backend_values.get(backend, {}).items()}
+            c = Candidate(b, n, None, a, backend=backend, **own)
+            return c if c in self else None
+        k = int(params["num_live_blocks"])
+        kv = params.get("kv_cache") if self.kv_values else None
+        w = params.get("weights_on_device") if self.weight_shares else None
+        o = str(params.get("optimizer_offload", self.offload_values[0]))
+        c = Candidate(b, n, k, a, kv, w, o)
         return c if c in self else None
 
     def neighbours_up(self, c: Candidate) -> list[Candidate]:
         """Candidates one step up along one of the knobs as the spec names them (b, N or B, k; host KV -> device;
-        the next larger share of the weights kept on the device; the optimizer from disk into host memory)."""
+        the next larger share of the weights kept on the device; the optimizer from disk into host memory). A wrapped
+        backend's knobs are not steps up: their memory and speed trade against each other, as activations' do."""
         params = self.params(c)
         out = []
-        for name, dist in self.distributions().items():
-            if name == "activations":       # not an order of memory: recompute and offload trade device for host
+        for name, dist in self.distributions(c.backend).items():
+            if name in ("activations", "backend") or name in BACKEND_KNOBS:
+                # not an order of memory: recompute and offload trade device for host, and so do a backend's knobs
                 continue
             rank = {"kv_cache": KV_ORDER.index, "optimizer_offload": OFFLOAD_ORDER.index}.get(name, lambda v: v)
             larger = [v for v in dist.choices if rank(v) > rank(params[name])]
@@ -183,9 +282,12 @@ class SearchSpace:
         return out
 
     def describe(self) -> dict[str, Any]:
-        """What best.yaml records so `sltune plan` can rebuild the space."""
+        """What best.yaml records so `sltune plan` can rebuild the space (as search.* fields: num_live_blocks only
+        with speedloader, the backends and their sections when there are others)."""
         out: dict[str, Any] = {"sub_batch_size": self.b_values, "num_live_blocks": self.k_values,
                                "activations": self.activation_values}
+        if "speedloader" not in self.backends:
+            del out["num_live_blocks"]
         if self.by_batch:
             out["effective_batch_size"] = self.batch_values
         else:
@@ -196,4 +298,7 @@ class SearchSpace:
             out["weights_on_device"] = self.weight_shares
         if self.offload_values != ["host"]:
             out["optimizer_offload"] = self.offload_values
+        if self.backends != ["speedloader"]:
+            out["backend"] = self.backends
+            out.update({b: self.backend_values[b] for b in self.backends if self.backend_values[b]})
         return out

@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal, get_args
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, WithJsonSchema,
                       field_validator, model_validator)
 
+from sltune.backends.knobs import BACKENDS, KNOBS, BackendName, OffloadTarget, ZeroStage
 from sltune.config import Activations, DType, KVCache, OptimizerOffload, Schedule
 from sltune.models.presets import hf_config_schema
 from sltune.sizes import SIZE_SCHEMA, parse_bytes
@@ -247,6 +248,75 @@ def _offloads(value: Any) -> Any:
     return [v for v in ("host", "disk") if v in values]
 
 
+def _backends(value: Any) -> Any:
+    """search.backend: one backend or a list, as a list in BACKENDS' order without repeats (so the same choice
+    written in another order is the same job); one clear message for any bad value."""
+    values = [value] if isinstance(value, str) else value
+    if not isinstance(values, list) or not values:
+        raise ValueError(f"{value!r} is not a backend or a list of them; give speedloader, deepspeed, fsdp or a list "
+                         "such as [speedloader, fsdp]")
+    for v in values:
+        if v not in BACKENDS:
+            raise ValueError(f"{v!r} is not a backend; choose from {', '.join(BACKENDS)}")
+    return [b for b in BACKENDS if b in values]
+
+
+def _choices(allowed: tuple[Any, ...], example: str) -> Any:
+    """A backend knob's values: one value or a list of them, as a list in `allowed`'s order without repeats. A
+    boolean is no stage number, nor 0 or 1 a boolean (JSON tells them apart; Python's `in` would not)."""
+    booleans = isinstance(allowed[0], bool)
+
+    def check(value: Any) -> list[Any]:
+        values = value if isinstance(value, list) else [value]
+        if not values:
+            raise ValueError(f"give {example}, not an empty list")
+        for v in values:
+            if isinstance(v, bool) != booleans or v not in allowed:
+                listed = ", ".join(json.dumps(a) for a in allowed)
+                raise ValueError(f"{json.dumps(v, default=str)} is not one of {listed}; give {example}")
+        return [a for a in allowed if a in values]
+    return BeforeValidator(check)
+
+
+_OFFLOAD = _choices(("none", "cpu", "nvme"), "none, cpu, nvme or a list such as [none, cpu]")
+
+
+class DeepSpeedSearch(BaseModel):
+    """search.deepspeed: the ZeRO knobs a job sweeps under backend deepspeed (a value or a list each). A combination
+    that makes no run (offload_param beyond none at ZeRO-2) is no candidate. nvme swaps to files in the trial's
+    offload folder, the runner's, and needs libaio (checked when the job is admitted)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    zero_stage: Annotated[list[ZeroStage], _choices((2, 3), "2, 3 or [2, 3]")] = Field(
+        default_factory=lambda: [2, 3], description="ZeRO stage 2 (optimizer state and gradients partitioned) or 3 "
+        "(the parameters too); a value or a list, default [2, 3]")
+    offload_optimizer: Annotated[list[OffloadTarget], _OFFLOAD] = Field(
+        default_factory=lambda: ["none", "cpu"], description="the optimizer's state on the device (none), in host "
+        "memory (cpu) or in files (nvme); default [none, cpu]")
+    offload_param: Annotated[list[OffloadTarget], _OFFLOAD] = Field(
+        default_factory=lambda: ["none", "cpu"], description="ZeRO-3's parameter partitions on the device (none), in "
+        "host memory (cpu) or in files (nvme); at zero_stage 2 only none runs; default [none, cpu]")
+
+
+class FSDPSearch(BaseModel):
+    """search.fsdp: the FSDP2 knobs a job sweeps under backend fsdp (a boolean or a list each)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    cpu_offload: Annotated[list[bool], _choices((False, True), "false, true or [false, true]")] = Field(
+        default_factory=lambda: [False, True], description="CPUOffloadPolicy: the sharded parameters, gradients and "
+        "optimizer state in host memory; a boolean or a list, default [false, true]")
+    reshard_after_forward: Annotated[list[bool], _choices((False, True), "true, false or [false, true]")] = Field(
+        default_factory=lambda: [True], description="free each layer's gathered parameters after its forward (true), "
+        "or keep them for its backward (false: more device memory, no second gather); default [true]")
+
+
+BACKEND_SECTIONS: dict[str, type[BaseModel]] = {"deepspeed": DeepSpeedSearch, "fsdp": FSDPSearch}
+# the search fields only SpeedLoader's engine has: a spec without backend speedloader that sets one is refused
+SPEEDLOADER_FIELDS = ("schedule", "num_live_blocks", "optimizer_offload", "probe_layers")
+
+
 Share = Annotated[float, Field(ge=0.0, le=1.0)]
 Shares = Annotated[Share | Annotated[list[Share], Field(min_length=1, max_length=MAX_KNOB_VALUES)],
                    BeforeValidator(_shares)]
@@ -255,6 +325,17 @@ Shares = Annotated[Share | Annotated[list[Share], Field(min_length=1, max_length
 class Search(_Strict):
     strategy: Literal["oneshot", "grid", "random", "tpe"] = "oneshot"
     schedule: Schedule = "speedloader"
+    backend: Annotated[list[BackendName], BeforeValidator(_backends)] = Field(
+        default_factory=lambda: ["speedloader"], min_length=1, description=(
+            "what trains: speedloader, deepspeed (ZeRO, the extra `pip install -e '.[backends]'`) or fsdp (PyTorch "
+            "FSDP2), or a list: the job profiles each on this machine over the same batch knobs and picks the "
+            "fastest (its result's best_by_backend holds each one's best). num_live_blocks, schedule and "
+            "optimizer_offload are SpeedLoader's"))
+    deepspeed: DeepSpeedSearch | None = Field(None, description=(
+        "backend deepspeed: the ZeRO knobs to sweep; default zero_stage [2, 3], offload_optimizer [none, cpu], "
+        "offload_param [none, cpu]"))
+    fsdp: FSDPSearch | None = Field(None, description=(
+        "backend fsdp: the FSDP2 knobs to sweep; default cpu_offload [false, true], reshard_after_forward [true]"))
     sub_batch_size: Knob = Field(default_factory=lambda: Range(min=1, max=16))
     num_sub_batches: Knob | None = None
     effective_batch_size: Knob | None = None
@@ -323,6 +404,23 @@ class Search(_Strict):
         """Where the optimizer may live: the spec's places in training; generation steps no optimizer."""
         return list(self.optimizer_offload) if mode == "train" else ["host"]
 
+    def backend_values(self, backend: str) -> dict[str, list[Any]]:
+        """Each knob of `backend` with the values to sweep: its search section's, else the defaults ({} for
+        speedloader, whose knobs are the fields above)."""
+        if backend not in BACKEND_SECTIONS:
+            return {}
+        section = getattr(self, backend) or BACKEND_SECTIONS[backend]()
+        return {knob: list(getattr(section, knob)) for knob in KNOBS[backend]}
+
+    def backend_variants(self, backend: str) -> list[dict[str, Any]]:
+        """Every combination of the backend's knob values that makes a run, in the order of the values: offload_param
+        beyond none offloads ZeRO-3's partitions, so at zero_stage 2 it is no candidate. [{}] for speedloader."""
+        values = self.backend_values(backend)
+        combos: list[dict[str, Any]] = [{}]
+        for knob, choices in values.items():
+            combos = [{**c, knob: v} for c in combos for v in choices]
+        return [c for c in combos if c.get("offload_param", "none") == "none" or c.get("zero_stage") == 3]
+
 
 def _no_bools(value: Any) -> Any:
     """JSON's true is not a number: every field of the optimizer section is a name or numbers."""
@@ -370,17 +468,57 @@ class TuningSpec(_Strict):
             raise ValueError("search.schedule 'resident' keeps every parameter on every rank; with "
                              "hardware.world_size > 1 use 'speedloader' or 'canonical'")
         search = self.search
-        size = len(search.activations)
-        for knob in (search.sub_batch_size, search.num_live_blocks,
-                     search.num_sub_batches or search.effective_batch_size):
-            size *= len(knob_values(knob, "knob"))
-        size *= max(1, len(search.kv_cache_values(mode)))
-        size *= max(1, len(search.weights_on_device_values(mode)))
-        size *= len(search.optimizer_offload_values(mode))
+        self._backends_consistent()
+        common = len(search.activations)
+        for knob in (search.sub_batch_size, search.num_sub_batches or search.effective_batch_size):
+            common *= len(knob_values(knob, "knob"))
+        size = 0
+        if "speedloader" in search.backend:
+            size = common * len(knob_values(search.num_live_blocks, "knob"))
+            size *= max(1, len(search.kv_cache_values(mode)))
+            size *= max(1, len(search.weights_on_device_values(mode)))
+            size *= len(search.optimizer_offload_values(mode))
+        size += sum(common * len(search.backend_variants(b)) for b in search.backend if b != "speedloader")
         if size > MAX_CANDIDATES:
             raise ValueError(f"the search space has {size} combinations, more than {MAX_CANDIDATES}; narrow the "
                              "search.* ranges or lists")
         return self
+
+    def _backends_consistent(self) -> None:
+        """search.backend against the rest of the spec: a backend's section without the backend, SpeedLoader's fields
+        without speedloader, and what the wrapped backends do not run (generation, float16 under FSDP, one dtype copy
+        without a float32 master); a deepspeed section with no runnable combination."""
+        search, backends = self.search, self.search.backend
+        others = [b for b in backends if b != "speedloader"]
+        listed = f"search.backend [{', '.join(backends)}]"
+        for name in BACKEND_SECTIONS:
+            if getattr(search, name) is not None and name not in backends:
+                raise ValueError(f"search.{name} sets the {name} backend's knobs, and {listed} does not include "
+                                 f"{name}; add {name} to search.backend, or remove search.{name}")
+        if "speedloader" not in backends:       # set to another value than its default (best.yaml names them all)
+            for field in SPEEDLOADER_FIELDS:
+                if field in search.model_fields_set and getattr(search, field) != getattr(Search(), field):
+                    raise ValueError(f"search.{field} is SpeedLoader's, and {listed} does not include speedloader; add "
+                                     f"speedloader to search.backend, or remove search.{field}")
+        if not others:
+            return
+        if self.workload.mode != "train":
+            raise ValueError(f"search.backend: {others[0]} trains only; generation (workload.mode generate) is "
+                             "SpeedLoader's: use backend speedloader alone, or workload.mode train")
+        if search.probe_layers is not None:
+            raise ValueError(f"search.probe_layers: probes at reduced depth are SpeedLoader's (their fits scale its "
+                             f"groups with depth), and {listed} includes {others[0]}; remove search.probe_layers, or "
+                             "use backend speedloader alone")
+        dtype = self.model.dtype
+        if dtype != "float32" and not self.model.mixed_precision:
+            raise ValueError(f"model.mixed_precision: backend {others[0]} keeps float32 master weights under {dtype}; "
+                             f"set it true, or drop {others[0]} from search.backend")
+        if "fsdp" in backends and dtype == "float16":
+            raise ValueError("model.dtype: float16 needs loss scaling, which the fsdp backend does not run; use "
+                             "bfloat16 (its MixedPrecisionPolicy) or float32, or drop fsdp from search.backend")
+        if "deepspeed" in backends and not search.backend_variants("deepspeed"):
+            raise ValueError("search.deepspeed.offload_param: cpu and nvme offload ZeRO-3's parameter partitions, and "
+                             "search.deepspeed.zero_stage has no 3; add 3 to zero_stage, or none to offload_param")
 
     def digest(self) -> str:
         """Identifies the job: the same spec re-run resumes the same job. Fields left at their defaults are left out,

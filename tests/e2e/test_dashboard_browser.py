@@ -96,11 +96,13 @@ def test_job_page_renders_its_plots_in_headless_chromium(tmp_path):
         assert slices >= 4 * min(len(ok), figures.PIE_LIMIT)          # compute, memcpy, CPU, other at least
         assert "all-gather" not in dom.split("Time breakdown per trial")[1]   # one rank: no empty slices
         assert points >= len(ok) and bars >= len(trials) + len(ok)    # timeline bars, stacked seconds
-        assert "<table id=\"trials\">" in dom and dom.count("sltuneSort(this)") == 12   # a sortable heading per column
+        assert "<table id=\"trials\">" in dom and dom.count("sltuneSort(this)") == 14   # a sortable heading per column
         assert "browser-check" in dom and f"/jobs/{job_id}/config.yaml" in dom
 
-        # the table sorts and filters in the browser: ok trials with b=2, by tokens/s
-        view = run_chromium(binary, tmp_path / "chromium", "--dump-dom", f"{page}?filter=ok+b%3D2&sort=tokens/s")
+        # the table sorts and filters in the browser: ok trials with b=2 whose backend column says speedloader (a
+        # column=value word matches that column's cell), by tokens/s
+        view = run_chromium(binary, tmp_path / "chromium", "--dump-dom",
+                            f"{page}?filter=ok+b%3D2+backend%3Dspeedloader&sort=tokens/s")
         body = view.split('<table id="trials">')[1].split("</table>")[0]
         rows = re.findall(r"<tr( hidden=\"\")?>(.*?)</tr>", body.split("<tbody>")[1])
         shown = [re.findall(r"<td class=\"num\" data-v=\"([^\"]*)\"", cells)[0] for hidden, cells in rows if not hidden]

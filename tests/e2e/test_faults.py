@@ -214,7 +214,9 @@ def test_jobs_run_within_the_trial_and_step_ceilings_and_a_one_config_grid_succe
         # 13: the config is served as the YAML mapping the document declares
         doc = c.get("/openapi.json").json()
         content = doc["paths"]["/jobs/{job_id}/config.yaml"]["get"]["responses"]["200"]["content"]
-        assert list(content) == ["application/yaml"] and content["application/yaml"]["schema"]["type"] == "object"
+        # (and DeepSpeed's config, format=ds_config, as the JSON mapping it is)
+        assert list(content) == ["application/yaml", "application/json"]
+        assert all(content[media]["schema"]["type"] == "object" for media in content)
         r = c.get(f"/jobs/{grid}/config.yaml")
         assert r.headers["content-type"].startswith("application/yaml") and isinstance(yaml.safe_load(r.text), dict)
         schemas = doc["components"]["schemas"]

@@ -261,3 +261,98 @@ def test_the_verdict_names_a_config_as_the_tuner_does_not_as_a_python_dict(unsta
     assert "{&#x27;" not in page and "{'" not in page and "kv_cache" not in page, page
     assert f"measured under interference: {a} b=4 N=2 k=1 optimizer_offload=disk" in page
     assert "<td>b=4 N=2 k=1 optimizer_offload=disk</td>" in page
+
+
+# -- backends (issue #33) ------------------------------------------------------------------------------
+SL = {"sub_batch_size": 4, "num_sub_batches": 2, "num_live_blocks": 1, "schedule": "speedloader"}
+DS = {"backend": "deepspeed", "zero_stage": 2, "offload_optimizer": "cpu", "offload_param": "none"}
+FSDP = {"backend": "fsdp", "cpu_offload": False, "reshard_after_forward": True}
+RAN_ELSEWHERE = {"sub_batch_size": 4, "num_sub_batches": 2, "num_live_blocks": None, "schedule": None}
+
+
+def _backend_job(store: Store, name: str, trials: list, best: int, seed: int) -> str:
+    """A finished job in a real SQLite store over backends: trials (number, status, stored config, the result's
+    config, tokens/s), step times drawn around the tokens/s; its best is trial `best`, named by its stored
+    config (which may not say the backend) and its number."""
+    rng = np.random.default_rng(seed)
+    job = store.create_job(name, SPEC.model_dump(mode="json"), f"{name}-{seed}", {"device": "cpu"})
+    for number, status, stored, ran, tps in trials:
+        tokens = 4 * 2 * 32
+        steps = (tokens / tps * rng.lognormal(0.0, 0.02, 30)).tolist()
+        med = float(np.median(steps))
+        store.start_trial(job.id, number, "probe", stored, {}, None, None)
+        store.finish_trial(job.id, number, {
+            "status": status, "error": None if status == "ok" else "step-1 loss off plain PyTorch's",
+            "config": {**ran, "seq_len": 32, "world_size": 1}, "tokens_per_s": tokens / med, "step_seconds": med,
+            "timing": {"steps_s": steps, "median_s": med, "tokens_per_s_ci95": [0, 0], "cv": 0.02,
+                       "unstable": False, "interference": {}}})
+    config = next(stored for number, _, stored, _, _ in trials if number == best)
+    store.set_status(job.id, "succeeded", result={"best": {"trial_number": best, "config": config}})
+    return job.id
+
+
+@pytest.fixture(scope="module")
+def backend_jobs(tmp_path_factory):
+    """Two jobs over SpeedLoader, DeepSpeed and FSDP at the same b=4 N=2: DeepSpeed runs half as fast in the new
+    one, the rest alike. The old one's SpeedLoader trial is from before there were backends (named nowhere), its
+    DeepSpeed trial names its backend in its result only, with the k a candidate stores by default; the new one
+    names every backend, leaves DeepSpeed's offload_param (its default) out, and has a diverged FSDP trial."""
+    db = f"sqlite:///{tmp_path_factory.mktemp('backends') / 'jobs.db'}"
+    store = Store(db)
+    old = [(0, "ok", SL, SL, 1000.0),
+           (1, "ok", {**SL, "schedule": None}, {**RAN_ELSEWHERE, **DS}, 500.0),
+           (2, "ok", {**RAN_ELSEWHERE, **FSDP}, {**RAN_ELSEWHERE, **FSDP}, 800.0)]
+    new = [(0, "ok", SL, {**SL, "backend": "speedloader"}, 1000.0),
+           (1, "ok", {**RAN_ELSEWHERE, **DS, "offload_param": None}, {**RAN_ELSEWHERE, **DS}, 250.0),
+           (2, "ok", {**RAN_ELSEWHERE, **FSDP}, {**RAN_ELSEWHERE, **FSDP}, 800.0),
+           (3, "diverged", {**RAN_ELSEWHERE, **FSDP, "cpu_offload": True},
+            {**RAN_ELSEWHERE, **FSDP, "cpu_offload": True}, 9000.0)]
+    return db, {"old": _backend_job(store, "old", old, 0, 1), "new": _backend_job(store, "new", new, 0, 2),
+                # a job whose pick is its DeepSpeed config though SpeedLoader's ran faster; the best's stored
+                # config does not name the backend, its trial's result does
+                "deepspeed_pick": _backend_job(store, "deepspeed-pick", old, 1, 3)}
+
+
+def test_configs_of_different_backends_are_never_pooled(backend_jobs, capsys):
+    """Issue #33: SpeedLoader's, DeepSpeed's and FSDP's b=4 N=2 are three rows, each compared with its own
+    backend's: DeepSpeed's halving is a regression on its row alone; the bests (SpeedLoader's) are alike. A trial
+    from before there were backends is SpeedLoader's; a diverged trial is no sample."""
+    db, ids = backend_jobs
+    code, r, err = _compare(db, ids["old"], ids["new"])
+    assert code == 0 and r["verdict"] in ("no regression", "within noise", "faster"), (r, err)
+    rows = {row["config"]["backend"]: row for row in r["rows"]}
+    assert [row["config"]["backend"] for row in r["rows"]] == ["speedloader", "deepspeed", "fsdp"]
+    assert rows["speedloader"]["a"] == pytest.approx(1000, rel=0.03) and rows["speedloader"]["ratio"] == \
+        pytest.approx(1.0, rel=0.03)
+    assert rows["deepspeed"]["a"] == pytest.approx(500, rel=0.03) and rows["deepspeed"]["b"] == \
+        pytest.approx(250, rel=0.03) and rows["deepspeed"]["verdict"] == "regression"
+    assert rows["fsdp"]["b"] == pytest.approx(800, rel=0.03)               # the diverged 9000 is not pooled in
+    # a config's key is its backend and that backend's knobs, nothing of another's
+    assert {k: rows["deepspeed"]["config"][k] for k in ("zero_stage", "offload_optimizer", "offload_param",
+                                                        "num_live_blocks", "cpu_offload")} == \
+        {"zero_stage": 2, "offload_optimizer": "cpu", "offload_param": "none", "num_live_blocks": None,
+         "cpu_offload": None}
+    assert r["best_config_a"]["backend"] == r["best_config_b"]["backend"] == "speedloader"
+    assert main(["compare", ids["old"], ids["new"], "--db", db]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("deepspeed "))
+    assert line.startswith("deepspeed b=4 N=2 zero_stage=2 offload_optimizer=cpu offload_param=none ")
+    assert line.endswith("regression") and "None" not in out
+    assert any(x.startswith("b=4 N=2 k=1 ") for x in out.splitlines())      # SpeedLoader's, named as before
+
+
+def test_a_job_whose_pick_is_another_backend_compares_that_pick(backend_jobs):
+    """The job's own pick is its best, by backend: its stored config does not name DeepSpeed, its trial does."""
+    db, ids = backend_jobs
+    code, r, err = _compare(db, ids["deepspeed_pick"], ids["new"])
+    assert r["best_config_a"]["backend"] == "deepspeed" and r["best_a"] == pytest.approx(500, rel=0.03), (r, err)
+    assert r["best_config_b"]["backend"] == "speedloader" and code == 0 and r["verdict"] == "faster"
+
+
+def test_config_names_lead_with_a_backend_other_than_speedloader():
+    from sltune.tuning.report.compare import config_name
+
+    assert config_name({**SL, "backend": "speedloader"}) == config_name(SL) == "b=4 N=2 k=1"
+    assert config_name({**RAN_ELSEWHERE, **FSDP}) == "fsdp b=4 N=2 cpu_offload=false reshard_after_forward=true"
+    assert config_name({"sub_batch_size": 1, "num_sub_batches": 8, "backend": "deepspeed"}) == \
+        "deepspeed b=1 N=8 zero_stage=2 offload_optimizer=none offload_param=none"        # its defaults

@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 
 from sltune.settings import Settings
 from sltune.tuning.cost.admission import load as admitted_spec
-from tests.support.dashboard_data import realistic_models, realistic_trials
+from tests.support.dashboard_data import backend_trials, realistic_models, realistic_trials
 from tests.support.specs import tiny_spec
 
 
@@ -25,7 +25,7 @@ def _spec(name):
                                                           "host_memory_limit": "8GiB"}})
 
 
-def _job(store, name, status, trials, scale=1.0, result=True):
+def _job(store, name, status, trials, scale=1.0, result=True, extra=None):
     spec = _spec(name)
     job = store.create_job(name, spec.model_dump(mode="json"), spec.digest(), {}, status="running")
     for t in trials:
@@ -52,6 +52,7 @@ def _job(store, name, status, trials, scale=1.0, result=True):
             res["predicted"] = {"peak_device_bytes": 5.7e6, "peak_host_bytes": 3.4e8, "step_seconds": 2.6,
                                 "tokens_per_s": 1500.0, "fits": True, "over": []}
             res["binding_limit"] = "device"
+        res.update(extra or {})         # what a newer job result adds (best_by_backend)
     store.update_progress(job.id, {"trials_done": len(done), "max_trials": 12, "phase": "frontier",
                                    "best_tokens_per_s": best["result"]["tokens_per_s"] if best else None,
                                    "best_config": best["config"] if best else None})
@@ -77,6 +78,13 @@ def site(tmp_path_factory):
         "slower": _job(store, "tiny-llama-cpu-slower", "succeeded", trials, scale=0.8),
         "running": _job(store, XSS, "running", trials[:3] + [{**trials[3], "status": "running"}], result=False),
         "failed": _job(store, "all-oom", "failed", [t for t in trials if t["status"] == "oom"]),
+        # issue #33: one job over SpeedLoader, DeepSpeed and FSDP; the result of one says each backend's best (the
+        # DeepSpeed one pooled over its trials: a figure no one trial has), the other's does not
+        "backends": _job(store, "three-backends", "succeeded", backend_trials()),
+        "backends_named": _job(store, "three-backends-named", "succeeded", backend_trials(), extra={
+            "best_by_backend": {"deepspeed": {"trial_number": 10, "from_trials": [10], "tokens_per_s": 655.5,
+                                              "config": {"sub_batch_size": 4, "num_sub_batches": 2,
+                                                         "backend": "deepspeed", "zero_stage": 3}}}}),
     }
     spec = _spec("waiting")
     ids["queued"] = store.create_job("waiting", spec.model_dump(mode="json"), spec.digest(), {"device": "cpu"}).id
@@ -137,7 +145,88 @@ def test_job_page_has_every_section_and_the_links(site):
     assert f"/jobs/{ids['done']}/trials/3/trace" not in text           # the oom trial has no trace
     assert "Perfetto" in text and "device memory limit exceeded" in text
     assert 'http-equiv="refresh"' not in text
+    # one backend: no figure or picker of backends, but the table's backend and parity columns
+    assert ">Throughput by backend</h2>" not in text and "<select id='trials-backend'" not in text
+    assert "Best per backend" not in text
+    assert ">backend</th>" in text and ">parity</th>" in text and text.count("<td>speedloader</td>") == 9
     _no_cdn(text)
+
+
+def _row(text: str, number: int) -> str:
+    """Trial `number`'s row of the trials table (a row is one line of the page)."""
+    return next(line for line in text.split("<table id='trials'>")[1].splitlines()
+                if line.startswith(f"<tr><td data-v='{number}'>"))
+
+
+def _section(text: str, heading: str) -> str:
+    return text.split(f">{heading}</h2>")[1].split("<h2")[0]
+
+
+def test_a_job_over_three_backends_shows_them_side_by_side(site):
+    """Issue #33: one pie per backend (its best config's breakdown), the throughput of every trial by backend, a
+    backend column and picker in the table, each trial's parity; the diverged FSDP trial, the fastest of all, is
+    red and never a best. The job result has no best_by_backend here: each backend's best is its fastest ok
+    trial."""
+    client, ids = site
+    text = client.get(f"/dashboard/jobs/{ids['backends']}").text
+    # history, parallel coordinates, throughput by backend, throughput against the knobs, peaks, pies, seconds,
+    # timeline
+    assert text.count('class="plotly-graph-div"') == 8
+    assert ">Throughput by backend</h2>" in text and ">Time breakdown per trial</h2>" not in text
+    pies = _section(text, "Time breakdown per backend")
+    assert pies.count('"hole":0.3') == 3                                # a pie per backend, no more
+    assert all(f'"name":"{b}"' in pies for b in ("speedloader", "deepspeed", "fsdp"))
+    assert "(trial #8)" in pies and "(trial #9)" in pies and "(trial #12)" in pies and "#13" not in pies
+    assert "zero_stage=2 offload_optimizer=cpu offload_param=none" in pies
+    by_backend = _section(text, "Throughput by backend")
+    assert '"name":"best of its backend"' in by_backend and '"name":"diverged"' in by_backend
+    assert '"color":"#b00020"' in by_backend and "5000.0" not in by_backend    # red, on the zero line
+
+    best = _section(text, "Best config").split("<h3>Best per backend</h3>")[1]
+    assert [line.split("</td>")[0] for line in best.split("<tr><td>")[1:]] == ["speedloader", "deepspeed", "fsdp"]
+    assert "1,130.0" in best and "Trial #12" in best and "5,000" not in best and "#13" not in best
+    # the table: a backend column, a picker of the three, the parity per trial
+    assert "<option value='deepspeed'>deepspeed</option>" in text and "sltuneBackend(this)" in text
+    assert "<td>deepspeed</td>" in _row(text, 9) and "<td>fsdp</td>" in _row(text, 12)
+    assert "<td>speedloader</td>" in _row(text, 0)                     # from before there were backends
+    assert "b=4 N=2 zero_stage=2 offload_optimizer=cpu offload_param=none" in _row(text, 9)
+    assert ">ok</td>" in _row(text, 9) and _row(text, 0).count("data-v=''") >= 1
+    diverged = _row(text, 13)
+    assert 's-diverged' in diverged and "★" not in diverged and "★" in _row(text, 8)
+    assert "(5,000.0)</td>" in diverged and "data-v='0.21'" in diverged and "bad" in diverged
+    assert "off: 0.21" in diverged and "tolerance 0.01" in diverged    # the cell, and its title
+
+
+def test_a_job_results_best_by_backend_is_each_backends_best(site):
+    """A job result that says each backend's best (best_by_backend) is shown as it says: the DeepSpeed best is
+    trial #10 at its pooled figure, though trial #9 ran faster on its own."""
+    client, ids = site
+    text = client.get(f"/dashboard/jobs/{ids['backends_named']}").text
+    pies = _section(text, "Time breakdown per backend")
+    assert pies.count('"hole":0.3') == 3 and "(trial #10)" in pies and "(trial #9)" not in pies
+    best = _section(text, "Best config").split("<h3>Best per backend</h3>")[1]
+    deepspeed = next(line for line in best.splitlines() if line.startswith("<tr><td>deepspeed</td>"))
+    assert "655.5" in deepspeed and "Trial #10" in deepspeed and "zero_stage=3" in deepspeed
+
+
+def test_the_compare_page_names_each_configs_backend(site):
+    """A SpeedLoader-only job against one over three backends: a row per config and backend, DeepSpeed's and
+    FSDP's only on B's side (never pooled with SpeedLoader's b and N)."""
+    client, ids = site
+    text = client.get("/dashboard/compare", params={"a": ids["done"], "b": ids["backends"]}).text
+    rows = text.split("<th>backend</th><th>config</th>")[1].split("</table>")[0].split("<tr><td>")[1:]
+    by_backend = {}
+    for row in rows:
+        backend, config = row.split("</td>")[0], row.split("</td><td>")[1].split("</td>")[0]
+        by_backend.setdefault(backend, []).append(config)
+    assert set(by_backend) == {"speedloader", "deepspeed", "fsdp"} and len(by_backend["speedloader"]) == 8
+    assert by_backend["deepspeed"] == ["b=4 N=2 zero_stage=2 offload_optimizer=cpu offload_param=none",
+                                       "b=4 N=2 zero_stage=3 offload_optimizer=cpu offload_param=cpu"]
+    assert by_backend["fsdp"] == ["b=4 N=2 cpu_offload=false reshard_after_forward=true"]   # not the diverged one
+    fsdp = next(row for row in rows if row.startswith("fsdp"))
+    assert "<td class='num'>-</td><td class='num'>1,130.0</td>" in fsdp
+    summary = text.split("</table>")[0]
+    assert summary.count("<td>speedloader</td><td>b=8 N=8 k=1</td>") == 2        # both bests, and their backend
 
 
 def test_running_failed_and_queued_jobs_show_what_they_have(site):

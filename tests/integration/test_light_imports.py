@@ -6,7 +6,8 @@ import sys
 
 LIGHT = ["sltune", "sltune.cli.main", "sltune.profiling", "sltune.profiling.schema", "sltune.tuning",
          "sltune.tuning.report.compare", "sltune.service.client", "sltune.store", "sltune.models",
-         "sltune.service.capabilities", "sltune.training.optimizer", "sltune.training.schedule"]
+         "sltune.service.capabilities", "sltune.training.optimizer", "sltune.training.schedule",
+         "sltune.backend_knobs", "sltune.backends", "sltune.backends.export"]
 
 
 def test_light_modules_do_not_import_torch_and_the_public_names_still_resolve():

@@ -54,14 +54,61 @@ def realistic_trials(start: datetime | None = None) -> list[dict]:
 
 
 def realistic_models(trials: list[dict]) -> dict:
-    """The job's fitted models, fitted by sltune's own least squares on the ok trials."""
+    """The job's fitted models, fitted by sltune's own least squares on the ok trials (SpeedLoader's: the models
+    are of its memory)."""
     out = {}
     for kind, (target, feats) in MODELS["train"].items():
         rows = []
         for t in trials:
             r = t["result"]
-            if t["status"] != "ok" or r.get(target) is None:
+            if t["status"] != "ok" or r.get(target) is None \
+                    or r["config"].get("backend", "speedloader") != "speedloader":
                 continue
             rows.append((variables(Candidate.from_knobs(t["config"]), shape_of("llama-tiny"), 64), float(r[target])))
         out[kind] = LinearFit.fit(target, feats, rows).to_dict()
+    return out
+
+
+# (number, role, status, backend, its knobs, b, N, tokens/s, (compute, memcpy, cpu, all_gather, reduce_scatter,
+# other), parity rel_diff) of one job over the three backends (issue #33), after ROWS' SpeedLoader trials
+BACKEND_ROWS = [
+    (9, "probe", "ok", "deepspeed", {"zero_stage": 2, "offload_optimizer": "cpu", "offload_param": "none"}, 4, 2,
+     940.0, (0.52, 0.14, 0.21, 0.06, 0.05, 0.02), 0.0004),
+    (10, "probe", "ok", "deepspeed", {"zero_stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"}, 4, 2,
+     610.0, (0.41, 0.22, 0.18, 0.10, 0.07, 0.02), 0.0006),
+    (11, "probe", "oom", "deepspeed", {"zero_stage": 2, "offload_optimizer": "none", "offload_param": "none"}, 8, 8,
+     None, None, None),
+    (12, "probe", "ok", "fsdp", {"cpu_offload": False, "reshard_after_forward": True}, 4, 2,
+     1130.0, (0.68, 0.05, 0.09, 0.11, 0.05, 0.02), 0.0002),
+    # the fastest of all, but its step-1 loss is off plain PyTorch's: measured, never a best
+    (13, "probe", "diverged", "fsdp", {"cpu_offload": True, "reshard_after_forward": False}, 8, 2,
+     5000.0, (0.70, 0.10, 0.10, 0.05, 0.03, 0.02), 0.21),
+]
+
+
+def backend_trials(start: datetime | None = None) -> list[dict]:
+    """realistic_trials (SpeedLoader's, from before there were backends: no backend named) and DeepSpeed's and
+    FSDP's, as GET /jobs/{id}/trials gives them. A DeepSpeed trial names its backend in its result's config only,
+    an FSDP one in its stored config too: the dashboards read either."""
+    t0 = start or datetime(2026, 1, 1, 12, 0, 0, tzinfo=timezone.utc)
+    out = realistic_trials(t0)
+    for num, role, status, backend, knobs, b, n, tps, bd, rel in BACKEND_ROWS:
+        ran = {"sub_batch_size": b, "num_sub_batches": n, "num_live_blocks": None, "schedule": None, "seq_len": 64,
+               "world_size": 1, "backend": backend, **knobs}
+        result = {"status": status, "config": ran, "tokens_per_s": tps,
+                  "step_seconds": b * n * 64 / tps if tps else None,
+                  "peak_device_bytes": 3_000_000 + 100_000 * num, "peak_host_bytes": 400_000_000, "breakdown": None,
+                  "error": {"ok": None, "oom": "device memory limit exceeded on cpu",
+                            "diverged": f"step-1 loss off plain PyTorch's by {rel}"}[status]}
+        if bd is not None:
+            result["breakdown"] = dict(zip(("compute", "memcpy", "cpu", "all_gather", "reduce_scatter", "other"), bd))
+        if rel is not None:
+            result["parity"] = {"loss": 10.4 * (1 + rel), "reference_loss": 10.4, "rel_diff": rel, "tolerance": 0.01,
+                                "ok": rel <= 0.01}
+        config = {"sub_batch_size": b, "num_sub_batches": n,
+                  **({"backend": backend, **knobs} if backend == "fsdp" else {})}
+        at = t0 + timedelta(seconds=10 * num)
+        out.append({"number": num, "role": role, "status": status, "config": config, "predicted": {}, "result": result,
+                    "started_at": at, "finished_at": at + timedelta(seconds=7),
+                    "trace_url": f"/jobs/j/trials/{num}/trace" if status == "ok" else None})
     return out

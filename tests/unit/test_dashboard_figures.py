@@ -10,7 +10,7 @@ import pytest
 
 from sltune.dashboards import figures
 from sltune.tuning.report.compare import JobData, compare
-from tests.support.dashboard_data import realistic_models, realistic_trials
+from tests.support.dashboard_data import backend_trials, realistic_models, realistic_trials
 
 MIB = 1024 * 1024
 DEVICE_LIMIT, HOST_LIMIT = 6 * MIB, 8 * 1024 * MIB
@@ -171,12 +171,101 @@ def test_compare_figure_puts_both_jobs_side_by_side():
     assert fig.layout.barmode == "group"
 
 
+# -- the backends side by side (issue #33) --------------------------------------------------------------
+def test_each_backends_best_is_its_fastest_ok_trial_or_the_job_results_and_never_a_diverged_one():
+    trials = backend_trials()
+    by_number = {t["number"]: t for t in trials}
+    assert figures.backends_in(trials) == ["speedloader", "deepspeed", "fsdp"]
+    bests = figures.backend_bests(trials)
+    # fsdp's #13 ran 5000 tokens/s, the fastest of all, but diverged: #12 is FSDP's best
+    assert {b: t["number"] for b, t in bests.items()} == {"speedloader": 8, "deepspeed": 9, "fsdp": 12}
+    result = {"best": {"trial_number": 8, "config": by_number[8]["config"]},
+              "best_by_backend": {"deepspeed": {"trial_number": 10, "from_trials": [10]},
+                                  "fsdp": {"trial_number": 13, "from_trials": [13]}}}    # not ok: not a best
+    bests = figures.backend_bests(trials, result)
+    assert {b: t["number"] for b, t in bests.items()} == {"speedloader": 8, "deepspeed": 10, "fsdp": 12}
+    # a trial stored before there were backends ran SpeedLoader; one whose result alone names its backend ran that
+    assert figures.backend_of(by_number[0]) == "speedloader" and "backend" not in by_number[9]["config"]
+    assert figures.backend_of(by_number[9]) == "deepspeed"
+    assert figures.config_label(by_number[0]) == "b=1 N=1 k=1"
+    assert figures.config_label(by_number[9]) == \
+        "deepspeed b=4 N=2 zero_stage=2 offload_optimizer=cpu offload_param=none"
+
+
+def test_one_pie_per_backend_side_by_side_titled_with_the_backend_and_its_knobs():
+    trials = backend_trials()
+    fig = figures.backend_pies(trials, figures.backend_bests(trials))
+    pies = [tr for tr in fig.data if tr.type == "pie"]
+    assert [p.name for p in pies] == ["speedloader", "deepspeed", "fsdp"]
+    assert {p.domain.y for p in pies} == {pies[0].domain.y}                     # one row: side by side
+    titles = [a.text for a in fig.layout.annotations]
+    assert titles[1].startswith("<b>deepspeed</b> · 940 tok/s (trial #9)")
+    assert "b=4 N=2 zero_stage=2 offload_optimizer=cpu offload_param=none" in titles[1]
+    assert "b=8 N=8 k=1" in titles[0] and "cpu_offload=false reshard_after_forward=true" in titles[2]
+    # every category each best spent time in: DeepSpeed's collectives are slices, at one rank SpeedLoader has none
+    assert list(pies[1].labels) == ["compute", "memcpy", "CPU", "all-gather", "reduce-scatter", "other"]
+    assert list(pies[0].labels) == ["compute", "memcpy", "CPU", "other"]
+    # a best without a breakdown lends its pie to another trial of its config; a backend with none has no pie
+    no_breakdown = [{**t, "result": {**t["result"], "breakdown": None}} if t["number"] == 12 else t for t in trials]
+    fig = figures.backend_pies(no_breakdown, figures.backend_bests(no_breakdown))
+    assert [p.name for p in fig.data] == ["speedloader", "deepspeed"]
+
+
+def test_throughput_by_backend_stars_each_best_and_draws_a_diverged_trial_red_not_as_a_throughput():
+    trials = backend_trials()
+    fig = figures.backend_throughput_figure(trials, figures.backend_bests(trials))
+    assert list(fig.layout.xaxis.ticktext) == ["speedloader", "deepspeed", "fsdp"]
+    by_name = {tr.name: tr for tr in fig.data}
+    ok = [t for t in trials if t["status"] == "ok"]
+    assert sorted(by_name["trial"].y) == sorted(t["result"]["tokens_per_s"] for t in ok)
+    assert list(by_name["best of its backend"].y) == [1618.8, 940.0, 1130.0]
+    diverged = by_name["diverged"]
+    assert list(diverged.y) == [0.0] and diverged.marker.color == figures.STATUS_COLORS["diverged"] == "#b00020"
+    assert round(diverged.x[0]) == 2 and "by 0.21 (tolerance 0.01); ran 5,000 tokens/s, not counted" in diverged.text[0]
+    assert 5000.0 not in {y for tr in fig.data for y in tr.y}                  # never drawn as a throughput
+    assert sorted(round(x) for x in by_name["oom"].x) == [0, 1]                 # SpeedLoader's and DeepSpeed's
+    # each column's points stay within it
+    for tr in fig.data:
+        assert all(abs(x - round(x)) <= 0.25 for x in tr.x)
+
+
+def test_the_speedloader_figures_keep_to_speedloaders_trials():
+    """Throughput against the knobs (k is SpeedLoader's), the parallel coordinates and the peaks against its
+    memory models draw SpeedLoader's trials; the seconds per trial and the history every backend's."""
+    trials = backend_trials()
+    speedloader = [t for t in trials if t["number"] <= 8]
+    fig = figures.throughput_figure(trials, best_number=8)
+    points = {(x, y) for tr in fig.data if tr.name.startswith("num_live_blocks") for x, y in zip(tr.x, tr.y)}
+    assert points == {(t["config"]["sub_batch_size"], t["result"]["tokens_per_s"])
+                      for t in speedloader if t["status"] == "ok"}
+    assert "diverged" not in {tr.name for tr in fig.data}
+    assert len(figures.parallel_figure(trials).data[0].dimensions[3].values) == 8
+    seconds = figures.seconds_figure(trials)
+    assert len(seconds.data[0].x) == 11 and "#9 deepspeed b=4 N=2" in seconds.data[0].x
+    history = {tr.name: tr for tr in figures.history_figure(trials).data}
+    assert list(history["diverged"].y) == [0.0]
+
+
+def test_the_compare_figure_gives_each_config_and_backend_a_bar_of_its_own():
+    trials = backend_trials()
+    cmp = compare(JobData("a", "succeeded", {}, None, realistic_trials()), JobData("b", "succeeded", {}, None, trials))
+    fig = figures.compare_figure(cmp, "A", "B")
+    ticks = list(fig.data[0].x)
+    assert len(ticks) == len(set(ticks)) == 11                  # 8 SpeedLoader configs, 2 DeepSpeed's, 1 FSDP's
+    assert ticks[8:] == ["deepspeed b=4 N=2 ZeRO-2 opt:cpu param:none", "deepspeed b=4 N=2 ZeRO-3 opt:cpu param:cpu",
+                         "fsdp b=4 N=2 offload:false reshard:true"]
+    assert fig.data[0].customdata[10] == "fsdp b=4 N=2 cpu_offload=false reshard_after_forward=true"   # the hover
+    assert list(fig.data[0].y[8:]) == [None, None, None] and list(fig.data[1].y[8:]) == [940.0, 610.0, 1130.0]
+
+
 def test_partial_and_missing_data_give_no_figure_instead_of_an_error():
     running = [{"number": 0, "role": "probe", "status": "running", "config": {"sub_batch_size": 1},
                 "result": None, "started_at": datetime.now(timezone.utc), "finished_at": None}]
     odd = [{"status": "ok"}, {"status": "ok", "result": {"breakdown": {"compute": 0}}}, {}]
     for trials in ([], running, odd):
         assert figures.breakdown_pies(trials) is None
+        assert figures.backend_pies(trials, figures.backend_bests(trials)) is None
+        assert figures.backend_throughput_figure(trials) is None
         assert figures.throughput_figure(trials) is None
         assert figures.peaks_figure(None, trials, {}) is None
     assert figures.timeline_figure([]) is None

@@ -33,6 +33,13 @@ def test_unsupported_family_names_the_supported_ones():
         SpeedLoaderEngine(model, SpeedLoaderConfig(), optimizer=adamw)
 
 
+def test_a_config_of_another_backend_is_not_run_as_speedloader():
+    """A best.yaml that DeepSpeed or FSDP won names its backend: the engine refuses it rather than train it as its
+    own schedule."""
+    with pytest.raises(ValueError, match="backend 'fsdp': this engine is SpeedLoader's; .*sltune train --config"):
+        engine(backend="fsdp")
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_cuda_on_a_machine_without_it():
     with pytest.raises(ValueError, match="not available.*use device='cpu'"):

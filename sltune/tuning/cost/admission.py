@@ -1,13 +1,15 @@
 """Admitting a spec: the checks that need the model's shape and the cost model, run before a job is created.
 
 Parsing (sltune.tuning.spec) reads a spec; admission decides whether its search can run at all: the model builds,
-the workload fits its positions, the space is not empty, and the smallest config fits the memory limits (refused
-term by term with what would fit, sltune.tuning.cost.feasible). `tune`, `plan` and POST /tune call it; a stored job is
+the workload fits its positions, the backends it sweeps run here (DeepSpeed installed, libaio for its nvme offload),
+the space is not empty, and the smallest config (of every backend) fits the memory limits (refused term by term with
+what would fit, sltune.tuning.cost.feasible). `tune`, `plan` and POST /tune call it; a stored job is
 never admitted again when it is read (a worker resuming it, `export`, GET /jobs/{id}/config.yaml).
 """
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +47,7 @@ def admit(spec: TuningSpec) -> None:
     if max_pos is not None and tokens > max_pos:
         what = "workload.seq_len" if spec.workload.mode == "train" else "workload.prompt_len + workload.new_tokens"
         raise ValueError(f"{what} = {tokens} exceeds the model's max_position_embeddings {max_pos}; shorten it")
+    _backends_run(spec)
     space = SearchSpace(spec, shape)
     if not space.candidates:
         raise ValueError("the search space is empty: no sub_batch_size divides any effective_batch_size; "
@@ -52,6 +55,24 @@ def admit(spec: TuningSpec) -> None:
     _weights_fit(spec, shape, space)
     _memory_fits(spec, shape, space)
     _probe_depth(spec, shape, space)
+
+
+def _backends_run(spec: TuningSpec) -> None:
+    """The backends the spec sweeps can run trials here: DeepSpeed is an optional extra, and its nvme offload runs
+    its async I/O op, built against libaio (sltune.backends.knobs.libaio_found). Each refusal is one line naming the
+    field and the fix; the trial folder nvme swaps to is the runner's own, so it is never missing here."""
+    from sltune.backends.knobs import libaio_found
+
+    search = spec.search
+    if "deepspeed" not in search.backend:
+        return
+    if importlib.util.find_spec("deepspeed") is None:
+        raise ValueError("search.backend: deepspeed is not installed here; install it with pip install "
+                         "--no-build-isolation -e '.[backends]', or drop deepspeed from search.backend")
+    for knob, values in search.backend_values("deepspeed").items():
+        if "nvme" in values and not libaio_found():
+            raise ValueError(f"search.deepspeed.{knob}: nvme needs libaio for DeepSpeed's async I/O (apt-get install "
+                             "libaio-dev, then reinstall deepspeed), or use cpu")
 
 
 def _probe_depth(spec: TuningSpec, shape: ModelShape, space: SearchSpace) -> None:

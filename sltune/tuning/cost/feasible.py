@@ -15,6 +15,11 @@ without momentum, bfloat16 weights, the optimizer on disk), and the limits each 
 own check predicts without the trial process (it is the machine's that runs the trials): its host figures say so,
 and `sltune plan` gives them with it.
 
+A job sweeping several backends (search.backend) is refused when any one of them has no config within every limit:
+the user asked to profile each, so a backend that could not run a single trial is said before any, named, with
+its answer (raising its limits, or dropping it from search.backend). A wrapped backend's prior is its estimators'
+(sltune.tuning.cost.wrapped), which says what it leaves out and how far trials measured from it.
+
 Disk is the third resource: a host limit only disk configs meet is no refusal, they are the job's configs. The
 disk limit is hardware.disk_limit, or the free space where trials offload to when that is less or none was asked
 (disk_room): the answer names the free space, and a larger hardware.disk_limit it overrides.
@@ -113,8 +118,18 @@ def shortfall(recipe: Setup, candidates: Iterable[Candidate], host_limit: int | 
               disk_name: str = "hardware.disk_limit") -> str | None:
     """None when some least config is predicted within every limit; else one answer: every limit the closest
     config is over, what it needs there term by term, what the next closest would need instead, and what would
-    fit. `what` names the config in the answer."""
+    fit. `what` names the config in the answer. Over several backends, each is answered for on its own (the
+    module docstring)."""
     cands = list(candidates)
+    backends = list(dict.fromkeys(c.backend for c in cands))
+    if len(backends) > 1:
+        for backend in backends:
+            short = shortfall(recipe, [c for c in cands if c.backend == backend], host_limit, device_limit,
+                              host_name, device_name, f"{what} of backend {backend}", disk_limit, disk_name)
+            if short:
+                return (f"search.backend {backend}: no {backend} config fits: {short} (or drop {backend} from "
+                        "search.backend)")
+        return None
     limits = [Limit(r, n, name) for r, n, name in (("device", device_limit, device_name),
                                                    ("host", host_limit, host_name), ("disk", disk_limit, disk_name))
               if n is not None]
@@ -183,7 +198,8 @@ def _would_fit(recipe: Setup, cands: list[Candidate], limits: list[Limit], close
     named = [limit.resource for limit, _ in closest[0].over]
     fits = [f"{what}: {_needs(f, closest[0].config, named)}" for what, changed in _changes(recipe)
             if (f := _within(changed, cands, limits, named)) is not None]
-    if recipe.mode == "train" and recipe.schedule != "resident" and not any(recipe.on_disk(c) for c in cands):
+    if recipe.mode == "train" and recipe.schedule != "resident" and not any(recipe.on_disk(c) for c in cands) \
+            and all(c.backend == "speedloader" for c in cands):
         disk = [dataclasses.replace(c, optimizer_offload="disk") for c in cands]
         if (f := _within(recipe, disk, limits, named)) is not None:
             fits.insert(0, f"search.optimizer_offload [host, disk] (the master and optimizer state in files: "

@@ -41,6 +41,7 @@ from sltune.runtime.direct_io import padded
 from sltune.runtime.diskstate import DEPTH, pack
 from sltune.runtime.residency import keep_order, kept_share
 from sltune.training.optimizer import OptimizerConfig
+from sltune.tuning.cost import wrapped
 from sltune.tuning.cost.footprint import Footprint, footprint
 from sltune.tuning.cost.shape import ModelShape
 from sltune.tuning.space import Candidate
@@ -122,7 +123,9 @@ class Prior:
 
 def predict(recipe: Setup, c: Candidate) -> Prior:
     """The prior of one config; W ranks together for the host (as trials hold the host limit), one rank's
-    device."""
+    device. A deepspeed or fsdp config's is sltune.tuning.cost.wrapped's."""
+    if c.backend != "speedloader":
+        return _wrapped(recipe, c)
     shape, world = recipe.shape, max(1, recipe.world_size)
     b, n, k = c.b, c.n, min(c.k, shape.layers)
     train = recipe.mode == "train"
@@ -166,6 +169,18 @@ def predict(recipe: Setup, c: Candidate) -> Prior:
     host.append(("the process", recipe.baseline))
     return Prior(host=sum(x for _, x in host), device=device.peak, host_terms=host,
                  device_terms=device.peak_terms, disk=sum(x for _, x in disk), disk_terms=disk)
+
+
+def _wrapped(recipe: Setup, c: Candidate) -> Prior:
+    """A wrapped backend's prior (sltune.tuning.cost.wrapped's terms), with the device's buffers in host memory on the
+    CPU and the trial process, as SpeedLoader's."""
+    device, host = wrapped.terms(recipe, c)
+    peak = sum(n for _, n in device)
+    if recipe.on_cpu:
+        host.append(("device buffers", max(1, recipe.world_size) * peak))
+    host.append(("the process", recipe.baseline))
+    return Prior(host=sum(n for _, n in host), device=peak, host_terms=host,
+                 device_terms=sorted(device, key=lambda t: -t[1]))
 
 
 def disk_blocks(shape: ModelShape, k: int, world: int = 1) -> list[list[int]]:

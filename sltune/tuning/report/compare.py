@@ -3,7 +3,8 @@
 What `sltune compare` and /dashboard/compare promise: a regression is flagged only when the 95% interval
 of the ratio of the two jobs' best throughputs (new / old) lies wholly below 1 - max_regression. An
 interval that reaches above that line is "within noise" and passes. Every config both jobs measured is
-listed with its ratio and interval.
+listed with its ratio and interval. A config is its backend too (issue #33): SpeedLoader's b=4 N=2 and DeepSpeed's
+b=4 N=2 are two rows, never pooled; a trial stored before there were backends ran SpeedLoader.
 
 The intervals hold the noise within each job, not a change of the machine between the two: a best measured
 beside a busy process and one measured on a quiet machine differ by the machine (one such pair in ten ran
@@ -27,31 +28,101 @@ from pathlib import Path
 from statistics import median
 from typing import Any, Callable
 
+from sltune.backends.knobs import BACKENDS
+from sltune.backends.knobs import DEFAULTS as BACKEND_DEFAULTS
+from sltune.backends.knobs import KNOBS as BACKEND_KNOBS
 from sltune.profiling.stats import paired_ratio_ci, ratio_ci
 from sltune.profiling.timing import step_tokens_per_s, timing_of
 from sltune.tuning.report.throughput import median_of
 
-Key = tuple[int, int, int]
+Key = tuple
 CONFOUNDING_CORES = 0.5     # a difference in other processes' busy cores that makes two measurements incomparable
+# every backend's own knobs (deepspeed's zero_stage, ...; fsdp's cpu_offload, ...), in the backends' order
+BACKEND_KNOB_NAMES = tuple(k for names in BACKEND_KNOBS.values() for k in names)
 KNOBS = ("sub_batch_size", "num_sub_batches", "num_live_blocks", "activations", "kv_cache", "weights_on_device",
-         "optimizer_offload")
+         "optimizer_offload", "backend", *BACKEND_KNOB_NAMES)
 # what trials stored before a knob existed ran: recompute, no weights kept on the device, the optimizer in host
-# memory (a host config's knobs leave optimizer_offload out)
-BEFORE_KNOB = {"activations": "recompute", "weights_on_device": 0.0, "optimizer_offload": "host"}
+# memory (a host config's knobs leave optimizer_offload out), SpeedLoader (before there were backends)
+BEFORE_KNOB = {"activations": "recompute", "weights_on_device": 0.0, "optimizer_offload": "host",
+               "backend": "speedloader"}
+# SpeedLoader's own knobs, which another backend does not have (its trials store None, or nothing)
+SPEEDLOADER_ONLY = ("num_live_blocks", "optimizer_offload")
 
 
-def _key(config: dict[str, Any]) -> tuple:
-    """A config's knobs as a key, with BEFORE_KNOB's values for knobs it predates."""
-    return tuple(config.get(k, BEFORE_KNOB.get(k)) for k in KNOBS)
+def backend_of(config: dict[str, Any]) -> str:
+    """The backend a config ran on: speedloader for configs from before there were backends."""
+    return str(config.get("backend") or "speedloader")
+
+
+def normalized(config: dict[str, Any]) -> dict[str, Any]:
+    """A config's KNOBS, filled in alike whoever stored it: BEFORE_KNOB's values for knobs it predates, its
+    backend's defaults for that backend's knobs it leaves out, None for knobs its backend does not have (so a
+    deepspeed config that stored num_live_blocks and one that did not are one config)."""
+    backend = backend_of(config)
+    out: dict[str, Any] = {}
+    for k in KNOBS:
+        if k == "backend":
+            out[k] = backend
+        elif k in BACKEND_KNOB_NAMES:
+            own = k in BACKEND_KNOBS.get(backend, ())
+            out[k] = (BACKEND_DEFAULTS[k] if config.get(k) is None else config[k]) if own else None
+        elif k in SPEEDLOADER_ONLY and backend != "speedloader":
+            out[k] = None
+        else:
+            out[k] = config.get(k, BEFORE_KNOB.get(k))
+    return out
+
+
+def _key(config: dict[str, Any]) -> Key:
+    """A config's knobs as a key (normalized()): configs of two backends never share one."""
+    return tuple(normalized(config).values())
+
+
+def _order(key: Key) -> tuple:
+    """Rows in the backends' order, then by their knobs (None, a knob the backend lacks, last: never compared
+    with a number)."""
+    c = dict(zip(KNOBS, key))
+    rank = BACKENDS.index(c["backend"]) if c["backend"] in BACKENDS else len(BACKENDS)
+    return (rank, c["backend"], *((v is None, 0 if v is None else v) for v in key))
+
+
+def trial_config(trial: dict[str, Any]) -> dict[str, Any]:
+    """A trial's knobs with its backend's: the stored config, plus the backend and its knobs from the result's
+    config where the stored one does not name them (the result's config is what the trial ran)."""
+    config = dict(trial.get("config") or {})
+    ran = (trial.get("result") or {}).get("config") or {}
+    if "backend" not in config and ran.get("backend"):
+        config["backend"] = ran["backend"]
+        config.update({k: ran[k] for k in BACKEND_KNOBS.get(ran["backend"], ()) if k not in config and k in ran})
+    return config
+
+
+def knob_value(v: Any) -> str:
+    """A knob's value as a spec writes it: true/false for a flag."""
+    return str(v).lower() if isinstance(v, bool) else f"{v:g}" if isinstance(v, float) else str(v)
+
+
+def backend_name(config: dict[str, Any]) -> str:
+    """'deepspeed zero_stage=3 offload_optimizer=cpu offload_param=none': the backend and its own knobs (its
+    defaults where the config leaves one out); 'speedloader' for SpeedLoader, whose knobs are b, N and k."""
+    c = normalized(config)
+    return " ".join([c["backend"], *(f"{k}={knob_value(c[k])}" for k in BACKEND_KNOBS.get(c["backend"], ()))])
 
 
 def config_name(config: dict[str, Any]) -> str:
     """'b=4 N=2 k=1 optimizer_offload=disk': a compared config named as the tuner names its candidates
     (Candidate), without the knobs a row fills in for trials from before them where the mode has no such knob (a
-    share kept on the device is generation's, beside its KV cache)."""
+    share kept on the device is generation's, beside its KV cache). Another backend's config leads with its name
+    and ends with its knobs: 'deepspeed b=4 N=2 zero_stage=3 offload_optimizer=cpu offload_param=none'."""
     from sltune.tuning.space import Candidate     # here, not at import: compare stays light (no Optuna)
 
-    knobs = {k: v for k, v in config.items() if v is not None}
+    backend = backend_of(config)
+    if backend != "speedloader":
+        c = normalized(config)
+        return " ".join([backend, f"b={c['sub_batch_size']} N={c['num_sub_batches']}",
+                         *([] if c["activations"] in (None, "recompute") else [str(c["activations"])]),
+                         *(f"{k}={knob_value(c[k])}" for k in BACKEND_KNOBS.get(backend, ()))])
+    knobs = {k: v for k, v in config.items() if v is not None and k != "backend"}
     if "kv_cache" not in knobs:
         knobs.pop("weights_on_device", None)
     return str(Candidate.from_knobs(knobs))
@@ -97,7 +168,7 @@ def by_config(job: JobData) -> dict[Key, list[list[float]]]:
             continue
         s = samples(t)
         if s:
-            out.setdefault(_key(t["config"]), []).append(s)
+            out.setdefault(_key(trial_config(t)), []).append(s)
     return out
 
 
@@ -107,9 +178,14 @@ def _median(groups: list[list[float]]) -> float:
 
 
 def best_key(job: JobData, configs: dict[Key, list[list[float]]]) -> Key | None:
-    """The job's own pick (its confirmed best), else the config with the highest median."""
+    """The job's own pick (its confirmed best), else the config with the highest median. A best whose config does
+    not name its backend is its trial's (whose result does)."""
     if job.best and job.best.get("config"):
-        key = _key(job.best["config"])
+        config = job.best["config"]
+        pick = next((t for t in job.trials if t.get("number") == job.best.get("trial_number")), None)
+        if "backend" not in config and pick is not None:
+            config = {**trial_config(pick), **config}
+        key = _key(config)
         if key in configs:
             return key
     return max(configs, key=lambda k: _median(configs[k]), default=None)
@@ -118,7 +194,7 @@ def best_key(job: JobData, configs: dict[Key, list[list[float]]]) -> Key | None:
 def busy_elsewhere(job: JobData, key: Key) -> float | None:
     """The cores other processes kept busy, on average, while the job measured this config (None: never
     recorded, as by trials older than the record)."""
-    seen = [busy for t in job.trials if _key(t["config"]) == key
+    seen = [busy for t in job.trials if _key(trial_config(t)) == key
             if (busy := (timing_of(t.get("result")).get("interference") or {}).get("others_busy_cores")) is not None]
     return sum(seen) / len(seen) if seen else None
 
@@ -152,7 +228,7 @@ def compare(old: JobData, new: JobData, max_regression: float = 0.05) -> dict[st
             raise ValueError(f"job {job.id} is {job.status}; compare finished jobs")
     a, b = by_config(old), by_config(new)
     rows = []
-    for key in sorted(set(a) | set(b)):
+    for key in sorted(set(a) | set(b), key=_order):     # a config of one backend is never pooled with another's
         row: dict[str, Any] = {"config": dict(zip(KNOBS, key)), "a": _median(a[key]) if key in a else None,
                                "b": _median(b[key]) if key in b else None, "ratio": None, "ci95": None}
         if key in a and key in b:
@@ -168,7 +244,7 @@ def compare(old: JobData, new: JobData, max_regression: float = 0.05) -> dict[st
     busy = confounded(old, ka, new, kb)
     unstable = [f"{job.id} {config_name(dict(zip(KNOBS, key)))}" for job, key in ((old, ka), (new, kb))
                 if any(timing_of(t.get("result")).get("unstable") for t in job.trials
-                       if _key(t["config"]) == key)]
+                       if _key(trial_config(t)) == key)]
     return {"old": old.id, "new": new.id, "max_regression": max_regression, "rows": rows,
             "best_a": _median(a[ka]), "best_b": _median(b[kb]),
             "best_config_a": dict(zip(KNOBS, ka)), "best_config_b": dict(zip(KNOBS, kb)),
@@ -191,6 +267,11 @@ def remeasure(cmp: dict[str, Any], old: JobData, new: JobData, rounds: int = 3,
     got: dict[str, list[list[float]]] = {"old": [], "new": []}
     bests = {side: (TuningSpec.model_validate(job.spec), Candidate.from_knobs(cfg))
              for side, job, cfg in (("old", old, cmp["best_config_a"]), ("new", new, cmp["best_config_b"]))}
+    for side, cfg in (("old", cmp["best_config_a"]), ("new", cmp["best_config_b"])):
+        # a candidate that cannot carry the best's backend would re-measure SpeedLoader under its name
+        if getattr(bests[side][1], "backend", "speedloader") != backend_of(cfg):
+            raise ValueError(f"re-measuring the {side} best ({config_name(cfg)}): this sltune's candidates "
+                             f"run speedloader only; compare without --remeasure")
     # a best of optimizer_offload disk keeps its files here while it is measured, a fresh folder each run
     with tempfile.TemporaryDirectory(prefix="sltune-compare-") as scratch:
         for r in range(rounds):

@@ -18,10 +18,14 @@ from sltune.tuning.spec import TuningSpec
 def job_result(job_id: str, spec: TuningSpec, state: SearchState, stop_reason: str | None,
                wall_seconds: float, confirmation: dict[str, Any] | None = None) -> dict[str, Any]:
     """`confirmation` is confirm.verdict's answer: its winner is the best, its statement the confidence. The
-    best's tokens_per_s and interval are its one figure (sltune.tuning.report.throughput) over all its trials."""
+    best's tokens_per_s and interval are its one figure (sltune.tuning.report.throughput) over all its trials.
+    best_by_backend holds each backend's best in the same shape (the overall best for its own backend, else that
+    backend's fastest search trial), its config naming the backend: what `sltune export --backend B` exports.
+    Neither is ever a diverged trial (only ok trials are measured configs)."""
     from sltune.tuning.search.confirm import winner_of
 
     best = winner_of(state, confirmation)
+    several = len(state.space.backends) > 1     # then every config names its backend, SpeedLoader's too
     depth = summary(state)
     models = {k: f.to_dict() for k, f in state.fits.items()}
     for kind, err in (depth or {}).get("full_depth_error", {}).items():
@@ -37,7 +41,9 @@ def job_result(job_id: str, spec: TuningSpec, state: SearchState, stop_reason: s
                          **({"probe_layers": spec.search.probe_layers} if depth else {})},
         "confirmation": confirmation,
         "confidence": confirmation["statement"] if confirmation else _unconfirmed(state),
-        "trials": [{"number": d.number, "role": d.role, "config": d.candidate.knobs(), "status": d.result["status"],
+        "trials": [{"number": d.number, "role": d.role,
+                    "config": d.candidate.knobs(named=several),
+                    "status": d.result["status"],
                     "tokens_per_s": d.result.get("tokens_per_s"),
                     "tokens_per_s_ci95": timing_of(d.result).get("tokens_per_s_ci95"),
                     "unstable": timing_of(d.result).get("unstable"),
@@ -47,21 +53,37 @@ def job_result(job_id: str, spec: TuningSpec, state: SearchState, stop_reason: s
                    for d in sorted(state.history + state.confirms, key=lambda d: d.number)],
     }
     if best is not None:
-        c = best.candidate
-        mine = sorted((d for d in state.history + state.confirms if d.ok and d.candidate == c and not state.reduced(d)),
-                      key=lambda d: d.number)
-        fig = figure(d.result for d in mine) or {"tokens_per_s": best.tokens_per_s, "tokens_per_s_ci95": None,
-                                                 "step_seconds": best.result.get("step_seconds")}
-        out["best"] = {"trial_number": best.number, "config": {**c.knobs(), "schedule": spec.search.schedule},
-                       **fig, "from_trials": [d.number for d in mine],
-                       "search_trials": sum(d.role != "confirm" for d in mine),
-                       "confirm_trials": sum(d.role == "confirm" for d in mine),
-                       # the largest each trial of the pick measured: what training must leave room for
-                       "peak_device_bytes": _peak(mine, "peak_device_bytes"),
-                       "peak_host_bytes": _peak(mine, "peak_host_bytes")}
-        out["predicted"] = state.predict(c).to_dict()
-        out["binding_limit"] = state.binding_limit(c)
+        out["best"] = _entry(spec, state, best, several)
+        out["predicted"] = state.predict(best.candidate).to_dict()
+        out["binding_limit"] = state.binding_limit(best.candidate)
+    out["best_by_backend"] = {}
+    for backend in state.space.backends:
+        own = best if best is not None and best.candidate.backend == backend else state.best(backend)
+        if own is not None:     # with its own predictions, which export carries for a backend's pick
+            out["best_by_backend"][backend] = {**_entry(spec, state, own, named=True),
+                                               "predicted": state.predict(own.candidate).to_dict(),
+                                               "binding_limit": state.binding_limit(own.candidate)}
     return out
+
+
+def _entry(spec: TuningSpec, state: SearchState, pick: Any, named: bool) -> dict[str, Any]:
+    """A picked config as the result gives it: its figure over all its trials (search and confirmation), the trials
+    it pools and the largest peaks they measured. `named`: its config names its backend (a SpeedLoader config does
+    not, in a job of SpeedLoader alone, as before there were backends)."""
+    c = pick.candidate
+    mine = sorted((d for d in state.history + state.confirms if d.ok and d.candidate == c and not state.reduced(d)),
+                  key=lambda d: d.number)
+    fig = figure(d.result for d in mine) or {"tokens_per_s": pick.tokens_per_s, "tokens_per_s_ci95": None,
+                                             "step_seconds": pick.result.get("step_seconds")}
+    schedule = spec.search.schedule if c.backend == "speedloader" else None     # as TrialResult.config has it
+    return {"trial_number": pick.number,
+            "config": {**c.knobs(named), "schedule": schedule},
+            **fig, "from_trials": [d.number for d in mine],
+            "search_trials": sum(d.role != "confirm" for d in mine),
+            "confirm_trials": sum(d.role == "confirm" for d in mine),
+            # the largest each trial of the pick measured: what training must leave room for
+            "peak_device_bytes": _peak(mine, "peak_device_bytes"),
+            "peak_host_bytes": _peak(mine, "peak_host_bytes")}
 
 
 def _peak(done: list, key: str) -> int | None:
@@ -78,14 +100,33 @@ def _unconfirmed(state: SearchState) -> str | None:
     return "not confirmed: the confirmation round did not finish"
 
 
-def best_config(spec: TuningSpec, result: dict[str, Any], offload_dir: str | None = None) -> SpeedLoaderConfig:
-    """The best config as the training job runs it. Under optimizer_offload disk the folder of the optimizer's files
-    is the training job's own (`offload_dir`, or `sltune train --offload-dir DIR`): without one the config says disk
-    and names no folder, as best.yaml does (the tuning machine's folders were its trials' and are gone), and
-    SpeedLoaderConfig.from_yaml asks for one."""
+def best_config(spec: TuningSpec, result: dict[str, Any], offload_dir: str | None = None,
+                backend: str | None = None) -> SpeedLoaderConfig:
+    """The best config as the training job runs it: the overall best, or with `backend` that backend's pick
+    (result["best_by_backend"]), naming the backend and its knobs. Under optimizer_offload disk the folder of the
+    optimizer's files (and DeepSpeed's nvme swap folder) is the training job's own (`offload_dir`, or `sltune train
+    --offload-dir DIR`): without one the config says disk (nvme) and names no folder, as best.yaml does (the tuning
+    machine's folders were its trials' and are gone), and SpeedLoaderConfig.from_yaml asks for one."""
+    from sltune.backends.export import backend_of, pick
+    from sltune.backends.knobs import KNOBS
+
     if not result.get("best"):
         raise ValueError(f"job {result.get('job_id')} has no best config (status: no successful trial)")
-    c = result["best"]["config"]
+    entry = pick(result, backend)
+    c = entry["config"]
+    if backend_of(entry) != "speedloader":      # its knobs; SpeedLoader's own (live blocks, schedule) at their only value
+        knobs = {k: c[k] for k in KNOBS[backend_of(entry)] if c.get(k) is not None}
+        nvme = {k: v for k, v in knobs.items() if v == "nvme"}     # DeepSpeed's swap folder: as disk's, the job's own
+        cfg = SpeedLoaderConfig(backend=backend_of(entry), sub_batch_size=c["sub_batch_size"],
+                                num_sub_batches=c["num_sub_batches"], activations=c.get("activations", "recompute"),
+                                **{k: v for k, v in knobs.items() if k not in nvme},
+                                device=spec.hardware.device, dtype=spec.model.dtype,
+                                mixed_precision=spec.model.mixed_precision,
+                                device_memory_limit=spec.hardware.device_memory_limit,
+                                world_size=spec.hardware.world_size)
+        if nvme and offload_dir is not None:
+            return cfg.replace(**nvme, offload_dir=offload_dir)
+        return cfg.model_copy(update=nvme) if nvme else cfg
     cfg = SpeedLoaderConfig(sub_batch_size=c["sub_batch_size"], num_sub_batches=c["num_sub_batches"],
                              num_live_blocks=c["num_live_blocks"], schedule=c["schedule"],
                              activations=c.get("activations", "recompute"),
@@ -102,25 +143,30 @@ def best_config(spec: TuningSpec, result: dict[str, Any], offload_dir: str | Non
     return cfg
 
 
-def export_yaml(spec: TuningSpec, result: dict[str, Any], path: str | Path | None = None) -> str:
-    """The best config with what it measured, what the models predicted, the models and its provenance."""
+def export_yaml(spec: TuningSpec, result: dict[str, Any], path: str | Path | None = None,
+                backend: str | None = None) -> str:
+    """The best config (with `backend`, that backend's pick) with what it measured, what the models predicted, the
+    models and its provenance. The predictions and binding limit are the overall best's: a backend's pick other
+    than it carries its own when the result has them, else none."""
     from sltune import __version__
+    from sltune.backends.export import pick
 
-    cfg = best_config(spec, result)
-    best = result["best"]
+    cfg = best_config(spec, result, backend=backend)
+    best = pick(result, backend)
+    overall = best["trial_number"] == result["best"]["trial_number"]
     return cfg.to_yaml(
         path,
         workload={**spec.workload.model_dump(), "world_size": spec.hardware.world_size},
         optimizer=spec.optimizer.to_dict(),      # what the trials stepped with: `sltune train` reads it
         measured={k: best.get(k) for k in ("tokens_per_s", "tokens_per_s_ci95", "step_seconds", "peak_device_bytes",
                                            "peak_host_bytes", "from_trials")},
-        confidence=result.get("confidence"),
-        predicted=result["predicted"],
+        confidence=result.get("confidence") if overall else best.get("confidence"),
+        predicted=result["predicted"] if overall else best.get("predicted"),
         limits={"device_memory_limit": spec.hardware.device_memory_limit,
                 "host_memory_limit": spec.hardware.host_memory_limit,
                 **({"disk_limit": result.get("disk_limit")} if result.get("disk_limit") is not None else {}),
                 "margins": result["margins"]},
-        binding_limit=result["binding_limit"],
+        binding_limit=result["binding_limit"] if overall else best.get("binding_limit"),
         resource_models=result["models"],
         search_space=result["search_space"],
         provenance={"job_id": result["job_id"], "job_name": spec.name, "strategy": result["strategy"],

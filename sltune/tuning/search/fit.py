@@ -47,6 +47,21 @@ and a 1 GiB peak, count alike. L is the number of layers and [off] is 1 under ac
 [disk] is 1 under optimizer_offload: disk, whose reads and writes add a per-step time; the peaks need no term for
 it: the prior (their offset) moves the master and optimizer state from host memory into files term by term.
 
+The wrapped backends (search.backend deepspeed, fsdp) run a micro-batch of b rows N times a step (gradient
+accumulation), every layer each time, so the same linear terms hold for their knobs, and each backend's models are
+fitted to its own trials (BACKEND_MODELS; the fits' keys are fit_key's: "device" for SpeedLoader as ever,
+"deepspeed.device" for DeepSpeed's):
+
+    peak_device, peak_host ~ prior + c0 + c1*b*s + c2*[off]*b*s + a constant per knob value away from the first
+                             (one micro-batch's activations; the knobs' model states are the prior's,
+                             sltune.tuning.cost.wrapped, and the constants correct each one's error)
+    step_time              ~ t0 + t1*N + t2*N*b*s + t3*[off]*N*b*s + the knobs' costs: per micro-batch where they
+                             move weights each forward and backward (ZeRO-3's gathers, offload_param's and
+                             cpu_offload's copies, keeping every gathered layer), per step where they move the
+                             optimizer (offload_optimizer, cpu_offload, nvme's files)
+
+A knob whose value the space does not sweep drops out of the fit, as any feature constant over it does.
+
 Step times are noisy where peaks are not, so the throughput model is fitted differently: each point is
 weighted by its measured precision (the width of its bootstrap interval, so its residual is counted in
 its own standard errors) and the loss is robust, with scipy.optimize.least_squares: first soft-L1 (convex,
@@ -99,6 +114,13 @@ FEATURES: dict[str, Callable[[dict[str, float]], float]] = {
     # what the trials measure beyond it (LinearFit.offset), so with no trial the prior alone predicts
     "prior_device": lambda v: v["prior_device"],
     "prior_host": lambda v: v["prior_host"],
+    # the wrapped backends (BACKEND_MODELS): their knobs as 0/1 (wrapped_variables); absent for SpeedLoader's configs
+    "[off]*b*s": lambda v: v["off"] * v["b"] * v["s"],
+    "[off]*N*b*s": lambda v: v["off"] * v["N"] * v["b"] * v["s"],
+    **{f"[{knob}]": (lambda v, knob=knob: v.get(knob, 0.0)) for knob in
+       ("zero3", "offload_optimizer", "offload_param", "nvme", "cpu_offload", "keep_gathered")},
+    **{f"[{knob}]*N": (lambda v, knob=knob: v.get(knob, 0.0) * v["N"]) for knob in
+       ("zero3", "offload_param", "cpu_offload", "keep_gathered")},
 }
 
 MODELS = {
@@ -132,13 +154,58 @@ ACROSS_DEPTHS = {
 # across depths alike
 PRIOR_OFFSETS = {"device": "prior_device", "host": "prior_host"}
 
+_DS_MEMORY = ["1", "b*s", "[off]*b*s", "[zero3]", "[offload_optimizer]", "[offload_param]"]
+_FSDP_MEMORY = ["1", "b*s", "[off]*b*s", "[cpu_offload]", "[keep_gathered]"]
+# each wrapped backend's models, fitted to its own trials (the module docstring)
+BACKEND_MODELS = {
+    "deepspeed": {
+        "device": ("peak_device_bytes", _DS_MEMORY),
+        "host": ("peak_host_bytes", _DS_MEMORY),
+        "throughput": ("step_seconds", ["1", "N", "N*b*s", "[off]*N*b*s", "[zero3]*N", "[offload_optimizer]",
+                                        "[offload_param]*N", "[nvme]"]),
+    },
+    "fsdp": {
+        "device": ("peak_device_bytes", _FSDP_MEMORY),
+        "host": ("peak_host_bytes", _FSDP_MEMORY),
+        "throughput": ("step_seconds", ["1", "N", "N*b*s", "[off]*N*b*s", "[cpu_offload]", "[cpu_offload]*N",
+                                        "[keep_gathered]*N"]),
+    },
+}
+
+
+def fit_key(backend: str, kind: str) -> str:
+    """A fit's name in a job's models: the kind for SpeedLoader (as before there were backends), else
+    "backend.kind"."""
+    return kind if backend == "speedloader" else f"{backend}.{kind}"
+
+
+def split_key(key: str) -> tuple[str, str]:
+    """(backend, kind) of a fit_key."""
+    backend, _, kind = key.rpartition(".")
+    return backend or "speedloader", kind
+
 
 def variables(c: Candidate, shape: ModelShape, tokens_per_row: int) -> dict[str, float]:
-    """The quantities the features are made of, for one candidate."""
+    """The quantities the features are made of, for one candidate (a wrapped backend's: no live blocks or groups,
+    k = G = 0, and its knobs as 0/1)."""
+    if c.backend != "speedloader":
+        return {"b": c.b, "N": c.n, "k": 0.0, "B": c.batch, "s": tokens_per_row, "G": 0.0, "L": shape.layers,
+                "off": 1.0 if c.activations == "offload" else 0.0, "D": 0.0, "disk": 0.0, "W": 0.0,
+                **wrapped_variables(c)}
     return {"b": c.b, "N": c.n, "k": c.k, "B": c.batch, "s": tokens_per_row, "G": shape.groups(c.k),
             "L": shape.layers, "off": 1.0 if c.activations == "offload" else 0.0, "D": float(c.kv_on_device),
             "disk": float(c.on_disk),
             "W": kept_fraction(shape, c)}
+
+
+def wrapped_variables(c: Candidate) -> dict[str, float]:
+    """A wrapped backend's knobs as 0/1: each value away from the one that moves the least (ZeRO-3, offloading,
+    nvme's files, FSDP's cpu_offload, keeping every gathered layer)."""
+    offloaded = {"offload_optimizer": c.offload_optimizer, "offload_param": c.offload_param}
+    if c.backend == "deepspeed":
+        return {"zero3": float(c.zero_stage == 3), **{k: float(v not in (None, "none")) for k, v in offloaded.items()},
+                "nvme": float("nvme" in offloaded.values())}
+    return {"cpu_offload": float(bool(c.cpu_offload)), "keep_gathered": float(c.reshard_after_forward is False)}
 
 
 def kept_fraction(shape: ModelShape, c: Candidate) -> float:

@@ -11,7 +11,8 @@ import numpy as np
 from sltune.tuning.cost.depth import DepthTerms, least_probe_layers
 from sltune.tuning.cost.prior import Prior, Setup, at_depth, predict as prior_of
 from sltune.tuning.cost.shape import ModelShape
-from sltune.tuning.search.fit import ACROSS_DEPTHS, FEATURES, MODELS, PRIOR_OFFSETS, LinearFit, variables
+from sltune.tuning.search.fit import (ACROSS_DEPTHS, BACKEND_MODELS, FEATURES, MODELS, PRIOR_OFFSETS, LinearFit,
+                                      fit_key, split_key, variables)
 from sltune.tuning.search.probes import layers_of, probe_layers
 from sltune.tuning.space import Candidate, SearchSpace
 from sltune.tuning.spec import TuningSpec
@@ -19,7 +20,9 @@ from sltune.tuning.spec import TuningSpec
 
 @dataclass
 class FinishedTrial:
-    """A trial that finished (ok, oom, failed or timeout) with its TrialResult as a dict."""
+    """A trial that finished (ok, oom, failed, timeout or diverged) with its TrialResult as a dict. Only an ok one
+    counts as measured: a diverged trial ran, but its step-1 loss is not plain PyTorch's, so its figures are of a run
+    that does not train the model; it is never fitted, picked, confirmed or exported."""
 
     number: int
     candidate: Candidate
@@ -84,11 +87,13 @@ class SearchState:
         self.tokens_per_row = spec.workload.tokens_per_row
         self.history: list[FinishedTrial] = []
         self.confirms: list[FinishedTrial] = []          # the confirmation round's trials: not search history
-        self.fits: dict[str, LinearFit] = {}
+        self.fits: dict[str, LinearFit] = {}             # by fit_key: "device" (SpeedLoader's), "fsdp.device", ...
         self.margins = {"device": spec.search.margin, "host": spec.search.margin, "disk": spec.search.margin}
         # search.probe_layers: the fits take the depth as a variable (sltune.tuning.search.probes)
         self.depth = DepthTerms.of(shape) if spec.search.probe_layers is not None else None
-        self.models = ACROSS_DEPTHS if self.depth else MODELS[spec.workload.mode]
+        # each backend's models, fitted to its own trials: a SpeedLoader-only job's are named as before backends
+        own = {"speedloader": ACROSS_DEPTHS if self.depth else MODELS[spec.workload.mode], **BACKEND_MODELS}
+        self.models = {fit_key(b, kind): model for b in space.backends for kind, model in own[b].items()}
         self.recipe = Setup.of_spec(spec, shape, baseline)
         self.host_ceiling = host_ceiling
         self.disk_ceiling = disk_ceiling
@@ -98,7 +103,8 @@ class SearchState:
             wanted = spec.search.probe_layers
             depths.append(least_probe_layers(space.k_values) if wanted == "auto" else int(wanted))
         # features that vary over this space at all (a fixed effective batch makes N*b*s a constant, say)
-        self.features = {kind: self._varying(feats, depths) for kind, (_, feats) in self.models.items()}
+        self.features = {key: self._varying(feats, depths, split_key(key)[0])
+                         for key, (_, feats) in self.models.items()}
 
     def vars(self, c: Candidate, layers: int | None = None, prior: bool = True) -> dict[str, float]:
         """The fits' variables for c, at `layers` decoder layers (None: the whole model); with `prior`, its
@@ -121,9 +127,9 @@ class SearchState:
             self._priors[key] = prior_of(recipe, c)
         return self._priors[key]
 
-    def _varying(self, features: list[str], depths: list[int | None]) -> list[str]:
+    def _varying(self, features: list[str], depths: list[int | None], backend: str) -> list[str]:
         rows = [[FEATURES[f](self.vars(c, d, prior=False)) for f in features]
-                for c in self.space.candidates for d in depths]
+                for c in self.space.of_backend(backend) for d in depths]
         kept: list[int] = []
         for j in range(len(features)):
             trial = np.array(rows)[:, kept + [j]]
@@ -150,15 +156,17 @@ class SearchState:
         return ok
 
     def fit(self, done: list[FinishedTrial]) -> dict[str, LinearFit]:
-        """The models fitted to these trials, each at the depth it ran."""
-        rows = [(self.vars(d.candidate, self.depth_of(d)), d.result) for d in done]
+        """The models fitted to these trials, each at the depth it ran; each backend's to its own trials."""
+        rows = {b: [(self.vars(d.candidate, self.depth_of(d)), d.result) for d in done if d.candidate.backend == b]
+                for b in self.space.backends}
         fits = {}
-        for kind, (target, _) in self.models.items():
-            kept = [(v, r) for v, r in rows if r.get(target) is not None]
+        for key, (target, _) in self.models.items():
+            backend, kind = split_key(key)
+            kept = [(v, r) for v, r in rows[backend] if r.get(target) is not None]
             data = [(v, float(r[target])) for v, r in kept]
             sigma = [rel_sigma(r) for _, r in kept] if kind == "throughput" else None
-            fits[kind] = LinearFit.fit(target, self.features[kind], data, rel_sigma=sigma,
-                                       offset=PRIOR_OFFSETS.get(kind))
+            fits[key] = LinearFit.fit(target, self.features[key], data, rel_sigma=sigma,
+                                      offset=PRIOR_OFFSETS.get(kind))
         return fits
 
     def reduced(self, done: FinishedTrial) -> bool:
@@ -194,7 +202,11 @@ class SearchState:
                 for d in self.history if d.result["status"] == "oom"]
 
     def _needs_more(self, c: Candidate, o: Candidate, resource: str) -> bool:
-        """Would c need at least as much of `resource` as o, which ran out of it?"""
+        """Would c need at least as much of `resource` as o, which ran out of it? (Across backends: not known.)"""
+        if c.backend != o.backend:
+            return False
+        if c.backend != "speedloader":      # a wrapped backend's peaks grow with b alone (dominates)
+            return c == o or c.dominates(o)
         if resource == "host":   # host peaks grow with B and with (G+1)*B; more live blocks mean fewer groups;
             # offload holds every sub-batch's saved tensors on the host on top of recompute's boundary activations
             if c.activations != o.activations and c.activations != "offload":
@@ -204,8 +216,9 @@ class SearchState:
             return c.batch >= o.batch and (self.shape.groups(c.k) + 1) * c.batch >= (self.shape.groups(o.k) + 1) * o.batch
         return c == o or c.dominates(o)
 
-    def best(self) -> FinishedTrial | None:
-        ok = [d for d in self.history if d.ok and not self.reduced(d)]
+    def best(self, backend: str | None = None) -> FinishedTrial | None:
+        """The fastest search trial measured ok at full depth (of `backend`; None: of any): never a diverged one."""
+        ok = [d for d in self.history if d.ok and not self.reduced(d) and backend in (None, d.candidate.backend)]
         return max(ok, key=lambda d: d.tokens_per_s) if ok else None
 
     # -- predictions ---------------------------------------------------------------------------------
@@ -215,8 +228,9 @@ class SearchState:
         what out-of-memory trials showed the model to miss. Unpadded, only the latter: whether the config
         may fit, where padded says it should. `layers`: at that depth (None: the whole model)."""
         v = self.vars(c, layers)
-        dev, host = (self._peak(kind, v) for kind in ("device", "host"))
-        t = self.fits["throughput"].predict(v) if self.fits else None
+        dev, host = (self._peak(kind, v, c.backend) for kind in ("device", "host"))
+        throughput = self.fits.get(fit_key(c.backend, "throughput"))
+        t = throughput.predict(v) if throughput is not None else None
         tps = c.batch * self._new_tokens_per_row() / t if t and t > 0 else None
         hw = self.spec.hardware
         host_limit = min((x for x in (hw.host_memory_limit, self.host_ceiling) if x), default=None)
@@ -230,7 +244,7 @@ class SearchState:
         disk, disk_limit = v["prior_disk"], self.disk_limit
         if disk and disk_limit is not None and disk * (1 + self.margins["disk"] - pad) > disk_limit:
             over.append("disk")
-        if "device" not in over and hw.device_memory_limit and \
+        if "device" not in over and hw.device_memory_limit and c.backend == "speedloader" and \
                 self.shape.min_device_bytes(self.spec.workload.mode, c.k, c.weights_on_device or 0.0) > hw.device_memory_limit:
             over.append("device")           # known without a fit: the kept weights beside a streamed unit
         for o, resource in self.oom:
@@ -245,10 +259,11 @@ class SearchState:
         to."""
         return min((x for x in (self.spec.hardware.disk_limit, self.disk_ceiling) if x is not None), default=None)
 
-    def _peak(self, kind: str, v: dict[str, float]) -> float | None:
+    def _peak(self, kind: str, v: dict[str, float], backend: str = "speedloader") -> float | None:
         """A memory model's prediction: the fit (the prior corrected by the trials, once they pin every term
-        down); before that the prior, scaled by the median ratio the trials so far measured to it."""
-        fit = self.fits.get(kind)
+        down); before that the prior, scaled by the median ratio the trials so far measured to it (trials of the
+        same backend)."""
+        fit = self.fits.get(fit_key(backend, kind))
         got = fit.predict(v) if fit is not None else None
         if got is not None:
             return got
@@ -261,11 +276,13 @@ class SearchState:
         w = self.spec.workload
         return w.seq_len if w.mode == "train" else w.new_tokens
 
-    def uncertainty(self) -> float:
-        """Relative error to allow a throughput prediction: the typical (median) leave-one-out error of the
-        robust fit, or 10% before there is one. (The largest is reported too, but it is one point's story:
-        often the trial another process slowed, which the robust fit rightly discounts.)"""
-        loo = self.fits.get("throughput").loo_typical_error if self.fits else None
+    def uncertainty(self, backend: str | None = None) -> float:
+        """Relative error to allow a throughput prediction (of `backend`'s configs; None: the space's first
+        backend's): the typical (median) leave-one-out error of the robust fit, or 10% before there is one. (The
+        largest is reported too, but it is one point's story: often the trial another process slowed, which the
+        robust fit rightly discounts.)"""
+        fit = self.fits.get(fit_key(backend or self.space.backends[0], "throughput"))
+        loo = fit.loo_typical_error if fit is not None else None
         return 0.10 if loo is None else max(loo, 0.01)
 
     @staticmethod
@@ -286,7 +303,7 @@ class SearchState:
             # over host: the same config with its optimizer on disk may fit; if it does not either, what stops it
             # (the disk, say) binds too
             twins = [dataclasses.replace(o, optimizer_offload=x) for x in self.space.offload_values
-                     if x != o.optimizer_offload]
+                     if x != o.optimizer_offload and o.backend == "speedloader"]
             if "host" in mine and twins and not any(self.predict(t).fits for t in twins):
                 over.update(r for t in twins for r in self.predict(t).over)
         return "+".join(sorted(over)) if over else "none"

@@ -13,7 +13,7 @@ from typing import Literal
 import numpy as np
 import optuna
 
-from sltune.tuning.search.fit import FEATURES
+from sltune.tuning.search.fit import FEATURES, split_key
 from sltune.tuning.search.probes import probe_layers
 from sltune.tuning.search.state import SearchState
 from sltune.tuning.space import Candidate
@@ -102,13 +102,43 @@ class OneShotStrategy(Strategy):
 
     With search.probe_layers the probes run fewer layers (sltune.tuning.search.probes) and every other trial the whole
     model; the search then ends only once two configs have run at full depth, so that the pick has a measured
-    rival (the probes measured a smaller model)."""
+    rival (the probes measured a smaller model).
+
+    Sweeping several backends (search.backend), each is probed and fitted on its own (sltune.tuning.search.fit's
+    BACKEND_MODELS), and the frontier is every backend's: the search goes on while any config of any backend is
+    predicted to beat the best."""
 
     name = "oneshot"
 
     def probes(self) -> list[Candidate]:
-        """Cheap configs at the corners of (b, k), and at a larger N: enough to pin every model down."""
-        cands = self.state.space.candidates
+        """Each backend's probes, in search.backend's order."""
+        space = self.state.space
+        plan: list[Candidate | None] = []
+        for backend in space.backends:
+            cands = space.of_backend(backend)
+            plan += self._probes(cands) if backend == "speedloader" else self._wrapped_probes(cands)
+        return [c for c in dict.fromkeys(plan) if c is not None]
+
+    def _wrapped_probes(self, cands: list[Candidate]) -> list[Candidate | None]:
+        """A wrapped backend's: its first knob combination (the spec's first values) at the corners of b and at a
+        larger N, and each other combination once at the least b; the fits' rank probes add what they still lack."""
+        bs = sorted({c.b for c in cands})
+        b_lo, b_mid = bs[0], bs[len(bs) // 2]
+        variants = list(dict.fromkeys(tuple(c.backend_knobs().items()) for c in sorted(cands, key=_spec_order)))
+
+        def cheapest(b: int, variant: tuple, at_least: int = 0) -> Candidate | None:
+            fits = [c for c in cands if c.b == b and tuple(c.backend_knobs().items()) == variant and c.n >= at_least]
+            return min(fits, key=lambda c: c.batch, default=None)
+
+        plan = [cheapest(b, variants[0]) for b in (b_lo, b_mid)]
+        if not self.state.space.by_batch:
+            ns = sorted({c.n for c in cands if c.b == b_lo})
+            plan.append(cheapest(b_lo, variants[0], at_least=ns[len(ns) // 2]))
+        return plan + [cheapest(b_lo, v) for v in variants[1:]]
+
+    def _probes(self, cands: list[Candidate]) -> list[Candidate | None]:
+        """SpeedLoader's: cheap configs at the corners of (b, k), and at a larger N: enough to pin every model
+        down."""
         bs, ks = sorted({c.b for c in cands}), sorted({c.k for c in cands})
         b_lo, b_mid = bs[0], bs[len(bs) // 2]
 
@@ -127,7 +157,7 @@ class OneShotStrategy(Strategy):
             # step-time fit); measured at many sub-batches instead, W/N is tiny and its noise sets the fit
             fewest = min(cands, key=lambda c: (c.n, c.b))
             plan.append(cheapest(fewest.b, ks[0], w=shares[-1]))
-        return [c for c in dict.fromkeys(plan) if c is not None]
+        return plan
 
     def _host_over(self, c: Candidate) -> bool:
         """Whether c with its optimizer in host memory is predicted over a limit (then its disk twin probes)."""
@@ -153,19 +183,21 @@ class OneShotStrategy(Strategy):
         if blind and not any(d.role == "frontier" for d in st.history):
             # the fitted probes fail there (a step time <= 0): the largest is measured once, so that the model
             # sees beyond the probes; only once, which bounds what a poor fit costs in trials
-            return Proposal(max(blind, key=lambda c: (c.batch, c.b, c.kv_on_device, c.weights_on_device or 0.0, c.k)), "frontier")
+            return Proposal(max(blind, key=lambda c: (c.batch, c.b, c.kv_on_device, c.weights_on_device or 0.0,
+                                                      c.k or 0)), "frontier")
         preds = {c: p or 0.0 for c, p in preds.items()}
         best = st.best()
         top = max(options, key=lambda c: (preds[c], c.batch, c.b))
         noise = st.noise(best) if best is not None else 0.0
         rival = len({d.candidate for d in st.history if d.ok and not st.reduced(d)}) >= 2 or \
             not any(st.reduced(d) for d in st.history)
-        if best is not None and preds[top] * (1 + st.uncertainty()) <= best.tokens_per_s * (1 + noise) and rival:
+        if best is not None and preds[top] * (1 + st.uncertainty(top.backend)) <= best.tokens_per_s * (1 + noise) \
+                and rival:
             # (after probes at reduced depth, the search's best has a rival measured at full depth, the next best
             # predicted, for the confirmation round to weigh it against: the probes measured another model)
             return Stop("converged", f"no untried config is predicted to beat the best ({best.tokens_per_s:.1f} "
                         f"tokens/s) by more than its measured noise (±{noise:.1%}), allowing the throughput model's "
-                        f"typical error ({st.uncertainty():.1%})")
+                        f"typical error ({st.uncertainty(top.backend):.1%})")
         return Proposal(top, "frontier")
 
     def frontier(self, padded: bool = True) -> list[Candidate]:
@@ -191,20 +223,30 @@ class OneShotStrategy(Strategy):
         one."""
         st = self.state
         options = [c for c in st.space.candidates if not st.ran(c, depth) and st.predict(c).fits]
-        # the models' features are the knobs' terms, never the prior's peaks (as SearchState._varying reads them)
-        ok = [st.vars(d.candidate, st.depth_of(d), prior=False) for d in st.fitted()]
-        lacking = [st.features[k] for k, f in st.fits.items() if f.features and not f.well_posed] \
-            or [st.features[k] for k in st.features]
-        have = [_rank(ok, feats) for feats in lacking]
+        # the models' features are the knobs' terms, never the prior's peaks (as SearchState._varying reads them);
+        # each backend's models are fitted to its own trials, so a config adds rank to its backend's alone
+        ok = {b: [st.vars(d.candidate, st.depth_of(d), prior=False) for d in st.fitted() if d.candidate.backend == b]
+              for b in st.space.backends}
+        lacking = {k: st.features[k] for k, f in st.fits.items() if f.features and not f.well_posed} \
+            or dict(st.features)
+        have = {k: _rank(ok[split_key(k)[0]], feats) for k, feats in lacking.items()}
 
         def gain(c: Candidate) -> int:
-            return sum(_rank(ok + [st.vars(c, depth, prior=False)], feats) - r for feats, r in zip(lacking, have))
+            return sum(_rank(ok[c.backend] + [st.vars(c, depth, prior=False)], feats) - have[k]
+                       for k, feats in lacking.items() if split_key(k)[0] == c.backend)
 
         scored = [(gain(c), c) for c in options]
         scored = [(g, c) for g, c in scored if g > 0]
         if not scored:
             return None
-        return min(scored, key=lambda gc: (-gc[0], gc[1].b * gc[1].k, gc[1].batch, gc[1].k))[1]
+        return min(scored, key=lambda gc: (-gc[0], gc[1].b * (gc[1].k or 1), gc[1].batch, gc[1].k or 0))[1]
+
+
+def _spec_order(c: Candidate) -> tuple:
+    """A wrapped backend's candidates in the order of the spec's knob values (Candidate's own order sorts them by
+    value, "cpu" before "none"), so its first combination is the spec's first values: the least offloaded."""
+    return tuple(0 if v in (2, "none", False) else 1 if v in (3, "cpu", True) else 2
+                 for v in c.backend_knobs().values())
 
 
 def _rank(rows: list[dict[str, float]], features: list[str]) -> int:

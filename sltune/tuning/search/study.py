@@ -48,7 +48,8 @@ def _attrs(result: dict[str, Any], role: str, number: int) -> dict[str, Any]:
 def tell(study: optuna.Study, trial: optuna.Trial, result: dict[str, Any], role: str, number: int,
          layers: int | None = None) -> None:
     """An ok trial is COMPLETE with its tokens/s; oom, failed and timeout are FAIL (no throughput was
-    measured: a 0 would read as a real, terrible value), with the status and the reason as attributes. A probe
+    measured: a 0 would read as a real, terrible value), with the status and the reason as attributes; so is
+    diverged (measured, but not training the model correctly: never Optuna's best_trial either). A probe
     at reduced depth (`layers` decoder layers) measured a smaller model: PRUNED, its tokens/s an intermediate
     value at step `layers`, so that Optuna's best_trial is always one of the whole model."""
     for key, value in _attrs(result, role, number).items():
@@ -70,14 +71,16 @@ def add_confirms(study: optuna.Study, params: Callable[[Any], dict[str, Any]],
     """The confirmation trials (sltune.tuning.search.state.FinishedTrial, role "confirm") the study lacks, added as finished
     trials: the sampler never proposed them, but Optuna's tools should see every measurement the pick rests
     on. Ones already there (by their sltune_trial attribute) are skipped, so a resumed job adds only what a
-    killed one had not."""
+    killed one had not. Each has the distributions of its own parameters (a backend's, in a space of several)."""
     have = {t.user_attrs.get("sltune_trial") for t in study.get_trials(deepcopy=False)}
     for d in confirms:
         if d.number in have:
             continue
         ok = d.result["status"] == "ok"
+        own = params(d.candidate)
         study.add_trial(optuna.trial.create_trial(
-            params=params(d.candidate), distributions=distributions, value=d.result[METRIC] if ok else None,
+            params=own, distributions={name: distributions[name] for name in own},
+            value=d.result[METRIC] if ok else None,
             state=optuna.trial.TrialState.COMPLETE if ok else optuna.trial.TrialState.FAIL,
             user_attrs=_attrs(d.result, d.role, d.number)))
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 from sltune.profiling.schema import TrialSpec
 from sltune.tuning.cost.shape import shape_of
@@ -31,7 +32,8 @@ def trial_spec(spec: TuningSpec, c: Candidate, trace: Path | None, default_host_
     a path from the spec). A confirmation trial (`confirming`) only times its steps, once: its config's breakdown
     and trace are its search trial's, and the paired rounds are its re-measurement (a round of its own measured
     again would pick the quieter of two moments for one finalist and not for the others); it cost a search trial's
-    time again under load (bench/tuner.py)."""
+    time again under load (bench/tuner.py). A config of another backend runs it with its knobs (DeepSpeed's nvme
+    offload swaps to files in `offload_dir` too); SpeedLoader's fields keep the defaults that backend runs."""
     w, hw, s = spec.workload, spec.hardware, spec.search
     min_time = s.trial_min_time_s
     if layers is not None:
@@ -45,9 +47,17 @@ def trial_spec(spec: TuningSpec, c: Candidate, trace: Path | None, default_host_
     threads = hw.cpu_threads
     if threads is not None:
         threads = min(threads, max(1, machine_cores() // hw.world_size))
+    speedloader = c.backend == "speedloader"
+    files: dict[str, Any] = {}
+    if c.on_disk and w.mode == "train":
+        files = {"optimizer_offload": "disk", "offload_dir": str(_required(offload_dir, "optimizer_offload disk"))}
+    elif c.writes_files:
+        which = "offload_optimizer" if c.offload_optimizer == "nvme" else "offload_param"
+        files = {"offload_dir": str(_required(offload_dir, f"search.deepspeed.{which} nvme"))}
     return TrialSpec(model=spec.model.source, dtype=spec.model.dtype, mixed_precision=spec.model.mixed_precision,
                      optimizer=spec.optimizer, sub_batch_size=c.b, num_sub_batches=c.n,
-                     num_live_blocks=c.k, schedule=s.schedule, activations=c.activations, mode=w.mode,
+                     num_live_blocks=c.k if speedloader else 1, schedule=s.schedule if speedloader else "speedloader",
+                     activations=c.activations, mode=w.mode, backend=c.backend, **c.backend_knobs(),
                      kv_cache=c.kv_cache or "host", weights_on_device=c.weights_on_device or 0.0, seq_len=w.seq_len,
                      prompt_len=w.prompt_len, new_tokens=w.new_tokens, world_size=hw.world_size, device=hw.device,
                      device_memory_limit=hw.device_memory_limit,
@@ -55,12 +65,11 @@ def trial_spec(spec: TuningSpec, c: Candidate, trace: Path | None, default_host_
                                            default=None),
                      steps=steps, min_time_s=min_time, max_steps=max_steps, remeasure=remeasure,
                      cpu_threads=threads, profile=s.profile and not confirming, trace_path=str(trace) if trace else None,
-                     timeout_s=s.trial_timeout_s, seed=s.seed, num_layers=layers,
-                     **({"optimizer_offload": "disk", "offload_dir": str(_required(offload_dir))}
-                        if c.on_disk and w.mode == "train" else {}))
+                     timeout_s=s.trial_timeout_s, seed=s.seed, num_layers=layers, **files)
 
 
-def _required(offload_dir: Path | None) -> Path:
+def _required(offload_dir: Path | None, what: str) -> Path:
     if offload_dir is None:
-        raise ValueError("a config of optimizer_offload disk needs the runner's offload folder for its trial")
+        raise ValueError(f"a config of {what} needs the runner's offload folder for its trial (offload_dir); the "
+                         "runner gives each such trial one under its data directory")
     return offload_dir

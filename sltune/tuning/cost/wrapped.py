@@ -1,0 +1,150 @@
+"""The prior of a wrapped backend's config (DeepSpeed ZeRO, PyTorch FSDP2): its peaks from the model's shape before
+any trial, term by term, as sltune.tuning.cost.prior gives SpeedLoader's.
+
+DeepSpeed's model states are its own estimators' formulas (deepspeed.runtime.zero.stage_1_and_2.
+estimate_zero2_model_states_mem_needs and stage3.estimate_zero3_model_states_mem_needs, which the *_all_live
+functions call with the model's parameter count), written out here so that admitting a spec needs neither
+DeepSpeed nor a model: per parameter, the weights in dtype (every rank's copy at ZeRO-2, a 1/W shard at ZeRO-3),
+and sharded over the W ranks the gradients (in dtype, at ZeRO-2, and their float32 partition), the float32 master
+partition and the optimizer's state. With float16 and AdamW that is their 2 + 18/W bytes (ZeRO-2) and 4 x the
+largest module + 18/W (ZeRO-3, the gathered module's weights and gradients); offload_optimizer moves the master,
+float32 gradients and state (their 16 bytes) to host memory, offload_param ZeRO-3's weight shards (18). Their
+`additional_buffer_factor` (1.5 on the host) is a safety factor, not a term: left out. Under float32 there is no
+separate dtype gradient: the float32 partition is it. FSDP2's are the same kinds of bytes, from its design: float32
+shards of the weights, gradients and optimizer state (on the host under cpu_offload), the root's weights (embedding,
+head) gathered for the whole step, and each decoder layer's gathered while it computes (two with the next one
+prefetched; every layer from its forward to its backward when reshard_after_forward is false) with its unsharded
+float32 gradients in its backward.
+
+Activations, one micro-batch of b rows (sltune.tuning.cost.footprint, traced as for SpeedLoader's groups of one
+layer): activation checkpointing keeps every decoder layer's input, and the backward holds the larger of one layer's
+recompute and backward and the head and loss (the logits in dtype, their float32 upcast and its gradient);
+activations offload (save_on_cpu) puts every layer's saved tensors in host memory instead. The host holds the trial
+process, and the model in float32 that every rank builds before the wrapper takes it (on the CPU that is the
+device's memory, counted there). On the CPU the device is host memory: its peak, every rank's, is on the host too.
+
+Left out, so a trial measures more than this (the fits correct for it): the wrappers' buffers (DeepSpeed's reduce
+bucket of hidden^2 values and ZeRO-3's prefetch bucket, FSDP2's all-gather and reduce-scatter staging, a second
+module or layer gathered ahead), allocator slack, nvme's pinned swap buffers in host memory (nvme's files are not
+counted as disk either), and the CUDA context. On llama-tiny on the CPU (b 1 and 4, N 2) FSDP's and ZeRO-2 with
+offload_optimizer's trials measured 4-98% above these device figures (the most: FSDP2's cpu_offload at b=1), ZeRO-2
+without offload within 1%; ZeRO-3's measured 16 bytes per parameter whatever b, the CPU device's tracker seeing
+neither its gradient partitions nor its activations, so there the prior is the higher (7-54%): a refusal on the
+CPU's device limit under ZeRO-3 can be of a config that would have run. The host's process term is a SpeedLoader
+trial's (sltune.tuning.cost.baseline): DeepSpeed's trial processes held some 80 MiB more, its import.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from sltune.tuning.cost.footprint import footprint
+
+if TYPE_CHECKING:
+    from sltune.tuning.cost.prior import Setup
+    from sltune.tuning.space import Candidate
+
+Terms = list[tuple[str, int]]
+
+
+def terms(recipe: "Setup", c: "Candidate") -> tuple[Terms, Terms]:
+    """(device terms of one rank at its fuller moment, host terms of every rank together, without the device's on the
+    CPU) of a deepspeed or fsdp config. The device is taken at two moments of the step, and its peak is the larger:
+    the backward (what is held all step, what is gathered and one micro-batch's activations) and the optimizer step
+    (what is held, the gradients DeepSpeed's partitions collect, the state a torch optimizer makes at its first
+    step); the activations are gone by the step."""
+    held, backward, step, host = _states(recipe, c)
+    backward += _activations(recipe, c, host)
+    device = max(([*held, *backward], [*held, *step]), key=lambda ts: sum(n for _, n in ts))
+    if not recipe.on_cpu:
+        host.append(("the model in float32 every rank builds before the wrapper takes it",
+                     recipe.world_size * 4 * recipe.shape.param_bytes // recipe.shape.itemsize))
+    return [t for t in device if t[1]], [t for t in host if t[1]]
+
+
+def model_states(recipe: "Setup", c: "Candidate") -> tuple[Terms, Terms]:
+    """The model states alone, every one at once (one rank's device, every rank's host): what DeepSpeed's estimators
+    count, their gpu_mem and cpu_mem."""
+    held, backward, step, host = _states(recipe, c)
+    return [*held, *backward, *step], host
+
+
+def _states(recipe: "Setup", c: "Candidate") -> tuple[Terms, Terms, Terms, Terms]:
+    return (_deepspeed if c.backend == "deepspeed" else _fsdp)(recipe, c)
+
+
+def _deepspeed(recipe: "Setup", c: "Candidate") -> tuple[Terms, Terms, Terms, Terms]:
+    """(held all step, the backward's, the optimizer step's, the host's) terms of a DeepSpeed config: its estimators'
+    model states. DeepSpeed makes its master partitions and the optimizer's state when it starts, so they are held
+    all step; the gradients fill their partitions (in dtype, and a float32 copy under bfloat16 or float16) as the
+    backward reduces them, which trials on llama-tiny measured beside the activations as the larger of the two
+    (ZeRO-2 without offload: equal at b=1, 1% below at b=4)."""
+    shape, world = recipe.shape, max(1, recipe.world_size)
+    count, e = shape.param_bytes // shape.itemsize, shape.itemsize
+    state = recipe.optimizer.state_bytes_per_param(4)       # DeepSpeed steps float32 partitions
+    weights = f"the weights in {shape.dtype}"
+    held: Terms = []
+    backward: Terms = []
+    step: Terms = []
+    host: Terms = []
+    partitions = [("float32 master partitions", 4 * count), (f"{recipe.optimizer.name} state (float32)", state * count)]
+    # ZeRO-2 reduces into partitions in dtype and copies them to float32 for the step; ZeRO-3 into float32 at once
+    grads = ([(f"{shape.dtype} gradient partitions", e * count)] if e != 4 and c.zero_stage != 3 else []) + \
+        [("float32 gradient partitions", 4 * count)]
+    if c.zero_stage == 3:
+        # ZeRO-3 gathers module by module: the largest one's weights and gradients (their 4 x largest_layer_params,
+        # the most values one module holds: a parameter tensor here, as a transformers model has no biases to add)
+        largest = max((*shape.layer_numels, *shape.embed_numels, *shape.head_numels, *shape.tied_numels),
+                      default=shape.layer_bytes // e)
+        backward.append(("the largest module gathered, weights and gradients", 2 * e * largest))
+        if c.offload_param == "none":
+            held.append((f"{weights} (ZeRO-3 shards)", -(-e * count // world)))
+        elif c.offload_param == "cpu":      # every rank's shard; nvme's are files
+            host.append((f"{weights} (ZeRO-3 shards, offloaded)", e * count))
+    else:
+        held.append((f"{weights} (every rank a copy)", e * count))
+    if c.offload_optimizer == "cpu":        # every rank's partitions and float32 gradients (16 bytes with Adam)
+        host += [(f"{what} (offloaded)", n) for what, n in partitions + grads[-1:]]     # (nvme's: files)
+    elif c.offload_optimizer == "none":
+        held += [(f"{what} (ZeRO shards)", -(-n // world)) for what, n in partitions]
+        step += [(f"{what} (ZeRO shards)", -(-n // world)) for what, n in grads]
+    return held, backward, step, host
+
+
+def _fsdp(recipe: "Setup", c: "Candidate") -> tuple[Terms, Terms, Terms, Terms]:
+    """(held all step, the backward's, the optimizer step's, the host's) terms of an FSDP2 config: float32 shards, and
+    the gathered weights in the compute dtype."""
+    shape, world = recipe.shape, max(1, recipe.world_size)
+    count, e = shape.param_bytes // shape.itemsize, shape.itemsize
+    compute = 2 if shape.dtype == "bfloat16" else 4          # MixedPrecisionPolicy(bfloat16), else float32
+    state = (f"{recipe.optimizer.name} state (float32 shards)", recipe.optimizer.state_bytes_per_param(4) * count)
+    shards = [("float32 weight shards", 4 * count), ("float32 gradient shards", 4 * count)]
+    root = (shape.embed_bytes + shape.head_bytes + shape.tied_bytes) // e * compute
+    layer = shape.layer_bytes // e
+    gathered = 2 * layer * compute if c.reshard_after_forward is not False else shape.layers * layer * compute
+    kept = "" if c.reshard_after_forward is not False else ", every one from its forward to its backward"
+    backward: Terms = [("the root's weights gathered (embedding, head)", root),
+                       (f"decoder layers' weights gathered{kept}", gathered),
+                       ("one layer's unsharded float32 gradients", 4 * layer)]
+    if c.cpu_offload:
+        return [], backward, [], [(f"{what} (cpu_offload)", n) for what, n in [*shards, state]]
+    (weights, w), (grads, g) = shards
+    return [(weights, -(-w // world))], [*backward, (grads, -(-g // world))], \
+        [(grads, -(-g // world)), (state[0], -(-state[1] // world))], []
+
+
+def _activations(recipe: "Setup", c: "Candidate", host: Terms) -> Terms:
+    """One micro-batch's activations on the device (and under offload, its saved tensors on the host): every layer's
+    checkpointed input, and the larger of one layer's recompute and backward and the head and loss (the logits in
+    dtype, their float32 upcast for the loss and its gradient), which activation checkpointing runs one after the
+    other."""
+    shape = recipe.shape
+    fp = footprint(recipe.source, shape.dtype, c.b, recipe.seq_len, 1, 1, "train", resident=False, grads_kept=True,
+                   depth=shape.layers)
+    head = c.b * recipe.seq_len * shape.vocab * (shape.itemsize + 4 + 4)
+    work = ("one layer's recompute and backward, or the head and loss", max(fp.backward, head))
+    if c.activations == "offload":
+        host.append(("saved tensors of one micro-batch (activations offload)",
+                     recipe.world_size * (shape.layers * fp.saved + fp.saved_embed)))
+        return [work]
+    return [("every layer's checkpointed input", shape.layers * fp.hidden), work]

@@ -353,3 +353,17 @@ def write_tokenizer_files(folder: str | Path, files: dict[str, bytes]) -> None:
         os.replace(tmp, folder / name)
     for name in set(TOKENIZER_FILES) - set(files):
         (folder / name).unlink(missing_ok=True)
+
+
+def untied(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` (model's state_dict) with a tied weight once, under its first name, as transformers saves it: what
+    SpeedLoader's engine and a wrapped backend's training both write to a Hugging Face folder."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    seen: set[int] = set()
+    out = {}
+    for name, value in state.items():
+        key = id(params[name]) if name in params else id(value)
+        if key not in seen:
+            seen.add(key)
+            out[name] = value
+    return out

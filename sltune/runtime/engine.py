@@ -87,7 +87,7 @@ import torch.distributed as dist
 from torch import nn
 
 from sltune.config import SpeedLoaderConfig
-from sltune.models.checkpoint import Checkpoint, materialize, write_pretrained
+from sltune.models.checkpoint import Checkpoint, materialize, untied, write_pretrained
 from sltune.runtime.activations import DeviceActivations, HostActivations
 from sltune.runtime.device import check_device, check_dtype
 from sltune.runtime.diskstate import DiskState, state_layout
@@ -282,15 +282,7 @@ class SpeedLoaderEngine:
 
     def untied(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A state_dict with a tied weight once, under its first name, as transformers saves it."""
-        params = dict(self.model.named_parameters(remove_duplicate=False))
-        seen: set[int] = set()
-        out = {}
-        for name, value in state.items():
-            key = id(params[name]) if name in params else id(value)
-            if key not in seen:
-                seen.add(key)
-                out[name] = value
-        return out
+        return untied(self.model, state)
 
     # -- units -------------------------------------------------------------------------------------
     def _build_units(self) -> None:

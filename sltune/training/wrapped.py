@@ -23,6 +23,7 @@ import torch.distributed as dist
 from sltune.backends.base import Backend
 from sltune.backends.fsdp import FSDPBackend
 from sltune.config import SpeedLoaderConfig
+from sltune.models.checkpoint import untied
 from sltune.runtime.engine import StepResult
 from sltune.training.optimizer import OptimizerConfig
 
@@ -144,15 +145,7 @@ class BackendEngine:
 
     def untied(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A state_dict with a tied weight once, under its first name, as transformers saves it."""
-        params = dict(self.model.named_parameters(remove_duplicate=False))
-        seen: set[int] = set()
-        out = {}
-        for name, value in state.items():
-            key = id(params[name]) if name in params else id(value)
-            if key not in seen:
-                seen.add(key)
-                out[name] = value
-        return out
+        return untied(self.model, state)
 
     def optimizer_state(self) -> dict[str, Any] | None:
         """What a resume loads (load_optimizer_state): FSDP2's full optimizer state by parameter name (rank 0's; the

@@ -1,13 +1,17 @@
-"""Each backend's name and knobs, and the one-line refusals of a knob that does not fit (light: no torch).
+"""Each backend's name and knobs, declared once as fields, and the one-line refusals of a knob that does not fit
+(light: no torch).
 
-The trial spec validates with these, and so can any spec that sweeps backends: one wording everywhere. They live
-below sltune.config, which validates a best.yaml's backend with them (sltune.config sits below sltune.backends:
-the runtime the backends drive reads it), and sltune.backends.knobs re-exports them for the backends and the specs.
+The config, the trial spec and a trial's result declare the backend and its knobs with BackendKnobs, and the first
+two validate them with CheckedBackendKnobs: one wording everywhere. They live below sltune.config, which validates a
+best.yaml's backend with them (sltune.config sits below sltune.backends: the runtime the backends drive reads it),
+and sltune.backends.knobs re-exports them for the backends and the specs.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
+
+from pydantic import BaseModel, Field, model_validator
 
 BackendName = Literal["speedloader", "deepspeed", "fsdp"]
 ZeroStage = Literal[2, 3]
@@ -19,11 +23,47 @@ KNOBS: dict[str, tuple[str, ...]] = {
     "deepspeed": ("zero_stage", "offload_optimizer", "offload_param"),
     "fsdp": ("cpu_offload", "reshard_after_forward"),
 }
+ALL_KNOBS: tuple[str, ...] = tuple(k for names in KNOBS.values() for k in names)
 DEFAULTS: dict[str, Any] = {"zero_stage": 2, "offload_optimizer": "none", "offload_param": "none",
                             "cpu_offload": False, "reshard_after_forward": True}
 # what only SpeedLoader's engine has; another backend refuses a value other than the default
 SPEEDLOADER_ONLY: dict[str, Any] = {"num_live_blocks": 1, "schedule": "speedloader", "optimizer_offload": "host",
                                     "mode": "train"}
+
+
+class BackendKnobs(BaseModel):
+    """What trains (SpeedLoader's engine or a wrapped backend) and every backend's knobs, None where another
+    backend's: the fields a config, a trial spec and a trial's result share."""
+
+    backend: BackendName = Field(
+        "speedloader", description="what trains: SpeedLoader's engine, DeepSpeed ZeRO (deepspeed.initialize) or "
+        "PyTorch FSDP2 (fully_shard per decoder layer); the b*N rows of a step as N micro-batches of b. "
+        "num_live_blocks, schedule and optimizer_offload are SpeedLoader's")
+    zero_stage: ZeroStage | None = Field(None, description="deepspeed: ZeRO stage 2 or 3 (default 2)")
+    offload_optimizer: OffloadTarget | None = Field(None, description="deepspeed: the optimizer's state in device "
+                                                    "memory (none), host memory (cpu) or files on NVMe (default none)")
+    offload_param: OffloadTarget | None = Field(None, description="deepspeed, zero_stage 3: the parameter partitions "
+                                                "on the device (none), in host memory (cpu) or on NVMe (default none)")
+    cpu_offload: bool | None = Field(None, description="fsdp: CPUOffloadPolicy, the sharded parameters, gradients "
+                                     "and optimizer state in host memory (default false)")
+    reshard_after_forward: bool | None = Field(None, description="fsdp: free each layer's gathered parameters after "
+                                               "its forward and gather them again for its backward (default true)")
+
+
+class CheckedBackendKnobs(BackendKnobs):
+    """The knobs of what is asked to run: a knob of another backend, or a SpeedLoader-only value under another
+    backend, is refused naming the field and the fix; the backend's own knobs left out take their defaults, so the
+    model names every knob its backend runs with."""
+
+    @model_validator(mode="after")
+    def _backend_knobs(self) -> "CheckedBackendKnobs":
+        why = refusals({name: getattr(self, name) for name in type(self).model_fields})
+        if why:
+            raise ValueError("; ".join(why))
+        for knob in KNOBS[self.backend]:
+            if getattr(self, knob) is None:
+                self.__dict__[knob] = DEFAULTS[knob]     # a frozen model too: set once, while validating
+        return self
 
 
 def owner(knob: str) -> str:

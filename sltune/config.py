@@ -6,10 +6,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from sltune.backend_knobs import DEFAULTS as BACKEND_DEFAULTS
-from sltune.backend_knobs import KNOBS, BackendName, OffloadTarget, ZeroStage, refusals
+from sltune.backend_knobs import ALL_KNOBS, KNOBS, CheckedBackendKnobs
 from sltune.sizes import parse_bytes
 from sltune.yamlfile import read_yaml
 
@@ -25,11 +24,12 @@ REPORT_SECTIONS = ("effective_batch_size", "workload", "measured", "predicted", 
 # ...of which `optimizer` is read by `sltune train` (sltune.training.OptimizerConfig): the optimizer the job
 # was tuned with and will train with
 # The backend and every backend's knobs: a speedloader config's YAML leaves them out
-BACKEND_FIELDS = ("backend", *(k for names in KNOBS.values() for k in names))
+BACKEND_FIELDS = ("backend", *ALL_KNOBS)
 
 
-class SpeedLoaderConfig(BaseModel):
-    """How the runtime schedules one model: b, N and k, the schedule, and where it runs."""
+class SpeedLoaderConfig(CheckedBackendKnobs):
+    """How the runtime schedules one model: b, N and k, the schedule, and where it runs; or, under another backend
+    (its knobs in CheckedBackendKnobs), what that backend trains with."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -68,20 +68,6 @@ class SpeedLoaderConfig(BaseModel):
     memory_tracking: Literal["first", "always", "never"] = Field(
         "first", description="CPU only: measure device allocations on the first step of each batch shape, "
         "on every step, or never (then device_memory_limit cannot be enforced)")
-    # what trains the config (sltune.backends): SpeedLoader's engine, or a wrapped backend with its own knobs; a
-    # speedloader config's YAML leaves them out, as before there were backends
-    backend: BackendName = Field(
-        "speedloader", description="what trains: SpeedLoader's engine, DeepSpeed ZeRO or PyTorch FSDP2 (the b*N rows "
-        "of a step as N micro-batches of b; num_live_blocks, schedule and optimizer_offload are SpeedLoader's)")
-    zero_stage: ZeroStage | None = Field(None, description="deepspeed: ZeRO stage 2 or 3 (default 2)")
-    offload_optimizer: OffloadTarget | None = Field(None, description="deepspeed: the optimizer's state on the "
-                                                    "device (none), in host memory (cpu) or on NVMe (default none)")
-    offload_param: OffloadTarget | None = Field(None, description="deepspeed, zero_stage 3: the parameter partitions "
-                                                "on the device (none), in host memory (cpu) or on NVMe (default none)")
-    cpu_offload: bool | None = Field(None, description="fsdp: CPUOffloadPolicy, the sharded parameters, gradients "
-                                     "and optimizer state in host memory (default false)")
-    reshard_after_forward: bool | None = Field(None, description="fsdp: free each layer's gathered parameters after "
-                                               "its forward (default true)")
 
     @field_validator("device_memory_limit", mode="before")
     @classmethod
@@ -108,19 +94,6 @@ class SpeedLoaderConfig(BaseModel):
             if self.schedule == "resident":
                 raise ValueError("optimizer_offload: the resident schedule steps its optimizer on the device; use "
                                  "'host', or schedule 'speedloader' or 'canonical' for 'disk'")
-        return self
-
-    @model_validator(mode="after")
-    def _backend_knobs(self) -> "SpeedLoaderConfig":
-        """As a trial spec validates them (sltune.backends.knobs): a knob of another backend, or a SpeedLoader-only
-        value under another backend, is refused naming the field and the fix; the backend's own knobs left out take
-        their defaults, so a config names every knob its backend runs with."""
-        why = refusals({name: getattr(self, name) for name in type(self).model_fields})
-        if why:
-            raise ValueError("; ".join(why))
-        for knob in KNOBS[self.backend]:
-            if getattr(self, knob) is None:
-                self.__dict__[knob] = BACKEND_DEFAULTS[knob]     # frozen: set once, while validating
         return self
 
     @property

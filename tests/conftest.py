@@ -12,6 +12,17 @@ from tests.support.postgres import fresh_pg_database
 from tests.support.servers import Services
 
 
+def pytest_configure(config):
+    """Each xdist worker computes with its share of the cores: two workers of two torch threads each on two cores
+    made the in-process tests three times slower than one thread each (OpenMP's threads waiting on each other).
+    The trials, forked from a fork server started fresh, keep the machine's default."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
 @pytest.fixture
 def services(tmp_path):
     svc = Services(tmp_path, f"sqlite:///{tmp_path / 'jobs.db'}")

@@ -1,6 +1,6 @@
 """Training backends a trial can run, chosen by name: SpeedLoader's engine, DeepSpeed ZeRO, PyTorch FSDP2.
 
-    backend = build("deepspeed", spec)      # spec: a TrialSpec (what sltune.backends.base.TrainingSpec reads)
+    backend = build("deepspeed", TrainingSpec.of(trial_spec))     # sltune.backends.base.TrainingSpec
     result = backend.step(ids)              # one optimizer step on b*N rows: loss, tokens, seconds, device peak
     backend.close()
 

@@ -16,7 +16,8 @@ import socket
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from typing import Any, ClassVar, Protocol
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -32,34 +33,43 @@ from sltune.runtime.regions import region, step_region
 LOSS_SCALE_FAULT_ENV = "SLTUNE_TEST_LOSS_SCALE_FAULT"
 
 
-class TrainingSpec(Protocol):
-    """The fields of a trial spec a backend reads (sltune.profiling.schema.TrialSpec has them all)."""
+@dataclass
+class TrainingSpec:
+    """What a backend reads, one declaration: a trial's spec (sltune.profiling.schema.TrialSpec) or a training job's
+    config (sltune.config.SpeedLoaderConfig) gives it its fields with TrainingSpec.of."""
 
     backend: str
     model: str | dict[str, Any]
-    num_layers: int | None
-    seed: int
-    device: str
-    dtype: str
-    mixed_precision: bool
-    sub_batch_size: int
-    num_sub_batches: int
-    num_live_blocks: int
-    schedule: str
-    activations: str
-    mode: str
-    kv_cache: str
-    weights_on_device: float
     optimizer: Any                  # sltune.training.optimizer.OptimizerConfig: name, lr, betas, eps, build()
-    optimizer_offload: str
-    offload_dir: str | None
-    device_memory_limit: int | None
-    timeout_s: float
-    zero_stage: int | None
-    offload_optimizer: str | None
-    offload_param: str | None
-    cpu_offload: bool | None
-    reshard_after_forward: bool | None
+    seed: int = 0
+    device: str = "cpu"
+    dtype: str = "float32"
+    mixed_precision: bool = True
+    sub_batch_size: int = 1
+    num_sub_batches: int = 1
+    num_live_blocks: int = 1
+    schedule: str = "speedloader"
+    activations: str = "recompute"
+    mode: str = "train"
+    kv_cache: str = "host"
+    weights_on_device: float = 0.0
+    optimizer_offload: str = "host"
+    offload_dir: str | None = None
+    device_memory_limit: int | None = None
+    timeout_s: float = 600.0        # the process group's collective timeout
+    num_layers: int | None = None
+    max_grad_norm: float | None = None      # a training job's clipping; a trial does not clip
+    zero_stage: int | None = None
+    offload_optimizer: str | None = None
+    offload_param: str | None = None
+    cpu_offload: bool | None = None
+    reshard_after_forward: bool | None = None
+
+    @classmethod
+    def of(cls, source: Any, **given: Any) -> TrainingSpec:
+        """Each field `source` has, then `given` (what it has not: a config has no model, optimizer or seed)."""
+        have = {f.name: getattr(source, f.name) for f in fields(cls) if hasattr(source, f.name)}
+        return cls(**{**have, **given})
 
 
 class Backend(ABC):

@@ -15,37 +15,42 @@ import contextlib
 import logging
 import os
 import sys
+import tempfile
 import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from sltune.backends.base import (
-    TrainingSpec,
-    WrappedBackend,
-    checkpoint_activations,
-    full_model,
-    optimizer_tensors,
-    storage_bytes,
-)
+from sltune.backends.base import (TrainingSpec, WrappedBackend, checkpoint_activations, full_model, optimizer_tensors,
+                                  storage_bytes)
 from sltune.backends.export import NO_CLIPPING, ds_config  # noqa: F401 - the trial's config, written by export too
 
+
+
+# what DeepSpeed prints each time a process sets up, which says nothing a user acts on
+NOISE = ("built successfully",)
 
 
 @contextlib.contextmanager
 def stdout_to_stderr() -> Iterator[None]:
     """DeepSpeed and its op builder print progress to stdout; a trial's stdout may be `sltune profile --json`'s,
-    so while DeepSpeed sets up, what it prints goes to stderr."""
+    so while DeepSpeed sets up, what it prints goes to stderr, but for its routine lines (NOISE), which would
+    otherwise fill a tuning job's output once per trial."""
     sys.stdout.flush()
     saved = os.dup(1)
-    os.dup2(2, 1)
-    try:
-        yield
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
+    with tempfile.TemporaryFile() as printed:
+        os.dup2(printed.fileno(), 1)
+        try:
+            yield
+        finally:
+            sys.stdout.flush()
+            os.dup2(saved, 1)
+            os.close(saved)
+            printed.seek(0)
+            lines = printed.read().decode(errors="replace").splitlines(keepends=True)
+            sys.stderr.write("".join(line for line in lines if not any(n in line for n in NOISE)))
+            sys.stderr.flush()
 
 
 def import_deepspeed(device: str) -> Any:

@@ -15,14 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from sltune.backends.base import (
-    TrainingSpec,
-    WrappedBackend,
-    checkpoint_activations,
-    full_model,
-    optimizer_tensors,
-    storage_bytes,
-)
+from sltune.backends.base import (TrainingSpec, WrappedBackend, checkpoint_activations, full_model, optimizer_tensors,
+                                  storage_bytes)
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:

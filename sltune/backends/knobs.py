@@ -5,18 +5,9 @@ backends' runtime imports: defined here, config and backends would import each o
 read them from here.
 """
 
-from sltune.backend_knobs import (
-    BACKENDS,
-    DEFAULTS,
-    KNOBS,
-    SPEEDLOADER_ONLY,
-    BackendName,
-    OffloadTarget,
-    ZeroStage,
-    libaio_found,
-    owner,
-    refusals,
-)
+from sltune.backend_knobs import (ALL_KNOBS, BACKENDS, DEFAULTS, KNOBS, SPEEDLOADER_ONLY, BackendKnobs,
+                                  BackendName, CheckedBackendKnobs, OffloadTarget, ZeroStage, libaio_found, owner,
+                                  refusals)
 
-__all__ = ["BACKENDS", "DEFAULTS", "KNOBS", "SPEEDLOADER_ONLY", "BackendName", "OffloadTarget", "ZeroStage",
-           "libaio_found", "owner", "refusals"]
+__all__ = ["ALL_KNOBS", "BACKENDS", "DEFAULTS", "KNOBS", "SPEEDLOADER_ONLY", "BackendKnobs", "BackendName",
+           "CheckedBackendKnobs", "OffloadTarget", "ZeroStage", "libaio_found", "owner", "refusals"]

@@ -212,6 +212,7 @@ def _loo_errors(loo: dict[str, dict]) -> str:
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    from sltune.tuning.report.compare import config_name
     from sltune.tuning.report.plan_from_fits import plan
     from sltune.tuning.report.plan_from_prior import is_spec
     from sltune.yamlfile import read_yaml
@@ -241,14 +242,13 @@ def run_plan(args: argparse.Namespace) -> int:
     if r["unpredictable"]:
         print(f"  {len(r['unpredictable'])} fitting configs have no throughput prediction (listed, not ranked):")
         for u in r["unpredictable"]:
-            c = u["config"]
-            print(f"    b={c['sub_batch_size']} N={c['num_sub_batches']} k={c['num_live_blocks']}: {u['reason']}")
+            print(f"    {config_name(u['config'])}: {u['reason']}")
     if not r["best"]:
         print(f"  {r['message']}")
         return 1
     c, p = r["best"]["config"], r["best"]["predicted"]
     never = "" if r["best"]["measured"] else " [never measured]"
-    print(f"  best{never}: b={c['sub_batch_size']} N={c['num_sub_batches']} k={c['num_live_blocks']}: "
+    print(f"  best{never}: {config_name(c)}: "
           f"{p['tokens_per_s']:,.1f} tokens/s predicted; device {format_bytes(p['peak_device_bytes'])}, "
           f"host {format_bytes(p['peak_host_bytes'])}; binding limit: {r['best']['binding_limit']}")
     print(f"  confidence: {r['confidence']['summary']}")
@@ -257,8 +257,7 @@ def run_plan(args: argparse.Namespace) -> int:
         print(f"  {beyond} of the {len(r['configs'])} ranked configs extrapolate beyond the measured ranges "
               "(marked in --json)")
     m = r["measured_best"]
-    print(f"  (the job measured {m['tokens_per_s']:,.1f} tokens/s at b={m['config']['sub_batch_size']} "
-          f"N={m['config']['num_sub_batches']} k={m['config']['num_live_blocks']})")
+    print(f"  (the job measured {m['tokens_per_s']:,.1f} tokens/s at {config_name(m['config'])})")
     return 0
 
 

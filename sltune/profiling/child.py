@@ -69,8 +69,9 @@ def describe_failure(err: BaseException) -> dict[str, Any]:
     if isinstance(err, torch.OutOfMemoryError):
         return {"status": "oom", "oom_resource": "device", "error": f"device out of memory: {err}"}
     if isinstance(err, MemoryError):
-        return {"status": "oom", "oom_resource": "host", "error": "host memory exhausted (MemoryError); lower num_sub_batches or "
-                                          "sub_batch_size, or give the trial more host memory"}
+        return {"status": "oom", "oom_resource": "host",
+                "error": "host memory exhausted (MemoryError); lower num_sub_batches or sub_batch_size, or give the "
+                         "trial more host memory"}
     tail = "".join(traceback.format_exception(err)[-3:]).strip()
     return {"status": "failed", "error": f"{type(err).__name__}: {err}", "traceback": tail}
 
@@ -124,13 +125,14 @@ def run(spec: TrialSpec, rank: int = 0, started: float | None = None) -> dict[st
     """Build the spec's backend, warm it up, time its steps, read its peaks, profile one step; then, the backend
     released, check its step-1 loss against plain PyTorch's (parity: status diverged when it is off)."""
     from sltune.backends import build
+    from sltune.backends.base import TrainingSpec
 
     started = time.perf_counter() if started is None else started
     forget_fork_server_heap()
     torch.manual_seed(spec.seed)
     if spec.cpu_threads is not None:
         torch.set_num_threads(spec.cpu_threads)
-    backend = build(spec.backend, spec)
+    backend = build(spec.backend, TrainingSpec.of(spec))
     try:
         setup = {"setup_s": time.perf_counter() - started, "host_bytes_at_start": resident_bytes()}
         ran = {**spec.knobs(), "num_layers": backend.model.config.num_hidden_layers}   # the depth it ran, reported

@@ -6,34 +6,22 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
-from sltune.backends.knobs import DEFAULTS, KNOBS, BackendName, OffloadTarget, ZeroStage, refusals
+from sltune.backends.knobs import ALL_KNOBS, KNOBS, BackendKnobs, CheckedBackendKnobs
 from sltune.config import Activations, DType, KVCache, OptimizerOffload, Schedule
 from sltune.runtime.counters import IOCounters
 from sltune.sizes import parse_bytes
 from sltune.training.optimizer import OptimizerConfig
 
 Status = Literal["ok", "oom", "failed", "timeout", "diverged"]
-BACKEND_KNOBS = tuple(k for names in KNOBS.values() for k in names)
 
 
-class TrialSpec(BaseModel):
-    """One configuration of the runtime, run for a few steps in its own process."""
+class TrialSpec(CheckedBackendKnobs):
+    """One configuration of the runtime (or of another backend), run for a few steps in its own process."""
 
     model_config = ConfigDict(extra="forbid")
 
     model: str | dict[str, Any] = Field("llama-tiny", description="preset, config.json path, inline config, or a "
                                         "Hugging Face model folder (whose weights the trial loads, if it has any)")
-    backend: BackendName = Field("speedloader", description="what trains: SpeedLoader's engine, DeepSpeed ZeRO "
-                                 "(deepspeed.initialize) or PyTorch FSDP2 (fully_shard per decoder layer)")
-    zero_stage: ZeroStage | None = Field(None, description="deepspeed: ZeRO stage 2 or 3 (default 2)")
-    offload_optimizer: OffloadTarget | None = Field(None, description="deepspeed: the optimizer's state in device "
-                                                    "memory (none), host memory (cpu) or files on NVMe (default none)")
-    offload_param: OffloadTarget | None = Field(None, description="deepspeed, zero_stage 3: the parameter partitions "
-                                                "on the device (none), in host memory (cpu) or on NVMe (default none)")
-    cpu_offload: bool | None = Field(None, description="fsdp: CPUOffloadPolicy, the sharded parameters, gradients "
-                                     "and optimizer state in host memory (default false)")
-    reshard_after_forward: bool | None = Field(None, description="fsdp: free each layer's gathered parameters after "
-                                               "its forward and gather them again for its backward (default true)")
     sub_batch_size: int = Field(1, ge=1)
     num_sub_batches: int = Field(1, ge=1)
     num_live_blocks: int = Field(1, ge=1)
@@ -77,18 +65,6 @@ class TrialSpec(BaseModel):
     def _sizes(cls, value: Any, info) -> int | None:
         return None if value is None else parse_bytes(value, info.field_name)
 
-    @model_validator(mode="after")
-    def _backend_knobs(self) -> "TrialSpec":
-        """A knob of another backend, or a SpeedLoader-only value under another backend, is refused naming the
-        field and the fix; the chosen backend's knobs left out take their defaults."""
-        why = refusals({name: getattr(self, name) for name in type(self).model_fields})
-        if why:
-            raise ValueError("; ".join(why))
-        for knob in KNOBS[self.backend]:
-            if getattr(self, knob) is None:
-                setattr(self, knob, DEFAULTS[knob])
-        return self
-
     @property
     def rows(self) -> int:
         return self.sub_batch_size * self.num_sub_batches
@@ -107,7 +83,9 @@ class TrialSpec(BaseModel):
                 **{knob: getattr(self, knob) for knob in KNOBS[self.backend]}}
 
 
-class TrialConfig(BaseModel):
+class TrialConfig(BackendKnobs):
+    """The config a trial ran; its backend's knobs only (backend speedloader in results older than backends)."""
+
     sub_batch_size: int
     num_sub_batches: int
     num_live_blocks: int | None = Field(description="SpeedLoader's live blocks (None under another backend)")
@@ -120,27 +98,21 @@ class TrialConfig(BaseModel):
     optimizer_offload: OptimizerOffload | None = None   # training trials (None in results older than the field)
     num_layers: int | None = Field(None, description="the decoder layers the trial ran (fewer than the model's in "
                                    "a reduced-depth probe); None in results older than the field")
-    backend: BackendName = Field("speedloader", description="what trained (speedloader in results older than the "
-                                 "field)")
-    zero_stage: ZeroStage | None = Field(None, description="deepspeed: the ZeRO stage it ran")
-    offload_optimizer: OffloadTarget | None = Field(None, description="deepspeed: where the optimizer's state was")
-    offload_param: OffloadTarget | None = Field(None, description="deepspeed: where the parameter partitions were")
-    cpu_offload: bool | None = Field(None, description="fsdp: CPUOffloadPolicy on or off")
-    reshard_after_forward: bool | None = Field(None, description="fsdp: gathered parameters freed after the forward")
 
     @model_serializer(mode="wrap")
     def _its_own_knobs(self, handler) -> dict[str, Any]:
         """The backend's own knobs only: another backend's (None) are left out, so a SpeedLoader result reads as
         it did before there were backends, plus its name."""
         out = handler(self)
-        for knob in BACKEND_KNOBS:
+        for knob in ALL_KNOBS:
             if out.get(knob, 0) is None:
                 del out[knob]
         return out
 
 
 class Parity(BaseModel):
-    """The trial's step-1 loss against plain PyTorch's on the same initial weights and batch (sltune.profiling.parity)."""
+    """The trial's step-1 loss against plain PyTorch's on the same initial weights and batch
+    (sltune.profiling.parity)."""
 
     loss: float = Field(description="the backend's loss on its first step, before any update")
     reference_loss: float = Field(description="the model's own forward with labels on that batch, same dtype")

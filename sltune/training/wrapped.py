@@ -13,14 +13,13 @@ float16 saves the weights the model computes with (DeepSpeed keeps the float32 m
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from sltune.backends.base import Backend
+from sltune.backends.base import Backend, TrainingSpec
 from sltune.backends.fsdp import FSDPBackend
 from sltune.config import SpeedLoaderConfig
 from sltune.models.checkpoint import untied
@@ -28,39 +27,6 @@ from sltune.runtime.engine import StepResult
 from sltune.training.optimizer import OptimizerConfig
 
 TIMEOUT_S = 1800.0      # the process group's collective timeout, as a trial's is its own timeout
-
-
-@dataclass
-class BackendSpec:
-    """What a backend reads of a trial spec (sltune.backends.base.TrainingSpec), from a training job; plus the
-    clipping a training job may ask for."""
-
-    backend: str
-    model: Any
-    optimizer: OptimizerConfig
-    seed: int
-    device: str
-    dtype: str
-    mixed_precision: bool
-    sub_batch_size: int
-    num_sub_batches: int
-    activations: str
-    device_memory_limit: int | None
-    zero_stage: int | None
-    offload_optimizer: str | None
-    offload_param: str | None
-    cpu_offload: bool | None
-    reshard_after_forward: bool | None
-    offload_dir: str | None = None
-    max_grad_norm: float | None = None
-    num_layers: int | None = None
-    num_live_blocks: int = 1
-    schedule: str = "speedloader"
-    mode: str = "train"
-    kv_cache: str = "host"
-    weights_on_device: float = 0.0
-    optimizer_offload: str = "host"
-    timeout_s: float = TIMEOUT_S
 
 
 class BackendEngine:
@@ -75,14 +41,8 @@ class BackendEngine:
         from sltune.models import load_config
 
         self.config = config
-        spec = BackendSpec(backend=config.backend, model=str(model) if isinstance(model, Path) else model,
-                           optimizer=optimizer, seed=seed, device=config.device, dtype=config.dtype,
-                           mixed_precision=config.mixed_precision, sub_batch_size=config.sub_batch_size,
-                           num_sub_batches=config.num_sub_batches, activations=config.activations,
-                           device_memory_limit=config.device_memory_limit, zero_stage=config.zero_stage,
-                           offload_optimizer=config.offload_optimizer, offload_param=config.offload_param,
-                           cpu_offload=config.cpu_offload, reshard_after_forward=config.reshard_after_forward,
-                           offload_dir=config.offload_dir, max_grad_norm=max_grad_norm)
+        spec = TrainingSpec.of(config, model=str(model) if isinstance(model, Path) else model, optimizer=optimizer,
+                               seed=seed, max_grad_norm=max_grad_norm, timeout_s=TIMEOUT_S)
         use_cache = getattr(load_config(spec.model), "use_cache", True)
         if config.backend == "fsdp":
             self.backend: Backend = _ClippedFSDP(spec)      # clipping between the backward and the step

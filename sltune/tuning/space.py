@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import optuna
 
-from sltune.backends.knobs import DEFAULTS, KNOBS
+from sltune.backends.knobs import ALL_KNOBS, DEFAULTS, KNOBS
 from sltune.tuning.knobs import knob_values
 
 if TYPE_CHECKING:
@@ -25,7 +25,6 @@ KV_ORDER = ("host", "device")     # device KV needs more device memory, and move
 OFFLOAD_ORDER = ("disk", "host")  # host holds the master and optimizer state in memory: more host, no disk traffic
 
 
-BACKEND_KNOBS = tuple(k for names in KNOBS.values() for k in names)
 
 
 @functools.total_ordering
@@ -127,7 +126,8 @@ class Candidate:
                              *([self.activations] if self.activations != "recompute" else []),
                              *(f"{knob}={str(v).lower() if isinstance(v, bool) else v}"
                                for knob, v in self.backend_knobs().items())])
-        return (f"b={self.b} N={self.n} k={self.k}" + ("" if self.activations == "recompute" else f" {self.activations}")
+        return (f"b={self.b} N={self.n} k={self.k}"
+                + ("" if self.activations == "recompute" else f" {self.activations}")
                 + (f" kv_cache={self.kv_cache}" if self.kv_cache else "")
                 + (f" w={self.weights_on_device:g}" if self.weights_on_device is not None else "")
                 + (f" optimizer_offload={self.optimizer_offload}" if self.optimizer_offload != "host" else ""))
@@ -270,7 +270,7 @@ class SearchSpace:
         params = self.params(c)
         out = []
         for name, dist in self.distributions(c.backend).items():
-            if name in ("activations", "backend") or name in BACKEND_KNOBS:
+            if name in ("activations", "backend") or name in ALL_KNOBS:
                 # not an order of memory: recompute and offload trade device for host, and so do a backend's knobs
                 continue
             rank = {"kv_cache": KV_ORDER.index, "optimizer_offload": OFFLOAD_ORDER.index}.get(name, lambda v: v)

@@ -232,8 +232,9 @@ def _probe_layers(value: Any) -> Any:
                      "or leave it out to probe the whole model")
 
 
-DISK_LIMIT_WITHOUT_DISK = ("bounds the files of search.optimizer_offload disk, which this spec does not try; add disk "
-                           "to search.optimizer_offload (e.g. [host, disk]) or remove it")
+DISK_LIMIT_WITHOUT_DISK = ("bounds the files of search.optimizer_offload disk (or of DeepSpeed's nvme offload), which "
+                           "this spec does not try; add disk to search.optimizer_offload (e.g. [host, disk]) or "
+                           "remove it")
 
 
 def _offloads(value: Any) -> Any:
@@ -462,7 +463,9 @@ class TuningSpec(_Strict):
         if "disk" in self.search.optimizer_offload and self.search.schedule == "resident":
             raise ValueError("search.optimizer_offload: the resident schedule steps its optimizer on the device, "
                              "so disk cannot hold it; use host, or search.schedule speedloader or canonical")
-        if hw.disk_limit is not None and "disk" not in self.search.optimizer_offload:
+        ds = self.search.backend_values("deepspeed") if "deepspeed" in self.search.backend else {}
+        nvme = "nvme" in (*ds.get("offload_optimizer", ()), *ds.get("offload_param", ()))
+        if hw.disk_limit is not None and "disk" not in self.search.optimizer_offload and not nvme:
             raise ValueError(f"hardware.disk_limit {DISK_LIMIT_WITHOUT_DISK}")
         if hw.world_size > 1 and self.search.schedule == "resident":
             raise ValueError("search.schedule 'resident' keeps every parameter on every rank; with "

@@ -51,6 +51,22 @@ def test_one_job_profiles_speedloader_and_fsdp_and_names_each_one_s_best(tmp_pat
     params = [t.params for t in study.get_trials() if t.params]
     assert {p["backend"] for p in params} == {"speedloader", "fsdp"}
     assert all(("num_live_blocks" in p) == (p["backend"] == "speedloader") for p in params)
+    # `plan` from the fsdp pick's best.yaml: the pick it measured is named as fsdp's, and each config's
+    # extrapolation and measured flag come from its own backend's fits
+    from sltune.tuning.report.plan_from_fits import plan
+    from sltune.tuning.report.result import export_yaml
+    from sltune.tuning.spec import TuningSpec
+
+    path = tmp_path / "fsdp.yaml"
+    path.write_text(export_yaml(TuningSpec.parse(BACKENDS), r, backend="fsdp"))
+    p = plan(path)
+    assert p["measured_best"]["config"]["backend"] == "fsdp" and "num_live_blocks" not in p["measured_best"]["config"]
+    rows = {(c["config"].get("backend", "speedloader"), c["config"]["sub_batch_size"], c["config"]["num_sub_batches"]): c
+            for c in p["configs"]}
+    fsdp_ran = {(t["config"]["sub_batch_size"], t["config"]["num_sub_batches"]) for t in r["trials"]
+                if t["status"] == "ok" and t["config"]["backend"] == "fsdp" and t["role"] != "confirm"}
+    assert fsdp_ran and all(rows[("fsdp", b, n)]["measured"] for b, n in fsdp_ran), (fsdp_ran, rows)
+    assert all("k" not in row["extrapolated"] for (backend, _, _), row in rows.items() if backend == "fsdp")
 
 
 class Measured:

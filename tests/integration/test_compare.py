@@ -349,6 +349,31 @@ def test_a_job_whose_pick_is_another_backend_compares_that_pick(backend_jobs):
     assert r["best_config_b"]["backend"] == "speedloader" and code == 0 and r["verdict"] == "faster"
 
 
+def test_a_wrapped_backends_best_remeasures_as_that_backend():
+    """`--remeasure` of a job whose best is FSDP's runs real FSDP2 trials (it used to refuse: its candidates ran
+    SpeedLoader only), each result naming the backend and its knobs."""
+    from sltune.profiling import run_trial
+    from sltune.tuning.report.compare import remeasure
+
+    config = {"sub_batch_size": 1, "num_sub_batches": 2, **FSDP}
+    search = {k: v for k, v in SPEC.search.model_dump(mode="json").items() if k != "num_live_blocks"}
+    spec = {**SPEC.model_dump(mode="json"), "search": {**search, "backend": ["fsdp"]}}
+    jobs = [JobData(name, "succeeded", spec, {"config": config},
+                    [{"number": 0, "role": "probe", "status": "ok", "config": config,
+                      "result": {"status": "ok", "tokens_per_s": 100.0, "config": config}}]) for name in ("a", "b")]
+    ran = []
+
+    def run(trial):
+        ran.append(run_trial(trial).model_dump(mode="json"))
+        return ran[-1]
+
+    r = remeasure(compare(*jobs), *jobs, rounds=1, run=run)
+    assert r["remeasured"]["rounds"] == 1 and r["ratio"] > 0
+    assert [x["status"] for x in ran] == ["ok", "ok"] and all(x["parity"]["ok"] for x in ran), ran
+    assert all({k: x["config"][k] for k in ("backend", "cpu_offload", "reshard_after_forward")} ==
+               {"backend": "fsdp", "cpu_offload": False, "reshard_after_forward": True} for x in ran)
+
+
 def test_config_names_lead_with_a_backend_other_than_speedloader():
     from sltune.tuning.report.compare import config_name
 

@@ -174,8 +174,9 @@ def test_host_memory_only_disk_makes_room_for_is_a_config_not_a_refusal():
                                     "[host, disk]"),
     ({"optimizer_offload": ["host", 3]}, {}, "spec: search.optimizer_offload: 3 is not where"),
     ({}, {"disk_limit": "lots"}, "spec: hardware.disk_limit: "),
-    ({}, {"disk_limit": "1GiB"}, "spec: hardware.disk_limit bounds the files of search.optimizer_offload disk, which "
-                                 "this spec does not try; add disk to search.optimizer_offload"),
+    ({}, {"disk_limit": "1GiB"}, "spec: hardware.disk_limit bounds the files of search.optimizer_offload disk (or of "
+                                 "DeepSpeed's nvme offload), which this spec does not try; add disk to "
+                                 "search.optimizer_offload"),
     ({"optimizer_offload": "disk", "schedule": "resident"}, {}, "spec: search.optimizer_offload: the resident schedule "
                                                                "steps its optimizer on the device"),
 ])

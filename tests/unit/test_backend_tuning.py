@@ -276,6 +276,28 @@ def test_a_backend_that_cannot_fit_is_refused_before_any_trial_naming_it():
                                                                               "fsdp": None}})
 
 
+def test_nvme_files_are_disk_held_to_the_disk_limit(monkeypatch):
+    """DeepSpeed's nvme offload writes its partitions to files: the prior counts them as disk (its estimators'
+    bytes: the float32 master, Adam's two moments and the float32 gradients, 16 per parameter, and ZeRO-3's weight
+    shards in dtype), and a spec whose disk limit is below them is refused naming hardware.disk_limit."""
+    from sltune.backends import knobs
+
+    monkeypatch.setattr(knobs, "libaio_found", lambda: True)
+    base = {"name": "nvme", "model": {"preset": "llama-tiny"}, "workload": {"seq_len": 32},
+            "search": {"backend": "deepspeed", "sub_batch_size": [1], "num_sub_batches": [1],
+                       "deepspeed": {"zero_stage": 3, "offload_optimizer": "nvme", "offload_param": "nvme"}}}
+    recipe = Setup.of_spec(TuningSpec.parse(base), SHAPE)
+    count = SHAPE.param_bytes // SHAPE.itemsize
+    prior = predict(recipe, ds(1, 1, stage=3, opt="nvme", param="nvme"))
+    assert prior.disk == (4 + 8 + 4 + SHAPE.itemsize) * count, prior.disk_terms
+    assert predict(recipe, ds(1, 1, stage=3, opt="cpu", param="cpu")).disk == 0
+    with pytest.raises(ValueError, match=r"hardware\.disk_limit 1\.0 MiB is below the .* the smallest config "
+                                         r"\(deepspeed b=1 N=1 zero_stage=3 offload_optimizer=nvme "
+                                         r"offload_param=nvme\) is predicted to need on disk: float32 master"):
+        admitted({**base, "hardware": {"disk_limit": "1MiB"}})
+    admitted({**base, "hardware": {"disk_limit": f"{prior.disk * 2}B"}})
+
+
 def ok(number: int, c: Candidate, tps: float, status: str = "ok") -> FinishedTrial:
     return FinishedTrial(number, c, "grid", {
         "status": status, "tokens_per_s": tps, "step_seconds": c.batch * 32 / tps,

@@ -150,10 +150,10 @@ def shortfall(recipe: Setup, candidates: Iterable[Candidate], host_limit: int | 
 
 
 def overs(recipe: Setup, c: Candidate, limits: list[Limit]) -> Over:
-    """c's prior and the limits it is over (the disk's only when its optimizer lives in files)."""
+    """c's prior and the limits it is over (the disk's only when it writes files: its optimizer on disk, nvme)."""
     prior = predict(recipe, c)
     over = tuple((limit, need) for limit in limits
-                 if (limit.resource != "disk" or recipe.on_disk(c))
+                 if (limit.resource != "disk" or recipe.on_disk(c) or prior.disk)
                  and (need := getattr(prior, limit.resource)) > limit.size)
     return Over(c, prior, over)
 

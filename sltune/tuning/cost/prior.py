@@ -112,7 +112,7 @@ class Prior:
     device: int
     host_terms: list[tuple[str, int]]
     device_terms: list[tuple[str, int]]
-    disk: int = 0                   # optimizer_offload disk: the files at their fullest (0 under host)
+    disk: int = 0                   # optimizer_offload disk, DeepSpeed's nvme: the files at their fullest (else 0)
     disk_terms: list[tuple[str, int]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -179,8 +179,9 @@ def _wrapped(recipe: Setup, c: Candidate) -> Prior:
     if recipe.on_cpu:
         host.append(("device buffers", max(1, recipe.world_size) * peak))
     host.append(("the process", recipe.baseline))
+    disk = wrapped.nvme_files(recipe, c)
     return Prior(host=sum(n for _, n in host), device=peak, host_terms=host,
-                 device_terms=sorted(device, key=lambda t: -t[1]))
+                 device_terms=sorted(device, key=lambda t: -t[1]), disk=sum(n for _, n in disk), disk_terms=disk)
 
 
 def disk_blocks(shape: ModelShape, k: int, world: int = 1) -> list[list[int]]:

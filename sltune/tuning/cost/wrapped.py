@@ -25,8 +25,10 @@ device's memory, counted there). On the CPU the device is host memory: its peak,
 
 Left out, so a trial measures more than this (the fits correct for it): the wrappers' buffers (DeepSpeed's reduce
 bucket of hidden^2 values and ZeRO-3's prefetch bucket, FSDP2's all-gather and reduce-scatter staging, a second
-module or layer gathered ahead), allocator slack, nvme's pinned swap buffers in host memory (nvme's files are not
-counted as disk either), and the CUDA context. On llama-tiny on the CPU (b 1 and 4, N 2) FSDP's and ZeRO-2 with
+module or layer gathered ahead), allocator slack, nvme's pinned swap buffers in host memory, and the CUDA context.
+nvme's files are disk (nvme_files, held to hardware.disk_limit as SpeedLoader's disk tier is): every rank's float32
+master, optimizer state and gradient partitions under offload_optimizer nvme, the weight shards in dtype under
+offload_param nvme. On llama-tiny on the CPU (b 1 and 4, N 2) FSDP's and ZeRO-2 with
 offload_optimizer's trials measured 4-98% above these device figures (the most: FSDP2's cpu_offload at b=1), ZeRO-2
 without offload within 1%; ZeRO-3's measured 16 bytes per parameter whatever b, the CPU device's tracker seeing
 neither its gradient partitions nor its activations, so there the prior is the higher (7-54%): a refusal on the
@@ -67,6 +69,22 @@ def model_states(recipe: "Setup", c: "Candidate") -> tuple[Terms, Terms]:
     count, their gpu_mem and cpu_mem."""
     held, backward, step, host = _states(recipe, c)
     return [*held, *backward, *step], host
+
+
+def nvme_files(recipe: "Setup", c: "Candidate") -> Terms:
+    """The files DeepSpeed's nvme offload swaps to, every rank's together (the partitions add up to the model)."""
+    if c.backend != "deepspeed":
+        return []
+    shape = recipe.shape
+    count = shape.param_bytes // shape.itemsize
+    files: Terms = []
+    if c.offload_optimizer == "nvme":
+        files += [("float32 master partitions (nvme)", 4 * count),
+                  (f"{recipe.optimizer.name} state (float32, nvme)", recipe.optimizer.state_bytes_per_param(4) * count),
+                  ("float32 gradient partitions (nvme)", 4 * count)]
+    if c.zero_stage == 3 and c.offload_param == "nvme":
+        files.append((f"the weights in {shape.dtype} (ZeRO-3 shards, nvme)", shape.itemsize * count))
+    return files
 
 
 def _states(recipe: "Setup", c: "Candidate") -> tuple[Terms, Terms, Terms, Terms]:

@@ -28,7 +28,7 @@ from pathlib import Path
 from statistics import median
 from typing import Any, Callable
 
-from sltune.backends.knobs import BACKENDS
+from sltune.backends.knobs import ALL_KNOBS, BACKENDS
 from sltune.backends.knobs import DEFAULTS as BACKEND_DEFAULTS
 from sltune.backends.knobs import KNOBS as BACKEND_KNOBS
 from sltune.profiling.stats import paired_ratio_ci, ratio_ci
@@ -38,9 +38,8 @@ from sltune.tuning.report.throughput import median_of
 Key = tuple
 CONFOUNDING_CORES = 0.5     # a difference in other processes' busy cores that makes two measurements incomparable
 # every backend's own knobs (deepspeed's zero_stage, ...; fsdp's cpu_offload, ...), in the backends' order
-BACKEND_KNOB_NAMES = tuple(k for names in BACKEND_KNOBS.values() for k in names)
 KNOBS = ("sub_batch_size", "num_sub_batches", "num_live_blocks", "activations", "kv_cache", "weights_on_device",
-         "optimizer_offload", "backend", *BACKEND_KNOB_NAMES)
+         "optimizer_offload", "backend", *ALL_KNOBS)
 # what trials stored before a knob existed ran: recompute, no weights kept on the device, the optimizer in host
 # memory (a host config's knobs leave optimizer_offload out), SpeedLoader (before there were backends)
 BEFORE_KNOB = {"activations": "recompute", "weights_on_device": 0.0, "optimizer_offload": "host",
@@ -63,7 +62,7 @@ def normalized(config: dict[str, Any]) -> dict[str, Any]:
     for k in KNOBS:
         if k == "backend":
             out[k] = backend
-        elif k in BACKEND_KNOB_NAMES:
+        elif k in ALL_KNOBS:
             own = k in BACKEND_KNOBS.get(backend, ())
             out[k] = (BACKEND_DEFAULTS[k] if config.get(k) is None else config[k]) if own else None
         elif k in SPEEDLOADER_ONLY and backend != "speedloader":
@@ -267,11 +266,6 @@ def remeasure(cmp: dict[str, Any], old: JobData, new: JobData, rounds: int = 3,
     got: dict[str, list[list[float]]] = {"old": [], "new": []}
     bests = {side: (TuningSpec.model_validate(job.spec), Candidate.from_knobs(cfg))
              for side, job, cfg in (("old", old, cmp["best_config_a"]), ("new", new, cmp["best_config_b"]))}
-    for side, cfg in (("old", cmp["best_config_a"]), ("new", cmp["best_config_b"])):
-        # a candidate that cannot carry the best's backend would re-measure SpeedLoader under its name
-        if getattr(bests[side][1], "backend", "speedloader") != backend_of(cfg):
-            raise ValueError(f"re-measuring the {side} best ({config_name(cfg)}): this sltune's candidates "
-                             f"run speedloader only; compare without --remeasure")
     # a best of optimizer_offload disk keeps its files here while it is measured, a fresh folder each run
     with tempfile.TemporaryDirectory(prefix="sltune-compare-") as scratch:
         for r in range(rounds):

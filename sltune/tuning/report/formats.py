@@ -6,17 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from sltune.backends.export import (
-    MEDIA_TYPES,
-    accelerate_config,
-    accelerate_yaml,
-    backend_of,
-    check_format,
-    deepspeed_config,
-    deepspeed_json,
-    model_facts,
-    pick,
-)
+from sltune.backends.export import (MEDIA_TYPES, accelerate_config, accelerate_yaml, backend_of, check_format,
+                                    deepspeed_config, deepspeed_json, model_facts, pick)
 from sltune.tuning.report.result import export_yaml
 from sltune.tuning.spec import TuningSpec
 

@@ -9,9 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from sltune.backends.knobs import KNOBS
 from sltune.tuning.cost.admission import load
 from sltune.tuning.cost.shape import shape_of
-from sltune.tuning.search.fit import LinearFit
+from sltune.tuning.search.fit import LinearFit, split_key
 from sltune.tuning.search.state import SearchState
 from sltune.tuning.space import SearchSpace
 from sltune.yamlfile import read_yaml
@@ -63,15 +64,24 @@ def plan(path: str | Path, device_memory_limit: int | str | None = None,
         return out
     fitting.sort(key=lambda c: (preds[c].tokens_per_s, c.batch), reverse=True)
 
-    def flags(c) -> list[str]:
-        return sorted({name for fit in state.fits.values() for name in fit.extrapolated(state.vars(c))})
+    def own(c) -> list[LinearFit]:
+        """The fits of c's backend: another backend's knobs say nothing of c."""
+        return [fit for key, fit in state.fits.items() if split_key(key)[0] == c.backend]
 
-    measured = measured_configs(state.fits)
+    def flags(c) -> list[str]:
+        return sorted({name for fit in own(c) for name in fit.extrapolated(state.vars(c))})
+
+    def measured(c) -> bool:
+        """Whether a point of its backend's fits is c: the same variables (its knobs), the priors aside."""
+        mine = state.vars(c, prior=False)
+        return any(all(r["vars"].get(k) == v for k, v in mine.items())
+                   for fit in own(c) for r in fit.residuals if "vars" in r)
+
     out["configs"] = [{"config": c.knobs(), "predicted": preds[c].to_dict(), "extrapolated": flags(c),
-                       "measured": _key(c.knobs()) in measured} for c in fitting]
+                       "measured": measured(c)} for c in fitting]
     best = fitting[0]
     extrapolated = flags(best)
-    was_measured = _key(best.knobs()) in measured
+    was_measured = measured(best)
     out["best"] = {"config": {**best.knobs(), "schedule": spec.search.schedule}, "predicted": preds[best].to_dict(),
                    "binding_limit": state.binding_limit(best), "measured": was_measured}
     summary = (f"extrapolates {', '.join(extrapolated)} beyond the measured range: treat as a first guess"
@@ -80,7 +90,9 @@ def plan(path: str | Path, device_memory_limit: int | str | None = None,
         summary += "; this config was never measured: confirm it with a trial (sltune profile) before relying on it"
     out["confidence"] = {"extrapolated": extrapolated, "leave_one_out_error": out["leave_one_out_error"],
                          "summary": summary}
-    out["measured_best"] = {"config": {k: data[k] for k in ("sub_batch_size", "num_sub_batches", "num_live_blocks")},
+    backend = data.get("backend", "speedloader")
+    own = ("num_live_blocks",) if backend == "speedloader" else ("backend", *KNOBS[backend])
+    out["measured_best"] = {"config": {k: data[k] for k in ("sub_batch_size", "num_sub_batches", *own)},
                             "tokens_per_s": data.get("measured", {}).get("tokens_per_s")}
     return out
 
@@ -99,13 +111,3 @@ def _expect(loo: dict[str, dict[str, Any]]) -> str:
         return "expect errors near the leave-one-out figures"
     which = "the models have" if len(without) == len(loo) else f"the {' and '.join(without)} model(s) have"
     return f"{which} no leave-one-out error: their errors are unknown; confirm the best with a trial"
-
-
-def _key(knobs: dict[str, Any]) -> tuple[int, int, int]:
-    return knobs["sub_batch_size"], knobs["num_sub_batches"], knobs["num_live_blocks"]
-
-
-def measured_configs(fits: dict[str, LinearFit]) -> set[tuple[int, int, int]]:
-    """The (b, N, k) of every point a fit was made from: the configs the job measured."""
-    return {(int(r["vars"]["b"]), int(r["vars"]["N"]), int(r["vars"]["k"]))
-            for f in fits.values() for r in f.residuals if "vars" in r}

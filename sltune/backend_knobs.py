@@ -9,6 +9,7 @@ and sltune.backends.knobs re-exports them for the backends and the specs.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field, model_validator
@@ -64,6 +65,23 @@ class CheckedBackendKnobs(BackendKnobs):
             if getattr(self, knob) is None:
                 self.__dict__[knob] = DEFAULTS[knob]     # a frozen model too: set once, while validating
         return self
+
+
+@dataclass(frozen=True, kw_only=True)
+class BackendChoice:
+    """The same, as plain fields: what a search candidate (sltune.tuning.space.Candidate) and a backend's input
+    (sltune.backends.base.TrainingSpec) carry, keyword-only after their own fields."""
+
+    backend: str = "speedloader"
+    zero_stage: int | None = None
+    offload_optimizer: str | None = None
+    offload_param: str | None = None
+    cpu_offload: bool | None = None
+    reshard_after_forward: bool | None = None
+
+    def backend_knobs(self) -> dict[str, Any]:
+        """Its backend's own knobs: {} for speedloader."""
+        return {knob: getattr(self, knob) for knob in KNOBS[self.backend]}
 
 
 def owner(knob: str) -> str:

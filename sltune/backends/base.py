@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from sltune.backend_knobs import BackendChoice
 from sltune.runtime.counters import IOCounters
 from sltune.runtime.engine import StepResult
 from sltune.runtime.memory import CpuAllocationTracker, DeviceMemory, monitor_for
@@ -33,12 +34,12 @@ from sltune.runtime.regions import region, step_region
 LOSS_SCALE_FAULT_ENV = "SLTUNE_TEST_LOSS_SCALE_FAULT"
 
 
-@dataclass
-class TrainingSpec:
+@dataclass(frozen=True)
+class TrainingSpec(BackendChoice):
     """What a backend reads, one declaration: a trial's spec (sltune.profiling.schema.TrialSpec) or a training job's
-    config (sltune.config.SpeedLoaderConfig) gives it its fields with TrainingSpec.of."""
+    config (sltune.config.SpeedLoaderConfig) gives it its fields with TrainingSpec.of; the backend and its knobs
+    are BackendChoice's."""
 
-    backend: str
     model: str | dict[str, Any]
     optimizer: Any                  # sltune.training.optimizer.OptimizerConfig: name, lr, betas, eps, build()
     seed: int = 0
@@ -59,11 +60,6 @@ class TrainingSpec:
     timeout_s: float = 600.0        # the process group's collective timeout
     num_layers: int | None = None
     max_grad_norm: float | None = None      # a training job's clipping; a trial does not clip
-    zero_stage: int | None = None
-    offload_optimizer: str | None = None
-    offload_param: str | None = None
-    cpu_offload: bool | None = None
-    reshard_after_forward: bool | None = None
 
     @classmethod
     def of(cls, source: Any, **given: Any) -> TrainingSpec:

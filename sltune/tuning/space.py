@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import optuna
 
-from sltune.backends.knobs import ALL_KNOBS, DEFAULTS, KNOBS
+from sltune.backends.knobs import ALL_KNOBS, DEFAULTS, KNOBS, BackendChoice
 from sltune.tuning.knobs import knob_values
 
 if TYPE_CHECKING:
@@ -29,7 +29,10 @@ OFFLOAD_ORDER = ("disk", "host")  # host holds the master and optimizer state in
 
 @functools.total_ordering
 @dataclass(frozen=True)
-class Candidate:
+class Candidate(BackendChoice):
+    """One config of the search: b, N and k, the other knobs; what trains it and that backend's knobs (BackendChoice,
+    keyword-only; k None under another backend)."""
+
     b: int
     n: int
     k: int | None                   # SpeedLoader's live blocks; None under another backend
@@ -37,12 +40,6 @@ class Candidate:
     kv_cache: str | None = None     # generation only: "host" | "device"
     weights_on_device: float | None = None  # generation only: the share of the weights kept there
     optimizer_offload: str = "host"  # training: the master and optimizer state in host memory, or in files ("disk")
-    backend: str = "speedloader"    # what trains it (sltune.backends); the knobs below are deepspeed's and fsdp's
-    zero_stage: int | None = None
-    offload_optimizer: str | None = None
-    offload_param: str | None = None
-    cpu_offload: bool | None = None
-    reshard_after_forward: bool | None = None
 
     @classmethod
     def from_knobs(cls, knobs: dict[str, Any]) -> "Candidate":
@@ -66,10 +63,6 @@ class Candidate:
         if not isinstance(other, Candidate):
             return NotImplemented
         return self._order() < other._order()
-
-    def backend_knobs(self) -> dict[str, Any]:
-        """Its backend's own knobs (sltune.backends.knobs.KNOBS): {} for speedloader."""
-        return {knob: getattr(self, knob) for knob in KNOBS[self.backend]}
 
     @property
     def batch(self) -> int:

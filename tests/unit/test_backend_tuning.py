@@ -336,6 +336,34 @@ def test_oneshot_probes_every_backend():
         state_of().space.candidates)      # SpeedLoader alone: its probes as before
 
 
+def test_oneshot_stops_only_when_no_config_of_any_backend_can_beat_the_best_allowing_its_own_models_error(
+        monkeypatch):
+    """Over several backends each config's prediction is allowed its own backend's model error: the top prediction
+    (FSDP's, its model exact) falling short of the best must not end the search while a SpeedLoader config, whose
+    model errs by 40%, may still beat it (bench/backends.py: oneshot stopped after two FSDP frontier trials and
+    never measured SpeedLoader's largest batch, the grid's best)."""
+    st = state_of(backend=["speedloader", "fsdp"], fsdp={"cpu_offload": [False, True]})
+    strategy = OneShotStrategy(st, 0)
+    law = {"speedloader": lambda c: 100.0 * c.b * (1 + 0.2 * c.n) * (1 + 0.05 * c.k),
+           "fsdp": lambda c: 130.0 * c.b * (1 + 0.2 * c.n) * (0.95 if c.cpu_offload else 1.0)}
+    while (p := strategy.propose()).role == "probe":
+        st.add(ok(len(st.history), p.candidate, law[p.candidate.backend](p.candidate)))
+    lucky = Candidate(2, 2, None, backend="fsdp", cpu_offload=False, reshard_after_forward=True)
+    st.add(ok(len(st.history), lucky, 1.1 * law["fsdp"](lucky)))        # measured above its law: the best
+    options = strategy.frontier()
+    preds = {c: st.predict(c).tokens_per_s for c in options}
+    top = max(options, key=preds.get)
+    assert top.backend == "fsdp" and preds[top] * 1.01 < st.best().tokens_per_s, preds
+    sl = max((c for c in options if c.backend == "speedloader"), key=preds.get)
+    assert preds[sl] * 1.4 > st.best().tokens_per_s * (1 + st.noise(st.best())) > preds[sl] * 1.01, preds
+    errors = {"speedloader": 0.4, "fsdp": 0.01}
+    monkeypatch.setattr(st, "uncertainty", lambda backend=None: errors[backend])
+    assert strategy.propose().candidate == sl
+    errors["speedloader"] = 0.01        # both models exact: nothing can beat the best, the search ends
+    stop = strategy.propose()
+    assert stop.kind == "converged" and "(1.0% (speedloader), 1.0% (fsdp))" in stop.reason, stop
+
+
 def test_a_diverged_trial_is_never_the_best_of_the_search_its_backend_or_the_confirmation():
     st = state_of(backend=["speedloader", "fsdp"])
     fast_but_wrong = ok(0, fsdp(2, 2), 9000.0, status="diverged")

@@ -187,17 +187,22 @@ class OneShotStrategy(Strategy):
                                                       c.k or 0)), "frontier")
         preds = {c: p or 0.0 for c, p in preds.items()}
         best = st.best()
-        top = max(options, key=lambda c: (preds[c], c.batch, c.b))
         noise = st.noise(best) if best is not None else 0.0
+        # each config allowing its own backend's model error: over several backends a less certain model's config
+        # can still beat the best when the top prediction, another backend's, cannot
+        hopeful = [c for c in options if best is None or
+                   preds[c] * (1 + st.uncertainty(c.backend)) > best.tokens_per_s * (1 + noise)]
+        top = max(hopeful or options, key=lambda c: (preds[c], c.batch, c.b))
         rival = len({d.candidate for d in st.history if d.ok and not st.reduced(d)}) >= 2 or \
             not any(st.reduced(d) for d in st.history)
-        if best is not None and preds[top] * (1 + st.uncertainty(top.backend)) <= best.tokens_per_s * (1 + noise) \
-                and rival:
+        if best is not None and not hopeful and rival:
             # (after probes at reduced depth, the search's best has a rival measured at full depth, the next best
             # predicted, for the confirmation round to weigh it against: the probes measured another model)
+            errors = ", ".join(f"{st.uncertainty(b):.1%}" + (f" ({b})" if len(st.space.backends) > 1 else "")
+                               for b in st.space.backends if any(c.backend == b for c in options))
             return Stop("converged", f"no untried config is predicted to beat the best ({best.tokens_per_s:.1f} "
                         f"tokens/s) by more than its measured noise (±{noise:.1%}), allowing the throughput model's "
-                        f"typical error ({st.uncertainty(top.backend):.1%})")
+                        f"typical error ({errors})")
         return Proposal(top, "frontier")
 
     def frontier(self, padded: bool = True) -> list[Candidate]:

@@ -105,8 +105,9 @@ class OneShotStrategy(Strategy):
     rival (the probes measured a smaller model).
 
     Sweeping several backends (search.backend), each is probed and fitted on its own (sltune.tuning.search.fit's
-    BACKEND_MODELS), and the frontier is every backend's: the search goes on while any config of any backend is
-    predicted to beat the best."""
+    BACKEND_MODELS), and the frontier is every backend's: each backend's top predicted config is measured once
+    (its fit extrapolates beyond its probes there), and the search goes on while any config of any backend is
+    predicted to beat the best, allowing its own backend's model error."""
 
     name = "oneshot"
 
@@ -186,6 +187,16 @@ class OneShotStrategy(Strategy):
             return Proposal(max(blind, key=lambda c: (c.batch, c.b, c.kv_on_device, c.weights_on_device or 0.0,
                                                       c.k or 0)), "frontier")
         preds = {c: p or 0.0 for c, p in preds.items()}
+        if len(st.space.backends) > 1:
+            # over several backends, each one's fit from its probes alone is extrapolated on its frontier (a small
+            # leave-one-out error among the probes says nothing of b beyond them): before backends are compared,
+            # each one's top predicted config is measured once
+            unseen = [b for b in st.space.backends if not any(d.role == "frontier" and d.candidate.backend == b
+                                                               for d in st.history)]
+            for backend in unseen:
+                own = [c for c in options if c.backend == backend]
+                if own:
+                    return Proposal(max(own, key=lambda c: (preds[c], c.batch, c.b)), "frontier")
         best = st.best()
         noise = st.noise(best) if best is not None else 0.0
         # each config allowing its own backend's model error: over several backends a less certain model's config

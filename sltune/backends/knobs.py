@@ -6,8 +6,8 @@ read them from here.
 """
 
 from sltune.backend_knobs import (ALL_KNOBS, BACKENDS, DEFAULTS, KNOBS, SPEEDLOADER_ONLY, BackendChoice,
-                                  BackendKnobs, BackendName, CheckedBackendKnobs, OffloadTarget, ZeroStage, libaio_found, owner,
-                                  refusals)
+                                  BackendKnobs, BackendName, CheckedBackendKnobs, OffloadTarget, ZeroStage,
+                                  libaio_found, owner, refusals)
 
 __all__ = ["ALL_KNOBS", "BACKENDS", "DEFAULTS", "KNOBS", "SPEEDLOADER_ONLY", "BackendChoice", "BackendKnobs",
            "BackendName",

@@ -91,8 +91,8 @@ def plan(path: str | Path, device_memory_limit: int | str | None = None,
     out["confidence"] = {"extrapolated": extrapolated, "leave_one_out_error": out["leave_one_out_error"],
                          "summary": summary}
     backend = data.get("backend", "speedloader")
-    own = ("num_live_blocks",) if backend == "speedloader" else ("backend", *KNOBS[backend])
-    out["measured_best"] = {"config": {k: data[k] for k in ("sub_batch_size", "num_sub_batches", *own)},
+    its_knobs = ("num_live_blocks",) if backend == "speedloader" else ("backend", *KNOBS[backend])
+    out["measured_best"] = {"config": {k: data[k] for k in ("sub_batch_size", "num_sub_batches", *its_knobs)},
                             "tokens_per_s": data.get("measured", {}).get("tokens_per_s")}
     return out
 

@@ -28,10 +28,6 @@ from sltune.tuning.spec import TuningSpec
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
-    # the dashboards build figures from request threads; transformers' lazy imports are not thread-safe,
-    # so load them once here
-    import sltune.profiling.preload  # noqa: F401
-
     settings = settings or Settings()
 
     @contextlib.asynccontextmanager
@@ -43,9 +39,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         await app.state.checker.warm_up()
         app.state.health = HealthWatch(app.state.store, settings)
         await app.state.health.start()
-        # torch and transformers (loaded for the dashboards and the spec checks) leave millions of objects
-        # that a full garbage collection walks: 150-250 ms pauses, the whole p99 at 32 clients. They live
-        # as long as the server, so they leave the collector's view.
+        # what the server imported (fastapi, sqlalchemy, pydantic; torch and transformers once a page needs a
+        # model's shape) leaves objects a full garbage collection walks: with torch, 150-250 ms pauses, the whole
+        # p99 at 32 clients. They live as long as the server, so they leave the collector's view.
         gc.collect()
         gc.freeze()
         try:

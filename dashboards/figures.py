@@ -14,7 +14,10 @@ renders a small subset of HTML in labels.
 
 from __future__ import annotations
 
+import gc
 import math
+import sys
+import threading
 from datetime import datetime, timezone
 from typing import Any, Callable, Iterable
 
@@ -526,6 +529,9 @@ def seconds_figure(trials: Iterable[dict[str, Any]]) -> go.Figure | None:
 
 # -- measured peaks against the fitted models -------------------------------------------------------
 Variables = Callable[[dict[str, Any]], dict[str, float]]
+# transformers imports its model code lazily and not thread-safely, and pages render in request threads: the shapes
+# are built one at a time (the API process imports torch and transformers only when a page first needs a shape)
+_MODEL_CODE = threading.Lock()
 
 
 def job_variables(spec: dict[str, Any] | None) -> Variables | None:
@@ -539,7 +545,12 @@ def job_variables(spec: dict[str, Any] | None) -> Variables | None:
     try:
         model = ModelSpec.model_validate(spec["model"])
         tokens = Workload.model_validate(spec.get("workload") or {}).tokens_per_row
-        shape = shape_of(model.source, model.dtype)
+        with _MODEL_CODE:
+            fresh = "torch" not in sys.modules
+            shape = shape_of(model.source, model.dtype)
+            if fresh:       # torch's and transformers' objects, just loaded, leave the collector's view as the
+                gc.collect()        # server's own did at startup (api/app.py)
+                gc.freeze()
     except (TypeError, KeyError, ValueError):
         return None
     return lambda config: variables(Candidate.from_knobs(config), shape, tokens)

@@ -37,7 +37,7 @@ from sltune.service.jobs import job_detail
 from sltune.service.progress import trial_counts, trials_run
 from sltune.sizes import format_bytes
 from sltune.store.schema import Artifact
-from sltune.tuning.runner import optuna_storage
+from sltune.tuning.search.study import optuna_storage
 from sltune.tuning.search.study import param_importances
 
 router = APIRouter(include_in_schema=False)

@@ -21,13 +21,9 @@ from pathlib import Path
 
 import torch
 
-PAGE = 4096
+from sltune.runtime.disk_layout import PAGE, padded
+
 CHUNK = 64 << 20
-
-
-def padded(nbytes: int) -> int:
-    """Bytes rounded up to whole pages: what a file of nbytes of payload occupies and transfers."""
-    return -(-nbytes // PAGE) * PAGE
 
 
 def aligned_empty(nbytes: int) -> torch.Tensor:

@@ -52,24 +52,22 @@ import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, Sequence
 
 import torch
 from torch import nn
 
 from sltune.runtime import checksum
-from sltune.runtime.direct_io import DirectFiles, aligned_empty, padded, writable_dir
+from sltune.runtime.direct_io import DirectFiles, aligned_empty, writable_dir
+from sltune.runtime.disk_layout import DEPTH, pack, padded
 from sltune.runtime.durable import replace_durably
 from sltune.runtime.counters import IOCounters
 
-BLOCK_NUMEL = 16 << 20          # values per block (a larger tensor is one block)
-DEPTH = 3                       # slots: one read ahead, one stepping, one written behind
 IO_THREADS = 4
 MANIFEST = "manifest.json"
 LOCK = ".lock"
 DELAY_ENV = "SLTUNE_DISK_WRITE_DELAY_S"     # emulate a slow disk: seconds of sleep before each file write
 VERIFY_READS = True             # verify each step's read-ahead too (not only resumes, checkpoints and rollbacks)
-T = TypeVar("T")
 _names = itertools.count()
 
 CHECKSUMS = checksum.ONE_SHOT       # checksum name -> function of a buffer giving an int (sltune.runtime.checksum)
@@ -507,21 +505,6 @@ def state_layout(factory, dtype: torch.dtype) -> list[tuple[str, torch.dtype]]:
 def write_manifest(folder: Path, manifest: dict[str, Any]) -> None:
     """manifest.json, replaced atomically and flushed with its folder: what names the complete version."""
     replace_durably(folder / MANIFEST, json.dumps(manifest).encode())
-
-
-def pack(items: Sequence[T], numel: Callable[[T], int]) -> list[list[T]]:
-    """Items in order, in blocks of at most BLOCK_NUMEL values (a larger item is a block of its own): how a unit's
-    stepped tensors go to files, and how the tuner's prior counts them (sltune.tuning.cost.prior)."""
-    blocks: list[list[T]] = []
-    current: list[T] = []
-    size = 0
-    for item in items:
-        if current and size + numel(item) > BLOCK_NUMEL:
-            blocks.append(current)
-            current, size = [], 0
-        current.append(item)
-        size += numel(item)
-    return blocks + ([current] if current else [])
 
 
 def block_sections(numel: int, master: bool,

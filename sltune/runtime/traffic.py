@@ -10,7 +10,7 @@ import torch
 
 from sltune.runtime import phases
 from sltune.runtime.counters import IOCounters
-from sltune.runtime.direct_io import padded
+from sltune.runtime.disk_layout import padded
 
 if TYPE_CHECKING:
     from sltune.runtime.engine import SpeedLoaderEngine

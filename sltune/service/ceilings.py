@@ -13,11 +13,10 @@ from typing import Any
 from sltune.settings import Settings
 from sltune.sizes import format_bytes
 from sltune.tuning.cost.admission import admit
-from sltune.tuning.search.confirm import MAX_FINALISTS
 from sltune.tuning.search.trials import machine_cores
 from sltune.tuning.cost.shape import ModelShape, shape_of
 from sltune.tuning.space import Candidate, SearchSpace
-from sltune.tuning.spec import TuningSpec
+from sltune.tuning.spec import MAX_FINALISTS, TuningSpec
 
 
 class Refused(ValueError):

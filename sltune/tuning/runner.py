@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import shutil
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -21,8 +20,6 @@ import optuna
 from sltune.profiling import run_trial
 from sltune.sizes import format_bytes
 from sltune.store import Store
-from sltune.store.faults import durable_rdb_storage, retrying
-from sltune.store.optuna import optuna_location
 from sltune.tuning.cost.baseline import trial_baseline
 from sltune.tuning.cost.feasible import free_bytes
 from sltune.tuning.cost.shape import shape_of
@@ -30,7 +27,7 @@ from sltune.tuning.report.result import job_result
 from sltune.tuning.search import confirm
 from sltune.tuning.search.state import FinishedTrial, SearchState
 from sltune.tuning.search.strategies import STRATEGIES, Proposal, Stop, Strategy
-from sltune.tuning.search.study import add_confirms, name_metric, set_pick, study_name, tell
+from sltune.tuning.search.study import add_confirms, name_metric, optuna_storage, set_pick, study_name, tell
 from sltune.tuning.search.trials import trial_spec
 from sltune.tuning.space import Candidate, SearchSpace
 from sltune.tuning.spec import TuningSpec
@@ -70,27 +67,6 @@ def requirements(spec: TuningSpec) -> dict[str, Any]:
     """What a worker must offer to run this job."""
     hw = spec.hardware
     return {"device": hw.device_kind, "device_memory_limit": hw.device_memory_limit, "world_size": hw.world_size}
-
-
-_STORAGES: dict[str, optuna.storages.RDBStorage] = {}
-_STORAGE_LOCK = threading.Lock()
-
-
-def optuna_storage(url: str, retry_s: float = 0.0) -> optuna.storages.RDBStorage:
-    """One Optuna storage per database and process. Creating it creates Optuna's tables, which two job
-    threads (or two processes on a new database) must not do at once: a lock here, one retry across
-    processes. With retry_s its calls ride out a database restart as the job store's do (a worker's)."""
-    url, kwargs = optuna_location(url)       # beside the job store, never among its tables
-    with _STORAGE_LOCK:
-        if url not in _STORAGES:
-            try:
-                _STORAGES[url] = retrying(lambda: durable_rdb_storage(url, kwargs), retry_s,
-                                          "opening Optuna's storage")
-            except Exception:  # noqa: BLE001 - another process created the tables first; they exist now
-                time.sleep(1.0)
-                _STORAGES[url] = durable_rdb_storage(url, kwargs)
-        _STORAGES[url].retry_s = max(_STORAGES[url].retry_s, retry_s)
-        return _STORAGES[url]
 
 
 def run_job(store: Store, job_id: str, *, progress: ProgressFn | None = None, should_stop: StopFn | None = None,

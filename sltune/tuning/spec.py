@@ -174,6 +174,7 @@ class Hardware(_Strict):
 
 
 MAX_CANDIDATES = 20_000
+MAX_FINALISTS = 3               # configs each confirmation round re-measures at most (the leader and two rivals)
 # the largest value of a batch knob (rows, sub-batches, live blocks): 2**20 rows of even 2 tokens are more than
 # any step runs, and past 2**63 the footprint's traced tensors cannot even be sized (a 500 from torch)
 MAX_KNOB = 2**20

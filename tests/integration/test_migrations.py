@@ -10,7 +10,7 @@ import pytest
 
 from sltune.store import Store, engine_for, normalize_url
 from sltune.store.schema import SCHEMA_VERSION, Base
-from sltune.tuning.runner import optuna_storage
+from sltune.tuning.search.study import optuna_storage
 from tests.support.fixtures import schema_v1
 
 

@@ -12,7 +12,7 @@ from sltune.tuning.search.probes import AUTO_STEP_S, probe_layers
 from sltune.tuning.search.fit import MODELS, LinearFit
 from sltune.tuning.report.plan_from_fits import plan
 from sltune.tuning.report.result import export_yaml
-from sltune.tuning.runner import optuna_storage
+from sltune.tuning.search.study import optuna_storage
 from sltune.tuning.cost.shape import shape_of
 from sltune.tuning.space import Candidate, SearchSpace
 from sltune.tuning.search.state import FinishedTrial, SearchState

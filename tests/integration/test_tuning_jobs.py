@@ -18,7 +18,7 @@ from sltune.store import Store
 from sltune.tuning.report.plan_from_fits import plan
 from sltune.tuning.report.result import export_yaml
 from sltune.service.local import tune
-from sltune.tuning.runner import optuna_storage
+from sltune.tuning.search.study import optuna_storage
 from sltune.tuning.search.trials import trial_spec
 from sltune.tuning.cost.shape import shape_of
 from sltune.tuning.space import Candidate, SearchSpace

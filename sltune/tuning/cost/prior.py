@@ -37,8 +37,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from sltune.runtime import phases
-from sltune.runtime.direct_io import padded
-from sltune.runtime.diskstate import DEPTH, pack
+from sltune.runtime.disk_layout import DEPTH, pack, padded
 from sltune.runtime.residency import keep_order, kept_share
 from sltune.training.optimizer import OptimizerConfig
 from sltune.tuning.cost import wrapped

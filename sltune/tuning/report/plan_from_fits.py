@@ -47,8 +47,22 @@ def plan(path: str | Path, device_memory_limit: int | str | None = None,
     state.margins.update(limits.get("margins", {}))
     preds = {c: state.predict(c) for c in state.space.candidates}
     fitting = [c for c, p in preds.items() if p.fits and p.tokens_per_s]
+
+    def own(c) -> list[LinearFit]:
+        """The fits of c's backend: another backend's knobs say nothing of c."""
+        return [fit for key, fit in state.fits.items() if split_key(key)[0] == c.backend]
+
+    def flags(c) -> list[str]:
+        return sorted({name for fit in own(c) for name in fit.extrapolated(state.vars(c))})
+
+    def measured(c) -> bool:
+        """Whether a point of its backend's fits is c: the same variables (its knobs), the priors aside."""
+        mine = state.vars(c, prior=False)
+        return any(all(r["vars"].get(k) == v for k, v in mine.items())
+                   for fit in own(c) for r in fit.residuals if "vars" in r)
+
     # predicted to fit but with no throughput to rank them by: listed, never silently dropped
-    unpredictable = [{"config": c.knobs(), "predicted": p.to_dict(),
+    unpredictable = [{"config": c.knobs(), "predicted": p.to_dict(), "extrapolated": flags(c), "measured": measured(c),
                       "reason": "the throughput model is not well-posed" if p.step_seconds is None else
                       f"predicted step time {p.step_seconds:.3g}s <= 0: the throughput model fails here"}
                      for c, p in preds.items() if p.fits and not p.tokens_per_s]
@@ -63,19 +77,6 @@ def plan(path: str | Path, device_memory_limit: int | str | None = None,
                           "no config predicted to fit has a throughput prediction to rank it by")
         return out
     fitting.sort(key=lambda c: (preds[c].tokens_per_s, c.batch), reverse=True)
-
-    def own(c) -> list[LinearFit]:
-        """The fits of c's backend: another backend's knobs say nothing of c."""
-        return [fit for key, fit in state.fits.items() if split_key(key)[0] == c.backend]
-
-    def flags(c) -> list[str]:
-        return sorted({name for fit in own(c) for name in fit.extrapolated(state.vars(c))})
-
-    def measured(c) -> bool:
-        """Whether a point of its backend's fits is c: the same variables (its knobs), the priors aside."""
-        mine = state.vars(c, prior=False)
-        return any(all(r["vars"].get(k) == v for k, v in mine.items())
-                   for fit in own(c) for r in fit.residuals if "vars" in r)
 
     out["configs"] = [{"config": c.knobs(), "predicted": preds[c].to_dict(), "extrapolated": flags(c),
                        "measured": measured(c)} for c in fitting]

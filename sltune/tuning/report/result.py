@@ -5,14 +5,16 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sltune.config import SpeedLoaderConfig
 from sltune.profiling.timing import timing_of
 from sltune.tuning.report.throughput import figure
 from sltune.tuning.search.probes import summary
-from sltune.tuning.search.state import SearchState
 from sltune.tuning.spec import TuningSpec
+
+if TYPE_CHECKING:                   # reading or exporting a stored result needs no cost model (nor torch)
+    from sltune.tuning.search.state import SearchState
 
 
 def job_result(job_id: str, spec: TuningSpec, state: SearchState, stop_reason: str | None,

@@ -30,8 +30,8 @@ from sltune.profiling.stats import paired_ratio_ci, ratio_ci
 from sltune.profiling.timing import step_tokens_per_s, timing_of
 from sltune.tuning.search.state import FinishedTrial, SearchState
 from sltune.tuning.space import Candidate
+from sltune.tuning.spec import MAX_FINALISTS
 
-MAX_FINALISTS = 3
 DECISIVE = 1.10     # the low end of the leader's paired interval over a rival that drops the rival
 EQUIVALENT = 1.05   # a paired interval within [1/1.05, 1.05] after two rounds: measured alike, the rounds end
 

@@ -4,10 +4,15 @@ sltune measured beyond the objective rides along as user attributes."""
 
 from __future__ import annotations
 
+import threading
+import time
 import warnings
 from typing import Any, Callable
 
 import optuna
+
+from sltune.store.faults import durable_rdb_storage, retrying
+from sltune.store.optuna import optuna_location
 
 METRIC = "tokens_per_s"
 # TrialResult fields worth seeing beside the objective (timing: the spread over the timed steps)
@@ -17,6 +22,27 @@ ATTRS = ("step_seconds", "peak_device_bytes", "peak_host_bytes", "oom_resource",
 
 def study_name(job_id: str) -> str:
     return f"sltune-{job_id}"
+
+
+_STORAGES: dict[str, optuna.storages.RDBStorage] = {}
+_STORAGE_LOCK = threading.Lock()
+
+
+def optuna_storage(url: str, retry_s: float = 0.0) -> optuna.storages.RDBStorage:
+    """One Optuna storage per database and process. Creating it creates Optuna's tables, which two job
+    threads (or two processes on a new database) must not do at once: a lock here, one retry across
+    processes. With retry_s its calls ride out a database restart as the job store's do (a worker's)."""
+    url, kwargs = optuna_location(url)       # beside the job store, never among its tables
+    with _STORAGE_LOCK:
+        if url not in _STORAGES:
+            try:
+                _STORAGES[url] = retrying(lambda: durable_rdb_storage(url, kwargs), retry_s,
+                                          "opening Optuna's storage")
+            except Exception:  # noqa: BLE001 - another process created the tables first; they exist now
+                time.sleep(1.0)
+                _STORAGES[url] = durable_rdb_storage(url, kwargs)
+        _STORAGES[url].retry_s = max(_STORAGES[url].retry_s, retry_s)
+        return _STORAGES[url]
 
 
 def param_importances(storage: optuna.storages.BaseStorage, job_id: str) -> dict[str, float] | None:

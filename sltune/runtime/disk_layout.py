@@ -1,0 +1,31 @@
+"""How the disk tier lays bytes out (sltune.runtime.diskstate): pages, blocks and the window's slots. Torch-free, so
+the tuner's cost model counts a job's disk bytes and host window as the tier will hold them without importing torch."""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence, TypeVar
+
+PAGE = 4096                     # O_DIRECT reads and writes whole pages
+BLOCK_NUMEL = 16 << 20          # values per block (a larger tensor is one block)
+DEPTH = 3                       # slots: one read ahead, one stepping, one written behind
+T = TypeVar("T")
+
+
+def padded(nbytes: int) -> int:
+    """Bytes rounded up to whole pages: what a file of nbytes of payload occupies and transfers."""
+    return -(-nbytes // PAGE) * PAGE
+
+
+def pack(items: Sequence[T], numel: Callable[[T], int]) -> list[list[T]]:
+    """Items in order, in blocks of at most BLOCK_NUMEL values (a larger item is a block of its own): how a unit's
+    stepped tensors go to files, and how the tuner's prior counts them (sltune.tuning.cost.prior)."""
+    blocks: list[list[T]] = []
+    current: list[T] = []
+    size = 0
+    for item in items:
+        if current and size + numel(item) > BLOCK_NUMEL:
+            blocks.append(current)
+            current, size = [], 0
+        current.append(item)
+        size += numel(item)
+    return blocks + ([current] if current else [])

@@ -145,7 +145,8 @@ class OneShotStrategy(Strategy):
 
         def cheapest(b: int, k: int, at_least: int = 0, w: float | None = None) -> Candidate | None:
             # the optimizer in host memory where that is predicted to fit, else on disk (search.optimizer_offload)
-            fits = [c for c in cands if c.b == b and c.k == k and c.n >= at_least and (w is None or c.weights_on_device == w)]
+            fits = [c for c in cands
+                    if c.b == b and c.k == k and c.n >= at_least and (w is None or c.weights_on_device == w)]
             return min(fits, key=lambda c: (c.batch, c.on_disk and not self._host_over(c), c.on_disk), default=None)
 
         plan = [cheapest(b, k) for b in (b_lo, b_mid) for k in (ks[0], ks[-1])]
@@ -187,6 +188,11 @@ class OneShotStrategy(Strategy):
             return Proposal(max(blind, key=lambda c: (c.batch, c.b, c.kv_on_device, c.weights_on_device or 0.0,
                                                       c.k or 0)), "frontier")
         preds = {c: p or 0.0 for c, p in preds.items()}
+
+        def rank(c: Candidate) -> tuple:
+            """By predicted tokens/s, ties to the larger batch, then the larger rows per sub-batch."""
+            return preds[c], c.batch, c.b
+
         if len(st.space.backends) > 1:
             # over several backends, each one's fit from its probes alone is extrapolated on its frontier (a small
             # leave-one-out error among the probes says nothing of b beyond them): before backends are compared,
@@ -196,14 +202,14 @@ class OneShotStrategy(Strategy):
             for backend in unseen:
                 own = [c for c in options if c.backend == backend]
                 if own:
-                    return Proposal(max(own, key=lambda c: (preds[c], c.batch, c.b)), "frontier")
+                    return Proposal(max(own, key=rank), "frontier")
         best = st.best()
         noise = st.noise(best) if best is not None else 0.0
         # each config allowing its own backend's model error: over several backends a less certain model's config
         # can still beat the best when the top prediction, another backend's, cannot
         hopeful = [c for c in options if best is None or
                    preds[c] * (1 + st.uncertainty(c.backend)) > best.tokens_per_s * (1 + noise)]
-        top = max(hopeful or options, key=lambda c: (preds[c], c.batch, c.b))
+        top = max(hopeful or options, key=rank)
         rival = len({d.candidate for d in st.history if d.ok and not st.reduced(d)}) >= 2 or \
             not any(st.reduced(d) for d in st.history)
         if best is not None and not hopeful and rival:

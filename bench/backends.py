@@ -26,7 +26,10 @@ that was not ok with its reason (a diverged trial is never picked, nor pooled be
 reps pooled, each config at the median of its ok trials): each backend's best (the config the grids'
 best_by_backend named most often), the best ZeRO-3 offload config (zero_stage 3, offload_optimizer cpu,
 offload_param cpu), the best ZeRO-2 config and SpeedLoader's best, those three at the smallest sub_batch_size
-(the paper's small-sub-batch regime). Every one of these configs, and each rep's tuned and grid picks, is then
+(the paper's small-sub-batch regime), and beside them the ceiling: SpeedLoader's b, N and k there on the resident
+schedule (every weight, gradient and optimizer state where it computes: nothing copied, nothing offloaded, PyTorch's
+own step), the most any runtime that moves weights could reach on this machine. Every one of these configs, and
+each rep's tuned and grid picks, is then
 re-measured side by side with run_trial (no profiled step, --remeasure-time seconds of timed steps), interleaved
 A B C ..., the order reversed every other round, --rounds rounds. Ratios are per round (the same round's two
 trials), as median [min, max]; tokens/s and peak host memory likewise over the rounds.
@@ -102,6 +105,18 @@ def key(config: dict[str, Any]):
     from sltune.tuning.space import Candidate
 
     return Candidate.from_knobs(config)
+
+
+def run_key(config: dict[str, Any]):
+    """What the re-measurement runs: the candidate, and (a config of SpeedLoader's resident schedule, the ceiling
+    entry) its schedule beside it."""
+    schedule = config.get("schedule") or "speedloader"
+    return key(config) if schedule == "speedloader" else (key(config), schedule)
+
+
+def run_label(config: dict[str, Any]) -> str:
+    schedule = config.get("schedule") or "speedloader"
+    return label(config) + ("" if schedule == "speedloader" else f" schedule={schedule}")
 
 
 def spread(xs: list[float], fmt: str = "{:.2f}") -> str:
@@ -197,6 +212,11 @@ def entries_of(grids: list[dict[str, Any]], tuned: list[dict[str, Any]]) -> tupl
         c = best_of(configs, keep)
         if c is not None:
             out[name] = c
+    sl_min = out.get(f"speedloader best at b={b_min}")
+    if sl_min is not None:
+        # the ceiling on this machine: the same b, N and k with every weight, gradient and optimizer state resident
+        # (nothing copied or offloaded; PyTorch's own step on the model as it is), through the same trial harness
+        out[f"resident at b={b_min}"] = {**sl_min, "schedule": "resident", "optimizer_offload": "host"}
     return out, b_min
 
 
@@ -208,9 +228,11 @@ def remeasure(model: str, spec: dict[str, Any], entries: dict[str, dict[str, Any
     from sltune.tuning.spec import TuningSpec
 
     ts = TuningSpec.parse(spec)
-    distinct = list(dict.fromkeys(key(c) for c in entries.values()))
-    specs = {k: trial_spec(ts, k, None).model_copy(update={"profile": False, "min_time_s": args.remeasure_time,
-                                                           "timeout_s": 1800}) for k in distinct}
+    configs = {run_key(c): c for c in entries.values()}
+    distinct = list(configs)
+    specs = {k: trial_spec(ts, key(c), None).model_copy(
+        update={"profile": False, "min_time_s": args.remeasure_time, "timeout_s": 1800,
+                **({"schedule": c["schedule"]} if isinstance(k, tuple) else {})}) for k, c in configs.items()}
     runs: dict[Any, list[dict[str, Any] | None]] = {k: [] for k in distinct}
     busy: list[float] = []
     for r in range(args.rounds):
@@ -219,7 +241,7 @@ def remeasure(model: str, spec: dict[str, Any], entries: dict[str, dict[str, Any
         for k in (distinct if r % 2 == 0 else distinct[::-1]):
             res = run_trial(specs[k]).model_dump(mode="json")
             if res["status"] != "ok" or not res.get("tokens_per_s"):
-                print(f"    round {r}: {label(k.knobs(named=True))} {res['status']}: "
+                print(f"    round {r}: {run_label(configs[k])} {res['status']}: "
                       f"{str(res.get('error') or '')[:300]} (left out of this round)", flush=True)
                 runs[k].append(None)
                 continue
@@ -273,10 +295,10 @@ def bench_model(name: str, args, root: Path) -> dict[str, Any]:
 
     entries, b_min = entries_of(grids, tuned)
     for n, c in entries.items():
-        print(f"  to re-measure: {n:<32} {label(c)}")
+        print(f"  to re-measure: {n:<32} {run_label(c)}")
     m = remeasure(tag, spec0, entries, args)
     runs = m["runs"]
-    k = {n: key(c) for n, c in entries.items()}
+    k = {n: run_key(c) for n, c in entries.items()}
 
     per_entry = {}
     print(f"\n{tag} re-measured side by side ({args.rounds} rounds, {args.remeasure_time:g}s of timed steps each), "
@@ -286,10 +308,10 @@ def bench_model(name: str, args, root: Path) -> dict[str, Any]:
         tps = [x["tokens_per_s"] for x in ok]
         host = [x["peak_host_bytes"] / 2**30 for x in ok if x.get("peak_host_bytes")]
         ci = [x["timing"]["tokens_per_s_ci95"] for x in ok if x.get("timing")]
-        per_entry[n] = {"config": label(c), "tokens_per_s": figures(tps), "peak_host_gib": figures(host),
+        per_entry[n] = {"config": run_label(c), "tokens_per_s": figures(tps), "peak_host_gib": figures(host),
                         "ok_rounds": len(ok), "rounds": len(runs[k[n]]),
                         "trial_ci95": ci}
-        print(f"  {n:<32} {label(c):<62} {spread(tps, '{:.1f}'):>26} tokens/s, host peak "
+        print(f"  {n:<32} {run_label(c):<62} {spread(tps, '{:.1f}'):>26} tokens/s, host peak "
               f"{spread(host)} GiB" + ("" if len(ok) == len(runs[k[n]]) else
                                       f" ({len(runs[k[n]]) - len(ok)} round(s) not ok)"))
 
@@ -301,9 +323,14 @@ def bench_model(name: str, args, root: Path) -> dict[str, Any]:
             if f"{backend} best" in k:
                 versus[f"speedloader best / {backend} best"] = ratios(runs, k["speedloader best"], k[f"{backend} best"])
     sl_min = f"speedloader best at b={b_min}"
+    ceiling = f"resident at b={b_min}"
     for other in (f"zero3 offload best at b={b_min}", f"zero2 best at b={b_min}"):
         if sl_min in k and other in k:
             versus[f"{sl_min} / {other}"] = ratios(runs, k[sl_min], k[other])
+        if ceiling in k and other in k:      # the most any schedule that moves weights could reach here
+            versus[f"{ceiling} / {other}"] = ratios(runs, k[ceiling], k[other])
+    if ceiling in k and sl_min in k:
+        versus[f"{sl_min} / {ceiling}"] = ratios(runs, k[sl_min], k[ceiling])
     print(f"\n{tag} ratios per round, median [min, max]:")
     same_pick = sum(k.get(f"tuned pick rep {r}") == k.get(f"grid pick rep {r}") for r in range(args.reps))
     print(f"  {args.strategy} pick / grid pick (each rep's, per round): {spread(pick_over_grid, '{:.3f}')}"
@@ -315,7 +342,7 @@ def bench_model(name: str, args, root: Path) -> dict[str, Any]:
     for n in entries:
         for x in runs[k[n]]:
             if x and x.get("backend_detail"):
-                details.setdefault(label(entries[n]), x["backend_detail"])
+                details.setdefault(run_label(entries[n]), x["backend_detail"])
     for config, d in details.items():
         print(f"  {config} ran with {', '.join(f'{a} {b}' for a, b in d.items())}")
     busy = m["busy"]

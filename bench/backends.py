@@ -3,7 +3,7 @@ the same union, and each backend's best against the others, in one interleaved r
 
     python bench/backends.py [--models llama-small,qwen2-0.5b] [--reps 2] [--strategy oneshot] [--max-trials N]
                              [--seq-len 64] [--layers 4] [--trial-time 2] [--rounds 5] [--remeasure-time 2]
-                             [--quick]
+                             [--activations recompute[,offload]] [--quick]
 
 The shapes run (float32 weights with AdamW, seq --seq-len, one rank, every core, no device memory limit):
 - llama-small: the preset as it is (8 layers, hidden 512, 8 heads, MLP 1408, vocab 8192; ~34M parameters);
@@ -88,7 +88,8 @@ def model_section(name: str, layers: int) -> tuple[dict[str, Any], str]:
 def job_spec(model: dict[str, Any], args, strategy: str, rep: int, tag: str) -> dict[str, Any]:
     grid = QUICK_GRID if args.quick else GRID
     return {"name": f"bench-backends-{tag}-{strategy}-{rep}", "model": model, "workload": {"seq_len": args.seq_len},
-            "search": {"strategy": strategy, "backend": BACKENDS, **grid, "deepspeed": DEEPSPEED, "fsdp": FSDP,
+            "search": {"strategy": strategy, "backend": BACKENDS, **grid, "activations": args.activations,
+                       "deepspeed": DEEPSPEED, "fsdp": FSDP,
                        "max_trials": 100_000 if strategy == "grid" else args.max_trials,
                        "trial_min_time_s": args.trial_time, "profile": False, "time_budget_s": 7 * 86400,
                        "trial_timeout_s": 1800, "seed": rep}}
@@ -399,6 +400,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=None, help="re-measurement rounds (default 5; --quick 2)")
     ap.add_argument("--remeasure-time", type=float, default=None,
                     help="min_time_s of each re-measurement trial (default 2; --quick 0.5)")
+    ap.add_argument("--activations", default="recompute", type=lambda v: v.split(","),
+                    help="comma-separated: recompute (DeepSpeed and FSDP: gradient checkpointing), offload (no "
+                         "recomputation); both doubles the union (default recompute)")
     ap.add_argument("--quick", action="store_true", help="llama-tiny, a 10-config union, one rep: a smoke run")
     args = ap.parse_args()
     q = args.quick

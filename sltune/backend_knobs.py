@@ -29,7 +29,7 @@ DEFAULTS: dict[str, Any] = {"zero_stage": 2, "offload_optimizer": "none", "offlo
                             "cpu_offload": False, "reshard_after_forward": True}
 # what only SpeedLoader's engine has; another backend refuses a value other than the default
 SPEEDLOADER_ONLY: dict[str, Any] = {"num_live_blocks": 1, "schedule": "speedloader", "optimizer_offload": "host",
-                                    "mode": "train"}
+                                    "param_offload": "host", "mode": "train"}
 
 
 class BackendKnobs(BaseModel):
@@ -39,7 +39,7 @@ class BackendKnobs(BaseModel):
     backend: BackendName = Field(
         "speedloader", description="what trains: SpeedLoader's engine, DeepSpeed ZeRO (deepspeed.initialize) or "
         "PyTorch FSDP2 (fully_shard per decoder layer); the b*N rows of a step as N micro-batches of b. "
-        "num_live_blocks, schedule and optimizer_offload are SpeedLoader's")
+        "num_live_blocks, schedule, optimizer_offload and param_offload are SpeedLoader's")
     zero_stage: ZeroStage | None = Field(None, description="deepspeed: ZeRO stage 2 or 3 (default 2)")
     offload_optimizer: OffloadTarget | None = Field(None, description="deepspeed: the optimizer's state in device "
                                                     "memory (none), host memory (cpu) or files on NVMe (default none)")

@@ -17,6 +17,11 @@ DType = Literal["float32", "bfloat16", "float16"]
 Activations = Literal["recompute", "offload"]
 KVCache = Literal["host", "device"]
 OptimizerOffload = Literal["host", "disk"]
+ParamOffload = Literal["host", "disk"]
+
+PARAM_OFFLOAD_RANKS = ("param_offload: disk runs on one rank for now; use param_offload host with world_size > 1")
+PARAM_OFFLOAD_TRAIN = ("param_offload: disk in training steps each unit's weights file with its optimizer block; "
+                       "add optimizer_offload: disk")
 
 # Sections a best-config YAML carries besides the knobs: reports, read by `sltune plan`, ignored here.
 REPORT_SECTIONS = ("effective_batch_size", "workload", "measured", "predicted", "resource_models",
@@ -62,9 +67,15 @@ class SpeedLoaderConfig(CheckedBackendKnobs):
         "host", description="training: where the float32 master weights (mixed precision) and the optimizer state "
         "live: 'host' memory, or files under offload_dir ('disk'), a bounded window of units in host memory, the "
         "optimizer stepping unit by unit as gradients arrive (sltune.runtime.diskstate)")
+    param_offload: ParamOffload = Field(
+        "host", description="where the dtype copy of the weights the device loads lives between loads: 'host' "
+        "memory, or a file per unit under offload_dir ('disk'), read ahead with O_DIRECT into a bounded window of "
+        "host buffers just before the device needs it (sltune.runtime.weightfiles). Training needs "
+        "optimizer_offload 'disk' with it; one rank for now")
     offload_dir: str | None = Field(
-        None, description="optimizer_offload 'disk': the directory of the optimizer's files (a local disk with room "
-        "for the master and optimizer state twice: a step writes new files before it drops the old ones)")
+        None, description="optimizer_offload or param_offload 'disk': the directory of the files (a local disk with "
+        "room for the master and optimizer state twice, and the weights twice: a step writes new files before it "
+        "drops the old ones)")
     memory_tracking: Literal["first", "always", "never"] = Field(
         "first", description="CPU only: measure device allocations on the first step of each batch shape, "
         "on every step, or never (then device_memory_limit cannot be enforced)")
@@ -94,6 +105,15 @@ class SpeedLoaderConfig(CheckedBackendKnobs):
             if self.schedule == "resident":
                 raise ValueError("optimizer_offload: the resident schedule steps its optimizer on the device; use "
                                  "'host', or schedule 'speedloader' or 'canonical' for 'disk'")
+        if self.param_offload == "disk":
+            if not self.offload_dir:
+                raise ValueError("offload_dir: param_offload 'disk' keeps the weights' files there; give a directory "
+                                 "on a local disk (--offload-dir DIR)")
+            if self.schedule == "resident":
+                raise ValueError("param_offload: the resident schedule keeps every weight on the device; use 'host', "
+                                 "or schedule 'speedloader' or 'canonical' for 'disk'")
+            if self.world_size is not None and self.world_size > 1:
+                raise ValueError(PARAM_OFFLOAD_RANKS)
         return self
 
     @property

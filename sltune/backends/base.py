@@ -55,6 +55,7 @@ class TrainingSpec(BackendChoice):
     kv_cache: str = "host"
     weights_on_device: float = 0.0
     optimizer_offload: str = "host"
+    param_offload: str = "host"
     offload_dir: str | None = None
     device_memory_limit: int | None = None
     timeout_s: float = 600.0        # the process group's collective timeout

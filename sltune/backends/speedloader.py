@@ -23,6 +23,7 @@ class SpeedLoaderBackend(Backend):
                                 device_memory_limit=spec.device_memory_limit,
                                 kv_cache=spec.kv_cache, weights_on_device=spec.weights_on_device,
                                 optimizer_offload=spec.optimizer_offload if spec.mode == "train" else "host",
+                                param_offload=spec.param_offload,
                                 offload_dir=spec.offload_dir)
         train = spec.mode == "train"
         optimizer = spec.optimizer.factory if train else None     # the optimizer the training job will step with

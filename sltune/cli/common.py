@@ -24,7 +24,11 @@ KNOB_FLAGS = {
                                                         "device for a whole generate call, 0 to 1"),
     "optimizer_offload": ("--optimizer-offload", str, "host | disk: where the float32 masters and the optimizer "
                                                       "state live; disk keeps them in files under --offload-dir"),
-    "offload_dir": ("--offload-dir", str, "the directory of --optimizer-offload disk's files, on a local disk"),
+    "param_offload": ("--param-offload", str, "host | disk: where the dtype copy of the weights lives between loads; "
+                                              "disk keeps a file per unit under --offload-dir, read ahead into a "
+                                              "window (training: with --optimizer-offload disk)"),
+    "offload_dir": ("--offload-dir", str, "the directory of --optimizer-offload/--param-offload disk's files, on a "
+                                          "local disk"),
 }
 
 
@@ -55,6 +59,7 @@ def config_from_args(args: argparse.Namespace, base: SpeedLoaderConfig | None = 
     given = {f: getattr(args, f) for f in (*KNOB_FLAGS, "mixed_precision") if getattr(args, f, None) is not None}
     data.update(given)
     if "offload_dir" in given and data.get("optimizer_offload", "host") == "host" and \
+            data.get("param_offload", "host") == "host" and \
             data.get("backend", "speedloader") == "speedloader":     # another backend's own check names its use
         raise ValueError("--offload-dir: the optimizer's files go there under --optimizer-offload disk; add "
                          "--optimizer-offload disk (or drop --offload-dir)")

@@ -73,7 +73,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--optimizer-offload", default="host", choices=("host", "disk"),
                    help="train: where the float32 masters and the optimizer state live: host memory, or files under "
                         "--offload-dir stepped unit by unit through a bounded window")
-    p.add_argument("--offload-dir", help="the directory of --optimizer-offload disk's files, on a local disk")
+    p.add_argument("--param-offload", default="host", choices=("host", "disk"),
+                   help="host | disk: the dtype copy of the weights in host memory, or a file per unit under "
+                        "--offload-dir read ahead into a bounded window (training: with --optimizer-offload disk; "
+                        "one rank for now)")
+    p.add_argument("--offload-dir", help="the directory of --optimizer-offload/--param-offload disk's files, on a "
+                   "local disk")
     p.add_argument("--device-memory-limit", help="bytes or e.g. 2GiB (default: no limit)")
     p.add_argument("--host-memory-limit", help="stop the trial as oom above this resident memory (default: no "
                                                "limit)")
@@ -99,7 +104,8 @@ def run(args: argparse.Namespace) -> int:
                  cpu_threads=args.cpu_threads, world_size=args.world_size, device=args.device, dtype=args.dtype,
                  device_memory_limit=args.device_memory_limit, host_memory_limit=args.host_memory_limit,
                  timeout_s=args.timeout, trace_path=args.trace, profile=not args.no_profile,
-                 optimizer_offload=args.optimizer_offload, offload_dir=_offload_dir(args),
+                 optimizer_offload=args.optimizer_offload, param_offload=args.param_offload,
+                 offload_dir=_offload_dir(args),
                  backend=args.backend, zero_stage=args.zero_stage, offload_optimizer=args.offload_optimizer,
                  offload_param=args.offload_param, cpu_offload=args.cpu_offload,
                  reshard_after_forward=args.reshard_after_forward)
@@ -116,7 +122,8 @@ def run(args: argparse.Namespace) -> int:
 # the spec's fields a refusal names, as this command's flags
 FLAGS = {name: "--" + name.replace("_", "-") for name in
          ("zero_stage", "offload_optimizer", "offload_param", "cpu_offload", "reshard_after_forward",
-          "offload_dir", "num_live_blocks", "schedule", "optimizer_offload", "mode", "dtype")}
+          "offload_dir", "num_live_blocks", "schedule", "optimizer_offload", "param_offload", "mode",
+          "dtype", "world_size")}
 FLAGS["mixed_precision"] = "--no-mixed-precision"
 
 
@@ -161,17 +168,25 @@ def _offload_dir(args: argparse.Namespace) -> str | None:
 
     if args.backend == "deepspeed":         # nvme offload's folder; the spec refuses it without nvme
         return str(writable_dir(args.offload_dir, "--offload-dir")) if args.offload_dir else None
-    if args.optimizer_offload == "host":
+    if args.param_offload == "disk" and args.mode == "train" and args.optimizer_offload == "host":
+        raise ValueError("--param-offload disk: training steps each unit's weights file with its optimizer block; add "
+                         "--optimizer-offload disk")
+    if args.optimizer_offload == "host" and args.param_offload == "host":
         if args.offload_dir:
-            raise ValueError("--offload-dir: the optimizer's files go there under --optimizer-offload disk; add "
-                             "--optimizer-offload disk (or drop --offload-dir)")
+            raise ValueError("--offload-dir: the optimizer's files go there under --optimizer-offload disk (the "
+                             "weights' under --param-offload disk); add --optimizer-offload disk (or drop "
+                             "--offload-dir)")
         return None
+    if args.schedule == "resident" and args.param_offload == "disk":
+        raise ValueError("--param-offload disk: the resident schedule keeps every weight on the device; use "
+                         "--param-offload host, or --schedule speedloader or canonical")
     if args.schedule == "resident" and args.mode == "train":      # SpeedLoaderConfig's check, named by its flags
         raise ValueError("--optimizer-offload disk: the resident schedule steps its optimizer on the device; use "
                          "--optimizer-offload host, or --schedule speedloader or canonical")
     if not args.offload_dir:
-        raise ValueError("--offload-dir: --optimizer-offload disk keeps the optimizer's files there; give a "
-                         "directory on a local disk")
+        which = "--optimizer-offload disk keeps the optimizer's" if args.optimizer_offload == "disk" \
+            else "--param-offload disk keeps the weights'"
+        raise ValueError(f"--offload-dir: {which} files there; give a directory on a local disk")
     return str(writable_dir(args.offload_dir, "--offload-dir"))
 
 

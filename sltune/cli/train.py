@@ -103,12 +103,15 @@ def run(args: argparse.Namespace) -> int:
     from sltune.training.loop import TrainJob, find_inputs, run as train
 
     if isinstance(tuned, dict):     # a best.yaml of disk names no folder: the job gives its own, or trains on host
-        tuned = {**tuned, **{f: getattr(args, f) for f in ("optimizer_offload", "offload_dir")
+        tuned = {**tuned, **{f: getattr(args, f) for f in ("optimizer_offload", "param_offload", "offload_dir")
                              if getattr(args, f, None) is not None}}
     base = SpeedLoaderConfig.from_dict(tuned, source=args.config) if args.config else None
     cfg = config_from_args(args, base)
     if args.world_size is not None:
         cfg = cfg.replace(world_size=args.world_size)
+    if cfg.param_offload == "disk" and cfg.optimizer_offload != "disk":
+        raise ValueError("--param-offload disk: training steps each unit's weights file with its optimizer block; "
+                         "add --optimizer-offload disk")
     model_source, model_name = _model(args, tuned)
     job = TrainJob(
         model=model_source, config=cfg, optimizer=_optimizer(args, tuned),

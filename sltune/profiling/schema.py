@@ -7,7 +7,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 from sltune.backends.knobs import ALL_KNOBS, KNOBS, BackendKnobs, CheckedBackendKnobs
-from sltune.config import Activations, DType, KVCache, OptimizerOffload, Schedule
+from sltune.config import (PARAM_OFFLOAD_RANKS, PARAM_OFFLOAD_TRAIN, Activations, DType, KVCache, OptimizerOffload,
+                           ParamOffload, Schedule)
 from sltune.runtime.counters import IOCounters
 from sltune.sizes import parse_bytes
 from sltune.training.optimizer import OptimizerConfig
@@ -43,7 +44,11 @@ class TrialSpec(CheckedBackendKnobs):
                                        "the host parameters with, as the training job will")
     optimizer_offload: OptimizerOffload = Field("host", description="train: the float32 masters and optimizer "
                                                 "state in host memory, or in files under offload_dir")
-    offload_dir: str | None = Field(None, description="optimizer_offload disk: the directory of its files")
+    param_offload: ParamOffload = Field("host", description="the dtype copy of the weights in host memory, or in "
+                                        "files under offload_dir read ahead into a window (train: with "
+                                        "optimizer_offload disk)")
+    offload_dir: str | None = Field(None, description="optimizer_offload or param_offload disk: the directory of "
+                                    "their files")
     device_memory_limit: int | None = None
     host_memory_limit: int | None = Field(None, description="the trial is stopped as 'oom' above this RSS")
     steps: int = Field(2, ge=1, description="timed steps at least")
@@ -65,6 +70,15 @@ class TrialSpec(CheckedBackendKnobs):
     def _sizes(cls, value: Any, info) -> int | None:
         return None if value is None else parse_bytes(value, info.field_name)
 
+    @model_validator(mode="after")
+    def _param_offload(self) -> "TrialSpec":
+        if self.param_offload == "disk" and self.backend == "speedloader":
+            if self.mode == "train" and self.optimizer_offload != "disk":
+                raise ValueError(PARAM_OFFLOAD_TRAIN)
+            if self.world_size > 1:
+                raise ValueError(PARAM_OFFLOAD_RANKS)
+        return self
+
     @property
     def rows(self) -> int:
         return self.sub_batch_size * self.num_sub_batches
@@ -79,6 +93,8 @@ class TrialSpec(CheckedBackendKnobs):
                 "world_size": self.world_size, "kv_cache": self.kv_cache if self.mode == "generate" else None,
                 "weights_on_device": self.weights_on_device if self.mode == "generate" else None,
                 "optimizer_offload": self.optimizer_offload if self.mode == "train" and speedloader else None,
+                # only when on disk: a result of the default reads as it did before the knob
+                **({"param_offload": "disk"} if speedloader and self.param_offload == "disk" else {}),
                 "num_layers": self.num_layers, "backend": self.backend,
                 **{knob: getattr(self, knob) for knob in KNOBS[self.backend]}}
 
@@ -96,6 +112,7 @@ class TrialConfig(BackendKnobs):
     kv_cache: KVCache | None = None     # generation trials only
     weights_on_device: float | None = None  # generation trials only
     optimizer_offload: OptimizerOffload | None = None   # training trials (None in results older than the field)
+    param_offload: ParamOffload | None = None   # SpeedLoader's trials with the weights on disk (else left out)
     num_layers: int | None = Field(None, description="the decoder layers the trial ran (fewer than the model's in "
                                    "a reduced-depth probe); None in results older than the field")
 
@@ -104,7 +121,7 @@ class TrialConfig(BackendKnobs):
         """The backend's own knobs only: another backend's (None) are left out, so a SpeedLoader result reads as
         it did before there were backends, plus its name."""
         out = handler(self)
-        for knob in ALL_KNOBS:
+        for knob in (*ALL_KNOBS, "param_offload"):
             if out.get(knob, 0) is None:
                 del out[knob]
         return out

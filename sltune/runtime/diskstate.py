@@ -92,7 +92,7 @@ class Stepped:
 
     def placeholder(self) -> torch.Tensor:
         """Values of the right shape that take no memory: the Parameter between steps."""
-        return torch.zeros((), dtype=torch.float32).expand(self.shape)
+        return torch.zeros((), dtype=self.param.dtype).expand(self.shape)
 
 
 @dataclass

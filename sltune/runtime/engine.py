@@ -51,6 +51,13 @@ per value; the first step reads only the masters):
 
     disk_read = disk_write = sum_b pad4096(n_b * (m + s))
 
+param_offload disk (sltune.runtime.weightfiles) adds the dtype copies' files: every load reads its unit's file, every
+stepped unit's new copy is written once (and its file read once more first when the step needs its values: no
+master, or frozen values the copy keeps):
+
+    disk_read += sum over loads pad4096(P_u) + sum over such stepped units pad4096(P_u)
+    disk_write += sum over stepped units pad4096(P_u)
+
 A frozen prefix drops the backward (its loads, its gradient edges) of the units below the lowest trainable one.
 Sharded over W ranks (torch.distributed initialised), P_u above is this rank's shard of unit u, and the
 collectives see whole (padded) units: allgather = the same count of loads times the unit's bytes,
@@ -86,7 +93,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from sltune.config import SpeedLoaderConfig
+from sltune.config import PARAM_OFFLOAD_RANKS, PARAM_OFFLOAD_TRAIN, SpeedLoaderConfig
 from sltune.models.checkpoint import Checkpoint, materialize, untied, write_pretrained
 from sltune.runtime.activations import DeviceActivations, HostActivations
 from sltune.runtime.device import check_device, check_dtype
@@ -105,6 +112,7 @@ from sltune.runtime.sharding import ShardedParamStore
 from sltune.runtime.stepping import StepTimeline, UnitStepper
 from sltune.runtime.counters import IOCounters
 from sltune.runtime.transfer import Copier
+from sltune.runtime.weightfiles import WeightFiles
 
 if TYPE_CHECKING:
     from sltune.models.seeded import SeededWeights
@@ -193,10 +201,17 @@ class SpeedLoaderEngine:
         self._build_units()
         resident = config.schedule == "resident"
         train = optimizer is not None
+        if config.param_offload == "disk":
+            if self.world > 1:
+                raise ValueError(PARAM_OFFLOAD_RANKS)
+            if train and config.optimizer_offload != "disk":
+                raise ValueError(PARAM_OFFLOAD_TRAIN)
         # optimizer_offload disk: the masters and the optimizer state in files (resident is refused by the config)
         self.disk = DiskState(config.offload_dir, self.io, master=config.has_master,
                               rank=dist.get_rank() if self.world > 1 else 0) \
             if train and config.optimizer_offload == "disk" else None
+        # param_offload disk: the dtype copies in files beside the disk tier's (sltune.runtime.weightfiles)
+        self.weights = WeightFiles(config.offload_dir, self.io, self.disk) if config.param_offload == "disk" else None
         with weights.reader(model) if weights else contextlib.nullcontext() as fill:
             store = dict(train=train, master=config.has_master, fill=fill,
                          on_device_accumulate=config.schedule != "canonical", disk=self.disk)
@@ -204,7 +219,7 @@ class SpeedLoaderEngine:
                 self.params = ShardedParamStore(self.units, self.dtype, self.copier, self.pool, **store)
             else:
                 self.params = ParamStore(self.units, self.dtype, self.copier, self.pool, resident=resident,
-                                         **store)
+                                         weights=self.weights, **store)
         # the parameters point at the store's dtype copies now; buffers keep their dtype, as transformers keeps
         # them for a bfloat16 model (rotary frequencies stay float32)
         if self.device.type != "cpu":
@@ -241,7 +256,7 @@ class SpeedLoaderEngine:
         # per-unit stepping: always under disk (early when it can roll back), under host when asked to overlap
         self._stepper = UnitStepper(self.optimizer, self.params.stepped, self.disk,
                                     master_in_memory=self.params.master and self.disk is None,
-                                    rollback=self.params.master_on_disk) \
+                                    rollback=self.params.master_on_disk, weights=self.weights) \
             if self.optimizer is not None and not resident and (self.disk is not None or overlap) else None
         self._overlap = overlap
         self.last_stepping: StepTimeline | None = None
@@ -662,6 +677,9 @@ class SpeedLoaderEngine:
         if self.world == 1:
             state = self.model.state_dict()
             masters = {id(u): self.params.master_values(u) for u in self.units if u.host is not None}
+            if self.weights is not None:    # no master: the dtype copies, from their files
+                masters = {key: self.params.weight_values(u) if masters.get(key) is None else masters[key]
+                           for u in self.units if (key := id(u)) in masters}
             views = {id(p): v for unit in self.units if masters.get(id(unit)) is not None
                      for p, v in zip(unit.params, unit._views(masters[id(unit)], unit.offsets))}
             if not views:

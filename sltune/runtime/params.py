@@ -27,11 +27,13 @@ from typing import Callable, Iterator, Sequence
 import torch
 from torch import nn
 
+from sltune.runtime.direct_io import aligned_empty
 from sltune.runtime.diskstate import DiskState, Stepped
 from sltune.runtime.memory import DeviceMemory
 from sltune.runtime.regions import region
 from sltune.runtime.streams import Event, Streams
 from sltune.runtime.transfer import Copier, Pending
+from sltune.runtime.weightfiles import WeightFiles, placeholder
 
 
 @dataclass
@@ -147,16 +149,21 @@ class ParamStore:
 
     _kept: frozenset[int] | set[int] = frozenset()     # ids of units that stay on the device once loaded
     _complete: frozenset[int] | set[int] = frozenset() # ... whose device buffer holds all their weights
+    weights: WeightFiles | None = None                  # param_offload disk: the dtype copies' files
 
     def __init__(self, units: list[ParamUnit], dtype: torch.dtype, copier: Copier, pool: BufferPool,
                  resident: bool, train: bool = True, master: bool = False, fill: WeightFill = None,
-                 on_device_accumulate: bool = True, disk: "DiskState | None" = None):
+                 on_device_accumulate: bool = True, disk: "DiskState | None" = None,
+                 weights: WeightFiles | None = None):
         """`train`: allocate gradients (an engine that only generates needs none). `master`: float32 master
         weights and gradients beside the dtype copy. `fill(p, dst)` writes a parameter's initial values into its
-        view of the buffer (a checkpoint's tensor cast as it is copied, a seeded init); default its own data. `on_device_accumulate`: under a
-        master, sum the sub-batches' gradients on the device in float32 (the canonical schedule offloads
-        every micro-batch's instead). `disk` (optimizer_offload: disk): the masters go to its files, unit by
-        unit as they are filled, and the optimizer's Parameters are placeholders it binds when a unit steps."""
+        view of the buffer (a checkpoint's tensor cast as it is copied, a seeded init); default its own data.
+        `on_device_accumulate`: under a master, sum the sub-batches' gradients on the device in float32 (the
+        canonical schedule offloads every micro-batch's instead). `disk` (optimizer_offload: disk): the masters go
+        to its files, unit by unit as they are filled, and the optimizer's Parameters are placeholders it binds when
+        a unit steps.
+        `weights` (param_offload: disk): each unit's dtype copy goes to its file once filled; `unit.host` is then a
+        placeholder (its numel and dtype, no memory) and every load reads the file through the window."""
         self.units = units
         self.copier = copier
         self.pool = pool
@@ -165,6 +172,7 @@ class ParamStore:
         self.accumulate32 = self.master and on_device_accumulate and not resident
         self.disk = disk if train else None
         self.master_on_disk = self.master and self.disk is not None
+        self.weights = weights
         self.stepped: dict[int, list[Stepped]] = {}      # per unit (by id): the tensors the optimizer steps
         self._masters: dict[int, nn.Parameter] = {}     # model parameter id -> its master's Parameter
         fill = fill or copy_own_data
@@ -176,7 +184,11 @@ class ParamStore:
         for unit in units:
             if not unit.params:
                 continue
-            unit.host = alloc(unit.numel, dtype)
+            if weights is not None:     # filled here, then written to its file and freed
+                raw = aligned_empty(unit.numel * dtype.itemsize)
+                unit.host = raw[:unit.numel * dtype.itemsize].view(dtype)
+            else:
+                unit.host = alloc(unit.numel, dtype)
             unit.offsets, unit.grad_offsets = [], []
             off = goff = 0
             for p in unit.params:
@@ -194,6 +206,10 @@ class ParamStore:
                 fill(p, view)
             if unit.master is not None:
                 unit.host.copy_(unit.master)
+            if weights is not None:
+                weights.add(unit, raw, unit.numel * dtype.itemsize)
+                unit.host = placeholder((unit.numel,), dtype)
+                del raw
             unit.has_grads = goff > 0
             if goff and train and (self.master or not resident):
                 unit.host_grad = alloc(goff, torch.float32 if self.master else dtype).zero_()
@@ -239,11 +255,14 @@ class ParamStore:
 
     @staticmethod
     def _point(unit: ParamUnit, flat: torch.Tensor, grad_flat: torch.Tensor | None) -> None:
-        """Parameters onto `flat`, their .grad onto `grad_flat` (None where it is a float32 master's)."""
+        """Parameters onto `flat`, their .grad onto `grad_flat` (None where it is a float32 master's); a placeholder
+        `flat` (the weights on disk) gives each a placeholder of its own."""
         if grad_flat is not None and grad_flat.dtype != flat.dtype:
             grad_flat = None
         grads = unit._views(grad_flat, unit.grad_offsets) if grad_flat is not None else [None] * len(unit.params)
-        for p, view, g in zip(unit.params, unit._views(flat, unit.offsets), grads):
+        views = [placeholder(shape, flat.dtype) for shape in unit.shapes] if flat.numel() and not flat.stride(0) \
+            else unit._views(flat, unit.offsets)
+        for p, view, g in zip(unit.params, views, grads):
             p.grad = None
             p.data = view
             p.grad = g
@@ -253,12 +272,31 @@ class ParamStore:
         """Start copying a unit's parameters to the device (a side stream on CUDA)."""
         if unit is None or self.resident or unit.host is None or unit.dev is not None or unit.pending:
             return
+        if self.weights is not None:    # its file read ahead; the device copy waits for the activation
+            self.weights.request(unit)
+            return
         buf = self.pool.acquire(unit.host.numel(), unit.host.dtype)
         unit.pending = self.copier.to_device(unit.host, "param_load_bytes", out=buf)
+
+    def read_ahead(self, unit: ParamUnit | None) -> None:
+        """Start reading a unit's weights file (param_offload disk) without copying anything to the device yet:
+        where a device copy ahead would only push the live unit out of the cache (generation on the CPU)."""
+        if self.weights is not None:
+            self.prefetch(unit)
 
     def activate(self, unit: ParamUnit) -> None:
         """Make the unit's parameters live on the device."""
         if self.resident or unit.host is None or unit.dev is not None:
+            return
+        if self.weights is not None:
+            src = self.weights.values(unit)
+            buf = self.pool.acquire(unit.host.numel(), unit.host.dtype)
+            copied = self.copier.to_device(src, "param_load_bytes", out=buf)
+            if copied.event is not None:    # the window buffer is reused once the copy has read it
+                copied.event.synchronize()
+            unit.dev = copied.wait()
+            self.weights.done(unit)
+            self._point(unit, unit.dev, None)
             return
         self.prefetch(unit)
         unit.dev = unit.pending.wait()
@@ -281,7 +319,10 @@ class ParamStore:
             unit.dev = self.pool.acquire(unit.host.numel(), unit.host.dtype)
             self._point(unit, unit.dev, None)
         start, end = unit.parts[part], unit.parts[part + 1]
-        self.copier.to_device(unit.host[start:end], "param_load_bytes", out=unit.dev[start:end])
+        src = self.weights.values(unit) if self.weights is not None else unit.host
+        self.copier.to_device(src[start:end], "param_load_bytes", out=unit.dev[start:end])
+        if self.weights is not None and part == len(unit.parts) - 2:
+            self.weights.done(unit)
 
     def release(self, unit: ParamUnit) -> None:
         """Point the parameters back at their home between loads and free the device buffers; a kept unit
@@ -301,6 +342,8 @@ class ParamStore:
         if unit.pending is not None:     # a prefetch never used: its copy or gather must end before reuse
             self.pool.release(unit.pending.wait())
             unit.pending = None
+        if self.weights is not None:     # a read-ahead never used (a failed step), or a part-loaded group's
+            self.weights.done(unit)
 
     @contextlib.contextmanager
     def keeping(self, units: Sequence[ParamUnit]) -> Iterator[None]:
@@ -375,6 +418,13 @@ class ParamStore:
         if self.master_on_disk:
             return self.disk.master_of(unit, unit.host.numel())
         return unit.master
+
+    def weight_values(self, unit: ParamUnit) -> torch.Tensor | None:
+        """The unit's flat dtype copy as it is between steps: read from its file under param_offload disk, else
+        the host buffer itself."""
+        if unit.host is None:
+            return None
+        return self.weights.read(unit) if self.weights is not None else unit.host
 
     def grad_buffers(self) -> list[torch.Tensor]:
         """The flat gradients the optimizer reads, once each: what clipping and loss scaling act on."""

@@ -18,6 +18,11 @@ dtype copy the device loads is refreshed from the new master, and the slot is wr
 copies of the units stepped so far are restored from it, and the optimizer's counters from a snapshot. Without a
 master on disk the stepped values are the dtype copy itself, in host memory, which cannot be restored: those
 steps are deferred to after the backward, and only an I/O error while stepping can leave them part-done.
+
+Under `param_offload: disk` (sltune.runtime.weightfiles) the dtype copy is not in host memory either: a unit steps
+into a window buffer of its own (holding its committed copy first when the step updates it in place, without a
+master, or keeps frozen values), which is written behind as the unit's next version and becomes the one loaded
+when the step commits; a failed step deletes it, so the committed copy needs no rollback.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from torch import nn
 from sltune.runtime.diskstate import Block, DiskState, Stepped
 from sltune.runtime.regions import region
 from sltune.runtime.spans import union_length
+from sltune.runtime.weightfiles import WeightFiles, placeholder
 
 
 @dataclass
@@ -76,15 +82,18 @@ class UnitStepper:
     """Steps the optimizer unit by unit on a thread of its own; under disk, through DiskState's window."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, stepped: dict[int, list[Stepped]],
-                 disk: DiskState | None, master_in_memory: bool, rollback: bool):
+                 disk: DiskState | None, master_in_memory: bool, rollback: bool,
+                 weights: WeightFiles | None = None):
         """`stepped`: per unit (by id) the tensors the optimizer steps. `master_in_memory`: refresh a unit's dtype
         copy from its float32 master after it steps (host mode). `rollback`: a failed step can be undone (the
-        master lives on disk), so stepping may start during the backward."""
+        master lives on disk), so stepping may start during the backward. `weights` (param_offload disk, with
+        `disk`): each stepped unit's dtype copy is written to its next file version."""
         self.optimizer = optimizer
         self.stepped = stepped
         self.disk = disk
         self.master_in_memory = master_in_memory
         self.rollback = rollback
+        self.weights = weights
         self.timeline = StepTimeline()
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="sltune-step")
         self._order: list[Any] = []
@@ -109,7 +118,7 @@ class UnitStepper:
         self._abort.clear()
         self.early = early
         self.timeline = StepTimeline(early=early)
-        if self.rollback:
+        if self.rollback or self.weights is not None:    # the weights files roll back: so do the counters
             self._snapshot = {id(s.param): {k: (v.clone() if torch.is_tensor(v) else v)
                                             for k, v in self.optimizer.state[s.param].items()}
                               for u in self._order for s in self.stepped[id(u)] if s.param in self.optimizer.state}
@@ -138,8 +147,12 @@ class UnitStepper:
         if self.disk is not None:
             with region("disk", "write_behind"):        # the breakdown's disk slice
                 self.disk.finish_writes()
+                if self.weights is not None:
+                    self.weights.finish()
                 end = time.perf_counter()
                 self.disk.commit(self.optimizer.state_dict())
+                if self.weights is not None:
+                    self.weights.commit()
         else:
             end = time.perf_counter()
         self._account(start, end)
@@ -148,6 +161,8 @@ class UnitStepper:
         """No step this time (float16 overflow): the read-ahead is dropped."""
         if self.disk is not None:
             self.disk.abort()
+        if self.weights is not None:
+            self.weights.abort()
 
     def abort(self) -> None:
         """A failed step: stop stepping, drop what this step wrote, and undo what it stepped where the master is
@@ -161,7 +176,10 @@ class UnitStepper:
         if self.disk is None:
             return
         self.disk.abort()
-        if not self.rollback:
+        if self.weights is not None:        # the committed copies were never replaced
+            self.weights.abort()
+            self._done_blocks = []
+        elif not self.rollback:
             return
         for block in self._done_blocks:
             for s, master in zip(block.items, self.disk.read_block(block).masters):
@@ -187,6 +205,9 @@ class UnitStepper:
         event = getattr(pending, "event", None)
         if event is not None:
             event.synchronize()              # the gradients' copy to the host has landed
+        if self.weights is not None and self.disk is not None:
+            self._step_unit_on_disk(unit)
+            return
         for block in self.blocks(unit):
             if self._abort.is_set():
                 return
@@ -200,16 +221,43 @@ class UnitStepper:
             else:
                 self._step_block(block)
 
-    def _step_block(self, block: Block) -> None:
+    def _step_unit_on_disk(self, unit) -> None:
+        """A unit whose dtype copy is a file: stepped into a window buffer, which is written behind. Without a
+        master the model's own Parameters are stepped, bound to the buffer's views for the time of the step."""
+        stepped = self.stepped[id(unit)]
+        no_master = self.disk.master is False
+        buf = self.weights.stage(unit, with_values=no_master or sum(s.numel for s in stepped) < unit.numel)
+        values = buf[:unit.numel * unit.host.dtype.itemsize].view(unit.host.dtype)
+        try:
+            if no_master:
+                for s in stepped:
+                    s.param.data = values[s.offset:s.offset + s.numel].view(s.shape)
+            for block in self.disk.blocks_of(unit):
+                if self._abort.is_set():
+                    self.weights.give_back(buf)
+                    return
+                self._step_block(block, values)
+        except BaseException:
+            self.weights.give_back(buf)
+            raise
+        finally:
+            if no_master:
+                for s in stepped:
+                    s.param.data = placeholder(s.shape, values.dtype)
+        self.weights.write_behind(unit, buf)
+
+    def _step_block(self, block: Block, values: torch.Tensor | None = None) -> None:
         slot = self.disk.wait(block)
         try:
-            self._step_in(block, slot)
+            self._step_in(block, slot, values)
         except BaseException:       # the slot goes back to the window, or the blocks after it wait forever
             self.disk.release(slot)
             raise
         self.disk.write_behind(block, slot)
 
-    def _step_in(self, block: Block, slot) -> None:
+    def _step_in(self, block: Block, slot, values: torch.Tensor | None = None) -> None:
+        """Step a block in its slot; the dtype copy refreshed from the new master into `values` (the unit's
+        staged copy under param_offload disk), else into the unit's host buffer."""
         disk, opt = self.disk, self.optimizer
         start = time.perf_counter()
         self._done_blocks.append(block)          # from here its dtype copy may change: roll it back if need be
@@ -238,7 +286,8 @@ class UnitStepper:
                 if new.data_ptr() != t.data_ptr():       # made by the optimizer (its first step): into the slot
                     t.copy_(new)
             if master is not None:
-                s.unit.host[s.offset:s.offset + s.numel].copy_(master.reshape(-1))
+                target = values if values is not None else s.unit.host
+                target[s.offset:s.offset + s.numel].copy_(master.reshape(-1))
                 s.param.data = s.placeholder()
             s.param.grad = None
         self._compute.append((start, time.perf_counter()))

@@ -40,10 +40,12 @@ def expected_io(engine: "SpeedLoaderEngine", seq_len: int) -> IOCounters:
     # padded to pages; the first step reads only the masters: the state does not exist yet)
     disk = engine.disk
     disk_bytes = sum(padded(disk.nbytes(blk, True)) for blk in disk.blocks) if disk is not None else 0
+    weight_loads, weight_staged, weight_writes = _weight_files(engine, loaded, backward)
     if cfg.schedule == "canonical":
         return IOCounters(param_load_bytes=n * loads, grad_offload_bytes=n * grads,
                           allgather_bytes=n * gathered, reduce_scatter_bytes=n * scattered,
-                          disk_read_bytes=disk_bytes, disk_write_bytes=disk_bytes)
+                          disk_read_bytes=disk_bytes + n * weight_loads + weight_staged,
+                          disk_write_bytes=disk_bytes + weight_writes)
     # boundary activations per sub-batch, in edges of b*s*hidden values (phases.edges_moved says which)
     offload = cfg.activations == "offload"
     edges_out, edges_in = phases.boundary_edges(plan, trains, offload)
@@ -51,5 +53,21 @@ def expected_io(engine: "SpeedLoaderEngine", seq_len: int) -> IOCounters:
     saved = engine.saved.packed_bytes if offload else 0
     return IOCounters(param_load_bytes=loads, grad_offload_bytes=grads, allgather_bytes=gathered,
                       reduce_scatter_bytes=scattered, act_offload_bytes=n * edges_out * edge_bytes + saved,
-                      act_load_bytes=n * edges_in * edge_bytes + saved, disk_read_bytes=disk_bytes,
-                      disk_write_bytes=disk_bytes)
+                      act_load_bytes=n * edges_in * edge_bytes + saved,
+                      disk_read_bytes=disk_bytes + weight_loads + weight_staged,
+                      disk_write_bytes=disk_bytes + weight_writes)
+
+
+def _weight_files(engine: "SpeedLoaderEngine", loaded: list, stepped: list) -> tuple[int, int, int]:
+    """param_offload disk (sltune.runtime.weightfiles), in bytes: the files one pass's loads read (canonical runs N
+    passes), the files read once more before their unit steps (no master, or frozen values the new copy keeps),
+    and the stepped units' new copies written."""
+    if engine.weights is None:
+        return 0, 0, 0
+    reads = sum(padded(u.nbytes) for u in loaded if u.host is not None)
+    steps = [u for u in stepped if engine.params.stepped.get(id(u))]
+    writes = sum(padded(u.nbytes) for u in steps)
+    master = engine.params.master
+    staged = sum(padded(u.nbytes) for u in steps
+                 if not master or sum(s.numel for s in engine.params.stepped[id(u)]) < u.host.numel())
+    return reads, staged, writes

@@ -1,0 +1,198 @@
+"""param_offload disk: each unit's dtype copy in a file, read ahead into a bounded window before every load and
+rewritten when the unit steps. Training equals param_offload host (both under optimizer_offload disk) to the bit;
+the host holds a window of units, not the model; a damaged weights file is one line naming it; bad knobs are one
+line naming the fix."""
+
+import pytest
+import torch
+
+from sltune import SpeedLoaderConfig, SpeedLoaderEngine
+from sltune.cli.main import main
+from sltune.models import build
+from sltune.models.presets import load_config
+from sltune.profiling.schema import TrialSpec
+from sltune.runtime.disk_layout import padded
+from sltune.runtime.diskstate import IntegrityError
+from tests.support.reference import adamw
+
+SEQ = 16
+
+
+def engine_for(param, folder, preset="llama-tiny", clip=None, **knobs):
+    knobs = {"sub_batch_size": 2, "num_sub_batches": 2, "num_live_blocks": 1, "dtype": "bfloat16", **knobs}
+    cfg = SpeedLoaderConfig(**knobs, optimizer_offload="disk", param_offload=param, offload_dir=str(folder))
+    return SpeedLoaderEngine(build(preset, seed=0), cfg, optimizer=adamw, max_grad_norm=clip, track_grad_norm=True)
+
+
+def batches(engine, steps=3):
+    rows = engine.config.effective_batch_size
+    return [torch.randint(3, 512, (rows, SEQ), generator=torch.Generator().manual_seed(s)) for s in range(steps)]
+
+
+def train(param, folder, steps=3, **kw):
+    engine = engine_for(param, folder, **kw)
+    return engine, [engine.train_step(x) for x in batches(engine, steps)]
+
+
+def assert_same(host, disk):
+    (a, a_res), (b, b_res) = host, disk
+    assert [r.loss for r in a_res] == [r.loss for r in b_res]
+    assert len({r.loss for r in a_res}) > 1                           # the weights did move
+    assert [r.grad_norm for r in a_res] == [r.grad_norm for r in b_res]
+    ours, theirs = a.state_dict(), b.state_dict()
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        assert torch.equal(ours[name], theirs[name]), name
+    for u, v in zip(a.units, b.units):                                # the dtype copies the device loads
+        if u.host is not None:
+            assert torch.equal(u.host, b.params.weight_values(v)), u.name
+
+
+CASES = {
+    "bf16-recompute": {},
+    "bf16-offload": {"activations": "offload"},
+    "fp32-recompute": {"dtype": "float32"},
+    "fp32-offload": {"dtype": "float32", "activations": "offload"},
+    "tied": {"preset": "llama-tiny-tied"},
+    "clip": {"clip": 0.05},
+    "clip-fp32": {"clip": 0.05, "dtype": "float32"},
+    "k2-canonical": {"num_live_blocks": 2, "schedule": "canonical"},
+    "bf16-no-master": {"mixed_precision": False},
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_disk_weights_equal_host_weights_bit_for_bit(tmp_path, case):
+    knobs = CASES[case]
+    host = train("host", tmp_path, **knobs)
+    disk = train("disk", tmp_path, **knobs)
+    assert_same(host, disk)
+    engine, results = disk
+    # nothing of the weights stays in host memory between steps: the units and the Parameters hold placeholders
+    assert all(u.host.untyped_storage().nbytes() <= 4 for u in engine.units if u.host is not None)
+    assert all(p.untyped_storage().nbytes() <= 4 for p in engine.model.parameters())
+    # the counters: the disk tier's blocks, plus each load's weights file and each stepped unit's new copy
+    assert results[-1].io == engine.expected_io(SEQ)
+    host_io = host[1][-1].io
+    assert results[-1].io.disk_read_bytes > host_io.disk_read_bytes
+    assert results[-1].io.param_load_bytes == host_io.param_load_bytes
+    # the window is host memory, and the next unit's device buffer is taken when it activates, not when its read
+    # starts: the device's measured peak is no higher (host mode holds the prefetched unit beside the live one)
+    assert 0 < results[0].peak_device_bytes <= host[1][0].peak_device_bytes
+
+
+def test_the_window_holds_a_few_units_not_the_model(tmp_path):
+    config = load_config("llama-tiny").to_dict()
+    config["num_hidden_layers"] = 16
+    cfg = SpeedLoaderConfig(sub_batch_size=1, num_sub_batches=2, dtype="bfloat16", optimizer_offload="disk",
+                            param_offload="disk", offload_dir=str(tmp_path))
+    engine = SpeedLoaderEngine(build(config, seed=0), cfg, optimizer=adamw)
+    for x in batches(engine, 2):
+        engine.train_step(x)
+    model_bytes = sum(u.nbytes for u in engine.units)
+    largest = max(padded(u.nbytes) for u in engine.units)
+    window = engine.weights.peak_window_bytes
+    held = sum(u.host.untyped_storage().nbytes() for u in engine.units if u.host is not None)
+    assert held <= 2 * len(engine.units)                          # placeholders: one value each
+    # read one phase ahead (at most the last group and the head) + the unit being copied + one stepping + two
+    # written behind: at most six units, whatever the depth
+    assert 0 < window <= 6 * largest
+    assert window * 2 < model_bytes
+    assert engine.weights.window_bytes <= window
+
+
+@pytest.mark.parametrize("kept", [0.0, 0.5])
+def test_generation_streams_weights_from_disk(tmp_path, kept):
+    prompts = torch.randint(3, 512, (4, 6), generator=torch.Generator().manual_seed(0))
+    out = {}
+    for param in ("host", "disk"):
+        cfg = SpeedLoaderConfig(sub_batch_size=2, num_sub_batches=2, num_live_blocks=2, param_offload=param,
+                                weights_on_device=kept, offload_dir=str(tmp_path) if param == "disk" else None)
+        engine = SpeedLoaderEngine(build("llama-tiny", seed=0), cfg)
+        out[param] = engine.generate(prompts, max_new_tokens=4, eos_token_id=[])
+    assert torch.equal(out["host"], out["disk"])
+    assert engine.weights.window_bytes <= engine.weights.peak_window_bytes < sum(u.nbytes for u in engine.units)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])    # stepped during the backward / after it
+def test_a_failed_step_leaves_the_weights_files_as_they_were(tmp_path, dtype):
+    clean, clean_res = train("disk", tmp_path, steps=3, dtype=dtype)
+    engine = engine_for("disk", tmp_path, dtype=dtype)
+    data = batches(engine, 3)
+    results = [engine.train_step(data[0])]
+    step, calls = engine.optimizer.step, []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:         # part-way through the units
+            raise RuntimeError("injected")
+        return step(*args, **kwargs)
+
+    engine.optimizer.step = failing
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.train_step(data[1])
+    engine.optimizer.step = step
+    results += [engine.train_step(x) for x in data[1:]]
+    assert [r.loss for r in results] == [r.loss for r in clean_res]
+    ours, theirs = engine.state_dict(), clean.state_dict()
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+    leftovers = sorted(p.name for p in engine.weights.folder.glob("w*"))
+    assert len(leftovers) == len([u for u in engine.units if u.host is not None])     # one version each
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_a_damaged_weights_file_is_one_line_naming_it(tmp_path, damage):
+    engine, _ = train("disk", tmp_path, steps=1)
+    path = engine.weights._path(engine.groups[1].unit)
+    data = bytearray(path.read_bytes())
+    if damage == "flip":
+        data[100] ^= 0xFF
+        path.write_bytes(bytes(data))
+    else:
+        path.write_bytes(bytes(data[:len(data) // 2]))
+    before = engine.state_dict()
+    with pytest.raises(IntegrityError) as err:
+        engine.train_step(batches(engine, 1)[0])
+    message = str(err.value)
+    assert "\n" not in message and str(path) in message and "layers[1:2]" in message
+    assert ("checksum mismatch" if damage == "flip" else "unreadable") in message
+    # the failed step changed nothing: the masters are the committed ones
+    after = engine.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_bad_knobs_are_one_line_naming_the_fix(tmp_path, capsys):
+    for knobs, fix in [({}, "offload_dir: param_offload 'disk' keeps the weights' files there; give a directory"),
+                       ({"offload_dir": "x", "schedule": "resident"},
+                        "param_offload: the resident schedule keeps every weight on the device; use 'host'"),
+                       ({"offload_dir": "x", "world_size": 2},
+                        "param_offload: disk runs on one rank for now; use param_offload host with world_size > 1")]:
+        with pytest.raises(ValueError) as err:
+            SpeedLoaderConfig.from_dict({"param_offload": "disk", **knobs})
+        assert "\n" not in str(err.value) and fix in str(err.value)
+    cfg = SpeedLoaderConfig(param_offload="disk", offload_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="add optimizer_offload: disk"):
+        SpeedLoaderEngine(build("llama-tiny", seed=0), cfg, optimizer=adamw)
+    with pytest.raises(ValueError, match="add optimizer_offload: disk"):
+        TrialSpec(model="llama-tiny", param_offload="disk", offload_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="runs on one rank for now"):
+        TrialSpec(model="llama-tiny", param_offload="disk", optimizer_offload="disk", offload_dir=str(tmp_path),
+                  world_size=2)
+    TrialSpec(model="llama-tiny", mode="generate", param_offload="disk", offload_dir=str(tmp_path))   # fine alone
+    knobs = ["--steps", "1", "--seq-len", "8"]
+    assert main(["train", *knobs, "--param-offload", "disk", "--offload-dir", str(tmp_path)]) == 2
+    assert main(["profile", "--param-offload", "disk", "--offload-dir", str(tmp_path)]) == 2
+    assert main(["profile", "--param-offload", "disk", "--optimizer-offload", "disk"]) == 2
+    assert main(["profile", "--param-offload", "disk", "--optimizer-offload", "disk", "--offload-dir", str(tmp_path),
+                 "--schedule", "resident"]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert err == [
+        "sltune train: error: --param-offload disk: training steps each unit's weights file with its optimizer "
+        "block; add --optimizer-offload disk",
+        "sltune profile: error: --param-offload disk: training steps each unit's weights file with its optimizer "
+        "block; add --optimizer-offload disk",
+        "sltune profile: error: --offload-dir: --optimizer-offload disk keeps the optimizer's files there; give a "
+        "directory on a local disk",
+        "sltune profile: error: --param-offload disk: the resident schedule keeps every weight on the device; use "
+        "--param-offload host, or --schedule speedloader or canonical",
+    ]

@@ -87,6 +87,14 @@ class DirectFiles:
             os.close(fd)
         return total
 
+    def replace(self, path: Path, buf: torch.Tensor, nbytes: int) -> int:
+        """Write as `path` + ".tmp", flushed, then rename over `path`: a kill never leaves a torn file under a
+        name that is read. Returns the bytes written."""
+        tmp = path.with_name(path.name + ".tmp")
+        moved = self.write(tmp, buf, nbytes)
+        os.replace(tmp, path)
+        return moved
+
     def read(self, path: Path, buf: torch.Tensor, nbytes: int) -> int:
         """Read the file's first padded(nbytes) bytes into buf. Returns the bytes read."""
         total = padded(nbytes)

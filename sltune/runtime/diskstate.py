@@ -331,9 +331,7 @@ class DiskState:
             self._pump()
 
     def _write_file(self, name: str, buf: torch.Tensor, nbytes: int, count: bool = True) -> str:
-        tmp = self.folder / f"{name}.tmp"
-        moved = self.files.write(tmp, buf, nbytes)
-        os.replace(tmp, self.folder / name)
+        moved = self.files.replace(self.folder / name, buf, nbytes)
         if count:
             with self._lock:
                 self.counters.disk_write_bytes += moved

@@ -208,9 +208,7 @@ class WeightFiles:
 
     def _write(self, name: str, buf: torch.Tensor, nbytes: int, count: bool = True) -> int:
         digest = checksum.ONE_SHOT[checksum.NAME](buf[:nbytes].numpy())
-        tmp = self.folder / f"{name}.tmp"
-        moved = self.files.write(tmp, buf, nbytes)
-        os.replace(tmp, self.folder / name)
+        moved = self.files.replace(self.folder / name, buf, nbytes)
         if count:
             with self._lock:
                 self.counters.disk_write_bytes += moved

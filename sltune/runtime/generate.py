@@ -315,7 +315,10 @@ def _step(engine: Runtime, subs: list[_Rows]) -> torch.Tensor:
         if unit is engine.embed or unit is engine.head:
             store.activate(unit)        # a group is activated by _run_group, layer by layer where it can
         if u + 1 < len(units):
-            store.prefetch(units[u + 1]) if ahead else store.read_ahead(units[u + 1])
+            if ahead:
+                store.prefetch(units[u + 1])
+            else:               # param_offload disk: its file read ahead, the device copy left to its activation
+                store.read_ahead(units[u + 1])
         if unit is engine.embed:
             for j, sb in enumerate(subs):
                 with region("compute", f"embed_{detail}"):

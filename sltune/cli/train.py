@@ -145,6 +145,9 @@ def run(args: argparse.Namespace) -> int:
         close = getattr(report.engine, "close", None)     # a wrapped backend's own process group, when it started one
         if close is not None:
             close()
+        # the engine goes now, and its offload_dir folder with it: this frame can outlive the call (optuna, imported
+        # by _fits_device, keeps the traceback of its optional redis import, and with it every frame under it)
+        report.engine = None
     except DeviceMemoryExceeded as err:
         bar.close()
         if cfg.backend != "speedloader":
@@ -318,14 +321,15 @@ def _recipe(job: TrainJob, inputs: Inputs, world: int) -> Setup:
     cfg = job.config
     model = str(inputs.source) if inputs.source is not None else job.model
     return Setup(model, shape_of(model, cfg.dtype), "train", cfg.schedule, cfg.mixed_precision, job.optimizer,
-                  world, cfg.device, job.seq_len, optimizer_offload=cfg.optimizer_offload)
+                  world, cfg.device, job.seq_len, optimizer_offload=cfg.optimizer_offload,
+                  param_offload=cfg.param_offload, clips=job.max_grad_norm is not None)
 
 
 def _candidate(cfg: SpeedLoaderConfig) -> Candidate:
     from sltune.tuning.space import Candidate
 
     return Candidate(cfg.sub_batch_size, cfg.num_sub_batches, cfg.num_live_blocks, cfg.activations,
-                     optimizer_offload=cfg.optimizer_offload)
+                     optimizer_offload=cfg.optimizer_offload, param_offload=cfg.param_offload)
 
 
 def _smallest(cfg: SpeedLoaderConfig) -> list[Candidate]:

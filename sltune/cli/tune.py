@@ -66,7 +66,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     pl.add_argument("--device-memory-limit", help="bytes or e.g. 24GiB (default: the file's limit)")
     pl.add_argument("--host-memory-limit", help="bytes or e.g. 64GiB (default: the file's limit; a spec without "
                                                 "one: this machine's trial ceiling)")
-    pl.add_argument("--disk-limit", help="a spec that sweeps search.optimizer_offload disk: bytes or e.g. 200GiB "
+    pl.add_argument("--disk-limit", help="a spec that sweeps search.optimizer_offload or search.param_offload disk: "
+                                         "bytes or e.g. 200GiB; no more than is free where trials offload to applies "
                                          "(default: the spec's hardware.disk_limit, else the free space where trials "
                                          "offload to)")
     pl.add_argument("--json", action="store_true", help="print the prediction as JSON")
@@ -146,7 +147,8 @@ def describe(r: dict, out: str | None = None, mode: str = "train") -> str:
                     f"{AUTO_STEP_S}s): the other trials ran all {layers} layers, and it stayed out of the fits")
         lines.append(f"  probe_layers {depth['probe_layers']}: {said}")
     if out and r["best"]:
-        disk = " --offload-dir DIR" if r["best"]["config"].get("optimizer_offload") == "disk" else ""
+        disk = " --offload-dir DIR" if "disk" in (r["best"]["config"].get("optimizer_offload"),
+                                                   r["best"]["config"].get("param_offload")) else ""
         use = (f"train with `sltune train --config {out}{disk}`" if mode == "train" else
                "generate with SpeedLoaderEngine(model, SpeedLoaderConfig.from_yaml(path)).generate(...)")
         lines.append(f"  wrote {out}: {use}")
@@ -265,14 +267,14 @@ def _plan_spec(data: dict, source: str, limits: list, as_json: bool, disk_limit:
     """Every config of a spec with its predicted peaks; the refusal when none fits (exit code 1)."""
     from sltune.tuning.report.plan_from_prior import plan_spec
 
-    r = plan_spec(data, source, *limits, disk_limit=disk_limit)
+    r = plan_spec(data, source, *limits, disk_limit=disk_limit, disk_flag="--disk-limit")
     if as_json:
         print(json.dumps(r))
         return 0 if r["fitting"] else 1
     lim = r["limits"]
-    note = f"; {lim['disk_limit_note']}" if lim.get("disk_limit_note") else ""
-    disk = (f", disk {format_bytes(lim['disk_limit'])} ({lim['disk_limit_from']}{note})" if lim.get("disk_limit_from")
-            else "")
+    # a disk limit larger than the free space: 'hardware.disk_limit is 1.0 TiB but only 80.0 GiB is free in DIR: ...'
+    disk = (f", disk {format_bytes(lim['disk_limit'])} ({lim.get('disk_limit_note') or lim['disk_limit_from']})"
+            if lim.get("disk_limit_from") else "")
     print(f"{r['model']}: {r['fitting']} of {r['candidates']} configs predicted to fit device "
           f"{format_bytes(lim['device_memory_limit'])}, host {format_bytes(lim['host_memory_limit'])} "
           f"({lim['host_limit_from']}){disk} with the {r['margin']:.0%} margin; no trial ran")
@@ -286,8 +288,12 @@ def _plan_spec(data: dict, source: str, limits: list, as_json: bool, disk_limit:
     for big in r["largest"][:5]:
         p = big["prior"]
         on_disk = f", disk {format_bytes(p.get('peak_disk_bytes') or 0)}" if disk else ""
+        moved = (f"; disk traffic a step {format_bytes(p['disk_read_bytes_per_step'])} read, "
+                 f"{format_bytes(p['disk_write_bytes_per_step'])} written (predicted)"
+                 if p.get("disk_read_bytes_per_step") else "")
         print(f"  largest that fits: {describe_config(big['config'])} (host {format_bytes(p['peak_host_bytes'])}, "
-              f"device {format_bytes(p['peak_device_bytes'])}{on_disk}); binding limit: {big['binding_limit']}")
+              f"device {format_bytes(p['peak_device_bytes'])}{on_disk}{moved}); binding limit: "
+              f"{big['binding_limit']}")
     if r["refusal"]:
         print(f"  refused: {r['refusal']}")
     return 0 if r["fitting"] else 1

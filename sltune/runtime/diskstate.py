@@ -2,11 +2,13 @@
 
 Layout. The tensors the optimizer steps (each trainable parameter's float32 master, or a rank's flat shard of a
 unit) are packed in the optimizer's order, unit by unit, into blocks of at most BLOCK_NUMEL values; a tensor
-larger than that is a block of its own, since a tensor is stepped whole, as the host steps it, so the arithmetic
-is the host's to the bit. A block's file holds sections, each the block's values back to back: the float32
-master (under mixed precision), then each of the optimizer's state tensors (AdamW: exp_avg, exp_avg_sq), the
-whole padded to pages for O_DIRECT (sltune.runtime.direct_io). A frozen parameter's master never changes: each
-unit's frozen masters are one file, written once.
+larger than that is cut into slices of BLOCK_NUMEL values (disk_layout.pieces), each stepped as the tensor from the
+counters it had before its first slice (sltune.runtime.stepping), so the arithmetic is the host's to the bit and
+the slots are a block's size, not the largest tensor's. The manifest names each slice by its tensor's index, in
+order; read_committed puts them back together. A block's file holds sections, each the block's values back to
+back: the float32 master (under mixed precision), then each of the optimizer's state tensors (AdamW: exp_avg,
+exp_avg_sq), the whole padded to pages for O_DIRECT (sltune.runtime.direct_io). A frozen parameter's master never
+changes: each unit's frozen masters are one file, written once.
 
 A step moves version v to v+1. Blocks are read ahead in the order their gradients become final (the backward's
 order) into `DEPTH` page-aligned slots reused from step to step, the largest blocks' sizes, so host memory holds
@@ -18,7 +20,9 @@ Crash safety: a block's new file is written as `*.tmp`, flushed (fdatasync) and 
 by renaming `manifest.json` over the last one, which names every block's file of the version, the frozen files
 and `optimizer-v{v}.pt` (the optimizer's per-tensor step counts and hyperparameters: all it keeps besides the
 tensors). Files of version v are removed only after v+1 is committed, so a kill -9 at any moment leaves the last
-complete version readable (`read_committed`). A failed step (an exception) deletes what it wrote and rolls back.
+complete version readable (`read_committed`). A failed step (an exception) deletes what it wrote and rolls back,
+a failure to write the new manifest (a full disk) included: the engine keeps naming version v, as the folder does.
+A kill lands at a named moment with SLTUNE_CRASH_AT (sltune.runtime.durable.DISK_CRASH_POINTS), as the tests do.
 
 Integrity: every file's payload is checksummed as it is written (xxh3_64 from the xxhash package; zlib's crc32
 where xxhash is missing), one sum per section, kept in the manifest beside the file's name, and verified whenever
@@ -34,7 +38,9 @@ next version on.
 
 Every engine writes in a folder of its own, `offload_dir/sltune-r{rank}-{pid}-{n}`, held with an advisory lock;
 a folder whose lock no process holds (its process was killed) is removed by the next engine that starts there,
-and an engine's folder goes when the engine does. Checkpoints hard-link a committed version's files (copied
+and an engine's folder goes when the engine does, its lock file last (so a kill meanwhile leaves a folder the next
+engine removes too). A filesystem failure under the folder (full, read-only, removed) is one line naming the file
+and the fix (DirectFiles.failure). Checkpoints hard-link a committed version's files (copied
 across filesystems), which new versions never overwrite.
 """
 
@@ -59,14 +65,16 @@ from torch import nn
 
 from sltune.runtime import checksum
 from sltune.runtime.direct_io import DirectFiles, aligned_empty, writable_dir
-from sltune.runtime.disk_layout import DEPTH, pack, padded
-from sltune.runtime.durable import replace_durably
+from sltune.runtime import disk_layout
+from sltune.runtime.disk_layout import DEPTH, pack, padded, pieces
+from sltune.runtime.durable import crash_point, replace_durably
 from sltune.runtime.counters import IOCounters
 
 IO_THREADS = 4
 MANIFEST = "manifest.json"
 LOCK = ".lock"
 DELAY_ENV = "SLTUNE_DISK_WRITE_DELAY_S"     # emulate a slow disk: seconds of sleep before each file write
+STALE_S = 60.0                  # a hidden engine folder without a lock this old is a dead one's (_own_folder)
 VERIFY_READS = True             # verify each step's read-ahead too (not only resumes, checkpoints and rollbacks)
 _names = itertools.count()
 
@@ -89,10 +97,23 @@ class Stepped:
     grad: torch.Tensor          # its view of the unit's host gradients
     param: nn.Parameter         # what the optimizer holds (a placeholder between steps when the master is on disk)
     index: int = -1             # its place in the optimizer's parameter list (state_dict's numbering)
+    part: int | None = None     # a slice of a tensor larger than a block: where in the tensor it starts
+    whole: torch.Size | None = None     # ... and the tensor's shape
 
     def placeholder(self) -> torch.Tensor:
         """Values of the right shape that take no memory: the Parameter between steps."""
-        return torch.zeros((), dtype=self.param.dtype).expand(self.shape)
+        return torch.zeros((), dtype=self.param.dtype).expand(self.whole or self.shape)
+
+    def sliced(self) -> list["Stepped"]:
+        """The tensor as the disk tier steps it: whole, or in slices of a block each (disk_layout.pieces), each a
+        flat view of its values and gradient."""
+        cuts = pieces(self.numel)
+        if len(cuts) == 1:
+            return [self]
+        flat = self.grad.reshape(-1) if self.grad.stride() and self.grad.is_contiguous() else None
+        return [Stepped(self.unit, self.offset + a, n, torch.Size([n]),
+                        flat[a:a + n] if flat is not None else torch.zeros((), dtype=self.grad.dtype).expand(n),
+                        self.param, self.index, a, self.shape) for a, n in cuts]
 
 
 @dataclass
@@ -172,7 +193,7 @@ class DiskState:
         """Pack a unit's stepped tensors into blocks and write version 0: the masters (when they live here) of
         the stepped tensors, and the frozen ranges' masters once. `master` is the unit's flat float32 master,
         which the caller frees after."""
-        blocks = pack(stepped, lambda s: s.numel)
+        blocks = pack([piece for s in stepped for piece in s.sliced()], lambda s: s.numel)
         mine = [Block(len(self.blocks) + i, unit, items, sum(s.numel for s in items)) for i, items in enumerate(blocks)]
         self.blocks += mine
         self._by_unit[id(unit)] = mine
@@ -301,6 +322,13 @@ class DiskState:
         slot.read.result()
         return slot
 
+    def interrupt(self, error: BaseException) -> None:
+        """The step failed: whoever waits for a block raises instead of waiting for a read that will not come (the
+        slots may hold blocks nobody will step)."""
+        with self._lock:
+            self._error = self._error or error
+            self._lock.notify_all()
+
     def write_behind(self, block: Block, slot: _Slot) -> None:
         """Write the stepped block as version v+1; its slot is free once the file is renamed into place."""
         self._writes.append(self._pool.submit(self._write, block, slot))
@@ -331,7 +359,7 @@ class DiskState:
             self._pump()
 
     def _write_file(self, name: str, buf: torch.Tensor, nbytes: int, count: bool = True) -> str:
-        moved = self.files.replace(self.folder / name, buf, nbytes)
+        moved = self.files.replace(self.folder / name, buf, nbytes, label="disk")
         if count:
             with self._lock:
                 self.counters.disk_write_bytes += moved
@@ -358,15 +386,27 @@ class DiskState:
         old = [b.file for b in self.blocks if b.file is not None]
         names = {p.name for p in self._written}
         for block in self.blocks:
-            name = f"b{block.index:05d}-v{new}.bin"
-            if name not in names:
+            if f"b{block.index:05d}-v{new}.bin" not in names:
                 raise RuntimeError(f"block {block.index} of {block.unit.name} was not written this step")
+        before = [(b.file, b.has_state, b.sums) for b in self.blocks]
+        for block in self.blocks:
+            name = f"b{block.index:05d}-v{new}.bin"
             block.file, block.has_state, block.sums = name, True, self._sums[name]
         self.version = new
-        self._commit_manifest(small_state)
+        try:
+            self._commit_manifest(small_state)
+        except BaseException:       # (a full disk) the manifest still names version v: so does this engine
+            for block, (file, has_state, sums) in zip(self.blocks, before):
+                block.file, block.has_state, block.sums = file, has_state, sums
+            self.version = new - 1
+            for name in (f"optimizer-v{new}.pt", f"optimizer-v{new}.pt.tmp", f"{MANIFEST}.tmp"):
+                _unlink_quietly(self.folder / name)
+            raise
+        crash_point("disk.committed")
+        # committed: what follows only tidies (a file left behind goes with the folder), so it raises nothing
         for name in old:
-            (self.folder / name).unlink(missing_ok=True)
-        (self.folder / f"optimizer-v{new - 1}.pt").unlink(missing_ok=True)
+            _unlink_quietly(self.folder / name)
+        _unlink_quietly(self.folder / f"optimizer-v{new - 1}.pt")
         self._written, self._sums = [], {}
 
     def abort(self) -> None:
@@ -388,17 +428,23 @@ class DiskState:
         for slot in self._slots:
             self.release(slot)
         for path in self._written:
-            path.unlink(missing_ok=True)
+            _unlink_quietly(path)
         for tmp in self.folder.glob(f"*-v{self.version + 1}.bin.tmp"):
-            tmp.unlink(missing_ok=True)
+            _unlink_quietly(tmp)
         self._writes, self._written, self._sums, self._error = [], [], {}, None
 
     def _commit_manifest(self, small_state: dict[str, Any] | None) -> None:
         optimizer, digest = None, None
-        if small_state is not None:
-            optimizer = f"optimizer-v{self.version}.pt"
-            digest = save_small(self.folder / optimizer, small_state)
-        write_manifest(self.folder, self.manifest(optimizer, digest))
+        path = self.folder / MANIFEST
+        try:
+            if small_state is not None:
+                optimizer = f"optimizer-v{self.version}.pt"
+                path = self.folder / optimizer
+                digest = save_small(path, small_state)
+                path = self.folder / MANIFEST
+            write_manifest(self.folder, self.manifest(optimizer, digest))
+        except OSError as err:      # a full disk, a folder gone read-only or removed: one line, with the fix
+            raise self.files.failure(err, path, "writing") from None
 
     def manifest(self, optimizer: str | None, optimizer_sum: int | None = None) -> dict[str, Any]:
         return {"version": self.version, "master": self.master, "optimizer": optimizer, "checksum": CHECKSUM,
@@ -455,6 +501,11 @@ class DiskState:
         theirs = load_manifest(folder)
         mine = self.manifest(None)
         if _shape(theirs) != _shape(mine):
+            if any(n > disk_layout.BLOCK_NUMEL for b in theirs["blocks"] for _, n in b["items"]):
+                raise ValueError(f"{folder}: its optimizer files keep a tensor over {disk_layout.BLOCK_NUMEL} "
+                                 "values in one block, as sltune did before it stepped such tensors in slices; "
+                                 "resume it with the sltune that saved it, or start from its weights (the "
+                                 "checkpoint's model folder)")
             raise ValueError(f"{folder}: its optimizer files were written for another layout (num_live_blocks, "
                              "world size, mixed_precision or optimizer); resume with the knobs the run was saved with")
         if theirs["optimizer"] is None:
@@ -482,8 +533,11 @@ class DiskState:
             if entry["file"] is None:
                 continue
             name = f"b{block.index:05d}-v{self.version}.bin"
-            (self.folder / name).unlink(missing_ok=True)
-            _link(folder / entry["file"], self.folder / name)
+            try:
+                (self.folder / name).unlink(missing_ok=True)
+                _link(folder / entry["file"], self.folder / name)
+            except OSError as err:      # copied across filesystems onto a full disk, say
+                raise self.files.failure(err, self.folder / name, "writing") from None
             block.file, block.has_state, block.sums = name, entry["has_state"], sums[block.index]
         self._commit_manifest(small)
         return small
@@ -737,8 +791,11 @@ def read_committed(folder: str | Path) -> dict[str, Any]:
             parts += [(key, buf[off:off + numel * dtype.itemsize].view(dtype))
                       for off, (key, dtype) in zip(states, layout)]
         at = 0
-        for index, n in entry["items"]:
-            tensors[index] = {key: values[at:at + n].clone() for key, values in parts}
+        for index, n in entry["items"]:      # a tensor sliced over blocks comes in order: its slices appended
+            mine = {key: values[at:at + n].clone() for key, values in parts}
+            if index in tensors:
+                mine = {key: torch.cat([tensors[index][key], t]) for key, t in mine.items()}
+            tensors[index] = mine
             at += n
     small = load_small(folder, manifest) if manifest["optimizer"] else None
     return {"version": manifest["version"], "optimizer": small, "tensors": tensors}
@@ -773,11 +830,18 @@ def _own_folder(root: Path, rank: int) -> tuple[Path, int]:
 
 
 def _remove_stale(root: Path) -> None:
-    """Folders of engines whose process is gone (killed: nothing removed them) hold gigabytes: remove them."""
-    for folder in root.glob("sltune-r*"):
+    """Folders of engines whose process is gone (killed: nothing removed them) hold gigabytes: remove them. A folder
+    is dead when no process holds its lock; one without a lock file is being removed (a kill in _close leaves it so:
+    the lock goes last), and a hidden one (`_own_folder`'s, made before its lock) is dead once STALE_S old. So are
+    writable_dir's probes that a kill left."""
+    now = time.time()
+    for folder in [*root.glob("sltune-r*"), *root.glob(".sltune-r*")]:
         try:
             fd = os.open(folder / LOCK, os.O_RDWR)
         except OSError:
+            if folder.is_dir() and not folder.is_symlink() and (not folder.name.startswith(".")
+                                                                 or _age(folder, now) > STALE_S):
+                shutil.rmtree(folder, ignore_errors=True)
             continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -786,9 +850,40 @@ def _remove_stale(root: Path) -> None:
             continue
         shutil.rmtree(folder, ignore_errors=True)
         os.close(fd)
+    for probe in root.glob(".sltune-write-probe-*"):
+        if _age(probe, now) > STALE_S:
+            _unlink_quietly(probe)
+
+
+def _age(path: Path, now: float) -> float:
+    try:
+        return now - path.lstat().st_mtime
+    except OSError:
+        return 0.0
+
+
+def _unlink_quietly(path: Path) -> None:
+    """Remove a file that is garbage whatever happens (a folder gone read-only keeps it: the folder goes later)."""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError:
+        pass
 
 
 def _close(folder: Path, lock: int, pool: ThreadPoolExecutor) -> None:
+    """The engine's folder removed, its lock file last: a kill part-way leaves a folder whose lock nobody holds,
+    which the next engine removes (_remove_stale)."""
     pool.shutdown(wait=True)
+    try:
+        entries = [p for p in folder.iterdir() if p.name != LOCK]
+    except OSError:
+        entries = []
+    for n, entry in enumerate(entries):
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            _unlink_quietly(entry)
+        if n == 0:
+            crash_point("engine.closing")
     shutil.rmtree(folder, ignore_errors=True)
     os.close(lock)

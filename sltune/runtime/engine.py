@@ -256,7 +256,8 @@ class SpeedLoaderEngine:
         # per-unit stepping: always under disk (early when it can roll back), under host when asked to overlap
         self._stepper = UnitStepper(self.optimizer, self.params.stepped, self.disk,
                                     master_in_memory=self.params.master and self.disk is None,
-                                    rollback=self.params.master_on_disk, weights=self.weights) \
+                                    rollback=self.params.master_on_disk, weights=self.weights,
+                                    grads=self.params.grads) \
             if self.optimizer is not None and not resident and (self.disk is not None or overlap) else None
         self._overlap = overlap
         self.last_stepping: StepTimeline | None = None
@@ -354,12 +355,9 @@ class SpeedLoaderEngine:
         self._scale_used = self.scaler.scale if self.scaler is not None else None
         self.saved.start_step()
         stepper = self._stepper
-        # a unit steps as its gradients become final unless the step needs all of them first (clipping, loss
-        # scaling), or a failure part-way could not be undone (no master on disk, or host memory)
-        early = stepper is not None and self._overlap and self._scale_used is None and self.max_grad_norm is None \
-            and (stepper.rollback or self.disk is None)
+        early = self._early()
         if stepper is not None and (early or self.disk is not None):
-            stepper.begin(self._step_order(), early)
+            stepper.begin(self._step_order(), early, need_norm=self.track_grad_norm)
         else:
             stepper = None
         if self.config.schedule == "canonical":
@@ -371,16 +369,21 @@ class SpeedLoaderEngine:
             loss = self._pass(subs, num_items, accumulate=False)
         self.copier.synchronize()
         host_side = self.config.schedule != "resident"
+        streamed = self.params.grads        # param_offload disk: the norm was taken as the gradients streamed by
         with self.memory.paused() if host_side else contextlib.nullcontext(), \
                 region("cpu" if host_side else "compute", "optimizer"):
             if early:       # the units stepped (or are stepping) already; the norm of what they stepped with
                 stepper.finish()
-                grads = finish_grads(self.params.grad_buffers(), need_norm=self.track_grad_norm, world=self.world)
+                grads = finish_grads(self.params.grad_buffers(), need_norm=self.track_grad_norm, world=self.world,
+                                     square=streamed.square(self.units) if streamed is not None else None)
             else:
+                if streamed is not None:
+                    stepper.settle()
                 grads = finish_grads(self.params.grad_buffers(), scale=self._scale_used or 1.0,
-                                     max_norm=self.max_grad_norm, need_norm=self.track_grad_norm, world=self.world)
+                                     max_norm=self.max_grad_norm, need_norm=self.track_grad_norm, world=self.world,
+                                     square=streamed.square(self.units) if streamed is not None else None)
                 if stepper is not None:
-                    stepper.skip() if grads.skip else stepper.finish()
+                    stepper.skip() if grads.skip else stepper.finish(grads.coef)
                 elif not grads.skip:
                     self.optimizer.step()
                     self.params.refresh()
@@ -604,6 +607,14 @@ class SpeedLoaderEngine:
         if isinstance(unit, int):
             return self.groups[unit].unit
         return {"embed": self.embed, "head": self.head, "tied": self.tied}[unit]
+
+    def _early(self) -> bool:
+        """Whether a unit steps as soon as its gradients are final: not when the step needs all of them first
+        (clipping, loss scaling), nor when a failure part-way could not be undone (the master in host memory, or
+        none: the model's own Parameters are stepped, which the backward still uses)."""
+        stepper = self._stepper
+        return stepper is not None and self._overlap and self.scaler is None and self.max_grad_norm is None \
+            and (stepper.rollback or self.disk is None)
 
     def _step_order(self) -> list[ParamUnit]:
         """The units in the order a step makes their gradients final: the backward's, the tied weights last."""

@@ -29,6 +29,7 @@ from torch import nn
 
 from sltune.runtime.direct_io import aligned_empty
 from sltune.runtime.diskstate import DiskState, Stepped
+from sltune.runtime.gradwindow import GradWindow
 from sltune.runtime.memory import DeviceMemory
 from sltune.runtime.regions import region
 from sltune.runtime.streams import Event, Streams
@@ -150,6 +151,7 @@ class ParamStore:
     _kept: frozenset[int] | set[int] = frozenset()     # ids of units that stay on the device once loaded
     _complete: frozenset[int] | set[int] = frozenset() # ... whose device buffer holds all their weights
     weights: WeightFiles | None = None                  # param_offload disk: the dtype copies' files
+    grads: GradWindow | None = None                     # ... and the gradients' bounded window
 
     def __init__(self, units: list[ParamUnit], dtype: torch.dtype, copier: Copier, pool: BufferPool,
                  resident: bool, train: bool = True, master: bool = False, fill: WeightFill = None,
@@ -163,7 +165,9 @@ class ParamStore:
         to its files, unit by unit as they are filled, and the optimizer's Parameters are placeholders it binds when
         a unit steps.
         `weights` (param_offload: disk): each unit's dtype copy goes to its file once filled; `unit.host` is then a
-        placeholder (its numel and dtype, no memory) and every load reads the file through the window."""
+        placeholder (its numel and dtype, no memory) and every load reads the file through the window; in training
+        (but the canonical schedule, which sums every micro-batch's gradients on the host) the gradients are not
+        held whole either: a unit's borrow a GradWindow's buffer from their offload to their step."""
         self.units = units
         self.copier = copier
         self.pool = pool
@@ -173,6 +177,8 @@ class ParamStore:
         self.disk = disk if train else None
         self.master_on_disk = self.master and self.disk is not None
         self.weights = weights
+        streamed = weights is not None and self.disk is not None and on_device_accumulate and not resident
+        grad_dtype = torch.float32 if self.master else dtype
         self.stepped: dict[int, list[Stepped]] = {}      # per unit (by id): the tensors the optimizer steps
         self._masters: dict[int, nn.Parameter] = {}     # model parameter id -> its master's Parameter
         fill = fill or copy_own_data
@@ -211,11 +217,11 @@ class ParamStore:
                 unit.host = placeholder((unit.numel,), dtype)
                 del raw
             unit.has_grads = goff > 0
-            if goff and train and (self.master or not resident):
-                unit.host_grad = alloc(goff, torch.float32 if self.master else dtype).zero_()
+            if goff and train and (self.master or not resident) and not streamed:
+                unit.host_grad = alloc(goff, grad_dtype).zero_()
             self._point(unit, unit.host, unit.host_grad)
-            if unit.host_grad is not None:
-                self.stepped[id(unit)] = self._stepped_of(unit)
+            if unit.host_grad is not None or (goff and streamed):
+                self.stepped[id(unit)] = self._stepped_of(unit, grad_dtype)
             if self.disk is not None:
                 frozen = [(off, shape.numel()) for off, g, shape in zip(unit.offsets, unit.grad_offsets, unit.shapes)
                           if g is None]
@@ -231,12 +237,18 @@ class ParamStore:
                 extra = [unit.master, unit.dev_grad]
                 pool.memory.alloc(unit.nbytes + unit.grad_nbytes + sum(t.numel() * t.element_size()
                                                                        for t in extra if t is not None))
+        if streamed:
+            self.grads = GradWindow([u for u in units if id(u) in self.stepped], grad_dtype, self.disk.files,
+                                    self.disk.folder, self.disk.counters, self.disk._lock, self.bind_grads)
 
-    def _stepped_of(self, unit: ParamUnit) -> list[Stepped]:
+    def _stepped_of(self, unit: ParamUnit, grad_dtype: torch.dtype) -> list[Stepped]:
         """The unit's trainable tensors as the optimizer steps them: under a master a float32 Parameter viewing
-        it with its float32 gradient (a placeholder when the master is on disk), else the model's own."""
+        it with its float32 gradient (a placeholder when the master is on disk), else the model's own. Gradients
+        in a GradWindow are placeholders until their unit borrows a buffer (bind_grads)."""
         out = []
-        grads = unit._views(unit.host_grad, unit.grad_offsets)
+        grads = unit._views(unit.host_grad, unit.grad_offsets) if unit.host_grad is not None else \
+            [None if off is None else placeholder(shape, grad_dtype)
+             for off, shape in zip(unit.grad_offsets, unit.shapes)]
         masters = unit._views(unit.master, unit.offsets) if self.master else [None] * len(unit.params)
         for p, off, shape, g, master in zip(unit.params, unit.offsets, unit.shapes, grads, masters):
             if g is None:
@@ -289,7 +301,8 @@ class ParamStore:
         if self.resident or unit.host is None or unit.dev is not None:
             return
         if self.weights is not None:
-            src = self.weights.values(unit)
+            with region("disk", "weights_read"):    # what the read ahead did not hide: the breakdown's disk slice
+                src = self.weights.values(unit)
             buf = self.pool.acquire(unit.host.numel(), unit.host.dtype)
             copied = self.copier.to_device(src, "param_load_bytes", out=buf)
             if copied.event is not None:    # the window buffer is reused once the copy has read it
@@ -319,7 +332,11 @@ class ParamStore:
             unit.dev = self.pool.acquire(unit.host.numel(), unit.host.dtype)
             self._point(unit, unit.dev, None)
         start, end = unit.parts[part], unit.parts[part + 1]
-        src = self.weights.values(unit) if self.weights is not None else unit.host
+        if self.weights is not None:
+            with region("disk", "weights_read"):
+                src = self.weights.values(unit)
+        else:
+            src = unit.host
         self.copier.to_device(src[start:end], "param_load_bytes", out=unit.dev[start:end])
         if self.weights is not None and part == len(unit.parts) - 2:
             self.weights.done(unit)
@@ -359,15 +376,41 @@ class ParamStore:
                 self.release(unit)
 
     def _home(self, unit: ParamUnit) -> None:
-        """Where the parameters point between loads: the host copy and its gradients."""
+        """Where the parameters point between loads: the host copy and its gradients (none in a GradWindow: a
+        slot is the unit's only until it steps)."""
         self._point(unit, unit.host, unit.host_grad)
+
+    def trains(self, unit: ParamUnit) -> bool:
+        """Whether the unit's gradients go to the host and step: in a buffer of its own or one a GradWindow lends."""
+        return unit.host_grad is not None or id(unit) in self.stepped and self.grads is not None
+
+    def host_grad_numel(self, unit: ParamUnit) -> int:
+        """How many gradient values of the unit this process offloads (a rank's shard when sharded)."""
+        if unit.host_grad is not None:
+            return unit.host_grad.numel()
+        return unit.grad_numel if self.trains(unit) else 0
+
+    def bind_grads(self, unit: ParamUnit, flat: torch.Tensor | None) -> None:
+        """Point the optimizer's view of the unit's gradients (Stepped.grad, a slice's in the disk tier's blocks too)
+        at `flat`, or back at placeholders."""
+        views = dict(zip(unit.offsets, unit._views(flat, unit.grad_offsets))) if flat is not None else {}
+        items = {id(s): s for s in self.stepped.get(id(unit), [])}
+        if self.disk is not None:
+            items.update((id(s), s) for block in self.disk.blocks_of(unit) for s in block.items)
+        for s in items.values():
+            if not views:
+                s.grad = placeholder(s.shape, s.grad.dtype)
+            elif s.part is None:
+                s.grad = views[s.offset]
+            else:
+                s.grad = views[s.offset - s.part].reshape(-1)[s.part:s.part + s.numel]
 
     # -- gradients -------------------------------------------------------------------------------
     def begin_grads(self, unit: ParamUnit) -> None:
         """Give the live parameters zeroed device gradient buffers to accumulate into."""
-        if unit.host_grad is None or self.resident:
+        if not self.trains(unit) or self.resident:
             return  # resident: autograd's own gradients, on the device (flat in dtype under a master)
-        self._device_grads(unit, unit.host_grad.numel())
+        self._device_grads(unit, unit.grad_numel)
 
     def _device_grads(self, unit: ParamUnit, numel: int) -> None:
         unit.dev_grad = self.pool.acquire(numel, unit.host.dtype).zero_()
@@ -394,6 +437,10 @@ class ParamStore:
         if self.resident or unit.dev_grad is None:
             return None
         src = unit.dev_grad32 if unit.dev_grad32 is not None else unit.dev_grad
+        if self.grads is not None:      # a buffer, for as long as the unit takes to step (or to spill)
+            with self.pool.memory.paused():     # host memory, not the device's
+                out = self.grads.acquire(unit)
+            return self.copier.to_host(src, out, "grad_offload_bytes")
         return self.copier.to_host(src, unit.host_grad, "grad_offload_bytes", accumulate=accumulate)
 
     def drop_resident_grads(self) -> None:

@@ -57,20 +57,29 @@ class GradStep:
 
     norm: float | None       # the global norm of the unscaled gradients (None when not computed)
     skip: bool                # an overflow under loss scaling: no optimizer step
+    coef: float = 1.0         # what the gradients were (or, streamed, are to be) multiplied by: unscale and clip
 
 
-def finish_grads(grads: list[torch.Tensor], scale: float = 1.0, max_norm: float | None = None,
-                 need_norm: bool = False, world: int = 1) -> GradStep:
-    """Unscale and clip the flat gradients in place (one multiply), or report an overflow.
-
-    `grads` are this rank's flat gradient buffers, each parameter once; sharded, the squares are summed over
-    ranks so every rank sees the same norm and takes the same decision."""
-    scaled = scale != 1.0
-    if not (need_norm or scaled or max_norm is not None):
-        return GradStep(None, False)
+def squared_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The float64 sum of each flat buffer's squared float32 norm, in order."""
     square = torch.zeros((), dtype=torch.float64)
     for g in grads:
         square += torch.linalg.vector_norm(g, dtype=torch.float32).double() ** 2
+    return square
+
+
+def finish_grads(grads: list[torch.Tensor], scale: float = 1.0, max_norm: float | None = None,
+                 need_norm: bool = False, world: int = 1, square: torch.Tensor | None = None) -> GradStep:
+    """Unscale and clip the flat gradients in place (one multiply), or report an overflow.
+
+    `grads` are this rank's flat gradient buffers, each parameter once; sharded, the squares are summed over
+    ranks so every rank sees the same norm and takes the same decision. `square`: the squared norm taken as the
+    gradients streamed by (sltune.runtime.gradwindow), with `grads` empty; the step then applies the coefficient."""
+    scaled = scale != 1.0
+    if not (need_norm or scaled or max_norm is not None):
+        return GradStep(None, False)
+    if square is None:
+        square = squared_norm(grads)
     if world > 1:
         dist.all_reduce(square)
     norm = math.sqrt(float(square)) / scale
@@ -82,4 +91,4 @@ def finish_grads(grads: list[torch.Tensor], scale: float = 1.0, max_norm: float 
     if coef != 1.0:
         for g in grads:
             g.mul_(coef)
-    return GradStep(norm, False)
+    return GradStep(norm, False, coef)

@@ -3,7 +3,8 @@
 Every region is "sltune.<category>.<detail>"; the profiler's breakdown maps categories to the slices of
 its pie chart: compute (the model's math), memcpy (the runtime's copies), all_gather, reduce_scatter,
 cpu (host-side work such as the optimizer on host parameters), disk (the step waiting for the optimizer's files
-under optimizer_offload disk). "sltune.step" spans one whole step.
+under optimizer_offload disk, and for the weights' files and the spilled gradients under param_offload disk).
+"sltune.step" spans one whole step.
 When no profiler runs, a region is a no-op (record_function alone costs ~9 us).
 """
 

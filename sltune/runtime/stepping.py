@@ -22,7 +22,10 @@ steps are deferred to after the backward, and only an I/O error while stepping c
 Under `param_offload: disk` (sltune.runtime.weightfiles) the dtype copy is not in host memory either: a unit steps
 into a window buffer of its own (holding its committed copy first when the step updates it in place, without a
 master, or keeps frozen values), which is written behind as the unit's next version and becomes the one loaded
-when the step commits; a failed step deletes it, so the committed copy needs no rollback.
+when the step commits; a failed step deletes it, so the committed copy needs no rollback. Its gradients borrow a
+buffer of a GradWindow (sltune.runtime.gradwindow): an early step gives it back once the unit has stepped; a
+deferred one spills them to a file on the stepping thread as they arrive (their squared norm taken on the way),
+and after the backward reads them back one unit ahead, scaled by the clipping and unscaling coefficient.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import torch
 from torch import nn
 
 from sltune.runtime.diskstate import Block, DiskState, Stepped
+from sltune.runtime.gradwindow import GradWindow
 from sltune.runtime.regions import region
 from sltune.runtime.spans import union_length
 from sltune.runtime.weightfiles import WeightFiles, placeholder
@@ -83,17 +87,19 @@ class UnitStepper:
 
     def __init__(self, optimizer: torch.optim.Optimizer, stepped: dict[int, list[Stepped]],
                  disk: DiskState | None, master_in_memory: bool, rollback: bool,
-                 weights: WeightFiles | None = None):
+                 weights: WeightFiles | None = None, grads: GradWindow | None = None):
         """`stepped`: per unit (by id) the tensors the optimizer steps. `master_in_memory`: refresh a unit's dtype
         copy from its float32 master after it steps (host mode). `rollback`: a failed step can be undone (the
         master lives on disk), so stepping may start during the backward. `weights` (param_offload disk, with
-        `disk`): each stepped unit's dtype copy is written to its next file version."""
+        `disk`): each stepped unit's dtype copy is written to its next file version. `grads`: the units' gradients
+        borrow its buffers (param_offload disk) instead of living in buffers of their own."""
         self.optimizer = optimizer
         self.stepped = stepped
         self.disk = disk
         self.master_in_memory = master_in_memory
         self.rollback = rollback
         self.weights = weights
+        self.grads = grads
         self.timeline = StepTimeline()
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="sltune-step")
         self._order: list[Any] = []
@@ -104,6 +110,10 @@ class UnitStepper:
         self._snapshot: dict[int, dict[str, Any]] = {}
         self._abort = threading.Event()
         self.early = False
+        self._need_norm = False
+        self._coef = 1.0
+        self._committed = False
+        self._counters: dict[int, dict[str, Any]] = {}      # a sliced tensor's counters before its first slice
 
     def blocks(self, unit) -> list[Block] | list[list[Stepped]]:
         if self.disk is not None:
@@ -111,12 +121,16 @@ class UnitStepper:
         return [self.stepped[id(unit)]]
 
     # -- the engine's calls ----------------------------------------------------------------------------
-    def begin(self, order: Sequence[Any], early: bool) -> None:
-        """A step starts: `order` is the units whose gradients will become final, in that order."""
+    def begin(self, order: Sequence[Any], early: bool, need_norm: bool = False) -> None:
+        """A step starts: `order` is the units whose gradients will become final, in that order; `need_norm`: an
+        early step takes the norm of the gradients in a GradWindow before their buffers go back."""
         self._order = [u for u in order if self.stepped.get(id(u))]
         self._submitted, self._futures, self._done_blocks, self._compute = set(), [], [], []
         self._abort.clear()
-        self.early = early
+        self._committed = False
+        self.early, self._need_norm, self._coef = early, need_norm, 1.0
+        if self.grads is not None:
+            self.grads.begin()
         self.timeline = StepTimeline(early=early)
         if self.rollback or self.weights is not None:    # the weights files roll back: so do the counters
             self._snapshot = {id(s.param): {k: (v.clone() if torch.is_tensor(v) else v)
@@ -127,7 +141,11 @@ class UnitStepper:
 
     def ready(self, unit, pending=None) -> None:
         """The unit's gradients are final (`pending`: their copy to the host, when it is asynchronous)."""
-        if not self.early or not self.stepped.get(id(unit)) or id(unit) in self._submitted:
+        if not self.stepped.get(id(unit)) or id(unit) in self._submitted:
+            return
+        if not self.early:
+            if self.grads is not None:      # deferred: out of its buffer into a file, the norm taken on the way
+                self._futures.append(self._worker.submit(self._guarded, self._spill_unit, unit, pending))
             return
         expected = next(u for u in self._order if id(u) not in self._submitted)
         if expected is not unit:
@@ -135,9 +153,20 @@ class UnitStepper:
                                "does not follow the backward's")
         self._submit(unit, pending)
 
-    def finish(self) -> None:
-        """Step what has not stepped yet, wait for every unit and write, and commit the new version."""
+    def settle(self) -> None:
+        """Wait for the work submitted so far: under a deferred step with a GradWindow, every unit's gradients
+        spilled and their squared norms taken, so the norm can be decided."""
+        with region("disk", "grad_spill"):
+            for fut in self._futures:
+                fut.result()
+
+    def finish(self, coef: float = 1.0) -> None:
+        """Step what has not stepped yet, wait for every unit and write, and commit the new version. `coef`:
+        what spilled gradients are multiplied by as they come back (finish_grads's unscale and clip)."""
         start = time.perf_counter()
+        self._coef = coef
+        if self.grads is not None and not self.early and self._order:
+            self.grads.request(self._order[0])
         with region("cpu", "optimizer_wait"):
             for unit in self._order:
                 if id(unit) not in self._submitted:
@@ -151,29 +180,36 @@ class UnitStepper:
                     self.weights.finish()
                 end = time.perf_counter()
                 self.disk.commit(self.optimizer.state_dict())
+                self._committed = True          # from here the step stands: nothing to roll back
                 if self.weights is not None:
                     self.weights.commit()
         else:
             end = time.perf_counter()
+        if self.grads is not None:
+            self.grads.reset()
         self._account(start, end)
 
     def skip(self) -> None:
-        """No step this time (float16 overflow): the read-ahead is dropped."""
+        """No step this time (float16 overflow): the read-ahead and the spilled gradients are dropped."""
         if self.disk is not None:
             self.disk.abort()
         if self.weights is not None:
             self.weights.abort()
+        if self.grads is not None:
+            self.grads.reset()
 
     def abort(self) -> None:
         """A failed step: stop stepping, drop what this step wrote, and undo what it stepped where the master is
         on disk."""
-        self._abort.set()
+        self._stop(RuntimeError("the step was abandoned"))
         for fut in self._futures:
             fut.cancel()
         for fut in self._futures:
             with contextlib.suppress(BaseException):
                 fut.result()
-        if self.disk is None:
+        if self.grads is not None:
+            self.grads.reset()
+        if self.disk is None or self._committed:
             return
         self.disk.abort()
         if self.weights is not None:        # the committed copies were never replaced
@@ -197,16 +233,44 @@ class UnitStepper:
     # -- the stepping thread ---------------------------------------------------------------------------
     def _submit(self, unit, pending) -> None:
         self._submitted.add(id(unit))
-        self._futures.append(self._worker.submit(self._step_unit, unit, pending))
+        self._futures.append(self._worker.submit(self._guarded, self._step_unit, unit, pending))
+
+    def _guarded(self, job, unit, pending) -> None:
+        """A job of the stepping thread; its failure stops the jobs after it (they would wait for blocks left in
+        the window's slots) and wakes the backward if it waits for a gradient buffer."""
+        try:
+            job(unit, pending)
+        except BaseException as err:
+            self._stop(err)
+            raise
+
+    def _stop(self, error: BaseException) -> None:
+        """No more stepping this step: the jobs queued return, and whoever waits for the disk or a gradient buffer
+        raises."""
+        self._abort.set()
+        if self.disk is not None:
+            self.disk.interrupt(error)
+        if self.grads is not None:
+            self.grads.fail(error)
+
+    def _spill_unit(self, unit, pending) -> None:
+        if self._abort.is_set():
+            return
+        _landed(pending)
+        self.grads.account(unit)
+        with region("disk", "grad_spill"):
+            self.grads.spill(unit)
 
     def _step_unit(self, unit, pending) -> None:
         if self._abort.is_set():
             return
-        event = getattr(pending, "event", None)
-        if event is not None:
-            event.synchronize()              # the gradients' copy to the host has landed
+        _landed(pending)
+        if self.grads is not None:
+            self._borrowed_grads(unit)
         if self.weights is not None and self.disk is not None:
             self._step_unit_on_disk(unit)
+            if self.grads is not None:
+                self.grads.release(unit)
             return
         for block in self.blocks(unit):
             if self._abort.is_set():
@@ -262,9 +326,14 @@ class UnitStepper:
         start = time.perf_counter()
         self._done_blocks.append(block)          # from here its dtype copy may change: roll it back if need be
         views = disk.views(block, slot)
-        params = []
+        params, wholes = [], {}
         for s, master, states in zip(block.items, views.masters, views.states):
             p = s.param
+            if s.part is not None:
+                self._slice_counters(s)
+                if master is None:      # the values stepped in place: the slice of the tensor's
+                    wholes[id(p)] = p.data
+                    p.data = p.data.reshape(-1)[s.part:s.part + s.numel]
             if master is not None:
                 p.data = master
             p.grad = s.grad
@@ -273,8 +342,13 @@ class UnitStepper:
                 for (key, _), t in zip(disk.layout, states):
                     state[key] = t
             params.append(p)
-        with region("cpu", "optimizer"), only(opt, params):
-            opt.step()
+        try:
+            with region("cpu", "optimizer"), only(opt, params):
+                opt.step()
+        finally:
+            for p in params:
+                if id(p) in wholes:
+                    p.data = wholes[id(p)]
         for s, master, states in zip(block.items, views.masters, views.states):
             state = opt.state[s.param]
             for (key, _), t in zip(disk.layout, states):
@@ -292,6 +366,33 @@ class UnitStepper:
             s.param.grad = None
         self._compute.append((start, time.perf_counter()))
 
+    def _slice_counters(self, s: Stepped) -> None:
+        """A tensor stepped slice by slice takes one step: every slice starts from the counters (AdamW's `step`)
+        the tensor had before its first slice stepped."""
+        state = self.optimizer.state[s.param]
+        layout = {key for key, _ in self.disk.layout}
+        if s.part == 0:
+            self._counters[id(s.param)] = {k: v.clone() if torch.is_tensor(v) else v
+                                           for k, v in state.items() if k not in layout}
+            return
+        state.clear()
+        state.update({k: v.clone() if torch.is_tensor(v) else v for k, v in self._counters[id(s.param)].items()})
+
+    def _borrowed_grads(self, unit) -> None:
+        """The unit's gradients in their buffer, ready to step: early, their norm taken when asked; deferred, read
+        back (the next unit's read started first) and scaled."""
+        if self.early:
+            if self._need_norm:
+                self.grads.account(unit)
+            return
+        at = next(i for i, u in enumerate(self._order) if u is unit)
+        if at + 1 < len(self._order):
+            self.grads.request(self._order[at + 1])
+        with region("disk", "grad_read"):
+            flat = self.grads.restore(unit)
+        if self._coef != 1.0:
+            flat.mul_(self._coef)
+
     # -- the timeline ----------------------------------------------------------------------------------
     def _account(self, start: float, end: float) -> None:
         t = self.timeline
@@ -307,3 +408,10 @@ class UnitStepper:
 
     def close(self) -> None:
         self._worker.shutdown(wait=True)
+
+
+def _landed(pending) -> None:
+    """Wait for the gradients' copy to the host, when it is asynchronous."""
+    event = getattr(pending, "event", None)
+    if event is not None:
+        event.synchronize()

@@ -31,7 +31,7 @@ def expected_io(engine: "SpeedLoaderEngine", seq_len: int) -> IOCounters:
     loads = sum(u.nbytes for u in loaded)
     # gradients move as the device sums them: float32 under a master (dtype per micro-batch in canonical)
     grad_size = 4 if engine.params.accumulate32 else itemsize
-    grads = sum(u.host_grad.numel() * grad_size for u in backward if u.host_grad is not None)
+    grads = sum(engine.params.host_grad_numel(u) * grad_size for u in backward)
     gathered = scattered = 0
     if engine.world > 1:   # sharded: the loads above are this rank's shards; collectives see whole units
         gathered = sum(u.padded * itemsize for u in loaded if u.host is not None)
@@ -41,6 +41,9 @@ def expected_io(engine: "SpeedLoaderEngine", seq_len: int) -> IOCounters:
     disk = engine.disk
     disk_bytes = sum(padded(disk.nbytes(blk, True)) for blk in disk.blocks) if disk is not None else 0
     weight_loads, weight_staged, weight_writes = _weight_files(engine, loaded, backward)
+    # param_offload disk, a deferred step: every unit's gradients spilled to a file and read back once
+    spill = sum(padded(engine.params.host_grad_numel(u) * grad_size) for u in backward if engine.params.trains(u)) \
+        if engine.params.grads is not None and not engine._early() else 0
     if cfg.schedule == "canonical":
         return IOCounters(param_load_bytes=n * loads, grad_offload_bytes=n * grads,
                           allgather_bytes=n * gathered, reduce_scatter_bytes=n * scattered,
@@ -54,8 +57,8 @@ def expected_io(engine: "SpeedLoaderEngine", seq_len: int) -> IOCounters:
     return IOCounters(param_load_bytes=loads, grad_offload_bytes=grads, allgather_bytes=gathered,
                       reduce_scatter_bytes=scattered, act_offload_bytes=n * edges_out * edge_bytes + saved,
                       act_load_bytes=n * edges_in * edge_bytes + saved,
-                      disk_read_bytes=disk_bytes + weight_loads + weight_staged,
-                      disk_write_bytes=disk_bytes + weight_writes)
+                      disk_read_bytes=disk_bytes + weight_loads + weight_staged + spill,
+                      disk_write_bytes=disk_bytes + weight_writes + spill)
 
 
 def _weight_files(engine: "SpeedLoaderEngine", loaded: list, stepped: list) -> tuple[int, int, int]:

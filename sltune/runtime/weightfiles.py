@@ -17,7 +17,14 @@ tier's engine folder (or, for an engine that only generates, a folder of their o
 cleanup), which goes with the engine: they are a cache of the weights a checkpoint saves from the masters.
 
 Integrity. Each file's payload is checksummed as it is written (sltune.runtime.checksum) and verified on every
-read; a mismatch or a short file is an IntegrityError, one line naming the file, never a step of NaNs.
+read; a mismatch or a short file is an IntegrityError, one line naming the file, never a step of NaNs. A write that
+fails (a full disk, a folder gone read-only or removed) is one line naming the file and the fix, its *.tmp removed,
+and the step aborts with the committed copies intact. Nothing after the commit's point of no return raises: an old
+version that cannot be deleted is left for the folder's removal.
+
+Crash safety. The folder is a cache of the weights, never resumed from (a resume rebuilds it from a checkpoint), so
+a kill at any moment (SLTUNE_CRASH_AT at weights.opened, weights.renamed, weights.committed, or the disk tier's
+points) only leaves a dead engine's folder, which the next engine removes (sltune.runtime.diskstate._remove_stale).
 """
 
 from __future__ import annotations
@@ -36,11 +43,14 @@ from sltune.runtime import checksum
 from sltune.runtime.counters import IOCounters
 from sltune.runtime.direct_io import DirectFiles, aligned_empty, writable_dir
 from sltune.runtime.disk_layout import padded
-from sltune.runtime.diskstate import DELAY_ENV, DiskState, IntegrityError, _close, _own_folder, _remove_stale, _safe
-from sltune.runtime.durable import fsync_dir
+from sltune.runtime.diskstate import (DELAY_ENV, DiskState, IntegrityError, _close, _own_folder, _remove_stale,
+                                       _safe, _unlink_quietly)
+from sltune.runtime.durable import crash_point, fsync_dir
 
 WRITES_IN_FLIGHT = 2        # stepped copies waiting for the writer before the stepping thread waits for it
 SPARE = 2                   # free buffers the window keeps for reuse (the largest ones)
+REFIX = ("nothing else may write in an engine's folder: give offload_dir (--offload-dir) a folder of its own, and "
+         "resume from the last checkpoint")
 
 
 def placeholder(shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -164,14 +174,16 @@ class WeightFiles:
         try:
             moved = self.files.read(path, buf, nbytes)
         except OSError as err:
+            if getattr(err, "offload", False):      # the folder itself is gone: say so, not "a truncated file"
+                raise
             why = "it ends early" if err.errno == errno.EIO else err.strerror or str(err)
             raise IntegrityError(f"{path}: the weights of {unit_name} are unreadable ({why}; {padded(nbytes)} bytes "
-                                 "were written): a truncated or removed file under offload_dir") from None
+                                 f"were written): a truncated or removed file under offload_dir; {REFIX}") from None
         got = checksum.ONE_SHOT[checksum.NAME](buf[:nbytes].numpy())
         if got != digest:
             raise IntegrityError(f"{path}: checksum mismatch in the weights of {unit_name} ({checksum.NAME} {got:x}, "
                                  f"written as {digest:x}): the file changed after it was written (damaged storage "
-                                 "or another writer)")
+                                 f"or another writer); {REFIX}")
         with self._lock:
             self.counters.disk_read_bytes += moved
 
@@ -208,7 +220,7 @@ class WeightFiles:
 
     def _write(self, name: str, buf: torch.Tensor, nbytes: int, count: bool = True) -> int:
         digest = checksum.ONE_SHOT[checksum.NAME](buf[:nbytes].numpy())
-        moved = self.files.replace(self.folder / name, buf, nbytes)
+        moved = self.files.replace(self.folder / name, buf, nbytes, label="weights")
         if count:
             with self._lock:
                 self.counters.disk_write_bytes += moved
@@ -227,8 +239,9 @@ class WeightFiles:
         self._current.update(self._new)
         self._new, self._writes = {}, []
         self.version += 1
-        for name in old:
-            (self.folder / name).unlink(missing_ok=True)
+        crash_point("weights.committed")
+        for name in old:                # garbage from here: a file left (a folder gone read-only) goes with it
+            _unlink_quietly(self.folder / name)
 
     def abort(self) -> None:
         """After a failed or skipped step: wait for the writes in flight and delete what the step wrote; the
@@ -239,9 +252,9 @@ class WeightFiles:
             except BaseException:       # noqa: BLE001 - the step is being abandoned anyway
                 pass
         for name, _, _ in self._new.values():
-            (self.folder / name).unlink(missing_ok=True)
+            _unlink_quietly(self.folder / name)
         for tmp in self.folder.glob(f"w*-v{self.version + 1}.bin.tmp"):
-            tmp.unlink(missing_ok=True)
+            _unlink_quietly(tmp)
         self._new, self._writes = {}, []
 
     def drop_reads(self) -> None:

@@ -76,9 +76,9 @@ def fits_this_machine(spec: TuningSpec, settings: Settings) -> None:
     recipe = Setup.of_spec(spec, shape, trial_baseline(hw.device, hw.world_size, spec.workload.mode, hw.cpu_threads))
     unset = hw.host_memory_limit is None
     space = SearchSpace(spec, shape)
-    disk_limit, disk_name = hw.disk_limit, "hardware.disk_limit"
-    if any(c.on_disk for c in space.candidates):     # the files go in the data directory: no more than it has free
-        disk_limit, disk_name = disk_room(hw.disk_limit, settings.offload_root())
+    # the files go in the data directory: no more than it has free, for the spec's disk configs and for those a
+    # refusal names as what would fit
+    disk_limit, disk_name = disk_room(hw.disk_limit, settings.offload_root())
     short = shortfall(recipe, space.candidates,
                       settings.trial_host_limit() if unset else hw.host_memory_limit, hw.device_memory_limit,
                       host_name="the ceiling" if unset else "hardware.host_memory_limit",

@@ -56,7 +56,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import socket
 import sys
 import time
@@ -68,7 +67,7 @@ import torch
 import torch.distributed as dist
 
 from sltune.runtime import checksum
-from sltune.runtime.durable import fsync_dir, replace_durably
+from sltune.runtime.durable import CRASH_ENV, crash_point, fsync_dir, replace_durably  # noqa: F401
 
 TRAINING_STATE = "training_state"
 TRAINER = "trainer.pt"
@@ -86,7 +85,6 @@ _LEFTOVER = re.compile(r"^\.sltune-(?P<kind>save|ckpt|trash|tmp)-(?P<pid>\d+)(?:
 _TOKENIZER_TMP = re.compile(r"^\..+\.sltune-tmp-(?P<pid>\d+)$")     # write_tokenizer_files' temporary files
 _OLD_LEFTOVERS = (".training_state.tmp", ".training_state.old")      # what sltune before manifests left
 
-CRASH_ENV = "SLTUNE_CRASH_AT"
 CRASH_POINTS = (
     "save.staged",          # the unit's folder made, nothing in it
     "save.weights",         # the weights and config written
@@ -103,20 +101,6 @@ CRASH_POINTS = (
     "final.committed",      # the new training_state in place; the staging and tombstone not yet removed
     "discard.renamed",      # a folder being deleted renamed to its tombstone, not yet removed
 )
-_reached: dict[str, int] = {}
-
-
-def crash_point(point: str) -> None:
-    """SIGKILL this process the n-th time it reaches `point`, when SLTUNE_CRASH_AT says `point[@n]`."""
-    spec = os.environ.get(CRASH_ENV)
-    if not spec:
-        return
-    name, _, nth = spec.partition("@")
-    if name != point:
-        return
-    _reached[point] = _reached.get(point, 0) + 1
-    if _reached[point] == int(nth or 1):
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 # -- checksums ---------------------------------------------------------------------------------------------------

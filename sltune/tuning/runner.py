@@ -120,7 +120,7 @@ class JobRun:
         # a previous holder killed mid-trial left its trial's optimizer files: this runner holds the job, so no trial
         # of it runs anywhere else, and the room they took is free again before the disk ceiling is read
         shutil.rmtree(offload_root / job_id, ignore_errors=True)
-        on_disk = any(c.on_disk for c in space.candidates)
+        on_disk = any(c.uses_disk for c in space.candidates)
         self.state = SearchState(spec, shape, space, baseline=baseline, host_ceiling=default_host_limit,
                                  disk_ceiling=free_bytes(offload_root) if on_disk else None)
         self.elapsed_before = float(job.progress.get("elapsed_s", 0.0))

@@ -1,9 +1,10 @@
-"""The configs a job may try: sub-batch size b, sub-batches N (or effective batch B = b*N), live blocks k, how
-a group's backward gets its activations (recompute or offload), in training where the optimizer's master and
-state live (host memory or files on disk), and for generation where the KV caches live and the share of the
-weights kept on the device (w). A job sweeping several backends (search.backend) searches the union of their
-spaces: b, N (or B) and activations are every backend's (a wrapped backend's micro-batch and accumulation steps),
-the rest SpeedLoader's; DeepSpeed and FSDP2 candidates carry their own knobs instead (sltune.backends.knobs)."""
+"""The configs a job may try: sub-batch size b, sub-batches N (or effective batch B = b*N), live blocks k, how a group's
+backward gets its activations (recompute or offload), in training where the optimizer's master and state live (host
+memory or files on disk), where the dtype copy of the weights lives (param_offload: host memory, or files read ahead
+into a window; in training only beside the optimizer on disk), and for generation where the KV caches live and the share
+of the weights kept on the device (w). A job sweeping several backends (search.backend) searches the union of their
+spaces: b, N (or B) and activations are every backend's (a wrapped backend's micro-batch and accumulation steps), the
+rest SpeedLoader's; DeepSpeed and FSDP2 candidates carry their own knobs instead (sltune.backends.knobs)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
 
 KV_ORDER = ("host", "device")     # device KV needs more device memory, and moves nothing
 OFFLOAD_ORDER = ("disk", "host")  # host holds the master and optimizer state in memory: more host, no disk traffic
+                                  # (the weights' place, param_offload, is ordered alike)
 
 
 
@@ -40,6 +42,7 @@ class Candidate(BackendChoice):
     kv_cache: str | None = None     # generation only: "host" | "device"
     weights_on_device: float | None = None  # generation only: the share of the weights kept there
     optimizer_offload: str = "host"  # training: the master and optimizer state in host memory, or in files ("disk")
+    param_offload: str = "host"      # the dtype copy of the weights in host memory, or in files read ahead ("disk")
 
     @classmethod
     def from_knobs(cls, knobs: dict[str, Any]) -> "Candidate":
@@ -52,7 +55,7 @@ class Candidate(BackendChoice):
                        backend=backend, **own)
         return cls(knobs["sub_batch_size"], knobs["num_sub_batches"], knobs["num_live_blocks"],
                    knobs.get("activations", "recompute"), knobs.get("kv_cache"), knobs.get("weights_on_device"),
-                   knobs.get("optimizer_offload") or "host")
+                   knobs.get("optimizer_offload") or "host", knobs.get("param_offload") or "host")
 
     def _order(self) -> tuple:
         """Field by field, None first: a backend's candidates have None where another's have values, and sorting
@@ -86,23 +89,42 @@ class Candidate(BackendChoice):
             out["weights_on_device"] = self.weights_on_device
         if self.optimizer_offload != "host":     # trials and configs from before the knob are host's
             out["optimizer_offload"] = self.optimizer_offload
+        if self.param_offload != "host":         # as a TrialResult's config has it: only when on disk
+            out["param_offload"] = self.param_offload
         return {**out, "backend": self.backend} if named else out
 
     @property
     def on_disk(self) -> bool:
+        """The optimizer's master and state in files (optimizer_offload disk)."""
         return self.optimizer_offload == "disk"
 
     @property
+    def weights_on_disk(self) -> bool:
+        """The dtype copy of the weights in files (param_offload disk)."""
+        return self.param_offload == "disk"
+
+    @property
+    def uses_disk(self) -> bool:
+        """SpeedLoader keeps files for it (the optimizer's, the weights' or both): the disk limit holds them."""
+        return self.on_disk or self.weights_on_disk
+
+    @property
+    def offloads(self) -> int:
+        """How many of the optimizer and the weights live in files: 0, 1 or 2 (fewer moves less)."""
+        return int(self.on_disk) + int(self.weights_on_disk)
+
+    @property
     def writes_files(self) -> bool:
-        """Whether its trial needs an offload folder: SpeedLoader's optimizer on disk, or DeepSpeed's nvme offload."""
-        return self.on_disk or "nvme" in (self.offload_optimizer, self.offload_param)
+        """Whether its trial needs an offload folder: SpeedLoader's optimizer or weights on disk, or DeepSpeed's nvme
+        offload."""
+        return self.uses_disk or "nvme" in (self.offload_optimizer, self.offload_param)
 
     def dominates(self, other: "Candidate") -> bool:
-        """At least as large in sub-batch, effective batch and live blocks, activations kept alike, KV on the
-        device if the other's is, at least its share of the weights kept there, the optimizer in host memory if the
-        other's is: needs at least as much device memory (and, moving less, runs no slower; disk's reads and
-        writes come on top of the same step). Across backends, or across a backend's own knobs (whose memory and
-        speed trade against each other), no config dominates another."""
+        """At least as large in sub-batch, effective batch and live blocks, activations kept alike, KV on the device if
+        the other's is, at least its share of the weights kept there, the optimizer (and the weights) in host memory if
+        the other's are: needs at least as much device memory (and, moving less, runs no slower; disk's reads and writes
+        come on top of the same step). Across backends, or across a backend's own knobs (whose memory and speed trade
+        against each other), no config dominates another."""
         if self.backend != other.backend or self.backend_knobs() != other.backend_knobs():
             return False
         if self.backend != "speedloader":
@@ -111,7 +133,7 @@ class Candidate(BackendChoice):
         return self.b >= other.b and self.batch >= other.batch and self.k >= other.k \
             and self.activations == other.activations and self.kv_on_device >= other.kv_on_device \
             and (self.weights_on_device or 0.0) >= (other.weights_on_device or 0.0) \
-            and self.on_disk <= other.on_disk and self != other
+            and self.on_disk <= other.on_disk and self.weights_on_disk <= other.weights_on_disk and self != other
 
     def __str__(self) -> str:
         if self.backend != "speedloader":
@@ -123,7 +145,8 @@ class Candidate(BackendChoice):
                 + ("" if self.activations == "recompute" else f" {self.activations}")
                 + (f" kv_cache={self.kv_cache}" if self.kv_cache else "")
                 + (f" w={self.weights_on_device:g}" if self.weights_on_device is not None else "")
-                + (f" optimizer_offload={self.optimizer_offload}" if self.optimizer_offload != "host" else ""))
+                + (f" optimizer_offload={self.optimizer_offload}" if self.optimizer_offload != "host" else "")
+                + (f" param_offload={self.param_offload}" if self.param_offload != "host" else ""))
 
 
 class SearchSpace:
@@ -131,9 +154,9 @@ class SearchSpace:
 
     Optuna sees categorical parameters: sub_batch_size and num_live_blocks, plus num_sub_batches or
     effective_batch_size as the spec gives them (N = B/b when B is the knob), activations when the spec sweeps
-    it, optimizer_offload when the spec sweeps it (training), and kv_cache and weights_on_device for generation.
-    A combination that is not a candidate (b does not divide
-    B) is pruned without running.
+    it, optimizer_offload when the spec sweeps it (training), param_offload when the spec sweeps it, and kv_cache and
+    weights_on_device for generation. A combination that is not a candidate (b does not divide B; in training the
+    weights on disk with the optimizer in host memory, which the runtime refuses) is pruned without running.
 
     Sweeping several backends, a trial's first parameter is `backend`, and the rest are conditional on it (Optuna's
     define-by-run): num_live_blocks and SpeedLoader's other knobs for speedloader, each DeepSpeed or FSDP knob the
@@ -156,14 +179,20 @@ class SearchSpace:
         self.kv_values = s.kv_cache_values(spec.workload.mode)
         self.weight_shares = s.weights_on_device_values(spec.workload.mode)
         self.offload_values = s.optimizer_offload_values(spec.workload.mode)
+        self.param_values = s.param_offload_values(spec.workload.mode)
+        train = spec.workload.mode == "train"
         self.backends: list[str] = list(s.backend)
         # each backend's knobs and the values the spec sweeps (sltune.tuning.spec.Search.backend_values)
         self.backend_values = {b: s.backend_values(b) for b in self.backends}
         found: set[Candidate] = set()
         if "speedloader" in self.backends:
-            found = {Candidate(b, n, k, a, kv, w, o) for b, n in pairs for k in self.k_values
+            # the weights on disk train only beside the optimizer on disk (it steps each unit's weights file with
+            # its optimizer block: sltune.config.PARAM_OFFLOAD_TRAIN)
+            places = [(o, p) for o in self.offload_values for p in self.param_values
+                      if not (train and p == "disk" and o != "disk")]
+            found = {Candidate(b, n, k, a, kv, w, o, p) for b, n in pairs for k in self.k_values
                      for a in self.activation_values for kv in self.kv_values or [None]
-                     for w in self.weight_shares or [None] for o in self.offload_values}
+                     for w in self.weight_shares or [None] for o, p in places}
         for backend in (b for b in self.backends if b != "speedloader"):
             found |= {Candidate(b, n, None, a, backend=backend, **v) for b, n in pairs
                       for a in self.activation_values for v in s.backend_variants(backend)}
@@ -207,6 +236,8 @@ class SearchSpace:
             out["weights_on_device"] = categorical(self.weight_shares)
         if speedloader and len(self.offload_values) > 1:
             out["optimizer_offload"] = categorical(self.offload_values)
+        if speedloader and len(self.param_values) > 1:
+            out["param_offload"] = categorical(self.param_values)
         for name in self.backends:
             if name != "speedloader" and backend in (None, name):
                 out.update({knob: categorical(values) for knob, values in self.backend_values[name].items()
@@ -231,7 +262,7 @@ class SearchSpace:
         values = {"backend": c.backend, "sub_batch_size": c.b, "num_sub_batches": c.n, "effective_batch_size": c.batch,
                   "num_live_blocks": c.k, "activations": c.activations, "kv_cache": c.kv_cache,
                   "weights_on_device": c.weights_on_device, "optimizer_offload": c.optimizer_offload,
-                  **c.backend_knobs()}
+                  "param_offload": c.param_offload, **c.backend_knobs()}
         return {name: values[name] for name in self.distributions(c.backend)}
 
     def candidate(self, params: dict[str, Any]) -> Candidate | None:
@@ -253,12 +284,14 @@ class SearchSpace:
         kv = params.get("kv_cache") if self.kv_values else None
         w = params.get("weights_on_device") if self.weight_shares else None
         o = str(params.get("optimizer_offload", self.offload_values[0]))
-        c = Candidate(b, n, k, a, kv, w, o)
+        p = str(params.get("param_offload", self.param_values[0]))
+        c = Candidate(b, n, k, a, kv, w, o, p)
         return c if c in self else None
 
     def neighbours_up(self, c: Candidate) -> list[Candidate]:
         """Candidates one step up along one of the knobs as the spec names them (b, N or B, k; host KV -> device;
-        the next larger share of the weights kept on the device; the optimizer from disk into host memory). A wrapped
+        the next larger share of the weights kept on the device; the optimizer, or the weights, from disk into host
+        memory, where that is a candidate). A wrapped
         backend's knobs are not steps up: their memory and speed trade against each other, as activations' do."""
         params = self.params(c)
         out = []
@@ -266,7 +299,8 @@ class SearchSpace:
             if name in ("activations", "backend") or name in ALL_KNOBS:
                 # not an order of memory: recompute and offload trade device for host, and so do a backend's knobs
                 continue
-            rank = {"kv_cache": KV_ORDER.index, "optimizer_offload": OFFLOAD_ORDER.index}.get(name, lambda v: v)
+            rank = {"kv_cache": KV_ORDER.index, "optimizer_offload": OFFLOAD_ORDER.index,
+                    "param_offload": OFFLOAD_ORDER.index}.get(name, lambda v: v)
             larger = [v for v in dist.choices if rank(v) > rank(params[name])]
             if larger:
                 other = self.candidate({**params, name: min(larger, key=rank)})
@@ -291,6 +325,8 @@ class SearchSpace:
             out["weights_on_device"] = self.weight_shares
         if self.offload_values != ["host"]:
             out["optimizer_offload"] = self.offload_values
+        if self.param_values != ["host"]:
+            out["param_offload"] = self.param_values
         if self.backends != ["speedloader"]:
             out["backend"] = self.backends
             out.update({b: self.backend_values[b] for b in self.backends if self.backend_values[b]})

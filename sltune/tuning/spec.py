@@ -17,7 +17,7 @@ from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationE
                       field_validator, model_validator)
 
 from sltune.backends.knobs import BACKENDS, KNOBS, BackendName, OffloadTarget, ZeroStage
-from sltune.config import Activations, DType, KVCache, OptimizerOffload, Schedule
+from sltune.config import Activations, DType, KVCache, OptimizerOffload, ParamOffload, Schedule
 from sltune.models.presets import hf_config_schema
 from sltune.sizes import SIZE_SCHEMA, parse_bytes
 from sltune.training.optimizer import OptimizerConfig
@@ -160,8 +160,10 @@ class Hardware(_Strict):
         "the cpu); a server allows at most its SLTUNE_MAX_WORLD_SIZE, by default its cores"))
     cpu_threads: int | None = Field(None, ge=1, description="torch intra-op threads per trial; default all cores")
     disk_limit: Annotated[int | None, WithJsonSchema(SIZE_SCHEMA)] = Field(None, description=(
-        "search.optimizer_offload disk: the room a trial's optimizer files may take (the master and optimizer "
-        "state, twice while a step writes its new version); default: the free space where trials offload to"))
+        "search.optimizer_offload or search.param_offload disk: the room a trial's files may take (the master and "
+        "optimizer state, and under param_offload disk the weights, twice while a step writes its new version; the "
+        "gradients once when a step waits for all of them); default: the free space where trials offload to, and "
+        "never more than it"))
 
     @field_validator("device_memory_limit", "host_memory_limit", "disk_limit", mode="before")
     @classmethod
@@ -233,21 +235,26 @@ def _probe_layers(value: Any) -> Any:
                      "or leave it out to probe the whole model")
 
 
-DISK_LIMIT_WITHOUT_DISK = ("bounds the files of search.optimizer_offload disk (or of DeepSpeed's nvme offload), which "
-                           "this spec does not try; add disk to search.optimizer_offload (e.g. [host, disk]) or "
-                           "remove it")
+DISK_LIMIT_WITHOUT_DISK = ("bounds the files of search.optimizer_offload or search.param_offload disk (or of "
+                           "DeepSpeed's nvme offload), which this spec does not try; add disk to "
+                           "search.optimizer_offload (e.g. [host, disk]) or remove it")
 
 
-def _offloads(value: Any) -> Any:
-    """search.optimizer_offload: host, disk or both, as a list in that order; one clear message for any bad value."""
-    values = [value] if isinstance(value, str) else value
-    if not isinstance(values, list) or not values:
-        raise ValueError(f"{value!r} is not a list of places; give host, disk or [host, disk]")
-    for v in values:
-        if v not in ("host", "disk"):
-            raise ValueError(f"{v!r} is not where the optimizer's master and state can live; give host, disk or "
-                             "[host, disk]")
-    return [v for v in ("host", "disk") if v in values]
+def _places(what: str) -> Any:
+    """search.optimizer_offload, search.param_offload: host, disk or both, as a list in that order; one clear message
+    for any bad value. `what` lives there."""
+    def check(value: Any) -> Any:
+        values = [value] if isinstance(value, str) else value
+        if not isinstance(values, list) or not values:
+            raise ValueError(f"{value!r} is not a list of places; give host, disk or [host, disk]")
+        for v in values:
+            if v not in ("host", "disk"):
+                raise ValueError(f"{v!r} is not where {what} can live; give host, disk or [host, disk]")
+        return [v for v in ("host", "disk") if v in values]
+    return BeforeValidator(check)
+
+
+_offloads = _places("the optimizer's master and state")
 
 
 def _backends(value: Any) -> Any:
@@ -316,7 +323,7 @@ class FSDPSearch(BaseModel):
 
 BACKEND_SECTIONS: dict[str, type[BaseModel]] = {"deepspeed": DeepSpeedSearch, "fsdp": FSDPSearch}
 # the search fields only SpeedLoader's engine has: a spec without backend speedloader that sets one is refused
-SPEEDLOADER_FIELDS = ("schedule", "num_live_blocks", "optimizer_offload", "probe_layers")
+SPEEDLOADER_FIELDS = ("schedule", "num_live_blocks", "optimizer_offload", "param_offload", "probe_layers")
 
 
 Share = Annotated[float, Field(ge=0.0, le=1.0)]
@@ -331,8 +338,8 @@ class Search(_Strict):
         default_factory=lambda: ["speedloader"], min_length=1, description=(
             "what trains: speedloader, deepspeed (ZeRO, the extra `pip install -e '.[backends]'`) or fsdp (PyTorch "
             "FSDP2), or a list: the job profiles each on this machine over the same batch knobs and picks the "
-            "fastest (its result's best_by_backend holds each one's best). num_live_blocks, schedule and "
-            "optimizer_offload are SpeedLoader's"))
+            "fastest (its result's best_by_backend holds each one's best). num_live_blocks, schedule, "
+            "optimizer_offload and param_offload are SpeedLoader's"))
     deepspeed: DeepSpeedSearch | None = Field(None, description=(
         "backend deepspeed: the ZeRO knobs to sweep; default zero_stage [2, 3], offload_optimizer [none, cpu], "
         "offload_param [none, cpu]"))
@@ -351,11 +358,18 @@ class Search(_Strict):
         None, description="generate: shares of the parameter bytes to keep on the device for a whole generate call "
         "(0 to 1, whole units: tied weights, embedding, head, then groups of num_live_blocks layers), one or a "
         "list to sweep; default 0, 0.5 and 1. Kept weights are copied in once per call instead of at every step")
-    optimizer_offload: Annotated[list[OptimizerOffload], BeforeValidator(_offloads)] = Field(
+    optimizer_offload: Annotated[list[OptimizerOffload], _offloads] = Field(
         default_factory=lambda: ["host"], min_length=1, description=(
             "training: where the float32 master and the optimizer state live, host memory or files on disk "
             "(under the job's data directory), or [host, disk] to let the tuner decide: disk trades host memory "
             "for disk traffic, bounded by hardware.disk_limit"))
+    param_offload: Annotated[list[ParamOffload], _places("the dtype copy of the weights")] = Field(
+        default_factory=lambda: ["host"], min_length=1, description=(
+            "where the dtype copy of the weights the device loads lives: host memory, or a file per unit (under "
+            "the job's data directory) read ahead into a window of a few units, or [host, disk] to let the tuner "
+            "decide: disk holds a window of the weights and of the gradients in host memory instead of the whole "
+            "model, for reads of the weights every step. Training needs disk in search.optimizer_offload too (a "
+            "config of the weights on disk has its optimizer on disk); one rank (hardware.world_size 1)"))
     max_trials: int = Field(20, ge=1)
     trial_steps: int = Field(2, ge=1, le=100_000, description="timed steps per trial at least")
     trial_min_time_s: float = Field(2.0, ge=0, le=3600, description="time a trial's steps until they add up to this")
@@ -405,6 +419,11 @@ class Search(_Strict):
     def optimizer_offload_values(self, mode: str) -> list[str]:
         """Where the optimizer may live: the spec's places in training; generation steps no optimizer."""
         return list(self.optimizer_offload) if mode == "train" else ["host"]
+
+    def param_offload_values(self, mode: str) -> list[str]:
+        """Where the weights may live: the spec's places, in training and generation alike (training pairs disk
+        with the optimizer on disk: SearchSpace)."""
+        return list(self.param_offload)
 
     def backend_values(self, backend: str) -> dict[str, list[Any]]:
         """Each knob of `backend` with the values to sweep: its search section's, else the defaults ({} for
@@ -466,13 +485,15 @@ class TuningSpec(_Strict):
                              "so disk cannot hold it; use host, or search.schedule speedloader or canonical")
         ds = self.search.backend_values("deepspeed") if "deepspeed" in self.search.backend else {}
         nvme = "nvme" in (*ds.get("offload_optimizer", ()), *ds.get("offload_param", ()))
-        if hw.disk_limit is not None and "disk" not in self.search.optimizer_offload and not nvme:
+        if hw.disk_limit is not None and "disk" not in self.search.optimizer_offload \
+                and "disk" not in self.search.param_offload and not nvme:
             raise ValueError(f"hardware.disk_limit {DISK_LIMIT_WITHOUT_DISK}")
         if hw.world_size > 1 and self.search.schedule == "resident":
             raise ValueError("search.schedule 'resident' keeps every parameter on every rank; with "
                              "hardware.world_size > 1 use 'speedloader' or 'canonical'")
         search = self.search
         self._backends_consistent()
+        self._weights_on_disk()
         common = len(search.activations)
         for knob in (search.sub_batch_size, search.num_sub_batches or search.effective_batch_size):
             common *= len(knob_values(knob, "knob"))
@@ -481,12 +502,30 @@ class TuningSpec(_Strict):
             size = common * len(knob_values(search.num_live_blocks, "knob"))
             size *= max(1, len(search.kv_cache_values(mode)))
             size *= max(1, len(search.weights_on_device_values(mode)))
-            size *= len(search.optimizer_offload_values(mode))
+            places = [(o, p) for o in search.optimizer_offload_values(mode) for p in search.param_offload_values(mode)
+                      if not (mode == "train" and p == "disk" and o != "disk")]
+            size *= len(places)
         size += sum(common * len(search.backend_variants(b)) for b in search.backend if b != "speedloader")
         if size > MAX_CANDIDATES:
             raise ValueError(f"the search space has {size} combinations, more than {MAX_CANDIDATES}; narrow the "
                              "search.* ranges or lists")
         return self
+
+    def _weights_on_disk(self) -> None:
+        """search.param_offload disk against what the runtime runs it with: one rank, a schedule that loads the
+        weights (not resident), and in training the optimizer on disk (sltune.config)."""
+        if "disk" not in self.search.param_offload:
+            return
+        if self.hardware.world_size > 1:
+            raise ValueError("search.param_offload: disk runs on one rank for now, and hardware.world_size is "
+                             f"{self.hardware.world_size}; use host, or hardware.world_size 1")
+        if self.search.schedule == "resident":
+            raise ValueError("search.param_offload: the resident schedule keeps every weight on the device, so disk "
+                             "cannot hold them; use host, or search.schedule speedloader or canonical")
+        if self.workload.mode == "train" and "disk" not in self.search.optimizer_offload:
+            raise ValueError("search.param_offload: disk in training steps each unit's weights file with its "
+                             "optimizer block, and search.optimizer_offload has no disk; add disk to "
+                             "search.optimizer_offload (e.g. [host, disk]), or use host")
 
     def _backends_consistent(self) -> None:
         """search.backend against the rest of the spec: a backend's section without the backend, SpeedLoader's fields

@@ -174,9 +174,9 @@ def test_host_memory_only_disk_makes_room_for_is_a_config_not_a_refusal():
                                     "[host, disk]"),
     ({"optimizer_offload": ["host", 3]}, {}, "spec: search.optimizer_offload: 3 is not where"),
     ({}, {"disk_limit": "lots"}, "spec: hardware.disk_limit: "),
-    ({}, {"disk_limit": "1GiB"}, "spec: hardware.disk_limit bounds the files of search.optimizer_offload disk (or of "
-                                 "DeepSpeed's nvme offload), which this spec does not try; add disk to "
-                                 "search.optimizer_offload"),
+    ({}, {"disk_limit": "1GiB"}, "spec: hardware.disk_limit bounds the files of search.optimizer_offload or "
+                                 "search.param_offload disk (or of DeepSpeed's nvme offload), which this spec does not "
+                                 "try; add disk to search.optimizer_offload"),
     ({"optimizer_offload": "disk", "schedule": "resident"}, {}, "spec: search.optimizer_offload: the resident schedule "
                                                                "steps its optimizer on the device"),
 ])
@@ -239,7 +239,7 @@ def test_plan_takes_a_disk_limit_for_a_spec_and_refuses_it_where_disk_is_not_pla
     path.write_text(yaml.safe_dump(spec()))
     assert main(["plan", str(path), "--disk-limit", "100MiB"]) == 1         # the flag over the spec's 2 GiB
     out = capsys.readouterr().out
-    assert "disk 100.0 MiB (hardware.disk_limit)" in out.splitlines()[0] and "over disk" in out
+    assert "disk 100.0 MiB (--disk-limit)" in out.splitlines()[0] and "over disk" in out
     host_only = {**spec(), "hardware": {k: v for k, v in spec()["hardware"].items() if k != "disk_limit"},
                  "search": {**SEARCH, "optimizer_offload": "host"}}
     path.write_text(yaml.safe_dump(host_only))

@@ -8,6 +8,17 @@ from sltune import SpeedLoaderConfig, SpeedLoaderEngine
 from sltune.models import build
 from tests.support.reference import adamw, assert_same_updates, plain_training, snapshot
 
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One intra-op thread here and in every child: OpenMP's pool does not survive a fork, and the children and
+    this process then compute alike to the bit."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 FAMILIES = ["llama-tiny", "llama-tiny-tied", "mistral-tiny", "qwen2-tiny", "gpt2-tiny", "opt-tiny"]
 
 

@@ -1,7 +1,8 @@
 """param_offload disk: each unit's dtype copy in a file, read ahead into a bounded window before every load and
-rewritten when the unit steps. Training equals param_offload host (both under optimizer_offload disk) to the bit;
-the host holds a window of units, not the model; a damaged weights file is one line naming it; bad knobs are one
-line naming the fix."""
+rewritten when the unit steps, and its gradients in one of a few slots from their offload to their step (spilled to
+a file when the step needs every gradient first). Training equals param_offload host (both under optimizer_offload
+disk) to the bit; the host holds a window of units, not the model; a damaged weights file is one line naming it;
+bad knobs are one line naming the fix."""
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from sltune.models.presets import load_config
 from sltune.profiling.schema import TrialSpec
 from sltune.runtime.disk_layout import padded
 from sltune.runtime.diskstate import IntegrityError
+from sltune.runtime.gradwindow import SLOTS
 from tests.support.reference import adamw
 
 SEQ = 16
@@ -56,6 +58,9 @@ CASES = {
     "tied": {"preset": "llama-tiny-tied"},
     "clip": {"clip": 0.05},
     "clip-fp32": {"clip": 0.05, "dtype": "float32"},
+    "fp16-scaled": {"dtype": "float16"},
+    "clip-offload-tied": {"clip": 0.05, "activations": "offload", "preset": "llama-tiny-tied"},
+    **{f"{family}-clip": {"preset": f"{family}-tiny", "clip": 0.05} for family in ("mistral", "qwen2", "gpt2", "opt")},
     "k2-canonical": {"num_live_blocks": 2, "schedule": "canonical"},
     "bf16-no-master": {"mixed_precision": False},
 }
@@ -70,6 +75,11 @@ def test_disk_weights_equal_host_weights_bit_for_bit(tmp_path, case):
     engine, results = disk
     # nothing of the weights stays in host memory between steps: the units and the Parameters hold placeholders
     assert all(u.host.untyped_storage().nbytes() <= 4 for u in engine.units if u.host is not None)
+    # nor of the gradients, but in the canonical schedule (it sums every micro-batch's on the host)
+    canonical = knobs.get("schedule") == "canonical"
+    assert (engine.params.grads is None) == canonical
+    assert all((u.host_grad is not None) == (canonical and u.has_grads) for u in engine.units)
+    assert not list(engine.disk.folder.glob("g*.bin*"))         # a deferred step's spill is gone once it commits
     assert all(p.untyped_storage().nbytes() <= 4 for p in engine.model.parameters())
     # the counters: the disk tier's blocks, plus each load's weights file and each stepped unit's new copy
     assert results[-1].io == engine.expected_io(SEQ)
@@ -99,6 +109,31 @@ def test_the_window_holds_a_few_units_not_the_model(tmp_path):
     assert 0 < window <= 6 * largest
     assert window * 2 < model_bytes
     assert engine.weights.window_bytes <= window
+    # the gradients: the two largest units' float32 sums at most, not the model's
+    grads = engine.params.grads
+    sizes = sorted((padded(u.grad_numel * 4) for u in engine.units), reverse=True)
+    assert grads.budget == sum(sizes[:SLOTS]) < sum(sizes) / 4
+    assert 0 < grads.peak_bytes <= grads.budget
+
+
+@pytest.mark.parametrize("scale", [2.0 ** 16, float("inf")])
+def test_float16_overflow_drops_the_spilled_gradients_as_host_mode_does(tmp_path, scale):
+    """A deferred step spills every unit's gradients before the overflow check; an overflow (the loss times a scale
+    float16 cannot hold) skips the step and the spill goes, and the next step equals param_offload host's."""
+    runs = {}
+    for param in ("host", "disk"):
+        engine = engine_for(param, tmp_path / param, dtype="float16")
+        data = batches(engine, 2)
+        engine.scaler.scale = scale if scale != float("inf") else 3.0e38     # the loss overflows float16
+        first = engine.train_step(data[0])
+        engine.scaler.scale = 1024.0
+        runs[param] = (engine, [first, engine.train_step(data[1])])
+        assert first.skipped == (scale == float("inf")) and not runs[param][1][1].skipped
+    (host, a), (disk, b) = runs["host"], runs["disk"]
+    assert [(r.loss, r.skipped, repr(r.grad_norm)) for r in a] == [(r.loss, r.skipped, repr(r.grad_norm)) for r in b]
+    ours, theirs = host.state_dict(), disk.state_dict()
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+    assert not list(disk.disk.folder.glob("g*.bin*"))
 
 
 @pytest.mark.parametrize("kept", [0.0, 0.5])
@@ -114,10 +149,11 @@ def test_generation_streams_weights_from_disk(tmp_path, kept):
     assert engine.weights.window_bytes <= engine.weights.peak_window_bytes < sum(u.nbytes for u in engine.units)
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])    # stepped during the backward / after it
-def test_a_failed_step_leaves_the_weights_files_as_they_were(tmp_path, dtype):
-    clean, clean_res = train("disk", tmp_path, steps=3, dtype=dtype)
-    engine = engine_for("disk", tmp_path, dtype=dtype)
+@pytest.mark.parametrize("dtype, clip", [("bfloat16", None), ("float32", None), ("bfloat16", 0.05)])
+def test_a_failed_step_leaves_the_weights_files_as_they_were(tmp_path, dtype, clip):
+    """Stepped during the backward (bf16), or after it from the spilled gradients (fp32: no master; clipping)."""
+    clean, clean_res = train("disk", tmp_path, steps=3, dtype=dtype, clip=clip)
+    engine = engine_for("disk", tmp_path, dtype=dtype, clip=clip)
     data = batches(engine, 3)
     results = [engine.train_step(data[0])]
     step, calls = engine.optimizer.step, []
@@ -138,6 +174,7 @@ def test_a_failed_step_leaves_the_weights_files_as_they_were(tmp_path, dtype):
     assert all(torch.equal(ours[k], theirs[k]) for k in ours)
     leftovers = sorted(p.name for p in engine.weights.folder.glob("w*"))
     assert len(leftovers) == len([u for u in engine.units if u.host is not None])     # one version each
+    assert not list(engine.weights.folder.glob("g*"))
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate"])

@@ -1,17 +1,18 @@
 """Whether a job can fit its limits at all, known from the prior before any trial, and the one answer that
 refuses it when it cannot.
 
-The least configs (the smallest batch, with each of the space's live-block counts, activations, KV placements,
-kept shares and offload places) are predicted term by term (sltune.tuning.cost.prior). When none of them is within
-every limit, the job is refused before any trial: the host limit holds all the trial's ranks together (trials
-enforce it so: more ranks do not bring more room), the device limit each rank, the disk limit the files of
-search.optimizer_offload disk (a host config needs none). The answer names every limit the closest config is
-over, each with what that config needs term by term, so that raising them all is enough: a user who follows it
-is not refused again for another resource. The closest config is the one over the fewest bytes of device memory,
-then of host memory, then of disk (the scarcest first); the other configs that need less of some limit (under the
-optimizer in host memory, say, where disk configs need disk too) follow with what they would need instead. Then
-what would fit: the recipe changes that bring some least config within every limit (no float32 master, SGD
-without momentum, bfloat16 weights, the optimizer on disk), and the limits each closest config takes. The spec's
+The least configs (the smallest batch, with each of the space's live-block counts, activations, KV placements, kept
+shares and offload places) are predicted term by term (sltune.tuning.cost.prior). When none of them is within every
+limit, the job is refused before any trial: the host limit holds all the trial's ranks together (trials enforce it so:
+more ranks do not bring more room), the device limit each rank, the disk limit the files of search.optimizer_offload and
+search.param_offload disk (a host config needs none). The answer names every limit the closest config is over, each with
+what that config needs term by term, so that raising them all is enough: a user who follows it is not refused again for
+another resource. The closest config is the one over the fewest bytes of device memory, then of host memory, then of
+disk (the scarcest first); the other configs that need less of some limit (under the optimizer in host memory, say,
+where disk configs need disk too) follow with what they would need instead. Then
+what would fit: the recipe changes that bring some least config within every limit (the optimizer on disk, the
+weights on disk too, no float32 master, SGD without momentum, bfloat16 weights), and the limits each closest config
+takes; then a place on disk the spec does not try that only the disk limit stops, with the disk it takes. The spec's
 own check predicts without the trial process (it is the machine's that runs the trials): its host figures say so,
 and `sltune plan` gives them with it.
 
@@ -22,7 +23,8 @@ its answer (raising its limits, or dropping it from search.backend). A wrapped b
 
 Disk is the third resource: a host limit only disk configs meet is no refusal, they are the job's configs. The
 disk limit is hardware.disk_limit, or the free space where trials offload to when that is less or none was asked
-(disk_room): the answer names the free space, and a larger hardware.disk_limit it overrides.
+(disk_room): the answer names the free space, and a larger hardware.disk_limit it overrides. The configs a spec
+would have on disk (what would fit) are held to the same disk limit, tried or not.
 """
 
 from __future__ import annotations
@@ -44,19 +46,33 @@ ALTERNATIVES = 2                            # other closest configs an answer na
 
 class FreeSpace(str):
     """The disk limit's name when it is the free space where trials offload to: passed on as any limit's name is,
-    it also knows its folder and the hardware.disk_limit it overrides, so a refusal can say which applies."""
+    it also knows its folder, the free bytes and the disk limit it overrides (hardware.disk_limit, or plan's
+    --disk-limit), so a refusal can say which applies."""
 
     root: Path
     asked: int | None
+    free: int | None
+    asked_name: str
 
-    def __new__(cls, root: Path, asked: int | None = None) -> "FreeSpace":
+    def __new__(cls, root: Path, asked: int | None = None, free: int | None = None,
+                asked_name: str = "hardware.disk_limit") -> "FreeSpace":
         name = super().__new__(cls, f"the free space in {root}")
-        name.root, name.asked = root, asked
+        name.root, name.asked, name.free, name.asked_name = root, asked, free, asked_name
         return name
 
     def overrides(self) -> str:
-        """'hardware.disk_limit 500.0 GiB is more than is free there: the free space applies', or ''."""
-        return (f"hardware.disk_limit {format_bytes(self.asked)} is more than is free there: the free space applies"
+        """'hardware.disk_limit is 1.0 TiB but only 80.0 GiB is free in DIR: planning with 80.0 GiB', or '' when no
+        larger limit was asked."""
+        if self.asked is None:
+            return ""
+        free = "the free space" if self.free is None else format_bytes(self.free)
+        return (f"{self.asked_name} is {format_bytes(self.asked)} but only {free} is free in {self.root}: "
+                f"planning with {free}")
+
+    def applies(self) -> str:
+        """'hardware.disk_limit 500.0 GiB is more than is free there: the free space applies', or '': said beside
+        the free space already named."""
+        return (f"{self.asked_name} {format_bytes(self.asked)} is more than is free there: the free space applies"
                 if self.asked is not None else "")
 
 
@@ -69,11 +85,11 @@ class Limit:
     name: str
 
     def said(self, first: bool = True) -> str:
-        """'hardware.host_memory_limit 20.0 GiB', or 'the 77.8 GiB free in DIR' (with, `first` time, why the free
-        space applies over a larger hardware.disk_limit)."""
+        """'hardware.host_memory_limit 20.0 GiB', or 'the 77.8 GiB free in DIR' (with, `first` time, that it applies
+        over a larger hardware.disk_limit)."""
         if not isinstance(self.name, FreeSpace):
             return f"{self.name} {format_bytes(self.size)}"
-        why = self.name.overrides() if first else ""
+        why = self.name.applies() if first else ""
         return f"the {format_bytes(self.size)} free in {self.name.root}" + (f" ({why})" if why else "")
 
     def raised(self, need: int) -> str:
@@ -144,16 +160,18 @@ def shortfall(recipe: Setup, candidates: Iterable[Candidate], host_limit: int | 
         text += (f"; under {_differs(first.config, other.config)} it would need "
                  + " and ".join(f"{format_bytes(need)} {WHERE[limit.resource]}, over {limit.said(first=False)}"
                                 for limit, need in other.over))
-    if len(closest) == 1 and [limit.resource for limit, _ in first.over] == ["device"]:
-        return text + "; raise it to at least that"
+    if len(closest) == 1 and [limit.resource for limit, _ in first.over] == ["device"] and \
+            not any(_within(recipe, twins, limits, ["device"]) for _, _, twins in _to_disk(recipe, cands)):
+        return text + "; raise it to at least that"     # (the weights on disk prefetch no unit on the device)
     return text + ". What would fit: " + _would_fit(recipe, cands, limits, closest)
 
 
 def overs(recipe: Setup, c: Candidate, limits: list[Limit]) -> Over:
-    """c's prior and the limits it is over (the disk's only when it writes files: its optimizer on disk, nvme)."""
+    """c's prior and the limits it is over (the disk's only when it writes files: its optimizer or weights on disk,
+    nvme)."""
     prior = predict(recipe, c)
     over = tuple((limit, need) for limit in limits
-                 if (limit.resource != "disk" or recipe.on_disk(c) or prior.disk)
+                 if (limit.resource != "disk" or recipe.on_disk(c) or recipe.weights_on_disk(c) or prior.disk)
                  and (need := getattr(prior, limit.resource)) > limit.size)
     return Over(c, prior, over)
 
@@ -170,7 +188,7 @@ def nearest(found: list[Over]) -> list[Over]:
 
 
 def _clause(recipe: Setup, f: Over, limit: Limit, need: int, subject: str) -> str:
-    """'hardware.host_memory_limit 20.0 GiB is below the 46.8 GiB (N bytes) <subject> in host memory: terms'."""
+    """'hardware.host_memory_limit 20.0 GiB is below the 43.0 GiB (N bytes) <subject> in host memory: terms'."""
     terms = {"device": f.prior.device_terms, "host": f.prior.host_terms, "disk": f.prior.disk_terms}[limit.resource]
     ranks = " (all ranks together)" if limit.resource == "host" and recipe.world_size > 1 else ""
     return (f"{limit.said()} is below the {format_bytes(need)} ({need} bytes) {subject} {WHERE[limit.resource]}"
@@ -179,8 +197,8 @@ def _clause(recipe: Setup, f: Over, limit: Limit, need: int, subject: str) -> st
 
 def _differs(c: Candidate, other: Candidate) -> str:
     """The knobs `other` sets otherwise than `c`, as a spec names them: 'optimizer_offload host'."""
-    mine = {**c.knobs(), "optimizer_offload": c.optimizer_offload}
-    theirs = {**other.knobs(), "optimizer_offload": other.optimizer_offload}
+    mine = {**c.knobs(), "optimizer_offload": c.optimizer_offload, "param_offload": c.param_offload}
+    theirs = {**other.knobs(), "optimizer_offload": other.optimizer_offload, "param_offload": other.param_offload}
     return " and ".join(f"{k} {v}" for k, v in theirs.items() if mine.get(k) != v)
 
 
@@ -196,19 +214,55 @@ def _would_fit(recipe: Setup, cands: list[Candidate], limits: list[Limit], close
     """The recipe changes, alone or together, under which some least config is predicted within every limit;
     then the limits each closest config takes, all of them together."""
     named = [limit.resource for limit, _ in closest[0].over]
-    fits = [f"{what}: {_needs(f, closest[0].config, named)}" for what, changed in _changes(recipe)
-            if (f := _within(changed, cands, limits, named)) is not None]
-    if recipe.mode == "train" and recipe.schedule != "resident" and not any(recipe.on_disk(c) for c in cands) \
-            and all(c.backend == "speedloader" for c in cands):
-        disk = [dataclasses.replace(c, optimizer_offload="disk") for c in cands]
-        if (f := _within(recipe, disk, limits, named)) is not None:
-            fits.insert(0, f"search.optimizer_offload [host, disk] (the master and optimizer state in files: "
-                           f"{format_bytes(f.prior.host)} in host memory, {format_bytes(f.prior.disk)} on disk)")
+    fits, disk_only = [], []
+    for what, why, twins in _to_disk(recipe, cands):
+        if (f := _within(recipe, twins, limits, named)) is not None:
+            fits.append(f"{what} ({why}: {format_bytes(f.prior.host)} in host memory, {format_bytes(f.prior.disk)} on "
+                        "disk)")
+        elif set(named) - {"disk"} and (d := _disk_only(recipe, twins, limits)) is not None:
+            # within the limits the closest config is over, were there disk enough: say what disk it takes
+            disk_only.append(f"{what} ({why}: {format_bytes(d.prior.host)} in host memory) with "
+                             + " and ".join(limit.raised(need) for limit, need in d.over))
+    fits += [f"{what}: {_needs(f, closest[0].config, named)}" for what, changed in _changes(recipe)
+             if (f := _within(changed, cands, limits, named)) is not None]
     takes = [" and ".join(limit.raised(need) for limit, need in f.over)
              + (f" (under {_differs(closest[0].config, f.config)})" if i else "") for i, f in enumerate(closest)]
+    takes = disk_only + takes       # only more disk: before raising host memory (or the device's) with it
     text = ("; or ".join(fits + takes) if fits else
             "no change of dtype, precision or optimizer; " + "; or ".join(takes) + ", or a smaller model")
     return text + _without_process(recipe, closest)
+
+
+def _to_disk(recipe: Setup, cands: list[Candidate]) -> list[tuple[str, str, list[Candidate]]]:
+    """The places on disk the spec does not try, each as (the change a spec makes, what it moves, the configs it
+    adds): the optimizer's master and state in files (training), then the weights in files too (one rank; in
+    training beside the optimizer on disk), whose host memory holds a window of the weights and gradients."""
+    if recipe.schedule == "resident" or not all(c.backend == "speedloader" for c in cands):
+        return []
+    train = recipe.mode == "train"
+    out = []
+    optimizer_there = any(recipe.on_disk(c) for c in cands)
+    if train and not optimizer_there:
+        out.append(("search.optimizer_offload [host, disk]", "the master and optimizer state in files",
+                    [dataclasses.replace(c, optimizer_offload="disk") for c in cands]))
+    if recipe.world_size == 1 and not any(recipe.weights_on_disk(c) for c in cands):
+        with_optimizer = train and not optimizer_there
+        what = "search.param_offload [host, disk]" + (" with search.optimizer_offload [host, disk]"
+                                                      if with_optimizer else "")
+        moved = ("the weights, the master and the optimizer state in files" if with_optimizer else
+                 "the weights in files too" if train else "the weights in files")
+        twins = [dataclasses.replace(c, param_offload="disk", optimizer_offload="disk" if train else
+                                     c.optimizer_offload) for c in cands]
+        out.append((what, moved + ", a window of the weights" + (" and gradients" if train else "")
+                    + " in host memory", twins))
+    return out
+
+
+def _disk_only(recipe: Setup, cands: list[Candidate], limits: list[Limit]) -> Over | None:
+    """The least config over the disk limit alone (within every other), the one needing the least disk; or None."""
+    only = [f for f in (overs(recipe, c, limits) for c in smallest(cands))
+            if f.over and {limit.resource for limit, _ in f.over} == {"disk"}]
+    return min(only, key=lambda f: (f.prior.disk, f.config), default=None)
 
 
 def _without_process(recipe: Setup, closest: list[Over]) -> str:
@@ -252,8 +306,9 @@ def _needs(f: Over, closest: Candidate, named: list[str]) -> str:
     config's does."""
     shown = [r for r in RESOURCES if r == "host" or (r == "disk" and f.prior.disk)
              or (r == "device" and r in named)]
-    place = (f" with optimizer_offload {f.config.optimizer_offload}"
-             if f.config.optimizer_offload != closest.optimizer_offload else "")
+    place = "".join(f" with {knob} {mine}" for knob, mine, theirs in (
+        ("optimizer_offload", f.config.optimizer_offload, closest.optimizer_offload),
+        ("param_offload", f.config.param_offload, closest.param_offload)) if mine != theirs)
     return ", ".join(f"{format_bytes(getattr(f.prior, r))} {WHERE[r]}" for r in shown) + place
 
 
@@ -263,14 +318,14 @@ def _within(recipe: Setup, cands: list[Candidate], limits: list[Limit], named: l
     return min(ok, key=lambda f: (tuple(getattr(f.prior, r) for r in named), f.config), default=None)
 
 
-def disk_room(asked: int | None, root: Path) -> tuple[int | None, str]:
-    """The disk limit disk configs are held to, and its name for a refusal: the asked one (hardware.disk_limit), or
-    the free space where trials offload to (`root`) when that is less or nothing was asked (a FreeSpace name, which
-    says it overrides the asked one)."""
+def disk_room(asked: int | None, root: Path, asked_name: str = "hardware.disk_limit") -> tuple[int | None, str]:
+    """The disk limit disk configs are held to, and its name for a refusal: the asked one (hardware.disk_limit, or
+    `asked_name`), or the free space where trials offload to (`root`) when that is less or nothing was asked (a
+    FreeSpace name, which says it overrides the asked one)."""
     free = free_bytes(root)
     if asked is not None and (free is None or asked <= free):
-        return asked, "hardware.disk_limit"
-    return free, FreeSpace(root, asked)
+        return asked, asked_name
+    return free, FreeSpace(root, asked, free, asked_name)
 
 
 def free_bytes(folder: Path) -> int | None:

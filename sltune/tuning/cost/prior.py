@@ -14,9 +14,27 @@ Term by term, as the runtime allocates them:
             sltune.tuning.cost.baseline measures it). Under optimizer_offload disk the master and the optimizer
             state leave host memory for files; the host holds the window instead (sltune.runtime.diskstate: the
             DEPTH largest blocks' master and state, page-padded) and, from the first step, the optimizer's fresh
-            state of the largest block, allocated before it is copied into its slot
+            state of the largest block, allocated before it is copied into its slot. Under param_offload disk
+            (one rank; training with the optimizer on disk) neither the dtype weights nor the gradients are whole
+            in host memory (sltune.runtime.weightfiles): the weights' window holds the units read ahead (the
+            engine reads one phase ahead: the largest two neighbouring phases' units), SPARE free buffers and, in
+            training, STAGED stepped copies (one stepping, WRITES_IN_FLIGHT written behind), as many of the
+            largest units page-padded; the gradients' window (sltune.runtime.gradwindow) the GRAD_UNITS largest
+            units' gradient sums (float32 under a master, else dtype), page-padded, but under the canonical
+            schedule, which sums every micro-batch's gradients on the host and keeps them whole; the device's
+            buffers take no prefetched unit (its file is read ahead instead). Formulas like the rest, of what the
+            runtime allocates at most: the fits correct them from the trials
     disk    optimizer_offload disk: every block's file (master and state, page-padded) twice, since a step
-            writes the new version beside the committed one and removes the old files only once it commits
+            writes the new version beside the committed one and removes the old files only once it commits;
+            param_offload disk: every unit's weights file (dtype, page-padded), in training twice for the same
+            reason, and when a step waits for every gradient (float16's loss scaling, clipping, or no float32
+            master: the step could not be undone part-way) the gradients spilled to files meanwhile
+    traffic per step, on disk (predicted, a formula; trials count the bytes they move: TrialResult.io): the disk
+            tier reads and writes every block once; param_offload disk reads each unit's weights file at every
+            load (each unit twice, forward and backward, but the last group and the head, live together once;
+            the canonical schedule N times that), once more before it steps where the step needs its values (no
+            float32 master), writes each stepped unit's new version once, and a waiting step writes its
+            gradients and reads them back (sltune.runtime.traffic counts the same for a running engine)
     device  the step played phase by phase as the engine runs it (the plan of sltune.runtime.phases): the units live
             in each phase (a group, the embedding, the head, the tied weights all pass) with their gradient
             buffers in backward (and a float32 sum under a master), the next phase's units prefetched, the
@@ -37,7 +55,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from sltune.runtime import phases
-from sltune.runtime.disk_layout import DEPTH, pack, padded
+from sltune.runtime.disk_layout import DEPTH, pack, padded, pieces
 from sltune.runtime.residency import keep_order, kept_share
 from sltune.training.optimizer import OptimizerConfig
 from sltune.tuning.cost import wrapped
@@ -48,6 +66,14 @@ from sltune.tuning.space import Candidate
 if TYPE_CHECKING:
     from sltune.profiling.schema import TrialSpec
     from sltune.tuning.spec import TuningSpec
+
+# param_offload disk's window (sltune.runtime.weightfiles, which imports torch: the prior does not): the free buffers it
+# keeps for reuse, the stepped copies staged at once (one being stepped, WRITES_IN_FLIGHT = 2 written behind), and
+# the units whose gradient sums host memory holds at once, its budget the largest ones' (sltune.runtime.gradwindow);
+# the tests hold them to the runtime
+SPARE = 2
+STAGED = 3
+GRAD_UNITS = 2
 
 
 @dataclass(frozen=True)
@@ -68,6 +94,8 @@ class Setup:
     baseline: int = 0               # what a trial process holds before its model (sltune.tuning.cost.baseline)
     optimizer_offload: str = "host"  # disk: the float32 master and the optimizer state live in files (a
                                      # candidate's optimizer_offload says so too: either makes it disk)
+    param_offload: str = "host"      # disk: the dtype weights live in files (a candidate's param_offload too)
+    clips: bool = False              # training clips the global gradient norm (trials never do; `sltune train` may)
 
     @classmethod
     def of_spec(cls, spec: "TuningSpec", shape: ModelShape, baseline: int = 0) -> "Setup":
@@ -79,7 +107,7 @@ class Setup:
     def of_trial(cls, trial: "TrialSpec", shape: ModelShape, baseline: int = 0) -> "Setup":
         return cls(trial.model, shape, trial.mode, trial.schedule, trial.mixed_precision, trial.optimizer,
                    trial.world_size, trial.device, trial.seq_len, trial.prompt_len, trial.new_tokens, baseline,
-                   getattr(trial, "optimizer_offload", "host"))
+                   getattr(trial, "optimizer_offload", "host"), getattr(trial, "param_offload", "host"))
 
     @property
     def master(self) -> bool:
@@ -94,6 +122,22 @@ class Setup:
         """Whether c's optimizer lives in files: training, not resident (the config refuses it there)."""
         return self.mode == "train" and self.schedule != "resident" and \
             "disk" in (self.optimizer_offload, c.optimizer_offload)
+
+    def weights_on_disk(self, c: Candidate) -> bool:
+        """Whether c's dtype weights live in files (param_offload disk): not resident (the config refuses it)."""
+        return self.schedule != "resident" and "disk" in (self.param_offload, c.param_offload)
+
+    @property
+    def deferred(self) -> bool:
+        """Training on disk whose step waits for every gradient before any unit steps (sltune.runtime.engine's
+        _early): float16's loss scaling (its overflow check), clipping on the global norm, or no float32 master (a
+        failure part-way could not be undone). Under param_offload disk its gradients wait in files."""
+        return self.mode == "train" and (self.clips or not self.master or self.shape.dtype == "float16")
+
+    @property
+    def grad_bytes(self) -> int:
+        """Bytes per value of a gradient sum: float32 under a master, else dtype."""
+        return 4 if self.master else self.shape.itemsize
 
     @property
     def disk_value_bytes(self) -> int:
@@ -111,13 +155,26 @@ class Prior:
     device: int
     host_terms: list[tuple[str, int]]
     device_terms: list[tuple[str, int]]
-    disk: int = 0                   # optimizer_offload disk, DeepSpeed's nvme: the files at their fullest (else 0)
-    disk_terms: list[tuple[str, int]] = field(default_factory=list)
+    disk: int = 0                   # optimizer_offload or param_offload disk, DeepSpeed's nvme: the files at their
+    disk_terms: list[tuple[str, int]] = field(default_factory=list)     # fullest (else 0)
+    # SpeedLoader's files: (what, bytes read, bytes written) per step, a formula (TrialResult.io measures them)
+    traffic_terms: list[tuple[str, int, int]] = field(default_factory=list)
+
+    @property
+    def disk_read(self) -> int:
+        return sum(r for _, r, _ in self.traffic_terms)
+
+    @property
+    def disk_written(self) -> int:
+        return sum(w for _, _, w in self.traffic_terms)
 
     def to_dict(self) -> dict[str, Any]:
+        traffic = {"disk_read_bytes_per_step": self.disk_read, "disk_write_bytes_per_step": self.disk_written,
+                   "disk_traffic_terms": {what: {"read": r, "written": w} for what, r, w in self.traffic_terms}}
         return {"peak_host_bytes": self.host, "peak_device_bytes": self.device,
                 "host_terms": dict(self.host_terms), "device_terms": dict(self.device_terms),
-                **({"peak_disk_bytes": self.disk, "disk_terms": dict(self.disk_terms)} if self.disk else {})}
+                **({"peak_disk_bytes": self.disk, "disk_terms": dict(self.disk_terms)} if self.disk else {}),
+                **(traffic if self.traffic_terms else {})}
 
 
 def predict(recipe: Setup, c: Candidate) -> Prior:
@@ -140,15 +197,26 @@ def predict(recipe: Setup, c: Candidate) -> Prior:
         _generate_step(device, recipe, c, groups, fp)
 
     host: list[tuple[str, int]] = []
-    on_disk = recipe.on_disk(c)
+    on_disk, weights_on_disk = recipe.on_disk(c), recipe.weights_on_disk(c)
     disk: list[tuple[str, int]] = []
+    traffic: list[tuple[str, int, int]] = []
     if recipe.schedule != "resident":   # resident keeps these on the device: among its buffers below
         host += [(what, _sharded(nbytes, world))
                  for what, nbytes in shape.host_terms(recipe.mode, recipe.mixed_precision, recipe.optimizer)
-                 if not on_disk or not what.startswith(("a float32 master", "AdamW", "SGD"))]
+                 if not (on_disk and what.startswith(("a float32 master", "AdamW", "SGD")))
+                 and not (weights_on_disk and what.startswith("the weights in"))]
     if on_disk:
         host_window, disk = _disk_terms(recipe, k)
         host += host_window
+        moved = sum(n for _, n in disk) // 2
+        traffic.append(("the disk tier's blocks (master and state)", moved, moved))
+    if weights_on_disk and recipe.schedule != "canonical":    # canonical sums every micro-batch's on the host
+        host = [(what, n) for what, n in host if not what.endswith(" gradients")]
+    if weights_on_disk:
+        host_window, files, moved = _weight_terms(recipe, c, groups)
+        host += host_window
+        disk += files
+        traffic += moved
     acts = 0
     if recipe.schedule == "speedloader":
         edges = len(groups) if train else len(groups) + 1
@@ -167,7 +235,7 @@ def predict(recipe: Setup, c: Candidate) -> Prior:
         host.append(("device buffers", world * device.held_peak))
     host.append(("the process", recipe.baseline))
     return Prior(host=sum(x for _, x in host), device=device.peak, host_terms=host,
-                 device_terms=device.peak_terms, disk=sum(x for _, x in disk), disk_terms=disk)
+                 device_terms=device.peak_terms, disk=sum(x for _, x in disk), disk_terms=disk, traffic_terms=traffic)
 
 
 def _wrapped(recipe: Setup, c: Candidate) -> Prior:
@@ -208,7 +276,8 @@ def disk_blocks(shape: ModelShape, k: int, world: int = 1) -> list[list[int]]:
 
 
 def _block_sizes(numels: list[int]) -> list[int]:
-    return [sum(block) for block in pack(numels, int)]
+    """The disk tier's blocks of these tensors, sliced and packed as sltune.runtime.diskstate lays them out."""
+    return [sum(block) for block in pack([n for numel in numels for _, n in pieces(numel)], int)]
 
 
 def _disk_terms(recipe: Setup, k: int) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
@@ -227,6 +296,54 @@ def _disk_terms(recipe: Setup, k: int) -> tuple[list[tuple[str, int]], list[tupl
             ("the optimizer's fresh state of the largest block (first step)", fresh)]
     disk = [("the committed version's files", files), ("the new version a step writes before it commits", files)]
     return [t for t in host if t[1]], [t for t in disk if t[1]]
+
+
+def _weight_terms(recipe: Setup, c: Candidate, groups: list[int]) -> tuple[list[tuple[str, int]],
+                                                                           list[tuple[str, int]],
+                                                                           list[tuple[str, int, int]]]:
+    """param_offload disk (one rank): what host memory holds for the weights and the gradients instead of the whole
+    model, the weights' files (and a waiting step's spilled gradients), and the traffic of one step (a training
+    step; generation's per decoding step), each a formula the fits correct."""
+    shape, e = recipe.shape, recipe.shape.itemsize
+    embed, tied, units, head = _units(shape, groups)
+    every = [u for u in (tied, embed, *units, head) if u.nbytes]
+    sizes = {u.name: padded(u.nbytes) for u in every}
+    # the buffers held at once are distinct units' (the window reuses a free buffer that holds a unit, and keeps the
+    # SPARE largest free ones): the largest units' sizes bound them
+    largest = sorted(sizes.values(), reverse=True)
+    files = sum(sizes.values())
+    if recipe.mode == "train":
+        plan = phases.plan(len(units))
+        named = {"embed": embed.name, "head": head.name, "tied": tied.name}
+
+        def name(u: phases.Unit) -> str:
+            return f"group{u}" if isinstance(u, int) else named[u]
+        reads = [[name(u) for u in p.units] for p in plan]
+        reads[0] = [tied.name, *reads[0]]         # the tied weights load with the first phase, for the whole pass
+        loads = sum(sizes.get(name(u), 0) for u in phases.loaded(plan))
+        loads *= c.n if recipe.schedule == "canonical" else 1    # canonical: every micro-batch loads every unit
+    else:   # a decoding step loads every unit once (weights kept on the device included: an upper bound)
+        reads = [[tied.name, embed.name], *[[u.name] for u in units], [head.name]]
+        loads = files
+    ahead = max(sum(sizes.get(n, 0) for n in now + after) for now, after in zip(reads, reads[1:] + [[]]))
+    host = [("the weights' window: units read ahead (param_offload disk)", ahead),
+            (f"the weights' window: {SPARE} spare buffers", sum(largest[:SPARE]))]
+    disk = [("the weights' files (param_offload disk)", files)]
+    traffic = [("the weights read at each load", loads, 0)]
+    if recipe.mode == "train":
+        grads = [padded(u.nbytes // e * recipe.grad_bytes) for u in every]
+        spill = sum(grads)
+        host.append((f"the weights' window: {STAGED} stepped copies staged", sum(largest[:STAGED])))
+        if recipe.schedule != "canonical":      # canonical keeps every micro-batch's sum whole (a host term above)
+            host.append((f"the gradients' window: the {GRAD_UNITS} largest units' (param_offload disk)",
+                         sum(sorted(grads, reverse=True)[:GRAD_UNITS])))
+        disk.append(("the weights' new version a step writes before it commits", files))
+        # a step without a master updates the dtype copy in place: each unit's file is read once more to step it
+        traffic.append(("each stepped unit's new weights", 0 if recipe.master else files, files))
+        if recipe.deferred and recipe.schedule != "canonical":     # canonical's gradients stay whole in memory
+            disk.append(("the gradients a waiting step spills (loss scaling, clipping, no master)", spill))
+            traffic.append(("the gradients a waiting step spills and reads back", spill, spill))
+    return host, disk, traffic
 
 
 def at_depth(shape: ModelShape, layers: int) -> ModelShape:
@@ -336,6 +453,7 @@ def _train_step(t: _Timeline, r: Setup, c: Candidate, groups: list[int], fp: Foo
         return []
     n = c.n if r.schedule == "speedloader" else 1
     offload = c.activations == "offload"
+    from_files = r.weights_on_disk(c)
     accumulate32 = r.master and r.schedule != "canonical"
     prologue_kept = c.n * fp.kept       # every sub-batch's layer arguments, all step
 
@@ -344,7 +462,8 @@ def _train_step(t: _Timeline, r: Setup, c: Candidate, groups: list[int], fp: Foo
         t.relabel(u.name, "weights being used")
 
     def prefetch(u: _Unit) -> None:
-        t.take(u.name, "weights prefetched", u.nbytes, e)
+        if not from_files:      # param_offload disk reads the file ahead: the device buffer waits for the activation
+            t.take(u.name, "weights prefetched", u.nbytes, e)
 
     def begin_grads(u: _Unit) -> None:
         t.take(u.name + ".grad", "gradients", u.nbytes, e)
@@ -437,7 +556,7 @@ def _generate_step(t: _Timeline, r: Setup, c: Candidate, groups: list[int], fp: 
     order = keep_order(tied, embed, head, units)
     kept = {u.name for u, keep in zip(order, kept_share([u.nbytes for u in order], c.weights_on_device or 0.0)) if keep}
     m = 1 if r.schedule == "canonical" else n      # canonical: one sub-batch per pass, the earlier ones' logits held
-    ahead = not r.on_cpu
+    ahead = not r.on_cpu and not r.weights_on_disk(c)     # param_offload disk reads ahead into host memory only
     logits = 4 * b * shape.vocab                    # the last position's, in float32, kept to the step's end
     seq = [embed, *units, head]
     if r.schedule != "resident":

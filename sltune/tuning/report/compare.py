@@ -39,13 +39,13 @@ Key = tuple
 CONFOUNDING_CORES = 0.5     # a difference in other processes' busy cores that makes two measurements incomparable
 # every backend's own knobs (deepspeed's zero_stage, ...; fsdp's cpu_offload, ...), in the backends' order
 KNOBS = ("sub_batch_size", "num_sub_batches", "num_live_blocks", "activations", "kv_cache", "weights_on_device",
-         "optimizer_offload", "backend", *ALL_KNOBS)
+         "optimizer_offload", "param_offload", "backend", *ALL_KNOBS)
 # what trials stored before a knob existed ran: recompute, no weights kept on the device, the optimizer in host
 # memory (a host config's knobs leave optimizer_offload out), SpeedLoader (before there were backends)
 BEFORE_KNOB = {"activations": "recompute", "weights_on_device": 0.0, "optimizer_offload": "host",
-               "backend": "speedloader"}
+               "param_offload": "host", "backend": "speedloader"}
 # SpeedLoader's own knobs, which another backend does not have (its trials store None, or nothing)
-SPEEDLOADER_ONLY = ("num_live_blocks", "optimizer_offload")
+SPEEDLOADER_ONLY = ("num_live_blocks", "optimizer_offload", "param_offload")
 
 
 def backend_of(config: dict[str, Any]) -> str:
@@ -271,7 +271,7 @@ def remeasure(cmp: dict[str, Any], old: JobData, new: JobData, rounds: int = 3,
         for r in range(rounds):
             for side in (("old", "new") if r % 2 == 0 else ("new", "old")):
                 tuning, cand = bests[side]
-                folder = Path(scratch, f"{side}-{r}") if cand.on_disk else None
+                folder = Path(scratch, f"{side}-{r}") if cand.uses_disk else None
                 if folder is not None:
                     folder.mkdir()
                 result = run(trial_spec(tuning, cand, None, offload_dir=folder).model_copy(update={"profile": False}))

@@ -1,12 +1,14 @@
 """`sltune plan SPEC.yaml`: every config of a spec with its peaks predicted from the shape alone, before any trial.
 
 No trial runs and no best.yaml is needed: the prior (sltune.tuning.cost.prior) predicts each config's host and device
-peaks term by term (and under optimizer_offload disk its files' bytes), the spec's limits (the disk's by default
+peaks term by term (and under optimizer_offload or param_offload disk its files' bytes and a step's disk traffic,
+formulas of the shape like the rest), the spec's limits (the disk's by default
 the free space where trials offload to) (or, with none, this machine's trial ceiling) rule configs in or out with
 the tuner's own margin, and each of the largest that fit names the limit that stops it growing. A spec none of
 whose configs can fit is refused with every limit the closest config is over, its terms there, and what would fit
-(sltune.tuning.cost.feasible). A hardware.disk_limit larger than the free space is named beside it: the free space
-applies.
+(sltune.tuning.cost.feasible), which holds the places on disk the spec does not try to the same disk limit. A disk
+limit larger than the free space is named beside it: the free space applies ("the disk limit is 1.0 TiB but only
+80.0 GiB is free in DIR: planning with 80.0 GiB").
 """
 
 from __future__ import annotations
@@ -34,9 +36,10 @@ def is_spec(data: Any) -> bool:
 
 def plan_spec(data: dict[str, Any], source: str | Path, device_memory_limit: int | str | None = None,
               host_memory_limit: int | str | None = None, settings: Settings | None = None,
-              disk_limit: int | str | None = None) -> dict[str, Any]:
+              disk_limit: int | str | None = None, disk_flag: str = "hardware.disk_limit") -> dict[str, Any]:
     """Every config's predicted peaks under the spec's limits (or these), which fit, which limit binds the
-    largest, and the refusal when none fits."""
+    largest, and the refusal when none fits. `disk_flag` names where a `disk_limit` given here came from (plan's
+    --disk-limit)."""
     settings = settings or Settings()
     hardware = dict(data.get("hardware") or {})
     asked = {name: hardware.pop(name, None) for name in LIMITS}     # held to below, not refused by the schema
@@ -44,6 +47,7 @@ def plan_spec(data: dict[str, Any], source: str | Path, device_memory_limit: int
                         ("disk_limit", disk_limit)):
         if value is not None:
             asked[name] = value
+    disk_from = disk_flag if disk_limit is not None else "hardware.disk_limit"
     spec = load({**data, "hardware": hardware}, str(source))
     device_limit = None if asked["device_memory_limit"] is None else parse_bytes(
         asked["device_memory_limit"], "hardware.device_memory_limit")
@@ -59,21 +63,23 @@ def plan_spec(data: dict[str, Any], source: str | Path, device_memory_limit: int
     limited = spec.model_copy(update={"hardware": hw.model_copy(update={"device_memory_limit": device_limit,
                                                                          "host_memory_limit": host_limit,
                                                                          "disk_limit": disk_asked})})
-    on_disk = any(c.on_disk for c in space.candidates)
+    on_disk = any(c.uses_disk for c in space.candidates)
     if disk_asked is not None and not on_disk:         # as the spec's own check says it (TuningSpec)
         raise ValueError(f"{source}: the disk limit {DISK_LIMIT_WITHOUT_DISK}")
-    disk_limit, disk_name = disk_room(disk_asked, settings.offload_root()) if on_disk else \
-        (None, "hardware.disk_limit")
-    state = SearchState(limited, shape, space, baseline=baseline, host_ceiling=ceiling, disk_ceiling=disk_limit)
+    # what would fit holds the places on disk a spec does not try to the free space too
+    disk_limit, disk_name = disk_room(disk_asked, settings.offload_root(), disk_from)
+    state = SearchState(limited, shape, space, baseline=baseline, host_ceiling=ceiling,
+                        disk_ceiling=disk_limit if on_disk else None)
     preds = {c: state.predict(c) for c in space.candidates}
     fitting = [c for c, p in preds.items() if p.fits]
     largest = [c for c in fitting if not any(o.dominates(c) for o in fitting)]
     out: dict[str, Any] = {
         "source": str(source), "kind": "spec", "model": spec.model.describe(),
         "limits": {"device_memory_limit": device_limit, "host_memory_limit": host_limit or ceiling,
-                   "host_limit_from": host_name, "disk_limit": disk_limit,
+                   "host_limit_from": host_name, "disk_limit": disk_limit if on_disk else None,
                    "disk_limit_from": str(disk_name) if on_disk else None,
-                   "disk_limit_note": (disk_name.overrides() or None) if isinstance(disk_name, FreeSpace) else None},
+                   "disk_limit_note": (disk_name.overrides() or None)
+                   if on_disk and isinstance(disk_name, FreeSpace) else None},
         "margin": spec.search.margin, "trial_baseline_bytes": baseline,
         "candidates": len(preds), "fitting": len(fitting),
         "configs": [{"config": c.knobs(), "peak_device_bytes": p.device, "peak_host_bytes": p.host,

@@ -37,7 +37,7 @@ def job_result(job_id: str, spec: TuningSpec, state: SearchState, stop_reason: s
         "wall_seconds": wall_seconds, "best": None, "predicted": None, "binding_limit": None,
         "models": models, "depth": depth,
         "margins": state.margins, "space_size": len(state.space.candidates),
-        "disk_limit": state.disk_limit if any(c.on_disk for c in state.space.candidates) else None,
+        "disk_limit": state.disk_limit if any(c.uses_disk for c in state.space.candidates) else None,
         "trial_baseline_bytes": state.recipe.baseline,      # the host prior's process term: plan needs it again
         "search_space": {**state.space.describe(),      # probe_layers: plan needs the depth terms the fits use
                          **({"probe_layers": spec.search.probe_layers} if depth else {})},
@@ -105,10 +105,11 @@ def _unconfirmed(state: SearchState) -> str | None:
 def best_config(spec: TuningSpec, result: dict[str, Any], offload_dir: str | None = None,
                 backend: str | None = None) -> SpeedLoaderConfig:
     """The best config as the training job runs it: the overall best, or with `backend` that backend's pick
-    (result["best_by_backend"]), naming the backend and its knobs. Under optimizer_offload disk the folder of the
-    optimizer's files (and DeepSpeed's nvme swap folder) is the training job's own (`offload_dir`, or `sltune train
-    --offload-dir DIR`): without one the config says disk (nvme) and names no folder, as best.yaml does (the tuning
-    machine's folders were its trials' and are gone), and SpeedLoaderConfig.from_yaml asks for one."""
+    (result["best_by_backend"]), naming the backend and its knobs. Under optimizer_offload (or param_offload) disk
+    the folder of the optimizer's (and the weights') files (and DeepSpeed's nvme swap folder) is the training job's
+    own (`offload_dir`, or `sltune train --offload-dir DIR`): without one the config says disk (nvme) and names no
+    folder, as best.yaml does (the tuning machine's folders were its trials' and are gone), and
+    SpeedLoaderConfig.from_yaml asks for one."""
     from sltune.backends.export import backend_of, pick
     from sltune.backends.knobs import KNOBS
 
@@ -138,10 +139,11 @@ def best_config(spec: TuningSpec, result: dict[str, Any], offload_dir: str | Non
                              mixed_precision=spec.model.mixed_precision,
                              device_memory_limit=spec.hardware.device_memory_limit,
                              world_size=spec.hardware.world_size)
-    if c.get("optimizer_offload", "host") == "disk":
+    places = {knob: "disk" for knob in ("optimizer_offload", "param_offload") if c.get(knob, "host") == "disk"}
+    if places:
         if offload_dir is not None:
-            return cfg.replace(optimizer_offload="disk", offload_dir=offload_dir)
-        return cfg.model_copy(update={"optimizer_offload": "disk", "offload_dir": None})
+            return cfg.replace(**places, offload_dir=offload_dir)
+        return cfg.model_copy(update={**places, "offload_dir": None})
     return cfg
 
 

@@ -46,6 +46,10 @@ and a 1 GiB peak, count alike. L is the number of layers and [off] is 1 under ac
 [off] terms drop out of a fit whose space does not sweep activations, as any feature constant over it does.
 [disk] is 1 under optimizer_offload: disk, whose reads and writes add a per-step time; the peaks need no term for
 it: the prior (their offset) moves the master and optimizer state from host memory into files term by term.
+[wdisk] is 1 under param_offload: disk: every step reads each unit's weights file at its loads (training: twice,
+and writes its new version; generation: once a decoding step), a per-step time; and the host peak gets a constant
+for it beside the prior's window (sltune.tuning.cost.prior: the units read ahead, spare and staged buffers, two
+units' gradient sums), a formula of what the window holds at most, which the trials correct as they measure it.
 
 The wrapped backends (search.backend deepspeed, fsdp) run a micro-batch of b rows N times a step (gradient
 accumulation), every layer each time, so the same linear terms hold for their knobs, and each backend's models are
@@ -104,6 +108,9 @@ FEATURES: dict[str, Callable[[dict[str, float]], float]] = {
     # the backward did not hide; per step, whatever b and N (across depths it grows with the parameter bytes)
     "[disk]": lambda v: v.get("disk", 0.0),
     "[disk]*P": lambda v: v.get("disk", 0.0) * v["P"],
+    # param_offload disk: each step reads the weights' files (and in training writes their new version): per step
+    "[wdisk]": lambda v: v.get("wdisk", 0.0),
+    "[wdisk]*P": lambda v: v.get("wdisk", 0.0) * v["P"],
     "W": lambda v: v["W"],
     "W/N": lambda v: v["W"] / v["N"],
     # across depths (search.probe_layers; sltune.tuning.search.probes): P the parameter bytes, F those a token's compute
@@ -126,14 +133,14 @@ FEATURES: dict[str, Callable[[dict[str, float]], float]] = {
 MODELS = {
     "train": {
         "device": ("peak_device_bytes", ["1", "k", "k*[G>1]", "b*s", "k*b*s", "B*s", "[off]*k*b*s"]),
-        "host": ("peak_host_bytes", ["1", "(G+1)*B*s", "[off]*(L-k)*B*s"]),
-        "throughput": ("step_seconds", ["1", "G", "N", "N*b*s", "N*G", "[off]*(L-k)*N*b*s", "[disk]"]),
+        "host": ("peak_host_bytes", ["1", "(G+1)*B*s", "[off]*(L-k)*B*s", "[wdisk]"]),
+        "throughput": ("step_seconds", ["1", "G", "N", "N*b*s", "N*G", "[off]*(L-k)*N*b*s", "[disk]", "[wdisk]"]),
     },
     "generate": {   # s = prompt + new tokens; the host holds every sub-batch's KV cache (B*s), the device
                     # one group's cache for one sub-batch (k*b*s)
         "device": ("peak_device_bytes", ["1", "k", "k*[G>1]", "b*s", "k*b*s", "B*s", "D*B*s", "W"]),
-        "host": ("peak_host_bytes", ["1", "B*s"]),
-        "throughput": ("step_seconds", ["1", "G", "N", "N*b*s", "N*G", "W/N"]),
+        "host": ("peak_host_bytes", ["1", "B*s", "[wdisk]"]),
+        "throughput": ("step_seconds", ["1", "G", "N", "N*b*s", "N*G", "W/N", "[wdisk]"]),
     },
 }
 
@@ -147,8 +154,8 @@ MODELS = {
 # too high; the prior and a constant: 3-6% low, the same as at the probes' own b and N).
 ACROSS_DEPTHS = {
     "device": MODELS["train"]["device"],
-    "host": ("peak_host_bytes", ["1"]),
-    "throughput": ("step_seconds", ["P", "G", "N", "F*N*b*s", "N*G", "[off]*(L-k)*N*b*s", "[disk]*P"]),
+    "host": ("peak_host_bytes", ["1", "[wdisk]"]),
+    "throughput": ("step_seconds", ["P", "G", "N", "F*N*b*s", "N*G", "[off]*(L-k)*N*b*s", "[disk]*P", "[wdisk]*P"]),
 }
 # the memory models fit what trials measure beyond the prior (its peaks, sltune.tuning.cost.prior), at one depth or
 # across depths alike
@@ -190,11 +197,11 @@ def variables(c: Candidate, shape: ModelShape, tokens_per_row: int) -> dict[str,
     k = G = 0, and its knobs as 0/1)."""
     if c.backend != "speedloader":
         return {"b": c.b, "N": c.n, "k": 0.0, "B": c.batch, "s": tokens_per_row, "G": 0.0, "L": shape.layers,
-                "off": 1.0 if c.activations == "offload" else 0.0, "D": 0.0, "disk": 0.0, "W": 0.0,
+                "off": 1.0 if c.activations == "offload" else 0.0, "D": 0.0, "disk": 0.0, "wdisk": 0.0, "W": 0.0,
                 **wrapped_variables(c)}
     return {"b": c.b, "N": c.n, "k": c.k, "B": c.batch, "s": tokens_per_row, "G": shape.groups(c.k),
             "L": shape.layers, "off": 1.0 if c.activations == "offload" else 0.0, "D": float(c.kv_on_device),
-            "disk": float(c.on_disk),
+            "disk": float(c.on_disk), "wdisk": float(c.weights_on_disk),
             "W": kept_fraction(shape, c)}
 
 

@@ -62,8 +62,8 @@ class Prediction:
     over: list[str] = field(default_factory=list)       # which limits it is predicted to exceed
     prior_device: float | None = None                   # the prior alone (sltune.tuning.cost.prior), before any trial
     prior_host: float | None = None
-    disk: float | None = None                           # optimizer_offload disk: its files at their fullest (exact,
-                                                        # from the shape: the prior's)
+    disk: float | None = None                           # optimizer_offload or param_offload disk: its files at their
+                                                        # fullest (from the shape: the prior's)
 
     def to_dict(self) -> dict[str, Any]:
         return {"peak_device_bytes": self.device, "peak_host_bytes": self.host, "step_seconds": self.step_seconds,
@@ -211,8 +211,9 @@ class SearchState:
             # offload holds every sub-batch's saved tensors on the host on top of recompute's boundary activations
             if c.activations != o.activations and c.activations != "offload":
                 return False
-            if c.on_disk and not o.on_disk:     # the master and optimizer state in files: less host memory
-                return False
+            if (c.on_disk and not o.on_disk) or (c.weights_on_disk and not o.weights_on_disk):
+                return False    # the master and optimizer state, or the weights and gradients, in files: less host
+
             return c.batch >= o.batch and (self.shape.groups(c.k) + 1) * c.batch >= (self.shape.groups(o.k) + 1) * o.batch
         return c == o or c.dominates(o)
 
@@ -300,10 +301,11 @@ class SearchState:
         for o in up:
             mine = self.predict(o).over
             over.update(mine)
-            # over host: the same config with its optimizer on disk may fit; if it does not either, what stops it
-            # (the disk, say) binds too
-            twins = [dataclasses.replace(o, optimizer_offload=x) for x in self.space.offload_values
-                     if x != o.optimizer_offload and o.backend == "speedloader"]
+            # over host: the same config with its optimizer (or its weights) on disk may fit; if none does, what stops
+            # them (the disk, say) binds too
+            twins = [t for t in (dataclasses.replace(o, optimizer_offload=x, param_offload=p)
+                                 for x in self.space.offload_values for p in self.space.param_values)
+                     if t != o and t in self.space and o.backend == "speedloader"]
             if "host" in mine and twins and not any(self.predict(t).fits for t in twins):
                 over.update(r for t in twins for r in self.predict(t).over)
         return "+".join(sorted(over)) if over else "none"

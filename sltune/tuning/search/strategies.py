@@ -144,10 +144,11 @@ class OneShotStrategy(Strategy):
         b_lo, b_mid = bs[0], bs[len(bs) // 2]
 
         def cheapest(b: int, k: int, at_least: int = 0, w: float | None = None) -> Candidate | None:
-            # the optimizer in host memory where that is predicted to fit, else on disk (search.optimizer_offload)
+            # the optimizer (then the weights) in host memory where that is predicted to fit, else on disk
+            # (search.optimizer_offload, search.param_offload)
             fits = [c for c in cands
                     if c.b == b and c.k == k and c.n >= at_least and (w is None or c.weights_on_device == w)]
-            return min(fits, key=lambda c: (c.batch, c.on_disk and not self._host_over(c), c.on_disk), default=None)
+            return min(fits, key=lambda c: (c.batch, not self._placed(c), c.offloads), default=None)
 
         plan = [cheapest(b, k) for b in (b_lo, b_mid) for k in (ks[0], ks[-1])]
         if not self.state.space.by_batch:
@@ -161,10 +162,16 @@ class OneShotStrategy(Strategy):
             plan.append(cheapest(fewest.b, ks[0], w=shares[-1]))
         return plan
 
-    def _host_over(self, c: Candidate) -> bool:
-        """Whether c with its optimizer in host memory is predicted over a limit (then its disk twin probes)."""
-        twin = dataclasses.replace(c, optimizer_offload="host")
-        return twin not in self.state.space or not self.state.predict(twin).fits
+    def _placed(self, c: Candidate) -> bool:
+        """Whether c is where its config probes among its places (the optimizer and the weights in host memory or in
+        files): the fewest files predicted to fit (the optimizer on disk before the weights), else all in host
+        memory. A space without such choices has one place: every config is placed."""
+        places = sorted((t for t in (dataclasses.replace(c, optimizer_offload=o, param_offload=p)
+                                     for o in ("host", "disk") for p in ("host", "disk")) if t in self.state.space),
+                        key=lambda t: (t.offloads, t.weights_on_disk))
+        if len(places) < 2:
+            return True
+        return c == next((t for t in places if self.state.predict(t).fits), places[0])
 
     def propose(self) -> Proposal | Stop:
         st = self.state

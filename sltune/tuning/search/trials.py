@@ -24,15 +24,15 @@ def machine_cores() -> int:
 def trial_spec(spec: TuningSpec, c: Candidate, trace: Path | None, default_host_limit: int | None = None,
                max_trial_steps: int | None = None, layers: int | None = None,
                offload_dir: Path | None = None, confirming: bool = False) -> TrialSpec:
-    """What one trial runs. The worker's ceilings hold whatever the stored spec says: host memory; timed steps,
-    every round together (an unstable round is re-measured only while both fit); and intra-op threads, at most
-    this machine's cores shared by the ranks (more would only take turns on them). A probe at reduced depth
-    (`layers`) times its steps for that share of trial_min_time_s: as many steps as the whole model's would. A
-    config of optimizer_offload disk writes its files in `offload_dir`, the runner's folder for the trial (never
-    a path from the spec). A confirmation trial (`confirming`) only times its steps, once: its config's breakdown
-    and trace are its search trial's, and the paired rounds are its re-measurement (a round of its own measured
-    again would pick the quieter of two moments for one finalist and not for the others); it cost a search trial's
-    time again under load (bench/tuner.py). A config of another backend runs it with its knobs (DeepSpeed's nvme
+    """What one trial runs. The worker's ceilings hold whatever the stored spec says: host memory; timed steps, every
+    round together (an unstable round is re-measured only while both fit); and intra-op threads, at most this machine's
+    cores shared by the ranks (more would only take turns on them). A probe at reduced depth (`layers`) times its steps
+    for that share of trial_min_time_s: as many steps as the whole model's would. A config of optimizer_offload disk
+    writes its files in `offload_dir`, the runner's folder for the trial (never a path from the spec), and so does one
+    of param_offload disk (its weights' files). A confirmation trial (`confirming`) only times its steps, once: its
+    config's breakdown and trace are its search trial's, and the paired rounds are its re-measurement (a round of its
+    own measured again would pick the quieter of two moments for one finalist and not for the others); it cost a search
+    trial's time again under load (bench/tuner.py). A config of another backend runs it with its knobs (DeepSpeed's nvme
     offload swaps to files in `offload_dir` too); SpeedLoader's fields keep the defaults that backend runs."""
     w, hw, s = spec.workload, spec.hardware, spec.search
     min_time = s.trial_min_time_s
@@ -49,8 +49,11 @@ def trial_spec(spec: TuningSpec, c: Candidate, trace: Path | None, default_host_
         threads = min(threads, max(1, machine_cores() // hw.world_size))
     speedloader = c.backend == "speedloader"
     files: dict[str, Any] = {}
-    if c.on_disk and w.mode == "train":
-        files = {"optimizer_offload": "disk", "offload_dir": str(_required(offload_dir, "optimizer_offload disk"))}
+    if speedloader and ((c.on_disk and w.mode == "train") or c.weights_on_disk):
+        what = "param_offload disk" if c.weights_on_disk else "optimizer_offload disk"
+        files = {"offload_dir": str(_required(offload_dir, what)),
+                 **({"optimizer_offload": "disk"} if c.on_disk and w.mode == "train" else {}),
+                 **({"param_offload": "disk"} if c.weights_on_disk else {})}
     elif c.writes_files:
         which = "offload_optimizer" if c.offload_optimizer == "nvme" else "offload_param"
         files = {"offload_dir": str(_required(offload_dir, f"search.deepspeed.{which} nvme"))}

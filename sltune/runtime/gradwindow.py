@@ -97,9 +97,6 @@ class GradWindow:
         """The unit's gradients in its buffer, flat, in the gradients' dtype."""
         return self._held[id(unit)][:unit.grad_numel * self.dtype.itemsize].view(self.dtype)
 
-    def holds(self, unit: Any) -> bool:
-        return id(unit) in self._held
-
     def release(self, unit: Any) -> None:
         """The unit has stepped (or spilled): its buffer is kept for the next."""
         with self._cond:

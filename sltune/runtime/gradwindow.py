@@ -30,6 +30,7 @@ from sltune.runtime import checksum
 from sltune.runtime.counters import IOCounters
 from sltune.runtime.direct_io import DirectFiles, aligned_empty
 from sltune.runtime.disk_layout import padded
+from sltune.runtime.precision import square_of, squared_norm
 from sltune.runtime.diskstate import IntegrityError, _safe
 
 SLOTS = 2       # units held at once, at least: one stepping (or spilling) while the backward offloads the next
@@ -119,15 +120,11 @@ class GradWindow:
 
     def account(self, unit: Any) -> None:
         """The squared norm of the unit's gradients, as finish_grads takes it of a whole buffer."""
-        self.squares[id(unit)] = torch.linalg.vector_norm(self.typed(unit), dtype=torch.float32).double() ** 2
+        self.squares[id(unit)] = square_of(self.typed(unit))
 
     def square(self, units: Sequence[Any]) -> torch.Tensor:
         """The squared global norm, summed in `units`' order (the whole-buffer sum's order: the same float64)."""
-        total = torch.zeros((), dtype=torch.float64)
-        for u in units:
-            if id(u) in self.squares:
-                total += self.squares[id(u)]
-        return total
+        return squared_norm(self.squares[id(u)] for u in units if id(u) in self.squares)
 
     # -- the spill (a deferred step) ---------------------------------------------------------------------
     def spill(self, unit: Any) -> None:

@@ -377,7 +377,7 @@ class ParamStore:
 
     def _home(self, unit: ParamUnit) -> None:
         """Where the parameters point between loads: the host copy and its gradients (none in a GradWindow: a
-        slot is the unit's only until it steps)."""
+        buffer is the unit's only until it steps)."""
         self._point(unit, unit.host, unit.host_grad)
 
     def trains(self, unit: ParamUnit) -> bool:
@@ -390,17 +390,15 @@ class ParamStore:
             return unit.host_grad.numel()
         return unit.grad_numel if self.trains(unit) else 0
 
-    def bind_grads(self, unit: ParamUnit, flat: torch.Tensor | None) -> None:
+    def bind_grads(self, unit: ParamUnit, flat: torch.Tensor) -> None:
         """Point the optimizer's view of the unit's gradients (Stepped.grad, a slice's in the disk tier's blocks too)
-        at `flat`, or back at placeholders."""
-        views = dict(zip(unit.offsets, unit._views(flat, unit.grad_offsets))) if flat is not None else {}
+        at `flat`, the buffer a GradWindow lent it."""
+        views = dict(zip(unit.offsets, unit._views(flat, unit.grad_offsets)))
         items = {id(s): s for s in self.stepped.get(id(unit), [])}
         if self.disk is not None:
             items.update((id(s), s) for block in self.disk.blocks_of(unit) for s in block.items)
         for s in items.values():
-            if not views:
-                s.grad = placeholder(s.shape, s.grad.dtype)
-            elif s.part is None:
+            if s.part is None:
                 s.grad = views[s.offset]
             else:
                 s.grad = views[s.offset - s.part].reshape(-1)[s.part:s.part + s.numel]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Iterable
 
 import torch
 import torch.distributed as dist
@@ -60,12 +61,18 @@ class GradStep:
     coef: float = 1.0         # what the gradients were (or, streamed, are to be) multiplied by: unscale and clip
 
 
-def squared_norm(grads: list[torch.Tensor]) -> torch.Tensor:
-    """The float64 sum of each flat buffer's squared float32 norm, in order."""
-    square = torch.zeros((), dtype=torch.float64)
-    for g in grads:
-        square += torch.linalg.vector_norm(g, dtype=torch.float32).double() ** 2
-    return square
+def square_of(grad: torch.Tensor) -> torch.Tensor:
+    """One flat buffer's squared norm: float32 norm, squared in float64 (streamed gradients take the same,
+    sltune.runtime.gradwindow, so the global norm is the same to the bit)."""
+    return torch.linalg.vector_norm(grad, dtype=torch.float32).double() ** 2
+
+
+def squared_norm(squares: Iterable[torch.Tensor]) -> torch.Tensor:
+    """The float64 sum of the buffers' squares (square_of), in order."""
+    total = torch.zeros((), dtype=torch.float64)
+    for square in squares:
+        total += square
+    return total
 
 
 def finish_grads(grads: list[torch.Tensor], scale: float = 1.0, max_norm: float | None = None,
@@ -79,7 +86,7 @@ def finish_grads(grads: list[torch.Tensor], scale: float = 1.0, max_norm: float 
     if not (need_norm or scaled or max_norm is not None):
         return GradStep(None, False)
     if square is None:
-        square = squared_norm(grads)
+        square = squared_norm(square_of(g) for g in grads)
     if world > 1:
         dist.all_reduce(square)
     norm = math.sqrt(float(square)) / scale

@@ -42,7 +42,7 @@ def expected_io(engine: "SpeedLoaderEngine", seq_len: int) -> IOCounters:
     disk_bytes = sum(padded(disk.nbytes(blk, True)) for blk in disk.blocks) if disk is not None else 0
     weight_loads, weight_staged, weight_writes = _weight_files(engine, loaded, backward)
     # param_offload disk, a deferred step: every unit's gradients spilled to a file and read back once
-    spill = sum(padded(engine.params.host_grad_numel(u) * grad_size) for u in backward if engine.params.trains(u)) \
+    spill = sum(padded(engine.params.host_grad_numel(u) * grad_size) for u in backward) \
         if engine.params.grads is not None and not engine._early() else 0
     if cfg.schedule == "canonical":
         return IOCounters(param_load_bytes=n * loads, grad_offload_bytes=n * grads,

@@ -2,20 +2,22 @@
 speed (dd) and DeepSpeed ZeRO-Infinity; and per-unit optimizer stepping under optimizer_offload: host.
 
     python bench/disk.py [--dir DIR] [--model auto] [--b 1] [--n 4] [--seq 32] [--steps 3] [--rounds 3]
-                         [--activations recompute|offload]
+                         [--activations recompute|offload] [--param-offload disk|host]
                          [--no-deepspeed] [--overlap-model llama-medium] [--overlap-steps 6]
 
 --model auto takes the first of qwen2-1.5b, qwen2-0.5b, llama-medium, llama-small whose files fit the free disk of
---dir (sltune holds two versions of the float32 master and AdamW's moments during a step: 2 * 12 bytes per
-parameter), bf16 compute with float32 masters (mixed precision) and AdamW. The host memory limit is what
+--dir (sltune holds two versions of the float32 master and AdamW's moments during a step, its default
+disk_versions 2: 2 * 12 bytes per parameter; disk_versions 1 keeps one), bf16 compute with float32 masters (mixed
+precision) and AdamW. The host memory limit is what
 optimizer_offload host would hold (the weights, master, gradients and moments, sltune.tuning.cost.shape) plus the
 process's own, less a byte: host cannot run under it (on the CPU its device buffers come on top); sltune runs in a process of its own, killed if its resident memory
 crosses the limit (DeepSpeed's peak is reported against it). Either is stopped if the machine, shared, falls under
 1 GiB available.
 
 A round runs, one after the other on the same directory: dd's sequential write and read (64 MiB blocks, O_DIRECT,
-fdatasync), sltune (--steps steps), and DeepSpeed ZeRO-Infinity (ZeRO-3, parameters offloaded to the CPU,
-the optimizer state to NVMe through its async_io op (libaio), its CPU Adam, bf16, the same micro-batch and
+fdatasync), sltune (--steps steps; the weights' dtype copy in files too under --param-offload disk, the default),
+and DeepSpeed ZeRO-Infinity (ZeRO-3, the optimizer state on NVMe through its async_io op (libaio), the parameters
+on NVMe too under --param-offload disk, else in host memory (cpu); its CPU Adam, bf16, the same micro-batch and
 accumulation steps: the same effective batch). The first step of each is not counted (sltune's reads only the
 masters, the moments do not exist yet). Figures are medians over the rounds' counted steps with [min, max].
 sltune's disk MB/s is the bytes of a step over the time a read (or a write) was in flight; "hidden" is the share of
@@ -72,7 +74,8 @@ def sltune_child(args: argparse.Namespace) -> dict[str, Any]:
     from sltune.training import OptimizerConfig
 
     cfg = SpeedLoaderConfig(sub_batch_size=args.b, num_sub_batches=args.n, num_live_blocks=1, dtype="bfloat16",
-                            activations=args.activations, optimizer_offload="disk", offload_dir=args.dir)
+                            activations=args.activations, optimizer_offload="disk", param_offload=args.param_offload,
+                            offload_dir=args.dir)
     start = time.perf_counter()
     weights = SeededWeights(load_config(args.model), 0)
     engine = SpeedLoaderEngine(weights.empty_model(), cfg, optimizer=OptimizerConfig(lr=1e-5).factory, weights=weights)
@@ -105,20 +108,25 @@ def deepspeed_child(args: argparse.Namespace) -> dict[str, Any]:
     deepspeed = deepspeed_or_none()
     nvme = Path(args.dir) / f"deepspeed-{os.getpid()}"
     nvme.mkdir(parents=True)
+    start = time.perf_counter()
+    # built whole in bf16, then partitioned by initialize (transformers' weight init indexes into the empty
+    # partitions zero.Init leaves)
+    model = AutoModelForCausalLM.from_config(load_config(args.model), dtype=torch.bfloat16)
+    # ZeRO-Infinity's parameter swapper holds whole parameters in buffers of buffer_size values: the largest one
+    # (the embedding) must fit one
+    largest = max(p.numel() for p in model.parameters())
+    param = ({"device": "nvme", "nvme_path": str(nvme), "pin_memory": False, "buffer_count": 5,
+              "buffer_size": largest} if args.param_offload == "disk" else {"device": "cpu", "pin_memory": False})
     ds = {"train_micro_batch_size_per_gpu": args.b, "gradient_accumulation_steps": args.n,
           "bf16": {"enabled": True}, "gradient_clipping": 0.0, "steps_per_print": 10**9,
           "wall_clock_breakdown": False,
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "betas": [0.9, 0.999], "eps": 1e-8,
                                                     "weight_decay": 0.01}},
-          "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": False},
+          "zero_optimization": {"stage": 3, "offload_param": param,
                                 "offload_optimizer": {"device": "nvme", "nvme_path": str(nvme), "pin_memory": False},
                                 "overlap_comm": False},
           "aio": {"block_size": 1 << 20, "queue_depth": 8, "thread_count": 1, "single_submit": False,
                   "overlap_events": True}}
-    start = time.perf_counter()
-    # built whole in bf16, then partitioned by initialize (transformers' weight init indexes into the empty
-    # partitions zero.Init leaves)
-    model = AutoModelForCausalLM.from_config(load_config(args.model), dtype=torch.bfloat16)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
     setup = time.perf_counter() - start
     data = batches(args.b * args.n, args.seq, model.config.vocab_size, seed=0)
@@ -283,6 +291,9 @@ def main() -> None:
     ap.add_argument("--activations", choices=("recompute", "offload"), default="recompute",
                     help="sltune's: recompute runs each group's forward again in the backward (DeepSpeed's ZeRO-3 "
                          "here does not checkpoint activations); offload keeps autograd's saved tensors instead")
+    ap.add_argument("--param-offload", choices=("disk", "host"), default="disk",
+                    help="disk: sltune's weights in files too, against DeepSpeed's offload_param nvme (the issue's "
+                         "comparison); host: sltune's in host memory, DeepSpeed's offload_param cpu")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dd-gib", type=int, default=2)
     ap.add_argument("--no-deepspeed", action="store_true")
@@ -320,13 +331,16 @@ def disk_part(args: argparse.Namespace) -> None:
     host_need = sum(n for _, n in terms)
     limit = baseline_rss() + host_need - 1
     fs = subprocess.run(["df", "-T", str(folder)], capture_output=True, text=True).stdout.splitlines()[-1].split()[1]
-    print(f"{args.model}: {params / 1e9:.2f}B parameters, bf16 with float32 masters, AdamW; b={args.b} N={args.n} "
+    print(f"{args.model}: {params / 1e9:.2f}B parameters, bf16 with float32 masters, AdamW, weights on "
+          f"{args.param_offload} (DeepSpeed's offload_param {'nvme' if args.param_offload == 'disk' else 'cpu'}); "
+          f"b={args.b} N={args.n} "
           f"s={args.seq}, sltune's activations {args.activations}: {args.b * args.n * args.seq} tokens a step; {args.steps} steps a run, {args.rounds} rounds")
     print(f"optimizer_offload host would hold {host_need / GiB:.1f} GiB ("
           + ", ".join(f"{w} {n / GiB:.1f}" for w, n in terms) + f") besides the process; limit {limit / GiB:.1f} GiB "
           f"(the process's {baseline_rss() / GiB:.1f} GiB and that, less a byte), this machine has "
           f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / GiB:.1f} GiB")
-    print(f"{folder} ({fs}): {free / GiB:.1f} GiB free; sltune keeps two versions, {2 * 12 * params / GiB:.1f} GiB")
+    print(f"{folder} ({fs}): {free / GiB:.1f} GiB free; sltune keeps two versions (disk_versions 2), "
+          f"{2 * 12 * params / GiB:.1f} GiB")
     ds_error = "skipped (--no-deepspeed)" if args.no_deepspeed else deepspeed_status()
     if ds_error:
         print(f"DeepSpeed ZeRO-Infinity: not run: {ds_error}")

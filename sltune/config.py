@@ -19,7 +19,6 @@ KVCache = Literal["host", "device"]
 OptimizerOffload = Literal["host", "disk"]
 ParamOffload = Literal["host", "disk"]
 
-PARAM_OFFLOAD_RANKS = ("param_offload: disk runs on one rank for now; use param_offload host with world_size > 1")
 PARAM_OFFLOAD_TRAIN = ("param_offload: disk in training steps each unit's weights file with its optimizer block; "
                        "add optimizer_offload: disk")
 
@@ -71,11 +70,18 @@ class SpeedLoaderConfig(CheckedBackendKnobs):
         "host", description="where the dtype copy of the weights the device loads lives between loads: 'host' "
         "memory, or a file per unit under offload_dir ('disk'), read ahead with O_DIRECT into a bounded window of "
         "host buffers just before the device needs it (sltune.runtime.weightfiles). Training needs "
-        "optimizer_offload 'disk' with it; one rank for now")
+        "optimizer_offload 'disk' with it. Over several ranks each rank's shards go to files of its own")
     offload_dir: str | None = Field(
         None, description="optimizer_offload or param_offload 'disk': the directory of the files (a local disk with "
         "room for the master and optimizer state twice, and the weights twice: a step writes new files before it "
-        "drops the old ones)")
+        "drops the old ones; once, and a few blocks, under disk_versions 1)")
+    disk_versions: Literal[1, 2] = Field(
+        2, description="optimizer_offload 'disk' (and param_offload 'disk', its weights files): versions of the files "
+        "a step keeps. 2 writes the new version beside the committed one and drops the old files once the step "
+        "commits: a step that fails in-process rolls back, and the disk holds two versions (24 bytes a parameter "
+        "of master and AdamW state). 1 drops each old file as soon as its new one is in place: the disk holds one "
+        "version and the window's blocks in flight (about half), but a step that fails part-way cannot roll back: "
+        "the run stops and resumes from its last checkpoint (--resume), which a kill needs anyway")
     memory_tracking: Literal["first", "always", "never"] = Field(
         "first", description="CPU only: measure device allocations on the first step of each batch shape, "
         "on every step, or never (then device_memory_limit cannot be enforced)")
@@ -112,8 +118,6 @@ class SpeedLoaderConfig(CheckedBackendKnobs):
             if self.schedule == "resident":
                 raise ValueError("param_offload: the resident schedule keeps every weight on the device; use 'host', "
                                  "or schedule 'speedloader' or 'canonical' for 'disk'")
-            if self.world_size is not None and self.world_size > 1:
-                raise ValueError(PARAM_OFFLOAD_RANKS)
         return self
 
     @property
@@ -152,6 +156,8 @@ class SpeedLoaderConfig(CheckedBackendKnobs):
         """The fields, the backend and its knobs first under another backend; a speedloader config without them (its
         YAML byte for byte as before there were backends)."""
         out = self.model_dump()
+        if out["disk_versions"] == 2:       # the default: YAML as before the field
+            del out["disk_versions"]
         knobs = {name: out.pop(name) for name in BACKEND_FIELDS}
         if self.backend != "speedloader":
             out = {"backend": self.backend, **{k: knobs[k] for k in KNOBS[self.backend]}, **out}

@@ -29,6 +29,10 @@ KNOB_FLAGS = {
                                               "window (training: with --optimizer-offload disk)"),
     "offload_dir": ("--offload-dir", str, "the directory of --optimizer-offload/--param-offload disk's files, on a "
                                           "local disk"),
+    "disk_versions": ("--disk-versions", int, "1 | 2: versions of --optimizer-offload disk's files a step keeps; 1 "
+                                              "drops each old file as its new one lands (about half the disk), but a "
+                                              "step that fails part-way cannot roll back: resume from the last "
+                                              "checkpoint (--resume)"),
 }
 
 
@@ -63,6 +67,10 @@ def config_from_args(args: argparse.Namespace, base: SpeedLoaderConfig | None = 
             data.get("backend", "speedloader") == "speedloader":     # another backend's own check names its use
         raise ValueError("--offload-dir: the optimizer's files go there under --optimizer-offload disk; add "
                          "--optimizer-offload disk (or drop --offload-dir)")
+    if "disk_versions" in given and data.get("optimizer_offload", "host") == "host" and \
+            data.get("backend", "speedloader") == "speedloader":
+        raise ValueError("--disk-versions: it counts the versions of --optimizer-offload disk's files; add "
+                         "--optimizer-offload disk (or drop --disk-versions)")
     try:
         return SpeedLoaderConfig.from_dict(data, source="command line")
     except ValueError as err:

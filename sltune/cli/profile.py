@@ -75,8 +75,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "--offload-dir stepped unit by unit through a bounded window")
     p.add_argument("--param-offload", default="host", choices=("host", "disk"),
                    help="host | disk: the dtype copy of the weights in host memory, or a file per unit under "
-                        "--offload-dir read ahead into a bounded window (training: with --optimizer-offload disk; "
-                        "one rank for now)")
+                        "--offload-dir read ahead into a bounded window (training: with --optimizer-offload disk)")
     p.add_argument("--offload-dir", help="the directory of --optimizer-offload/--param-offload disk's files, on a "
                    "local disk")
     p.add_argument("--device-memory-limit", help="bytes or e.g. 2GiB (default: no limit)")
@@ -144,7 +143,7 @@ def _fits_host(spec: TrialSpec) -> None:
     is held to it) or --device-memory-limit."""
     from sltune.settings import Settings
     from sltune.tuning.cost.baseline import trial_baseline
-    from sltune.tuning.cost.feasible import shortfall
+    from sltune.tuning.cost.feasible import FLAGS, shortfall
     from sltune.tuning.cost.prior import Setup
     from sltune.tuning.cost.shape import shape_of
     from sltune.tuning.space import Candidate
@@ -156,7 +155,7 @@ def _fits_host(spec: TrialSpec) -> None:
     where = "--host-memory-limit" if spec.host_memory_limit else settings.trial_host_limit_source()
     short = shortfall(recipe, [config], spec.host_memory_limit or settings.trial_host_limit(),
                       spec.device_memory_limit, host_name=where, device_name="--device-memory-limit",
-                      what="this trial")
+                      what="this trial", naming=FLAGS)
     if short:
         raise ValueError(f"this trial cannot fit: {short}")
 

@@ -274,7 +274,7 @@ def _fits_device(job: TrainJob, inputs: Inputs, args: argparse.Namespace) -> Non
     is run to say so. A limit within PRIOR_MARGIN of that is left to the step, which measures."""
     import os
 
-    from sltune.tuning.cost.feasible import shortfall
+    from sltune.tuning.cost.feasible import FLAGS, shortfall
     from sltune.tuning.cost.prior import predict
 
     limit = job.config.device_memory_limit
@@ -284,7 +284,7 @@ def _fits_device(job: TrainJob, inputs: Inputs, args: argparse.Namespace) -> Non
     least = _smallest(job.config)
     if min(predict(recipe, c).device for c in least) <= limit * (1 + PRIOR_MARGIN):
         return
-    short = shortfall(recipe, least, None, limit, device_name=_limit_name(args))
+    short = shortfall(recipe, least, None, limit, device_name=_limit_name(args), naming=FLAGS)
     raise ValueError(f"device memory limit exceeded by every config, predicted before any step: {short}"
                      f"{_override(args)}")
 

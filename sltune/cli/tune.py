@@ -70,6 +70,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                                          "bytes or e.g. 200GiB; no more than is free where trials offload to applies "
                                          "(default: the spec's hardware.disk_limit, else the free space where trials "
                                          "offload to)")
+    pl.add_argument("--disk-versions", type=int, choices=(1, 2), default=2,
+                    help="a spec: the versions of the disk tier's files a step keeps, as `sltune train "
+                         "--disk-versions` sets it (1: one version and the blocks in flight) (default: 2)")
     pl.add_argument("--json", action="store_true", help="print the prediction as JSON")
     pl.set_defaults(run=run_plan)
 
@@ -229,7 +232,7 @@ def run_plan(args: argparse.Namespace) -> int:
     data = read_yaml(source)
     if is_spec(data):
         disk = None if args.disk_limit is None else parse_bytes(args.disk_limit, "--disk-limit")
-        return _plan_spec(data, source, limits, args.json, disk)
+        return _plan_spec(data, source, limits, args.json, disk, args.disk_versions)
     if args.disk_limit is not None:
         raise ValueError(f"--disk-limit: {source} is a best.yaml, whose plan predicts from its fitted models without "
                          "disk; give the tuning spec (sltune plan SPEC.yaml --disk-limit ...)")
@@ -263,11 +266,12 @@ def run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _plan_spec(data: dict, source: str, limits: list, as_json: bool, disk_limit: int | None = None) -> int:
+def _plan_spec(data: dict, source: str, limits: list, as_json: bool, disk_limit: int | None = None,
+               disk_versions: int = 2) -> int:
     """Every config of a spec with its predicted peaks; the refusal when none fits (exit code 1)."""
     from sltune.tuning.report.plan_from_prior import plan_spec
 
-    r = plan_spec(data, source, *limits, disk_limit=disk_limit, disk_flag="--disk-limit")
+    r = plan_spec(data, source, *limits, disk_limit=disk_limit, disk_flag="--disk-limit", disk_versions=disk_versions)
     if as_json:
         print(json.dumps(r))
         return 0 if r["fitting"] else 1
@@ -275,6 +279,7 @@ def _plan_spec(data: dict, source: str, limits: list, as_json: bool, disk_limit:
     # a disk limit larger than the free space: 'hardware.disk_limit is 1.0 TiB but only 80.0 GiB is free in DIR: ...'
     disk = (f", disk {format_bytes(lim['disk_limit'])} ({lim.get('disk_limit_note') or lim['disk_limit_from']})"
             if lim.get("disk_limit_from") else "")
+    disk += ", the disk tier's files in one version (--disk-versions 1)" if disk and r["disk_versions"] == 1 else ""
     print(f"{r['model']}: {r['fitting']} of {r['candidates']} configs predicted to fit device "
           f"{format_bytes(lim['device_memory_limit'])}, host {format_bytes(lim['host_memory_limit'])} "
           f"({lim['host_limit_from']}){disk} with the {r['margin']:.0%} margin; no trial ran")

@@ -7,8 +7,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 from sltune.backends.knobs import ALL_KNOBS, KNOBS, BackendKnobs, CheckedBackendKnobs
-from sltune.config import (PARAM_OFFLOAD_RANKS, PARAM_OFFLOAD_TRAIN, Activations, DType, KVCache, OptimizerOffload,
-                           ParamOffload, Schedule)
+from sltune.config import PARAM_OFFLOAD_TRAIN, Activations, DType, KVCache, OptimizerOffload, ParamOffload, Schedule
 from sltune.runtime.counters import IOCounters
 from sltune.sizes import parse_bytes
 from sltune.training.optimizer import OptimizerConfig
@@ -72,11 +71,9 @@ class TrialSpec(CheckedBackendKnobs):
 
     @model_validator(mode="after")
     def _param_offload(self) -> "TrialSpec":
-        if self.param_offload == "disk" and self.backend == "speedloader":
-            if self.mode == "train" and self.optimizer_offload != "disk":
-                raise ValueError(PARAM_OFFLOAD_TRAIN)
-            if self.world_size > 1:
-                raise ValueError(PARAM_OFFLOAD_RANKS)
+        if self.param_offload == "disk" and self.backend == "speedloader" and self.mode == "train" \
+                and self.optimizer_offload != "disk":
+            raise ValueError(PARAM_OFFLOAD_TRAIN)
         return self
 
     @property

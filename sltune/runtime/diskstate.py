@@ -24,6 +24,21 @@ complete version readable (`read_committed`). A failed step (an exception) delet
 a failure to write the new manifest (a full disk) included: the engine keeps naming version v, as the folder does.
 A kill lands at a named moment with SLTUNE_CRASH_AT (sltune.runtime.durable.DISK_CRASH_POINTS), as the tests do.
 
+One version (`disk_versions: 1`). The two versions a step holds buy only a rollback of a step that fails in-process
+and a readable folder after a kill: `--resume` always starts from a checkpoint, whose hard links keep the inodes of
+the version it saved (a new version never overwrites an inode, and unlinking drops only the folder's link). So
+under disk_versions 1 each block's version-v file is unlinked as soon as its v+1 file is renamed into place (on the
+IO thread, `drop`), and the disk holds one version and the window's blocks in flight instead of two versions. The
+step's first drop renames `manifest.json` aside as `manifest.torn.json` (no space needed): from then until the
+commit writes the new manifest (and removes the marker) the folder has no complete version, and load_manifest /
+read_committed of it say so in one line. A step that fails after that cannot roll back: `abort` deletes what it
+wrote and what is left of version v's blocks, and the engine is torn (`torn`): any further step, checkpoint
+(link_into) or read of a master (read_block, master_of) raises TornError saying to resume from the last checkpoint
+(or to keep disk_versions 2). A failure before the first drop (in the backward before any block is written, an
+optimizer raising on the first block) rolls back as under 2. A kill at any moment leaves a folder no resume reads;
+SLTUNE_CRASH_AT=disk.dropped[@n] lands one right after an old file went (weights.dropped for param_offload disk's
+weights files, which drop their old copy the same way: sltune.runtime.weightfiles).
+
 Integrity: every file's payload is checksummed as it is written (xxh3_64 from the xxhash package; zlib's crc32
 where xxhash is missing), one sum per section, kept in the manifest beside the file's name, and verified whenever
 the file is read: each step's read-ahead, the reads for a checkpoint or a rollback (read_block, master_of), a
@@ -46,7 +61,6 @@ across filesystems), which new versions never overwrite.
 
 from __future__ import annotations
 
-import fcntl
 import io
 import itertools
 import json
@@ -68,15 +82,15 @@ from sltune.runtime.direct_io import DirectFiles, aligned_empty, writable_dir
 from sltune.runtime import disk_layout
 from sltune.runtime.disk_layout import DEPTH, pack, padded, pieces
 from sltune.runtime.durable import crash_point, replace_durably
+from sltune.runtime.enginefolder import close_folder, own_folder, remove_stale, safe_name, unlink_quietly
 from sltune.runtime.counters import IOCounters
 
 IO_THREADS = 4
 MANIFEST = "manifest.json"
-LOCK = ".lock"
+TORN = "manifest.torn.json"     # disk_versions 1: the manifest set aside while a step drops its version's files
+TORN_FIX = "resume from the last checkpoint with --resume, or use disk_versions: 2 to keep a failed step's rollback"
 DELAY_ENV = "SLTUNE_DISK_WRITE_DELAY_S"     # emulate a slow disk: seconds of sleep before each file write
-STALE_S = 60.0                  # a hidden engine folder without a lock this old is a dead one's (_own_folder)
 VERIFY_READS = True             # verify each step's read-ahead too (not only resumes, checkpoints and rollbacks)
-_names = itertools.count()
 
 CHECKSUMS = checksum.ONE_SHOT       # checksum name -> function of a buffer giving an int (sltune.runtime.checksum)
 CHECKSUM = checksum.NAME            # what this tier's new files are summed with
@@ -84,6 +98,11 @@ CHECKSUM = checksum.NAME            # what this tier's new files are summed with
 
 class IntegrityError(ValueError):
     """A file of the disk tier (or its manifest) is not what was written: one line naming the file."""
+
+
+class TornError(IntegrityError):
+    """disk_versions 1: a step failed after it had dropped files of the version it replaced, so no complete version
+    is left to roll back to (or, for a folder, to read): one line saying so and the fix."""
 
 
 @dataclass
@@ -158,10 +177,17 @@ class IOTimes:
 class DiskState:
     """The optimizer's files of one engine: layout, the window of slots, read-ahead, write-behind, commit."""
 
-    def __init__(self, root: str | Path, counters: IOCounters, master: bool, rank: int = 0):
+    def __init__(self, root: str | Path, counters: IOCounters, master: bool, rank: int = 0, versions: int = 2):
+        """`versions`: 2 keeps version v until v+1 commits (a failed step rolls back); 1 drops each old file as
+        its new one lands (half the disk; a failed step leaves the engine torn)."""
+        if versions not in (1, 2):
+            raise ValueError(f"disk_versions is {versions!r}; use 1 or 2")
+        self.versions = versions
+        self.torn: str | None = None        # why this engine cannot step on (a failed step under disk_versions 1)
+        self._dropped = False               # this step dropped a file of the committed version
         self.root = writable_dir(root)
-        _remove_stale(self.root)
-        self.folder, lock = _own_folder(self.root, rank)
+        remove_stale(self.root)
+        self.folder, lock = own_folder(self.root, rank)
         self.files = DirectFiles(self.folder, float(os.environ.get(DELAY_ENV, "0") or 0))
         self.counters = counters
         self.master = master
@@ -181,7 +207,7 @@ class DiskState:
         self._lock = threading.Condition()
         self._error: BaseException | None = None
         self._pool = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="sltune-disk")
-        self._cleanup = weakref.finalize(self, _close, self.folder, lock, self._pool)
+        self._cleanup = weakref.finalize(self, close_folder, self.folder, lock, self._pool)
 
     @property
     def direct(self) -> bool:
@@ -217,7 +243,7 @@ class DiskState:
             for a, n in frozen:
                 flat[at:at + n].copy_(master[a:a + n])
                 at += n
-            name = self._write_file(f"u-{_safe(unit.name)}-frozen.bin", buf, total * 4, count=False)
+            name = self._write_file(f"u-{safe_name(unit.name)}-frozen.bin", buf, total * 4, count=False)
             self.frozen[unit.name] = (name, frozen, checksums(buf, [(0, total * 4)])[0])
 
     def blocks_of(self, unit) -> list[Block]:
@@ -269,8 +295,14 @@ class DiskState:
         return Views(out_m, out_s)
 
     # -- one step ----------------------------------------------------------------------------------
+    def check_whole(self) -> None:
+        """A torn engine (a failed step under disk_versions 1) has nothing whole to step, save or read."""
+        if self.torn is not None:
+            raise TornError(self.torn)
+
     def begin(self, order: Sequence[Block]) -> None:
         """Start reading the step's blocks in the order they will step, as slots free up."""
+        self.check_whole()
         with self._lock:
             self._queue = list(order)
             self._loaded, self._writes, self._written, self._error = {}, [], [], None
@@ -342,6 +374,8 @@ class DiskState:
                 self._written.append(self.folder / name)
                 self._sums[name] = sums
                 self.times.writes.append((start, time.perf_counter()))
+            if self.versions == 1 and block.file is not None:
+                self.drop(self.folder / block.file)
         except BaseException as err:
             with self._lock:
                 self._error = err
@@ -349,6 +383,20 @@ class DiskState:
             raise
         finally:
             self.release(slot)
+
+    def drop(self, path: Path, label: str = "disk") -> None:
+        """disk_versions 1: a file of the committed version whose replacement is in place goes now (the weights
+        files' too). The step's first drop sets the manifest aside first (TORN): from here the folder holds no
+        complete version until the commit, and a failed step cannot roll back."""
+        with self._lock:
+            if not self._dropped:
+                try:
+                    os.replace(self.folder / MANIFEST, self.folder / TORN)
+                except OSError as err:
+                    raise self.files.failure(err, self.folder / MANIFEST, "writing") from None
+                self._dropped = True
+        unlink_quietly(path)
+        crash_point(f"{label}.dropped")
 
     def release(self, slot: _Slot) -> None:
         """A slot back to the window (its block written, or not to be written); the next reads start."""
@@ -381,6 +429,7 @@ class DiskState:
     def commit(self, small_state: dict[str, Any]) -> None:
         """Make version v+1 the one on disk: its optimizer counters, then the manifest (renamed into place), then
         version v's files go. Every block must have been written."""
+        self.check_whole()
         self.finish_writes()
         new = self.version + 1
         old = [b.file for b in self.blocks if b.file is not None]
@@ -400,18 +449,22 @@ class DiskState:
                 block.file, block.has_state, block.sums = file, has_state, sums
             self.version = new - 1
             for name in (f"optimizer-v{new}.pt", f"optimizer-v{new}.pt.tmp", f"{MANIFEST}.tmp"):
-                _unlink_quietly(self.folder / name)
+                unlink_quietly(self.folder / name)
             raise
         crash_point("disk.committed")
         # committed: what follows only tidies (a file left behind goes with the folder), so it raises nothing
-        for name in old:
-            _unlink_quietly(self.folder / name)
-        _unlink_quietly(self.folder / f"optimizer-v{new - 1}.pt")
+        for name in old:                # under disk_versions 1 dropped already, as each new file landed
+            unlink_quietly(self.folder / name)
+        unlink_quietly(self.folder / f"optimizer-v{new - 1}.pt")
+        if self._dropped:               # the new manifest names a whole version again
+            unlink_quietly(self.folder / TORN)
+        self._dropped = False
         self._written, self._sums = [], {}
 
     def abort(self) -> None:
         """After a failed or skipped step: wait for the transfers in flight, drop what the step wrote, free the
-        window. The committed version is untouched."""
+        window. The committed version is untouched, unless files of it were dropped (disk_versions 1): then the
+        engine is torn, and what is left of that version's blocks goes too (the manifest stays set aside)."""
         with self._lock:
             self._queue = []
         for slot in self._slots:
@@ -428,9 +481,18 @@ class DiskState:
         for slot in self._slots:
             self.release(slot)
         for path in self._written:
-            _unlink_quietly(path)
+            unlink_quietly(path)
         for tmp in self.folder.glob(f"*-v{self.version + 1}.bin.tmp"):
-            _unlink_quietly(tmp)
+            unlink_quietly(tmp)
+        if self._dropped:
+            self.torn = self.torn or (
+                f"{self.folder}: a step failed mid-way under disk_versions 1, after it had replaced some of the "
+                f"optimizer's files, so this engine holds no complete version to roll back to or go on from; "
+                f"{TORN_FIX}")
+            for block in self.blocks:
+                if block.file is not None:
+                    unlink_quietly(self.folder / block.file)
+            self._dropped = False
         self._writes, self._written, self._sums, self._error = [], [], {}, None
 
     def _commit_manifest(self, small_state: dict[str, Any] | None) -> None:
@@ -458,6 +520,7 @@ class DiskState:
     # -- between steps -------------------------------------------------------------------------------
     def read_block(self, block: Block, with_state: bool = False) -> Views:
         """A committed block in a buffer of its own (not a slot), for saving and rolling back."""
+        self.check_whole()
         slot = _Slot(aligned_empty(self.nbytes(block, True)), 0)
         if block.file is not None:
             with_state = with_state and block.has_state
@@ -468,6 +531,7 @@ class DiskState:
     def master_of(self, unit, numel: int) -> torch.Tensor:
         """The unit's flat float32 master (its stepped tensors and its frozen ones), read from the committed
         version."""
+        self.check_whole()
         flat = torch.empty(numel, dtype=torch.float32)
         for block in self.blocks_of(unit):
             for s, master in zip(block.items, self.read_block(block).masters):
@@ -487,6 +551,7 @@ class DiskState:
     def link_into(self, folder: Path, small_state: dict[str, Any]) -> None:
         """A checkpoint of the committed version: its files hard-linked into `folder` (copied across filesystems),
         with the optimizer's counters as they are now (the scheduler may have moved the learning rate)."""
+        self.check_whole()
         folder.mkdir(parents=True, exist_ok=True)
         files = [b.file for b in self.blocks if b.file is not None] + [f for f, _, _ in self.frozen.values()]
         for name in files:
@@ -681,6 +746,10 @@ def load_manifest(folder: str | Path) -> dict[str, Any]:
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as err:
+        if isinstance(err, FileNotFoundError) and (folder / TORN).exists():
+            raise TornError(f"{folder}: a step failed (or was killed) mid-way under disk_versions 1, after it had "
+                            f"replaced some of the files {TORN} names, so the folder holds no complete version; "
+                            "resume from the last checkpoint (--resume)") from None
         why = err.strerror if isinstance(err, OSError) else "not UTF-8 text"
         raise IntegrityError(f"{path}: unreadable ({why}); {folder} is not an engine's folder or a disk "
                              "checkpoint's, or is damaged") from None
@@ -811,79 +880,3 @@ def _link(src: Path, dst: Path) -> None:
         os.link(src, dst)
     except OSError:                 # another filesystem (or one without hard links): a copy
         shutil.copyfile(src, dst)
-
-
-def _safe(name: str) -> str:
-    return "".join(c if c.isalnum() else "_" for c in name)
-
-
-def _own_folder(root: Path, rank: int) -> tuple[Path, int]:
-    """A fresh folder under root, locked by this process: made under a hidden name, locked, then renamed, so
-    no other engine's cleanup sees it unlocked."""
-    name = f"sltune-r{rank}-{os.getpid()}-{next(_names)}"
-    staging = root / f".{name}"
-    staging.mkdir()
-    fd = os.open(staging / LOCK, os.O_CREAT | os.O_RDWR, 0o600)
-    fcntl.flock(fd, fcntl.LOCK_EX)
-    os.replace(staging, root / name)
-    return root / name, fd
-
-
-def _remove_stale(root: Path) -> None:
-    """Folders of engines whose process is gone (killed: nothing removed them) hold gigabytes: remove them. A folder
-    is dead when no process holds its lock; one without a lock file is being removed (a kill in _close leaves it so:
-    the lock goes last), and a hidden one (`_own_folder`'s, made before its lock) is dead once STALE_S old. So are
-    writable_dir's probes that a kill left."""
-    now = time.time()
-    for folder in [*root.glob("sltune-r*"), *root.glob(".sltune-r*")]:
-        try:
-            fd = os.open(folder / LOCK, os.O_RDWR)
-        except OSError:
-            if folder.is_dir() and not folder.is_symlink() and (not folder.name.startswith(".")
-                                                                 or _age(folder, now) > STALE_S):
-                shutil.rmtree(folder, ignore_errors=True)
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)            # held: a live engine's
-            continue
-        shutil.rmtree(folder, ignore_errors=True)
-        os.close(fd)
-    for probe in root.glob(".sltune-write-probe-*"):
-        if _age(probe, now) > STALE_S:
-            _unlink_quietly(probe)
-
-
-def _age(path: Path, now: float) -> float:
-    try:
-        return now - path.lstat().st_mtime
-    except OSError:
-        return 0.0
-
-
-def _unlink_quietly(path: Path) -> None:
-    """Remove a file that is garbage whatever happens (a folder gone read-only keeps it: the folder goes later)."""
-    try:
-        path.unlink(missing_ok=True)
-    except OSError:
-        pass
-
-
-def _close(folder: Path, lock: int, pool: ThreadPoolExecutor) -> None:
-    """The engine's folder removed, its lock file last: a kill part-way leaves a folder whose lock nobody holds,
-    which the next engine removes (_remove_stale)."""
-    pool.shutdown(wait=True)
-    try:
-        entries = [p for p in folder.iterdir() if p.name != LOCK]
-    except OSError:
-        entries = []
-    for n, entry in enumerate(entries):
-        if entry.is_dir() and not entry.is_symlink():
-            shutil.rmtree(entry, ignore_errors=True)
-        else:
-            _unlink_quietly(entry)
-        if n == 0:
-            crash_point("engine.closing")
-    shutil.rmtree(folder, ignore_errors=True)
-    os.close(lock)

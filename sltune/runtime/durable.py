@@ -13,6 +13,8 @@ CRASH_ENV = "SLTUNE_CRASH_AT"
 DISK_CRASH_POINTS = (
     "disk.opened",          # a block's new file created as *.tmp, nothing in it yet (a torn file)
     "disk.renamed",         # a block's new file renamed into place, its step not committed
+    "disk.dropped",         # disk_versions 1: a block's old file gone after its new one was renamed in (no rollback)
+    "weights.dropped",      # disk_versions 1: a unit's old weights file gone after its new one was renamed in
     "disk.committed",       # the disk tier's manifest names the new version; the weights files not yet committed
     "weights.opened",       # a unit's new weights file created as *.tmp, nothing in it yet (a torn file)
     "weights.renamed",      # a unit's new weights file renamed into place, its step not committed

@@ -93,13 +93,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from sltune.config import PARAM_OFFLOAD_RANKS, PARAM_OFFLOAD_TRAIN, SpeedLoaderConfig
+from sltune.config import PARAM_OFFLOAD_TRAIN, SpeedLoaderConfig
 from sltune.models.checkpoint import Checkpoint, materialize, untied, write_pretrained
 from sltune.runtime.activations import DeviceActivations, HostActivations
 from sltune.runtime.device import check_device, check_dtype
 from sltune.runtime.diskstate import DiskState, state_layout
 from sltune.runtime import phases, traffic
 from sltune.runtime.family import CausalLM, LayerCall, unique_params
+from sltune.runtime.hostheap import release_freed
 from sltune.runtime.inputs import IGNORE_INDEX, check_batch, check_prompt
 from sltune.runtime.kvcache import kv_store
 from sltune.runtime.memory import DeviceMemory, monitor_for
@@ -201,22 +202,23 @@ class SpeedLoaderEngine:
         self._build_units()
         resident = config.schedule == "resident"
         train = optimizer is not None
-        if config.param_offload == "disk":
-            if self.world > 1:
-                raise ValueError(PARAM_OFFLOAD_RANKS)
-            if train and config.optimizer_offload != "disk":
-                raise ValueError(PARAM_OFFLOAD_TRAIN)
+        if config.param_offload == "disk" and train and config.optimizer_offload != "disk":
+            raise ValueError(PARAM_OFFLOAD_TRAIN)
+        rank = dist.get_rank() if self.world > 1 else 0
         # optimizer_offload disk: the masters and the optimizer state in files (resident is refused by the config)
-        self.disk = DiskState(config.offload_dir, self.io, master=config.has_master,
-                              rank=dist.get_rank() if self.world > 1 else 0) \
+        self.disk = DiskState(config.offload_dir, self.io, master=config.has_master, rank=rank,
+                              versions=config.disk_versions) \
             if train and config.optimizer_offload == "disk" else None
-        # param_offload disk: the dtype copies in files beside the disk tier's (sltune.runtime.weightfiles)
-        self.weights = WeightFiles(config.offload_dir, self.io, self.disk) if config.param_offload == "disk" else None
+        # param_offload disk: the dtype copies (sharded: this rank's shards) in files beside the disk tier's
+        # (sltune.runtime.weightfiles)
+        self.weights = WeightFiles(config.offload_dir, self.io, self.disk, rank=rank) \
+            if config.param_offload == "disk" else None
         with weights.reader(model) if weights else contextlib.nullcontext() as fill:
             store = dict(train=train, master=config.has_master, fill=fill,
                          on_device_accumulate=config.schedule != "canonical", disk=self.disk)
             if self.world > 1:
-                self.params = ShardedParamStore(self.units, self.dtype, self.copier, self.pool, **store)
+                self.params = ShardedParamStore(self.units, self.dtype, self.copier, self.pool, weights=self.weights,
+                                                **store)
             else:
                 self.params = ParamStore(self.units, self.dtype, self.copier, self.pool, resident=resident,
                                          weights=self.weights, **store)
@@ -262,6 +264,7 @@ class SpeedLoaderEngine:
         self._overlap = overlap
         self.last_stepping: StepTimeline | None = None
         self._measured: dict[tuple, int] = {}
+        release_freed()     # the build's temporaries (sltune.runtime.hostheap)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, config: SpeedLoaderConfig | dict,
@@ -338,6 +341,7 @@ class SpeedLoaderEngine:
             raise
         if track or self.device.type == "cuda":
             self._measured[shape] = self.memory.peak
+        release_freed()     # the step's freed temporaries back to the system, counted in its time
         return StepResult(loss=loss, tokens=ids.numel(), seconds=time.perf_counter() - start,
                           io=self.io - before, peak_device_bytes=self._measured.get(shape), grad_norm=grads.norm,
                           skipped=grads.skip, loss_scale=self._scale_used)
@@ -397,10 +401,17 @@ class SpeedLoaderEngine:
             dist.all_reduce(loss)
         return float(loss), grads
 
+    def _whole(self) -> None:
+        """A torn engine (a step failed mid-way under disk_versions 1) holds partly stepped weights: evaluating or
+        generating with them would answer for no model, so it refuses, as a step or a save does."""
+        if self.disk is not None:
+            self.disk.check_whole()
+
     def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                  attention_mask: torch.Tensor | None = None) -> float:
         """The mean token loss on b*N rows without training: each unit loaded once, every sub-batch through it
         (sharded, over the union of the ranks' rows). Dropout is off while it runs."""
+        self._whole()
         ids, labels, mask = check_batch(input_ids, labels, attention_mask, self.config, self.lm.config, self.device)
         b, n = self.config.sub_batch_size, self.config.num_sub_batches
         num_items = (labels[:, 1:] != IGNORE_INDEX).sum()
@@ -659,6 +670,7 @@ class SpeedLoaderEngine:
         sub_batch_size rows is a sub-batch with its own KV cache; `last_generation` holds the call's stats.
         """
         from sltune.runtime import generate as generation   # imports transformers' cache classes: on first use
+        self._whole()
 
         if self.world > 1:
             raise ValueError("generation runs in one process; call generate outside torch.distributed")

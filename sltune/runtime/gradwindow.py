@@ -14,12 +14,17 @@ step, sltune.runtime.stepping) a unit's gradients are spilled instead: written t
 the clipping and unscaling coefficient, and steps. Either way each unit's squared norm is taken as its gradients
 arrive and summed in the units' own order, so the norm, the clipping and the steps equal the whole-buffer ones to
 the bit.
+
+Sharded over ranks (sltune.runtime.sharding) the same: each rank's window lends buffers for its gradient shards, from
+their reduce-scatter and offload to their step, and each rank's squares are summed over the ranks as a whole
+buffer's are.
 """
 
 from __future__ import annotations
 
 import errno
 import threading
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -31,7 +36,8 @@ from sltune.runtime.counters import IOCounters
 from sltune.runtime.direct_io import DirectFiles, aligned_empty
 from sltune.runtime.disk_layout import padded
 from sltune.runtime.precision import square_of, squared_norm
-from sltune.runtime.diskstate import IntegrityError, _safe
+from sltune.runtime.diskstate import IntegrityError
+from sltune.runtime.enginefolder import safe_name
 
 SLOTS = 2       # units held at once, at least: one stepping (or spilling) while the backward offloads the next
 
@@ -47,13 +53,18 @@ class GradWindow:
     files a deferred step spills them to."""
 
     def __init__(self, units: Sequence[Any], dtype: torch.dtype, files: DirectFiles, folder: Path,
-                 counters: IOCounters, lock: threading.Condition, bind: Callable[[Any, torch.Tensor], None]):
-        """`units`: those with gradients (their grad_numel sizes the budget); `dtype`: the gradient sums' (float32
+                 counters: IOCounters, lock: threading.Condition, bind: Callable[[Any, torch.Tensor], None],
+                 numel: Callable[[Any], int] | None = None):
+        """`units`: those with gradients (their sizes, `numel`, make the budget); `dtype`: the gradient sums' (float32
         under a master); `files`, `folder`, `counters`, `lock`: the disk tier's, whose folder the spill shares;
-        `bind(unit, flat)`: points the optimizer's view of a unit's gradients at the buffer it borrowed."""
+        `bind(unit, flat)`: points the optimizer's view of a unit's gradients at the buffer it borrowed; `numel(unit)`:
+        how many gradient values a unit offloads here (default its grad_numel; sharded, this rank's share)."""
         self.dtype = dtype
-        self.bind = bind
-        self.budget = budget([u.grad_numel * dtype.itemsize for u in units])
+        # weakly: the store holding this window gives its own method, and a cycle would keep the engine (and its
+        # folder on disk) alive until a garbage collection, which a process may never run before it exits
+        self._bind = weakref.WeakMethod(bind) if hasattr(bind, "__self__") else lambda: bind
+        self.numel = numel or (lambda unit: unit.grad_numel)
+        self.budget = budget([self.numel(u) * dtype.itemsize for u in units])
         self.files, self.folder, self.counters, self._io_lock = files, folder, counters, lock
         self._index = {id(u): i for i, u in enumerate(units)}
         self._cond = threading.Condition()
@@ -73,7 +84,7 @@ class GradWindow:
     def acquire(self, unit: Any) -> torch.Tensor:
         """The unit's flat gradient buffer: a kept one that holds it, else a new one once it fits in the budget
         (kept ones too small are dropped first); waits while the units held leave no room (the step is behind)."""
-        need = padded(unit.grad_numel * self.dtype.itemsize)
+        need = padded(self.numel(unit) * self.dtype.itemsize)
         with self._cond:
             while True:
                 if self._error is not None:
@@ -91,12 +102,12 @@ class GradWindow:
             self._held[id(unit)] = buf if buf is not None else aligned_empty(need)
             self.peak_bytes = max(self.peak_bytes, self._bytes())
         flat = self.typed(unit)
-        self.bind(unit, flat)
+        self._bind()(unit, flat)
         return flat
 
     def typed(self, unit: Any) -> torch.Tensor:
         """The unit's gradients in its buffer, flat, in the gradients' dtype."""
-        return self._held[id(unit)][:unit.grad_numel * self.dtype.itemsize].view(self.dtype)
+        return self._held[id(unit)][:self.numel(unit) * self.dtype.itemsize].view(self.dtype)
 
     def release(self, unit: Any) -> None:
         """The unit has stepped (or spilled): its buffer is kept for the next."""
@@ -129,9 +140,9 @@ class GradWindow:
     # -- the spill (a deferred step) ---------------------------------------------------------------------
     def spill(self, unit: Any) -> None:
         """Write the unit's gradients to its file and give the buffer back (the stepping thread's)."""
-        nbytes = unit.grad_numel * self.dtype.itemsize
+        nbytes = self.numel(unit) * self.dtype.itemsize
         buf = self._held[id(unit)]
-        path = self.folder / f"g{self._index[id(unit)]:04d}-{_safe(unit.name)}.bin"
+        path = self.folder / f"g{self._index[id(unit)]:04d}-{safe_name(unit.name)}.bin"
         digest = checksum.ONE_SHOT[checksum.NAME](buf[:nbytes].numpy())
         moved = self.files.write(path, buf, nbytes)
         with self._io_lock:

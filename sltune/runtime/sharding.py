@@ -10,6 +10,17 @@ NCCL on CUDA: the same calls.
 Each unit is flattened with its trainable parameters first, so the trainable part of any shard is a
 prefix of it: the optimizer steps flat shard parameters, which for element-wise optimizers such as
 AdamW or SGD is the same update as on the unflattened parameters.
+
+Under `param_offload: disk` (sltune.runtime.weightfiles) each rank's shard of each unit's dtype copy is a file of
+that rank's engine folder (beside its optimizer_offload disk files), written at setup and rewritten when the unit
+steps, as one rank's whole units are: `unit.host` is a placeholder of the shard's size. `prefetch` only starts the
+read of the next unit's shard into the window; `activate` waits for it, copies it to the device and all-gathers
+there. The gather is launched at the activation, not ahead of it: a collective must start at the same point of the
+program on every rank, and the moment a read lands is not one (launched when it lands, one rank's gather could
+cross another's reduce-scatter). So the disk read is hidden behind the compute and the all-gather is not. Host
+memory holds the window's shards (a few units' worth), not every unit's shard. The gradient shards borrow a
+GradWindow's buffers from their offload to their step (spilled to a file when the step is deferred), as one
+rank's gradients do, sized by the shard's trainable prefix.
 """
 
 from __future__ import annotations
@@ -24,10 +35,13 @@ import torch.distributed as dist
 import torch.distributed.nn.functional  # noqa: F401
 from torch import nn
 
+from sltune.runtime.direct_io import aligned_empty
 from sltune.runtime.diskstate import DiskState, Stepped
+from sltune.runtime.gradwindow import GradWindow
 from sltune.runtime.params import BufferPool, ParamStore, ParamUnit, WeightFill, copy_own_data
 from sltune.runtime.regions import region
 from sltune.runtime.transfer import Copier, Pending
+from sltune.runtime.weightfiles import WeightFiles, placeholder
 
 # torch 2.13 renamed the tensor collectives (*_single); older releases have only the old names
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -39,7 +53,10 @@ class ShardedParamStore(ParamStore):
 
     def __init__(self, units: list[ParamUnit], dtype: torch.dtype, copier: Copier, pool: BufferPool,
                  train: bool = True, master: bool = False, fill: WeightFill = None,
-                 on_device_accumulate: bool = True, disk: DiskState | None = None):
+                 on_device_accumulate: bool = True, disk: DiskState | None = None,
+                 weights: WeightFiles | None = None):
+        """As ParamStore's; `weights` (param_offload disk): each unit's shard goes to this rank's file once filled,
+        and with `disk` (training, but the canonical schedule) the gradient shards stream through a GradWindow."""
         self.units = units
         self.copier = copier
         self.pool = pool
@@ -48,12 +65,15 @@ class ShardedParamStore(ParamStore):
         self.accumulate32 = self.master and on_device_accumulate
         self.disk = disk if train else None
         self.master_on_disk = self.master and self.disk is not None
+        self.weights = weights
+        streamed = weights is not None and self.disk is not None and on_device_accumulate
         self.stepped: dict[int, list[Stepped]] = {}
         self._masters: dict[int, nn.Parameter] = {}
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.shard_params: list[nn.Parameter] = []
         fill = fill or copy_own_data
         device = copier.device
+        grad_dtype = torch.float32 if self.master else dtype
         for unit in units:
             if not unit.params:
                 continue
@@ -74,26 +94,37 @@ class ShardedParamStore(ParamStore):
             unit.shard = shard
             unit.padded = shard * self.world
             unit.trainable_here = max(0, min(shard, trainable - lo))
-            unit.host = copier.host_empty(shard, dtype)
+            if weights is not None:     # filled here, then written to this rank's file and freed
+                raw = aligned_empty(shard * dtype.itemsize)
+                unit.host = raw[:shard * dtype.itemsize].view(dtype)
+            else:
+                unit.host = copier.host_empty(shard, dtype)
             unit.host.copy_(full[lo:lo + shard].cpu())
             if self.master:
                 unit.master = full[lo:lo + shard].cpu().clone()
             del full
+            if weights is not None:
+                weights.add(unit, raw, shard * dtype.itemsize)
+                unit.host = placeholder((shard,), dtype)
+                del raw
             unit.has_grads = trainable > 0
             if unit.has_grads and train:
                 # a shard parameter on every rank, empty where the trainable prefix ends before this shard:
                 # every rank then builds the same optimizer, whatever its share
-                grad_dtype = torch.float32 if self.master else dtype
-                unit.host_grad = copier.host_empty(unit.trainable_here, grad_dtype).zero_()
                 shape = torch.Size([unit.trainable_here])
+                unit.host_grad = None if streamed else \
+                    copier.host_empty(unit.trainable_here, grad_dtype).zero_()
+                grad = placeholder(shape, grad_dtype) if streamed else unit.host_grad
                 if self.master_on_disk:         # bound to the slot's master when the unit steps
-                    param = nn.Parameter(torch.zeros((), dtype=torch.float32).expand(shape))
+                    param = nn.Parameter(placeholder(shape, torch.float32))
+                elif weights is not None:       # bound to the staged copy's view when the unit steps
+                    param = nn.Parameter(placeholder(shape, dtype))
                 else:
                     param = nn.Parameter(unit.stepped[:unit.trainable_here])
                     param.grad = unit.host_grad
                 unit.shard_param = param
                 self.shard_params.append(param)
-                self.stepped[id(unit)] = [Stepped(unit, 0, unit.trainable_here, shape, unit.host_grad, param)]
+                self.stepped[id(unit)] = [Stepped(unit, 0, unit.trainable_here, shape, grad, param)]
             else:
                 unit.host_grad = None
                 unit.shard_param = None
@@ -103,6 +134,10 @@ class ShardedParamStore(ParamStore):
                 self.disk.add_unit(unit, mine, unit.master, frozen)
                 unit.master = None
             self._empty(unit)
+        if streamed:
+            self.grads = GradWindow([u for u in units if id(u) in self.stepped], grad_dtype, self.disk.files,
+                                    self.disk.folder, self.disk.counters, self.disk._lock, self.bind_grads,
+                                    numel=lambda u: u.trainable_here)
 
     @staticmethod
     def _empty(unit: ParamUnit) -> None:
@@ -117,12 +152,34 @@ class ShardedParamStore(ParamStore):
     def prefetch(self, unit: ParamUnit | None) -> None:
         if unit is None or unit.host is None or unit.dev is not None or unit.pending:
             return
+        if self.weights is not None:    # its shard read ahead; the copy and the gather wait for the activation
+            self.weights.request(unit)
+            return
+        unit.pending = self._gather(unit, unit.host)
+
+    def activate(self, unit: ParamUnit) -> None:
+        if self.weights is None or unit.host is None or unit.dev is not None:
+            super().activate(unit)
+            return
+        with region("disk", "weights_read"):    # what the read ahead did not hide
+            src = self.weights.values(unit)
+        pending = self._gather(unit, src)
+        self.weights.done(unit)                 # the copy out of the window buffer has landed (_gather)
+        unit.dev = pending.wait()
+        self._point(unit, unit.dev, None)
+
+    def _gather(self, unit: ParamUnit, src: torch.Tensor) -> Pending:
+        """Copy this rank's shard `src` into its place of a device buffer of the whole unit and launch the
+        all-gather of the rest; the result's wait() waits on it."""
         full = self.pool.acquire(unit.padded, unit.host.dtype)
         mine = full[self.rank * unit.shard:(self.rank + 1) * unit.shard]
-        copied = self.copier.to_device(unit.host, "param_load_bytes", out=mine)
+        copied = self.copier.to_device(src, "param_load_bytes", out=mine)
         self.copier.counters.allgather_bytes += full.numel() * full.element_size()
         with region("all_gather", unit.name):   # asynchronous: activate() waits on the work handle
-            unit.pending = self.copier.gather_after(copied, lambda src: _all_gather(full, src, async_op=True), full)
+            pending = self.copier.gather_after(copied, lambda shard: _all_gather(full, shard, async_op=True), full)
+        if self.weights is not None and copied.event is not None:   # src is a window buffer, reused after
+            copied.event.synchronize()
+        return pending
 
     def _home(self, unit: ParamUnit) -> None:
         self._empty(unit)
@@ -134,7 +191,8 @@ class ShardedParamStore(ParamStore):
             self._device_grads(unit, unit.padded)
 
     def offload_grads(self, unit: ParamUnit, accumulate: bool) -> Pending | None:
-        """Sum the unit's gradients over ranks into this rank's shard, then offload that shard."""
+        """Sum the unit's gradients over ranks into this rank's shard, then offload that shard (into a buffer a
+        GradWindow lends, under param_offload disk)."""
         if unit.dev_grad is None:
             return None
         src = unit.dev_grad32 if unit.dev_grad32 is not None else unit.dev_grad
@@ -142,10 +200,25 @@ class ShardedParamStore(ParamStore):
         self.copier.counters.reduce_scatter_bytes += src.numel() * src.element_size()
         with region("reduce_scatter", unit.name):
             _reduce_scatter(mine, src)
+        if self.grads is not None and id(unit) in self.stepped:
+            with self.pool.memory.paused():     # host memory, not the device's
+                out = self.grads.acquire(unit)  # even an empty share: the stepping takes it back
+            return self.copier.to_host(mine[:unit.trainable_here], out, "grad_offload_bytes")
         if not unit.trainable_here:
             return None
         return self.copier.to_host(mine[:unit.trainable_here], unit.host_grad, "grad_offload_bytes",
                                    accumulate=accumulate)
+
+    def host_grad_numel(self, unit: ParamUnit) -> int:
+        return unit.trainable_here if self.trains(unit) else 0
+
+    def bind_grads(self, unit: ParamUnit, flat: torch.Tensor) -> None:
+        """Point the optimizer's view of the unit's gradient shard (its slices' in the disk tier's blocks too) at
+        `flat`, the buffer a GradWindow lent it."""
+        items = {id(s): s for s in self.stepped.get(id(unit), [])}
+        items.update((id(s), s) for block in self.disk.blocks_of(unit) for s in block.items)
+        for s in items.values():
+            s.grad = flat if s.part is None else flat[s.part:s.part + s.numel]
 
     # -- results -----------------------------------------------------------------------------------
     def full_state(self) -> dict[int, torch.Tensor]:
@@ -156,7 +229,7 @@ class ShardedParamStore(ParamStore):
             if unit.host is None:
                 continue
             values = self.master_values(unit)
-            mine = (values if values is not None else unit.host).to(self.copier.device)
+            mine = (values if values is not None else self.weight_values(unit)).to(self.copier.device)
             full = torch.empty(unit.padded, dtype=mine.dtype, device=mine.device)
             _all_gather(full, mine)
             full = full.cpu()

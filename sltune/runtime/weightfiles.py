@@ -7,7 +7,9 @@ unit steps (sltune.runtime.stepping writes the refreshed copy behind). Before th
 is read with O_DIRECT (sltune.runtime.direct_io) on a reader thread into a page-aligned buffer of the window;
 the device copy is made from it, and the buffer goes back to the window's free list. So host memory holds the
 units read ahead and the one being copied (the engine reads one phase ahead: O(k + prefetch depth) units), not
-the model; between loads the model's Parameters point at placeholders that hold no memory.
+the model; between loads the model's Parameters point at placeholders that hold no memory. Sharded over ranks
+(sltune.runtime.sharding) a unit's file holds this rank's shard of it, in this rank's folder, read ahead the same
+way before the shard is copied to the device and all-gathered.
 
 Versions. A stepped unit's copy is written as `w{i}-{unit}-v{n}.bin` (as `*.tmp`, flushed with fdatasync, then
 renamed: a kill never leaves a torn file under a name that is read), and becomes the one read only when the step
@@ -24,7 +26,10 @@ version that cannot be deleted is left for the folder's removal.
 
 Crash safety. The folder is a cache of the weights, never resumed from (a resume rebuilds it from a checkpoint), so
 a kill at any moment (SLTUNE_CRASH_AT at weights.opened, weights.renamed, weights.committed, or the disk tier's
-points) only leaves a dead engine's folder, which the next engine removes (sltune.runtime.diskstate._remove_stale).
+points) only leaves a dead engine's folder, which the next engine removes (sltune.runtime.enginefolder.remove_stale).
+Under the disk tier's disk_versions 1 a unit's committed copy is deleted as soon as its new one is renamed into
+place (DiskState.drop, SLTUNE_CRASH_AT=weights.dropped), as the disk tier's blocks are: the files hold one version
+of the weights and the one being written; a step failing after that leaves the engine torn, as the disk tier does.
 """
 
 from __future__ import annotations
@@ -43,8 +48,8 @@ from sltune.runtime import checksum
 from sltune.runtime.counters import IOCounters
 from sltune.runtime.direct_io import DirectFiles, aligned_empty, writable_dir
 from sltune.runtime.disk_layout import padded
-from sltune.runtime.diskstate import (DELAY_ENV, DiskState, IntegrityError, _close, _own_folder, _remove_stale,
-                                       _safe, _unlink_quietly)
+from sltune.runtime.diskstate import DELAY_ENV, DiskState, IntegrityError, TornError
+from sltune.runtime.enginefolder import close_folder, own_folder, remove_stale, safe_name, unlink_quietly
 from sltune.runtime.durable import crash_point, fsync_dir
 
 WRITES_IN_FLIGHT = 2        # stepped copies waiting for the writer before the stepping thread waits for it
@@ -61,17 +66,19 @@ def placeholder(shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torc
 class WeightFiles:
     """Each unit's dtype copy in a file: written at setup, read ahead before each load, rewritten when it steps."""
 
-    def __init__(self, root: str | Path, counters: IOCounters, disk: DiskState | None = None):
-        """`disk`: the engine's disk tier, whose folder, files and lock this shares; None: a folder of its own."""
+    def __init__(self, root: str | Path, counters: IOCounters, disk: DiskState | None = None, rank: int = 0):
+        """`disk`: the engine's disk tier, whose folder, files and lock this shares; None: a folder of its own (named
+        for `rank`, as the disk tier's is)."""
         if disk is not None:
             self.folder, self.files, self._lock = disk.folder, disk.files, disk._lock
         else:
             root = writable_dir(root)
-            _remove_stale(root)
-            self.folder, lock = _own_folder(root, 0)
+            remove_stale(root)
+            self.folder, lock = own_folder(root, rank)
             self.files = DirectFiles(self.folder, float(os.environ.get(DELAY_ENV, "0") or 0))
             self._lock = threading.Condition()
         self.counters = counters
+        self.disk = disk            # under its disk_versions 1 an old copy goes as soon as its new one is in place
         self.version = 0
         self._index: dict[int, int] = {}
         self._current: dict[int, tuple[str, int, int]] = {}     # unit id -> (file, payload bytes, checksum)
@@ -119,7 +126,7 @@ class WeightFiles:
     def add(self, unit: Any, buf: torch.Tensor, nbytes: int) -> None:
         """Version 0 of a unit's copy, from a page-aligned buffer holding its nbytes of dtype values."""
         self._index[id(unit)] = index = len(self._index)
-        name = f"w{index:04d}-{_safe(unit.name)}-v0.bin"
+        name = f"w{index:04d}-{safe_name(unit.name)}-v0.bin"
         self._current[id(unit)] = (name, nbytes, self._write(name, buf, nbytes, count=False))
 
     def _path(self, unit: Any) -> Path:
@@ -170,6 +177,8 @@ class WeightFiles:
         return buf
 
     def _read_into(self, buf: torch.Tensor, unit_name: str, name: str, nbytes: int, digest: int) -> None:
+        if self.disk is not None and self.disk.torn is not None:     # copies of the failed step's units are gone
+            raise TornError(self.disk.torn)
         path = self.folder / name
         try:
             moved = self.files.read(path, buf, nbytes)
@@ -206,13 +215,15 @@ class WeightFiles:
     def write_behind(self, unit: Any, buf: torch.Tensor) -> None:
         """Write the stepped copy in `buf` (from stage) as the unit's next version; the buffer goes back after."""
         nbytes = self._current[id(unit)][1]
-        name = f"w{self._index[id(unit)]:04d}-{_safe(unit.name)}-v{self.version + 1}.bin"
+        name = f"w{self._index[id(unit)]:04d}-{safe_name(unit.name)}-v{self.version + 1}.bin"
 
         def write() -> None:
             try:
                 digest = self._write(name, buf, nbytes)
                 with self._lock:
                     self._new[id(unit)] = (name, nbytes, digest)
+                if self.disk is not None and self.disk.versions == 1:    # the committed copy goes now
+                    self.disk.drop(self.folder / self._current[id(unit)][0], "weights")
             finally:
                 self.give_back(buf)
 
@@ -241,7 +252,7 @@ class WeightFiles:
         self.version += 1
         crash_point("weights.committed")
         for name in old:                # garbage from here: a file left (a folder gone read-only) goes with it
-            _unlink_quietly(self.folder / name)
+            unlink_quietly(self.folder / name)
 
     def abort(self) -> None:
         """After a failed or skipped step: wait for the writes in flight and delete what the step wrote; the
@@ -252,9 +263,9 @@ class WeightFiles:
             except BaseException:       # noqa: BLE001 - the step is being abandoned anyway
                 pass
         for name, _, _ in self._new.values():
-            _unlink_quietly(self.folder / name)
+            unlink_quietly(self.folder / name)
         for tmp in self.folder.glob(f"w*-v{self.version + 1}.bin.tmp"):
-            _unlink_quietly(tmp)
+            unlink_quietly(tmp)
         self._new, self._writes = {}, []
 
     def drop_reads(self) -> None:
@@ -280,4 +291,4 @@ def _shutdown(pools: tuple[ThreadPoolExecutor, ...]) -> None:
 
 def _close_own(folder: Path, lock: int, pools: tuple[ThreadPoolExecutor, ...]) -> None:
     _shutdown(pools[1:])
-    _close(folder, lock, pools[0])
+    close_folder(folder, lock, pools[0])

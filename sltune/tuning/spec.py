@@ -369,7 +369,7 @@ class Search(_Strict):
             "the job's data directory) read ahead into a window of a few units, or [host, disk] to let the tuner "
             "decide: disk holds a window of the weights and of the gradients in host memory instead of the whole "
             "model, for reads of the weights every step. Training needs disk in search.optimizer_offload too (a "
-            "config of the weights on disk has its optimizer on disk); one rank (hardware.world_size 1)"))
+            "config of the weights on disk has its optimizer on disk)"))
     max_trials: int = Field(20, ge=1)
     trial_steps: int = Field(2, ge=1, le=100_000, description="timed steps per trial at least")
     trial_min_time_s: float = Field(2.0, ge=0, le=3600, description="time a trial's steps until they add up to this")
@@ -512,13 +512,10 @@ class TuningSpec(_Strict):
         return self
 
     def _weights_on_disk(self) -> None:
-        """search.param_offload disk against what the runtime runs it with: one rank, a schedule that loads the
-        weights (not resident), and in training the optimizer on disk (sltune.config)."""
+        """search.param_offload disk against what the runtime runs it with: a schedule that loads the weights (not
+        resident), and in training the optimizer on disk (sltune.config)."""
         if "disk" not in self.search.param_offload:
             return
-        if self.hardware.world_size > 1:
-            raise ValueError("search.param_offload: disk runs on one rank for now, and hardware.world_size is "
-                             f"{self.hardware.world_size}; use host, or hardware.world_size 1")
         if self.search.schedule == "resident":
             raise ValueError("search.param_offload: the resident schedule keeps every weight on the device, so disk "
                              "cannot hold them; use host, or search.schedule speedloader or canonical")

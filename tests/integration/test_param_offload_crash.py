@@ -272,7 +272,7 @@ def test_an_external_kill_9_mid_write_behind_of_sltune_train_resumes_exactly(tmp
 def test_what_dead_engines_left_in_offload_dir_goes_whatever_moment_they_died(tmp_path):
     """A folder a kill left half-removed (no lock file any more), a hidden one a kill left before it was locked
     (older than STALE_S), and a write probe: the next engine removes them; a live engine's folder stays."""
-    from sltune.runtime import diskstate
+    from sltune.runtime import enginefolder
 
     off = tmp_path / "off"
     live = SpeedLoaderEngine(build(MODEL, seed=0), SpeedLoaderConfig(**KNOBS, offload_dir=str(off)),
@@ -284,10 +284,10 @@ def test_what_dead_engines_left_in_offload_dir_goes_whatever_moment_they_died(tm
         (folder / "w0000-embed-v3.bin.tmp").write_bytes(b"x" * 4096)
     probe = off / ".sltune-write-probe-999999"
     probe.write_bytes(b"x")
-    old = time.time() - 2 * diskstate.STALE_S
+    old = time.time() - 2 * enginefolder.STALE_S
     os.utime(hidden, (old, old))
     os.utime(probe, (old, old))
-    diskstate._remove_stale(off)
+    enginefolder.remove_stale(off)
     assert not lockless.exists() and not hidden.exists() and not probe.exists()
     assert live.disk.folder.is_dir()
     del live

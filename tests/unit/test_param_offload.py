@@ -201,9 +201,7 @@ def test_a_damaged_weights_file_is_one_line_naming_it(tmp_path, damage):
 def test_bad_knobs_are_one_line_naming_the_fix(tmp_path, capsys):
     for knobs, fix in [({}, "offload_dir: param_offload 'disk' keeps the weights' files there; give a directory"),
                        ({"offload_dir": "x", "schedule": "resident"},
-                        "param_offload: the resident schedule keeps every weight on the device; use 'host'"),
-                       ({"offload_dir": "x", "world_size": 2},
-                        "param_offload: disk runs on one rank for now; use param_offload host with world_size > 1")]:
+                        "param_offload: the resident schedule keeps every weight on the device; use 'host'")]:
         with pytest.raises(ValueError) as err:
             SpeedLoaderConfig.from_dict({"param_offload": "disk", **knobs})
         assert "\n" not in str(err.value) and fix in str(err.value)
@@ -212,9 +210,6 @@ def test_bad_knobs_are_one_line_naming_the_fix(tmp_path, capsys):
         SpeedLoaderEngine(build("llama-tiny", seed=0), cfg, optimizer=adamw)
     with pytest.raises(ValueError, match="add optimizer_offload: disk"):
         TrialSpec(model="llama-tiny", param_offload="disk", offload_dir=str(tmp_path))
-    with pytest.raises(ValueError, match="runs on one rank for now"):
-        TrialSpec(model="llama-tiny", param_offload="disk", optimizer_offload="disk", offload_dir=str(tmp_path),
-                  world_size=2)
     TrialSpec(model="llama-tiny", mode="generate", param_offload="disk", offload_dir=str(tmp_path))   # fine alone
     knobs = ["--steps", "1", "--seq-len", "8"]
     assert main(["train", *knobs, "--param-offload", "disk", "--offload-dir", str(tmp_path)]) == 2

@@ -91,8 +91,6 @@ def test_generation_sweeps_the_weights_on_disk_alone():
     ({**BOTH, "schedule": "resident"}, {}, "search.optimizer_offload: the resident schedule"),
     ({"param_offload": "disk", "schedule": "resident"}, {"workload": {"mode": "generate"}},
      "search.param_offload: the resident schedule keeps every weight on the device"),
-    (BOTH, {"hardware": {"world_size": 2}}, "search.param_offload: disk runs on one rank for now, and "
-                                            "hardware.world_size is 2; use host, or hardware.world_size 1"),
     ({}, {"hardware": {"disk_limit": "1GiB"}}, "hardware.disk_limit bounds the files of search.optimizer_offload or "
                                                "search.param_offload disk"),
 ])
@@ -156,6 +154,21 @@ def test_the_runtime_window_constants_are_the_priors():
 
     assert SPARE == weightfiles.SPARE and STAGED == 1 + weightfiles.WRITES_IN_FLIGHT
     assert GRAD_UNITS == gradwindow.SLOTS
+
+
+def test_over_two_ranks_each_holds_and_files_its_shards_of_the_weights():
+    """sltune.runtime.sharding: each rank's window holds its 1/W shard of each unit, and its files hold its shards;
+    the prior's figures are both ranks' together, so the window and the files stay about one rank's."""
+    assert spec(BOTH, hardware={"world_size": 2}).hardware.world_size == 2     # no longer refused
+    shape = shape_of("llama-2-7b", "bfloat16")
+    one, two = (predict(Setup("llama-2-7b", shape, seq_len=128, world_size=w), WEIGHTS) for w in (1, 2))
+    for terms in ("host_terms", "disk_terms"):
+        for what, n in dict(getattr(one, terms)).items():
+            if what.startswith(("the weights'", "the gradients' window")):
+                assert n <= dict(getattr(two, terms))[what] <= n + 2 * 4096 * 8, what   # padding per rank and unit
+    reads = {w: r for w, r, _ in one.traffic_terms}
+    assert {w: r for w, r, _ in two.traffic_terms}["the weights read at each load"] >= \
+        reads["the weights read at each load"]
 
 
 def test_the_host_floor_of_a_7b_falls_to_the_window_with_the_weights_on_disk():

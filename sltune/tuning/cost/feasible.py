@@ -102,6 +102,23 @@ class Limit:
 
 
 @dataclasses.dataclass(frozen=True)
+class Naming:
+    """How a refusal names what would fit: as a spec's fields (tune, plan, POST /tune) or as the flags of the command
+    that was refused (profile), so the fix can be pasted where the mistake was made."""
+
+    optimizer_disk: str = "search.optimizer_offload [host, disk]"
+    param_disk: str = "search.param_offload [host, disk]"
+    no_master: str = "model.mixed_precision false"
+    sgd: str = "optimizer sgd without momentum"
+    bf16: str = "model.dtype bfloat16"
+
+
+SPEC = Naming()
+FLAGS = Naming("--optimizer-offload disk", "--param-offload disk", "--no-mixed-precision",
+               "--optimizer sgd (--momentum 0)", "--dtype bfloat16")
+
+
+@dataclasses.dataclass(frozen=True)
 class Over:
     """A least config, its prior, and each limit it is over with what it needs there."""
 
@@ -131,17 +148,18 @@ def smallest(candidates: Iterable[Candidate]) -> list[Candidate]:
 def shortfall(recipe: Setup, candidates: Iterable[Candidate], host_limit: int | None, device_limit: int | None,
               host_name: str = "hardware.host_memory_limit", device_name: str = "hardware.device_memory_limit",
               what: str = "the smallest config", disk_limit: int | None = None,
-              disk_name: str = "hardware.disk_limit") -> str | None:
+              disk_name: str = "hardware.disk_limit", naming: "Naming | None" = None) -> str | None:
     """None when some least config is predicted within every limit; else one answer: every limit the closest
     config is over, what it needs there term by term, what the next closest would need instead, and what would
-    fit. `what` names the config in the answer. Over several backends, each is answered for on its own (the
-    module docstring)."""
+    fit. `what` names the config in the answer, `naming` the changes (a spec's fields unless told: FLAGS for a
+    command's). Over several backends, each is answered for on its own (the module docstring)."""
+    naming = naming or SPEC
     cands = list(candidates)
     backends = list(dict.fromkeys(c.backend for c in cands))
     if len(backends) > 1:
         for backend in backends:
             short = shortfall(recipe, [c for c in cands if c.backend == backend], host_limit, device_limit,
-                              host_name, device_name, f"{what} of backend {backend}", disk_limit, disk_name)
+                              host_name, device_name, f"{what} of backend {backend}", disk_limit, disk_name, naming)
             if short:
                 return (f"search.backend {backend}: no {backend} config fits: {short} (or drop {backend} from "
                         "search.backend)")
@@ -161,9 +179,9 @@ def shortfall(recipe: Setup, candidates: Iterable[Candidate], host_limit: int | 
                  + " and ".join(f"{format_bytes(need)} {WHERE[limit.resource]}, over {limit.said(first=False)}"
                                 for limit, need in other.over))
     if len(closest) == 1 and [limit.resource for limit, _ in first.over] == ["device"] and \
-            not any(_within(recipe, twins, limits, ["device"]) for _, _, twins in _to_disk(recipe, cands)):
+            not any(_within(recipe, twins, limits, ["device"]) for _, _, twins in _to_disk(recipe, cands, naming)):
         return text + "; raise it to at least that"     # (the weights on disk prefetch no unit on the device)
-    return text + ". What would fit: " + _would_fit(recipe, cands, limits, closest)
+    return text + ". What would fit: " + _would_fit(recipe, cands, limits, closest, naming)
 
 
 def overs(recipe: Setup, c: Candidate, limits: list[Limit]) -> Over:
@@ -210,12 +228,13 @@ def listing(terms: list[tuple[str, int]], total: int) -> str:
     return ", ".join(shown) + f" {unit}"
 
 
-def _would_fit(recipe: Setup, cands: list[Candidate], limits: list[Limit], closest: list[Over]) -> str:
+def _would_fit(recipe: Setup, cands: list[Candidate], limits: list[Limit], closest: list[Over],
+               naming: "Naming" = SPEC) -> str:
     """The recipe changes, alone or together, under which some least config is predicted within every limit;
     then the limits each closest config takes, all of them together."""
     named = [limit.resource for limit, _ in closest[0].over]
     fits, disk_only = [], []
-    for what, why, twins in _to_disk(recipe, cands):
+    for what, why, twins in _to_disk(recipe, cands, naming):
         if (f := _within(recipe, twins, limits, named)) is not None:
             fits.append(f"{what} ({why}: {format_bytes(f.prior.host)} in host memory, {format_bytes(f.prior.disk)} on "
                         "disk)")
@@ -223,7 +242,7 @@ def _would_fit(recipe: Setup, cands: list[Candidate], limits: list[Limit], close
             # within the limits the closest config is over, were there disk enough: say what disk it takes
             disk_only.append(f"{what} ({why}: {format_bytes(d.prior.host)} in host memory) with "
                              + " and ".join(limit.raised(need) for limit, need in d.over))
-    fits += [f"{what}: {_needs(f, closest[0].config, named)}" for what, changed in _changes(recipe)
+    fits += [f"{what}: {_needs(f, closest[0].config, named)}" for what, changed in _changes(recipe, naming)
              if (f := _within(changed, cands, limits, named)) is not None]
     takes = [" and ".join(limit.raised(need) for limit, need in f.over)
              + (f" (under {_differs(closest[0].config, f.config)})" if i else "") for i, f in enumerate(closest)]
@@ -233,22 +252,21 @@ def _would_fit(recipe: Setup, cands: list[Candidate], limits: list[Limit], close
     return text + _without_process(recipe, closest)
 
 
-def _to_disk(recipe: Setup, cands: list[Candidate]) -> list[tuple[str, str, list[Candidate]]]:
+def _to_disk(recipe: Setup, cands: list[Candidate], naming: "Naming" = SPEC) -> list[tuple[str, str, list[Candidate]]]:
     """The places on disk the spec does not try, each as (the change a spec makes, what it moves, the configs it
-    adds): the optimizer's master and state in files (training), then the weights in files too (one rank; in
-    training beside the optimizer on disk), whose host memory holds a window of the weights and gradients."""
+    adds): the optimizer's master and state in files (training), then the weights in files too (in training
+    beside the optimizer on disk), whose host memory holds a window of the weights and gradients."""
     if recipe.schedule == "resident" or not all(c.backend == "speedloader" for c in cands):
         return []
     train = recipe.mode == "train"
     out = []
     optimizer_there = any(recipe.on_disk(c) for c in cands)
     if train and not optimizer_there:
-        out.append(("search.optimizer_offload [host, disk]", "the master and optimizer state in files",
+        out.append((naming.optimizer_disk, "the master and optimizer state in files",
                     [dataclasses.replace(c, optimizer_offload="disk") for c in cands]))
-    if recipe.world_size == 1 and not any(recipe.weights_on_disk(c) for c in cands):
+    if not any(recipe.weights_on_disk(c) for c in cands):
         with_optimizer = train and not optimizer_there
-        what = "search.param_offload [host, disk]" + (" with search.optimizer_offload [host, disk]"
-                                                      if with_optimizer else "")
+        what = naming.param_disk + (f" with {naming.optimizer_disk}" if with_optimizer else "")
         moved = ("the weights, the master and the optimizer state in files" if with_optimizer else
                  "the weights in files too" if train else "the weights in files")
         twins = [dataclasses.replace(c, param_offload="disk", optimizer_offload="disk" if train else
@@ -273,7 +291,7 @@ def _without_process(recipe: Setup, closest: list[Over]) -> str:
     return " (the host figures leave out the trial process's own memory; `sltune plan SPEC.yaml` adds it)"
 
 
-def _changes(recipe: Setup) -> list[tuple[str, Setup]]:
+def _changes(recipe: Setup, naming: "Naming" = SPEC) -> list[tuple[str, Setup]]:
     """Each change of precision, optimizer or dtype that needs less memory."""
     from sltune.tuning.cost.shape import shape_of
 
@@ -281,21 +299,21 @@ def _changes(recipe: Setup) -> list[tuple[str, Setup]]:
     sgd = OptimizerConfig(name="sgd")
     train = recipe.mode == "train"
     if train and recipe.master:
-        changes.append((f"model.mixed_precision false (one {recipe.shape.dtype} copy, no float32 master)",
+        changes.append((f"{naming.no_master} (one {recipe.shape.dtype} copy, no float32 master)",
                         dataclasses.replace(recipe, mixed_precision=False)))
     if train and recipe.optimizer.state_bytes_per_param():
-        changes.append(("optimizer sgd without momentum (no optimizer state)",
+        changes.append((f"{naming.sgd} (no optimizer state)",
                         dataclasses.replace(recipe, optimizer=sgd)))
     if train and recipe.master and recipe.optimizer.state_bytes_per_param():
-        changes.append(("model.mixed_precision false and optimizer sgd without momentum",
+        changes.append((f"{naming.no_master} and {naming.sgd}",
                         dataclasses.replace(recipe, mixed_precision=False, optimizer=sgd)))
     if recipe.shape.dtype == "float32":
         shape = shape_of(recipe.source, "bfloat16")
         half = dataclasses.replace(recipe, shape=at_depth(shape, recipe.shape.layers)
                                    if recipe.shape.layers < shape.layers else shape)
-        changes.append(("model.dtype bfloat16", half))
+        changes.append((naming.bf16, half))
         if train:
-            changes.append(("model.dtype bfloat16 with model.mixed_precision false",
+            changes.append((f"{naming.bf16} with {naming.no_master}",
                             dataclasses.replace(half, mixed_precision=False)))
     return changes
 

@@ -15,7 +15,8 @@ Term by term, as the runtime allocates them:
             state leave host memory for files; the host holds the window instead (sltune.runtime.diskstate: the
             DEPTH largest blocks' master and state, page-padded) and, from the first step, the optimizer's fresh
             state of the largest block, allocated before it is copied into its slot. Under param_offload disk
-            (one rank; training with the optimizer on disk) neither the dtype weights nor the gradients are whole
+            (in training with the optimizer on disk; over W ranks each rank's shards) neither the dtype weights
+            nor the gradients are whole
             in host memory (sltune.runtime.weightfiles): the weights' window holds the units read ahead (the
             engine reads one phase ahead: the largest two neighbouring phases' units), SPARE free buffers and, in
             training, STAGED stepped copies (one stepping, WRITES_IN_FLIGHT written behind), as many of the
@@ -25,10 +26,12 @@ Term by term, as the runtime allocates them:
             buffers take no prefetched unit (its file is read ahead instead). Formulas like the rest, of what the
             runtime allocates at most: the fits correct them from the trials
     disk    optimizer_offload disk: every block's file (master and state, page-padded) twice, since a step
-            writes the new version beside the committed one and removes the old files only once it commits;
-            param_offload disk: every unit's weights file (dtype, page-padded), in training twice for the same
-            reason, and when a step waits for every gradient (float16's loss scaling, clipping, or no float32
-            master: the step could not be undone part-way) the gradients spilled to files meanwhile
+            writes the new version beside the committed one and removes the old files only once it commits (under
+            disk_versions 1 once, and the DEPTH largest blocks' new files in flight: each old file goes as its new
+            one lands); param_offload disk: every unit's weights file (dtype, page-padded), in training twice for
+            the same reason (disk_versions 1: once, and the largest unit's new file in flight), and when a step
+            waits for every gradient (float16's loss scaling, clipping, or no float32 master: the step could not be
+            undone part-way) the gradients spilled to files meanwhile
     traffic per step, on disk (predicted, a formula; trials count the bytes they move: TrialResult.io): the disk
             tier reads and writes every block once; param_offload disk reads each unit's weights file at every
             load (each unit twice, forward and backward, but the last group and the head, live together once;
@@ -96,6 +99,7 @@ class Setup:
                                      # candidate's optimizer_offload says so too: either makes it disk)
     param_offload: str = "host"      # disk: the dtype weights live in files (a candidate's param_offload too)
     clips: bool = False              # training clips the global gradient norm (trials never do; `sltune train` may)
+    disk_versions: int = 2           # versions of the disk tier's files a step keeps (SpeedLoaderConfig.disk_versions)
 
     @classmethod
     def of_spec(cls, spec: "TuningSpec", shape: ModelShape, baseline: int = 0) -> "Setup":
@@ -107,7 +111,8 @@ class Setup:
     def of_trial(cls, trial: "TrialSpec", shape: ModelShape, baseline: int = 0) -> "Setup":
         return cls(trial.model, shape, trial.mode, trial.schedule, trial.mixed_precision, trial.optimizer,
                    trial.world_size, trial.device, trial.seq_len, trial.prompt_len, trial.new_tokens, baseline,
-                   getattr(trial, "optimizer_offload", "host"), getattr(trial, "param_offload", "host"))
+                   getattr(trial, "optimizer_offload", "host"), getattr(trial, "param_offload", "host"),
+                   disk_versions=getattr(trial, "disk_versions", None) or 2)
 
     @property
     def master(self) -> bool:
@@ -206,9 +211,8 @@ def predict(recipe: Setup, c: Candidate) -> Prior:
                  if not (on_disk and what.startswith(("a float32 master", "AdamW", "SGD")))
                  and not (weights_on_disk and what.startswith("the weights in"))]
     if on_disk:
-        host_window, disk = _disk_terms(recipe, k)
+        host_window, disk, moved = _disk_terms(recipe, k)
         host += host_window
-        moved = sum(n for _, n in disk) // 2
         traffic.append(("the disk tier's blocks (master and state)", moved, moved))
     if weights_on_disk and recipe.schedule != "canonical":    # canonical sums every micro-batch's on the host
         host = [(what, n) for what, n in host if not what.endswith(" gradients")]
@@ -280,8 +284,9 @@ def _block_sizes(numels: list[int]) -> list[int]:
     return [sum(block) for block in pack([n for numel in numels for _, n in pieces(numel)], int)]
 
 
-def _disk_terms(recipe: Setup, k: int) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
-    """optimizer_offload disk: what host memory holds for it (all ranks together) and the files (every rank's)."""
+def _disk_terms(recipe: Setup, k: int) -> tuple[list[tuple[str, int]], list[tuple[str, int]], int]:
+    """optimizer_offload disk: what host memory holds for it (all ranks together), the files at their fullest
+    (every rank's) and the bytes of one version (what a step reads and writes)."""
     per_value = recipe.disk_value_bytes
     step = 4 if recipe.master else recipe.shape.itemsize
     state = recipe.optimizer.state_bytes_per_param(step)
@@ -294,20 +299,27 @@ def _disk_terms(recipe: Setup, k: int) -> tuple[list[tuple[str, int]], list[tupl
         files += sum(padded(n * per_value) for n in blocks)
     host = [(f"the disk tier's window ({DEPTH} blocks' master and state)", window),
             ("the optimizer's fresh state of the largest block (first step)", fresh)]
-    disk = [("the committed version's files", files), ("the new version a step writes before it commits", files)]
-    return [t for t in host if t[1]], [t for t in disk if t[1]]
+    disk = [("the committed version's files", files)]
+    if recipe.disk_versions == 1:   # a block's new file lands before its old one goes: the window's in flight
+        disk.append((f"the new files of the blocks in flight ({DEPTH} at most: disk_versions 1)", window))
+    else:
+        disk.append(("the new version a step writes before it commits", files))
+    return [t for t in host if t[1]], [t for t in disk if t[1]], files
 
 
 def _weight_terms(recipe: Setup, c: Candidate, groups: list[int]) -> tuple[list[tuple[str, int]],
                                                                            list[tuple[str, int]],
                                                                            list[tuple[str, int, int]]]:
-    """param_offload disk (one rank): what host memory holds for the weights and the gradients instead of the whole
-    model, the weights' files (and a waiting step's spilled gradients), and the traffic of one step (a training
-    step; generation's per decoding step), each a formula the fits correct."""
+    """param_offload disk: what host memory holds for the weights and the gradients instead of the whole model, the
+    weights' files (and a waiting step's spilled gradients), and the traffic of one step (a training step;
+    generation's per decoding step), each a formula the fits correct. Over W ranks each rank reads, holds and writes
+    its 1/W shard of each unit (sltune.runtime.sharding): the figures are all ranks' together."""
     shape, e = recipe.shape, recipe.shape.itemsize
+    world = max(1, recipe.world_size)
     embed, tied, units, head = _units(shape, groups)
     every = [u for u in (tied, embed, *units, head) if u.nbytes]
-    sizes = {u.name: padded(u.nbytes) for u in every}
+    shard = {u.name: -(-(u.nbytes // e) // world) for u in every}      # a rank's values of each unit
+    sizes = {u.name: padded(shard[u.name] * e) for u in every}
     # the buffers held at once are distinct units' (the window reuses a free buffer that holds a unit, and keeps the
     # SPARE largest free ones): the largest units' sizes bound them
     largest = sorted(sizes.values(), reverse=True)
@@ -331,18 +343,23 @@ def _weight_terms(recipe: Setup, c: Candidate, groups: list[int]) -> tuple[list[
     disk = [("the weights' files (param_offload disk)", files)]
     traffic = [("the weights read at each load", loads, 0)]
     if recipe.mode == "train":
-        grads = [padded(u.nbytes // e * recipe.grad_bytes) for u in every]
+        grads = [padded(shard[u.name] * recipe.grad_bytes) for u in every]
         spill = sum(grads)
         host.append((f"the weights' window: {STAGED} stepped copies staged", sum(largest[:STAGED])))
         if recipe.schedule != "canonical":      # canonical keeps every micro-batch's sum whole (a host term above)
             host.append((f"the gradients' window: the {GRAD_UNITS} largest units' (param_offload disk)",
                          sum(sorted(grads, reverse=True)[:GRAD_UNITS])))
-        disk.append(("the weights' new version a step writes before it commits", files))
+        disk.append(("the weights' new version a step writes before it commits", files) if recipe.disk_versions != 1
+                    else ("the new weights file in flight (disk_versions 1)", largest[0]))
         # a step without a master updates the dtype copy in place: each unit's file is read once more to step it
         traffic.append(("each stepped unit's new weights", 0 if recipe.master else files, files))
         if recipe.deferred and recipe.schedule != "canonical":     # canonical's gradients stay whole in memory
             disk.append(("the gradients a waiting step spills (loss scaling, clipping, no master)", spill))
             traffic.append(("the gradients a waiting step spills and reads back", spill, spill))
+    if world > 1:
+        host = [(what, world * n) for what, n in host]
+        disk = [(what, world * n) for what, n in disk]
+        traffic = [(what, world * r, world * w) for what, r, w in traffic]
     return host, disk, traffic
 
 

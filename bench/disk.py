@@ -22,7 +22,8 @@ accumulation steps: the same effective batch). The first step of each is not cou
 masters, the moments do not exist yet). Figures are medians over the rounds' counted steps with [min, max].
 sltune's disk MB/s is the bytes of a step over the time a read (or a write) was in flight; "hidden" is the share of
 the disk's busy time the step did not wait for (sltune.runtime.stepping.StepTimeline). The ratio is each round's
-DeepSpeed step time over sltune's, median [min, max] over rounds (goal >= 1.2).
+DeepSpeed step time over sltune's, median [min, max] over rounds (goal >= 1.3, issue #34; --activations offload
+is like for like, as DeepSpeed's ZeRO-3 here recomputes nothing).
 
 Last, per-unit stepping under optimizer_offload host (--overlap-model, in one process): the optimizer steps each
 unit on a thread as the backward finishes its gradients (overlap_optimizer=True) against one step after the
@@ -397,7 +398,7 @@ def report(args: argparse.Namespace, rows: dict[str, list], limit: int) -> None:
     ratios = [statistics.median(s["seconds"] for s in d["steps"][1:]) /
               statistics.median(s["seconds"] for s in sl["steps"][1:])
               for sl, d in zip(rows["sl"], rows["ds"]) if d is not None and "error" not in d and "error" not in sl]
-    print(f"DeepSpeed step time / sltune's, per round: {spread(ratios)}  (goal >= 1.2)")
+    print(f"DeepSpeed step time / sltune's, per round: {spread(ratios)}  (goal >= 1.3)")
 
 
 def overlap_part(args: argparse.Namespace) -> None:

@@ -18,7 +18,7 @@ Term by term, as the runtime allocates them:
             (in training with the optimizer on disk; over W ranks each rank's shards) neither the dtype weights
             nor the gradients are whole
             in host memory (sltune.runtime.weightfiles): the weights' window holds the units read ahead (the
-            engine reads one phase ahead: the largest two neighbouring phases' units), SPARE free buffers and, in
+            engine reads one phase ahead: the largest two neighbouring phases' units), SPARE free buffers (none) and, in
             training, STAGED stepped copies (one stepping, WRITES_IN_FLIGHT written behind), as many of the
             largest units page-padded; the gradients' window (sltune.runtime.gradwindow) the GRAD_UNITS largest
             units' gradient sums (float32 under a master, else dtype), page-padded, but under the canonical
@@ -71,11 +71,11 @@ if TYPE_CHECKING:
     from sltune.tuning.spec import TuningSpec
 
 # param_offload disk's window (sltune.runtime.weightfiles, which imports torch: the prior does not): the free buffers it
-# keeps for reuse, the stepped copies staged at once (one being stepped, WRITES_IN_FLIGHT = 2 written behind), and
-# the units whose gradient sums host memory holds at once, its budget the largest ones' (sltune.runtime.gradwindow);
+# keeps for reuse (none), the stepped copies staged at once (one being stepped, WRITES_IN_FLIGHT = 1 written behind),
+# and the units whose gradient sums host memory holds at once, its budget the largest ones' (sltune.runtime.gradwindow);
 # the tests hold them to the runtime
-SPARE = 2
-STAGED = 3
+SPARE = 0
+STAGED = 2
 GRAD_UNITS = 2
 
 
@@ -339,7 +339,7 @@ def _weight_terms(recipe: Setup, c: Candidate, groups: list[int]) -> tuple[list[
         loads = files
     ahead = max(sum(sizes.get(n, 0) for n in now + after) for now, after in zip(reads, reads[1:] + [[]]))
     host = [("the weights' window: units read ahead (param_offload disk)", ahead),
-            (f"the weights' window: {SPARE} spare buffers", sum(largest[:SPARE]))]
+            *([(f"the weights' window: {SPARE} spare buffers", sum(largest[:SPARE]))] if SPARE else [])]
     disk = [("the weights' files (param_offload disk)", files)]
     traffic = [("the weights read at each load", loads, 0)]
     if recipe.mode == "train":

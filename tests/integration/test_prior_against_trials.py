@@ -19,6 +19,9 @@ CASES = {
     "small-bf16-mixed-adamw": dict(model="llama-small", dtype="bfloat16"),
     "small-bf16-pure-sgd": dict(model="llama-small", dtype="bfloat16", mixed_precision=False, optimizer=SGD,
                                 sub_batch_size=4, num_sub_batches=1),
+    # the optimizer and the weights on disk: the windows instead of the model (sltune.runtime.weightfiles, gradwindow)
+    "small-bf16-mixed-adamw-on-disk": dict(model="llama-small", dtype="bfloat16", optimizer_offload="disk",
+                                           param_offload="disk"),
     "tiny-generate": dict(model="llama-tiny", mode="generate", prompt_len=16, new_tokens=4),
     "small-generate-device-kv": dict(model="llama-small", mode="generate", prompt_len=16, new_tokens=4,
                                      kv_cache="device", dtype="bfloat16"),
@@ -26,14 +29,16 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_the_prior_is_within_ten_percent_of_what_a_trial_measures(case):
+def test_the_prior_is_within_ten_percent_of_what_a_trial_measures(case, tmp_path):
     """One real trial per case, measured as every trial is (its resident peak, the runtime's device tracker);
     the prior, which saw no trial, within 10% of both."""
+    disk = {"offload_dir": str(tmp_path)} if CASES[case].get("optimizer_offload") == "disk" else {}
     spec = TrialSpec(**{"sub_batch_size": 2, "num_sub_batches": 2, "num_live_blocks": 1, "seq_len": 32, "steps": 1,
-                        "min_time_s": 0.0, "max_steps": 1, "remeasure": 0, "profile": False, **CASES[case]})
+                        "min_time_s": 0.0, "max_steps": 1, "remeasure": 0, "profile": False, **CASES[case], **disk})
     generate = spec.mode == "generate"
     config = Candidate(spec.sub_batch_size, spec.num_sub_batches, spec.num_live_blocks, spec.activations,
-                       spec.kv_cache if generate else None, spec.weights_on_device if generate else None)
+                       spec.kv_cache if generate else None, spec.weights_on_device if generate else None,
+                       optimizer_offload=spec.optimizer_offload, param_offload=spec.param_offload)
     baseline = trial_baseline(spec.device, spec.world_size, spec.mode, spec.cpu_threads)
     prior = predict(Setup.of_trial(spec, shape_of(spec.model, spec.dtype), baseline), config)
     result = run_trial(spec)

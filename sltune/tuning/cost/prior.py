@@ -331,7 +331,12 @@ def _weight_terms(recipe: Setup, c: Candidate, groups: list[int]) -> tuple[list[
         def name(u: phases.Unit) -> str:
             return f"group{u}" if isinstance(u, int) else named[u]
         reads = [[name(u) for u in p.units] for p in plan]
-        reads[0] = [tied.name, *reads[0]]         # the tied weights load with the first phase, for the whole pass
+        # the tied weights load with the first phase, for the whole pass: their read is in the window before any
+        # gradient exists. On the CPU (the device is this memory) that moment holds less than the backward's peak,
+        # whose device buffers (a host term there) include the tied weights' gradient sums, at least their bytes: so
+        # their read never adds to the peak there. Where the device is elsewhere it may be the window's peak
+        if not recipe.on_cpu:
+            reads[0] = [tied.name, *reads[0]]
         loads = sum(sizes.get(name(u), 0) for u in phases.loaded(plan))
         loads *= c.n if recipe.schedule == "canonical" else 1    # canonical: every micro-batch loads every unit
     else:   # a decoding step loads every unit once (weights kept on the device included: an upper bound)

@@ -57,6 +57,7 @@ class TrainingSpec(BackendChoice):
     optimizer_offload: str = "host"
     param_offload: str = "host"
     offload_dir: str | None = None
+    disk_versions: int = 2
     device_memory_limit: int | None = None
     timeout_s: float = 600.0        # the process group's collective timeout
     num_layers: int | None = None

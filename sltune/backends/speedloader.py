@@ -24,7 +24,7 @@ class SpeedLoaderBackend(Backend):
                                 kv_cache=spec.kv_cache, weights_on_device=spec.weights_on_device,
                                 optimizer_offload=spec.optimizer_offload if spec.mode == "train" else "host",
                                 param_offload=spec.param_offload,
-                                offload_dir=spec.offload_dir)
+                                offload_dir=spec.offload_dir, disk_versions=spec.disk_versions)
         train = spec.mode == "train"
         optimizer = spec.optimizer.factory if train else None     # the optimizer the training job will step with
         engine_cls = engine_module.SpeedLoaderEngine

@@ -10,6 +10,8 @@ from typing import Any
 from sltune.config import SpeedLoaderConfig
 from sltune.settings import Settings
 
+DISK_VERSIONS_ALONE = ("--disk-versions: it counts the versions of --optimizer-offload disk's files; add "
+                       "--optimizer-offload disk (or drop --disk-versions)")
 KNOB_FLAGS = {
     "sub_batch_size": ("--sub-batch-size", int, "rows per sub-batch (b)"),
     "num_sub_batches": ("--num-sub-batches", int, "sub-batches per step (N)"),
@@ -69,8 +71,7 @@ def config_from_args(args: argparse.Namespace, base: SpeedLoaderConfig | None = 
                          "--optimizer-offload disk (or drop --offload-dir)")
     if "disk_versions" in given and data.get("optimizer_offload", "host") == "host" and \
             data.get("backend", "speedloader") == "speedloader":
-        raise ValueError("--disk-versions: it counts the versions of --optimizer-offload disk's files; add "
-                         "--optimizer-offload disk (or drop --disk-versions)")
+        raise ValueError(DISK_VERSIONS_ALONE)
     try:
         return SpeedLoaderConfig.from_dict(data, source="command line")
     except ValueError as err:

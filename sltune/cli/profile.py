@@ -8,7 +8,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from sltune.cli.common import field_error
+from sltune.cli.common import DISK_VERSIONS_ALONE, field_error
 from sltune.profiling import run_trial
 from sltune.profiling.schema import TrialSpec
 from sltune.sizes import format_bytes
@@ -78,6 +78,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "--offload-dir read ahead into a bounded window (training: with --optimizer-offload disk)")
     p.add_argument("--offload-dir", help="the directory of --optimizer-offload/--param-offload disk's files, on a "
                    "local disk")
+    p.add_argument("--disk-versions", type=int, default=2, choices=(1, 2),
+                   help="--optimizer-offload disk: versions of the files a step keeps; 1 drops each old file as its "
+                        "new one lands (about half the disk)")
     p.add_argument("--device-memory-limit", help="bytes or e.g. 2GiB (default: no limit)")
     p.add_argument("--host-memory-limit", help="stop the trial as oom above this resident memory (default: no "
                                                "limit)")
@@ -104,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
                  device_memory_limit=args.device_memory_limit, host_memory_limit=args.host_memory_limit,
                  timeout_s=args.timeout, trace_path=args.trace, profile=not args.no_profile,
                  optimizer_offload=args.optimizer_offload, param_offload=args.param_offload,
-                 offload_dir=_offload_dir(args),
+                 offload_dir=_offload_dir(args), disk_versions=args.disk_versions,
                  backend=args.backend, zero_stage=args.zero_stage, offload_optimizer=args.offload_optimizer,
                  offload_param=args.offload_param, cpu_offload=args.cpu_offload,
                  reshard_after_forward=args.reshard_after_forward)
@@ -121,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
 # the spec's fields a refusal names, as this command's flags
 FLAGS = {name: "--" + name.replace("_", "-") for name in
          ("zero_stage", "offload_optimizer", "offload_param", "cpu_offload", "reshard_after_forward",
-          "offload_dir", "num_live_blocks", "schedule", "optimizer_offload", "param_offload", "mode",
+          "offload_dir", "num_live_blocks", "schedule", "optimizer_offload", "param_offload", "disk_versions", "mode",
           "dtype", "world_size")}
 FLAGS["mixed_precision"] = "--no-mixed-precision"
 
@@ -165,6 +168,8 @@ def _offload_dir(args: argparse.Namespace) -> str | None:
     DeepSpeed's nvme offload)."""
     from sltune.runtime.direct_io import writable_dir
 
+    if args.disk_versions != 2 and (args.optimizer_offload != "disk" or args.backend != "speedloader"):
+        raise ValueError(DISK_VERSIONS_ALONE)
     if args.backend == "deepspeed":         # nvme offload's folder; the spec refuses it without nvme
         return str(writable_dir(args.offload_dir, "--offload-dir")) if args.offload_dir else None
     if args.param_offload == "disk" and args.mode == "train" and args.optimizer_offload == "host":

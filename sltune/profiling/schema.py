@@ -48,6 +48,8 @@ class TrialSpec(CheckedBackendKnobs):
                                         "optimizer_offload disk)")
     offload_dir: str | None = Field(None, description="optimizer_offload or param_offload disk: the directory of "
                                     "their files")
+    disk_versions: Literal[1, 2] = Field(2, description="optimizer_offload disk: versions of the files a step keeps "
+                                         "(SpeedLoaderConfig.disk_versions; 1: one, and no rollback of a failed step)")
     device_memory_limit: int | None = None
     host_memory_limit: int | None = Field(None, description="the trial is stopped as 'oom' above this RSS")
     steps: int = Field(2, ge=1, description="timed steps at least")
@@ -92,6 +94,7 @@ class TrialSpec(CheckedBackendKnobs):
                 "optimizer_offload": self.optimizer_offload if self.mode == "train" and speedloader else None,
                 # only when on disk: a result of the default reads as it did before the knob
                 **({"param_offload": "disk"} if speedloader and self.param_offload == "disk" else {}),
+                **({"disk_versions": 1} if speedloader and self.disk_versions == 1 else {}),
                 "num_layers": self.num_layers, "backend": self.backend,
                 **{knob: getattr(self, knob) for knob in KNOBS[self.backend]}}
 
@@ -110,6 +113,7 @@ class TrialConfig(BackendKnobs):
     weights_on_device: float | None = None  # generation trials only
     optimizer_offload: OptimizerOffload | None = None   # training trials (None in results older than the field)
     param_offload: ParamOffload | None = None   # SpeedLoader's trials with the weights on disk (else left out)
+    disk_versions: Literal[1, 2] | None = None   # SpeedLoader's trials with one version on disk (else left out)
     num_layers: int | None = Field(None, description="the decoder layers the trial ran (fewer than the model's in "
                                    "a reduced-depth probe); None in results older than the field")
 
@@ -118,7 +122,7 @@ class TrialConfig(BackendKnobs):
         """The backend's own knobs only: another backend's (None) are left out, so a SpeedLoader result reads as
         it did before there were backends, plus its name."""
         out = handler(self)
-        for knob in (*ALL_KNOBS, "param_offload"):
+        for knob in (*ALL_KNOBS, "param_offload", "disk_versions"):
             if out.get(knob, 0) is None:
                 del out[knob]
         return out

@@ -9,6 +9,7 @@ value is one line naming the field. The prior (and `sltune plan --disk-versions 
 from __future__ import annotations
 
 import contextlib
+import json
 import pathlib
 import threading
 import time
@@ -331,3 +332,25 @@ def test_a_bad_disk_versions_is_one_line_naming_the_field(tmp_path, capsys):
     # the default leaves best.yaml as it was; 1 is written
     assert "disk_versions" not in SpeedLoaderConfig().to_dict()
     assert SpeedLoaderConfig(optimizer_offload="disk", offload_dir="x", disk_versions=1).to_dict()["disk_versions"] == 1
+
+
+def test_a_profile_trial_runs_with_one_version_and_says_so(tmp_path, capsys):
+    """`sltune profile --disk-versions 1`: the trial's engine keeps one version (its result's config says so; the
+    default's reads as before), and the flag alone is one line naming the fix."""
+    base = ["profile", "--model", "llama-tiny", "--dtype", "bfloat16", "--seq-len", "16", "--steps", "1",
+            "--no-profile", "--json", "--optimizer-offload", "disk", "--offload-dir", str(tmp_path)]
+    assert main([*base, "--disk-versions", "1"]) == 0
+    one = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert one["status"] == "ok" and one["config"]["disk_versions"] == 1 and one["parity"]["ok"]
+    assert main(base) == 0
+    assert "disk_versions" not in json.loads(capsys.readouterr().out.strip().splitlines()[-1])["config"]
+    assert main(["profile", "--model", "llama-tiny", "--steps", "1", "--disk-versions", "1"]) == 2
+    assert "--disk-versions: it counts the versions of --optimizer-offload disk's files" in capsys.readouterr().err
+    # what the trial process builds from its spec (sltune.profiling.child) keeps one version
+    from sltune.backends import build as build_backend
+    from sltune.backends.base import TrainingSpec
+    from sltune.profiling.schema import TrialSpec
+
+    spec = TrialSpec(model="llama-tiny", dtype="bfloat16", optimizer_offload="disk", offload_dir=str(tmp_path),
+                     disk_versions=1)
+    assert build_backend("speedloader", TrainingSpec.of(spec)).engine.disk.versions == 1

@@ -48,7 +48,7 @@ from sltune.runtime import checksum
 from sltune.runtime.counters import IOCounters
 from sltune.runtime.direct_io import DirectFiles, aligned_empty, writable_dir
 from sltune.runtime.disk_layout import padded
-from sltune.runtime.diskstate import DELAY_ENV, DiskState, IntegrityError, TornError
+from sltune.runtime.diskstate import DELAY_ENV, DiskState, IntegrityError
 from sltune.runtime.enginefolder import close_folder, own_folder, remove_stale, safe_name, unlink_quietly
 from sltune.runtime.durable import crash_point, fsync_dir
 
@@ -180,8 +180,8 @@ class WeightFiles:
         return buf
 
     def _read_into(self, buf: torch.Tensor, unit_name: str, name: str, nbytes: int, digest: int) -> None:
-        if self.disk is not None and self.disk.torn is not None:     # copies of the failed step's units are gone
-            raise TornError(self.disk.torn)
+        if self.disk is not None:       # torn: copies of the failed step's units are gone
+            self.disk.check_whole()
         path = self.folder / name
         try:
             moved = self.files.read(path, buf, nbytes)

@@ -148,12 +148,11 @@ def smallest(candidates: Iterable[Candidate]) -> list[Candidate]:
 def shortfall(recipe: Setup, candidates: Iterable[Candidate], host_limit: int | None, device_limit: int | None,
               host_name: str = "hardware.host_memory_limit", device_name: str = "hardware.device_memory_limit",
               what: str = "the smallest config", disk_limit: int | None = None,
-              disk_name: str = "hardware.disk_limit", naming: "Naming | None" = None) -> str | None:
+              disk_name: str = "hardware.disk_limit", naming: Naming = SPEC) -> str | None:
     """None when some least config is predicted within every limit; else one answer: every limit the closest
     config is over, what it needs there term by term, what the next closest would need instead, and what would
     fit. `what` names the config in the answer, `naming` the changes (a spec's fields unless told: FLAGS for a
     command's). Over several backends, each is answered for on its own (the module docstring)."""
-    naming = naming or SPEC
     cands = list(candidates)
     backends = list(dict.fromkeys(c.backend for c in cands))
     if len(backends) > 1:
@@ -229,7 +228,7 @@ def listing(terms: list[tuple[str, int]], total: int) -> str:
 
 
 def _would_fit(recipe: Setup, cands: list[Candidate], limits: list[Limit], closest: list[Over],
-               naming: "Naming" = SPEC) -> str:
+               naming: Naming = SPEC) -> str:
     """The recipe changes, alone or together, under which some least config is predicted within every limit;
     then the limits each closest config takes, all of them together."""
     named = [limit.resource for limit, _ in closest[0].over]
@@ -252,7 +251,7 @@ def _would_fit(recipe: Setup, cands: list[Candidate], limits: list[Limit], close
     return text + _without_process(recipe, closest)
 
 
-def _to_disk(recipe: Setup, cands: list[Candidate], naming: "Naming" = SPEC) -> list[tuple[str, str, list[Candidate]]]:
+def _to_disk(recipe: Setup, cands: list[Candidate], naming: Naming = SPEC) -> list[tuple[str, str, list[Candidate]]]:
     """The places on disk the spec does not try, each as (the change a spec makes, what it moves, the configs it
     adds): the optimizer's master and state in files (training), then the weights in files too (in training
     beside the optimizer on disk), whose host memory holds a window of the weights and gradients."""
@@ -291,7 +290,7 @@ def _without_process(recipe: Setup, closest: list[Over]) -> str:
     return " (the host figures leave out the trial process's own memory; `sltune plan SPEC.yaml` adds it)"
 
 
-def _changes(recipe: Setup, naming: "Naming" = SPEC) -> list[tuple[str, Setup]]:
+def _changes(recipe: Setup, naming: Naming = SPEC) -> list[tuple[str, Setup]]:
     """Each change of precision, optimizer or dtype that needs less memory."""
     from sltune.tuning.cost.shape import shape_of
 

@@ -113,7 +113,7 @@ class Stepped:
     offset: int                 # into the unit's flat values (its master, its dtype copy: the same layout)
     numel: int
     shape: torch.Size
-    grad: torch.Tensor          # its view of the unit's host gradients
+    grad: torch.Tensor | None   # its view of the unit's host gradients (None between steps in a GradWindow)
     param: nn.Parameter         # what the optimizer holds (a placeholder between steps when the master is on disk)
     index: int = -1             # its place in the optimizer's parameter list (state_dict's numbering)
     part: int | None = None     # a slice of a tensor larger than a block: where in the tensor it starts

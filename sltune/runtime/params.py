@@ -390,13 +390,17 @@ class ParamStore:
             return unit.host_grad.numel()
         return unit.grad_numel if self.trains(unit) else 0
 
-    def bind_grads(self, unit: ParamUnit, flat: torch.Tensor) -> None:
+    def bind_grads(self, unit: ParamUnit, flat: torch.Tensor | None) -> None:
         """Point the optimizer's view of the unit's gradients (Stepped.grad, a slice's in the disk tier's blocks too)
-        at `flat`, the buffer a GradWindow lent it."""
-        views = dict(zip(unit.offsets, unit._views(flat, unit.grad_offsets)))
+        at `flat`, the buffer a GradWindow lent it; None: at nothing (the step is over, the buffer goes)."""
         items = {id(s): s for s in self.stepped.get(id(unit), [])}
         if self.disk is not None:
             items.update((id(s), s) for block in self.disk.blocks_of(unit) for s in block.items)
+        if flat is None:
+            for s in items.values():
+                s.grad = None
+            return
+        views = dict(zip(unit.offsets, unit._views(flat, unit.grad_offsets)))
         for s in items.values():
             if s.part is None:
                 s.grad = views[s.offset]

@@ -212,13 +212,13 @@ class ShardedParamStore(ParamStore):
     def host_grad_numel(self, unit: ParamUnit) -> int:
         return unit.trainable_here if self.trains(unit) else 0
 
-    def bind_grads(self, unit: ParamUnit, flat: torch.Tensor) -> None:
+    def bind_grads(self, unit: ParamUnit, flat: torch.Tensor | None) -> None:
         """Point the optimizer's view of the unit's gradient shard (its slices' in the disk tier's blocks too) at
-        `flat`, the buffer a GradWindow lent it."""
+        `flat`, the buffer a GradWindow lent it; None: at nothing (the step is over, the buffer goes)."""
         items = {id(s): s for s in self.stepped.get(id(unit), [])}
         items.update((id(s), s) for block in self.disk.blocks_of(unit) for s in block.items)
         for s in items.values():
-            s.grad = flat if s.part is None else flat[s.part:s.part + s.numel]
+            s.grad = None if flat is None else flat if s.part is None else flat[s.part:s.part + s.numel]
 
     # -- results -----------------------------------------------------------------------------------
     def full_state(self) -> dict[int, torch.Tensor]:

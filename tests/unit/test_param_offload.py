@@ -114,6 +114,10 @@ def test_the_window_holds_a_few_units_not_the_model(tmp_path):
     sizes = sorted((padded(u.grad_numel * 4) for u in engine.units), reverse=True)
     assert grads.budget == sum(sizes[:SLOTS]) < sum(sizes) / 4
     assert 0 < grads.peak_bytes <= grads.budget
+    # between steps none (the forward needs none): no buffer held, and no optimizer view keeping one alive
+    assert grads.held_bytes == 0
+    assert all(s.grad is None for b in engine.disk.blocks for s in b.items)
+    assert all(s.grad is None for items in engine.params.stepped.values() for s in items)
 
 
 @pytest.mark.parametrize("scale", [2.0 ** 16, float("inf")])

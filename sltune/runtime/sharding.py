@@ -63,6 +63,7 @@ class ShardedParamStore(ParamStore):
         self.resident = False
         self.master = master and train
         self.accumulate32 = self.master and on_device_accumulate
+        self._unsummed: set[int] = set()
         self.disk = disk if train else None
         self.master_on_disk = self.master and self.disk is not None
         self.weights = weights
@@ -193,8 +194,10 @@ class ShardedParamStore(ParamStore):
     def offload_grads(self, unit: ParamUnit, accumulate: bool) -> Pending | None:
         """Sum the unit's gradients over ranks into this rank's shard, then offload that shard (into a buffer a
         GradWindow lends, under param_offload disk)."""
-        if unit.dev_grad is None:
+        if unit.dev_grad is None and unit.dev_grad32 is None:
             return None
+        if id(unit) in self._unsummed:      # never flushed: its sum is the gradients autograd holds
+            self.flush_grads((unit,))
         src = unit.dev_grad32 if unit.dev_grad32 is not None else unit.dev_grad
         mine = torch.empty(unit.shard, dtype=src.dtype, device=src.device)
         self.copier.counters.reduce_scatter_bytes += src.numel() * src.element_size()

@@ -315,7 +315,7 @@ def test_a_host_refusal_names_the_weights_on_disk_under_what_would_fit(monkeypat
     data = seven_b(2 * 2**40, monkeypatch)           # the spec tries neither place on disk
     r = plan_spec(data, "7b.yaml", host_memory_limit="17GiB", settings=Settings(data_dir=tmp_path))
     refusal = r["refusal"]
-    assert refusal.startswith("hardware.host_memory_limit 17.0 GiB is below the 117.")
+    assert refusal.startswith("hardware.host_memory_limit 17.0 GiB is below the 116.")
     fit = refusal.split("What would fit: ", 1)[1]
     assert "no change of dtype, precision or optimizer" not in fit
     named = re.match(r"search\.param_offload \[host, disk\] with search\.optimizer_offload \[host, disk\] \(the "
@@ -330,7 +330,7 @@ def test_a_host_refusal_names_the_weights_on_disk_under_what_would_fit(monkeypat
     assert fit.startswith("no change of dtype, precision or optimizer; search.param_offload [host, disk] with "
                           "search.optimizer_offload [host, disk] (")
     assert f"GiB in host memory) with at least 175.7 GiB free in {tmp_path / 'offload'}; or a " \
-           "hardware.host_memory_limit of at least 117." in fit
+           "hardware.host_memory_limit of at least 116." in fit
 
 
 def test_a_disk_refusal_alone_offers_no_more_disk():

@@ -58,8 +58,9 @@ def footprint(source: Any, dtype: str, b: int, s: int, k: int, last_k: int, mode
               resident: bool = False, grads_kept: bool = True, depth: int | None = None) -> Footprint:
     """The footprint of a config: `k` layers a body group, `last_k` the last group's, `depth` the layers the
     resident schedule runs at once (default: the model's). `grads_kept`: the parameters' gradients are buffers
-    the step adds into (the engine's), else autograd's own (the resident schedule without a float32 master),
-    which the first sub-batch allocates.
+    the step adds into (the engine's), else autograd's own, which each traced backward allocates (the resident
+    schedule without a float32 master; the speedloader schedule under one, whose flush adds them into the float32
+    sums and drops them after every sub-batch: sltune.runtime.params.flush_grads).
 
     Traced with groups of one and of two layers, then extended layer by layer: a forward without autograd
     frees each layer's intermediates before the next (two layers show its peak: one's output beside the next
@@ -118,7 +119,14 @@ def _trace(lm, ids: torch.Tensor, k: int, train: bool, resident: bool, grads_kep
     if not train:
         return Footprint(_nbytes(x), kept, prologue, forward, 0, 0, 0, 0, 0, 0, 0)
     gy, labels = torch.empty_like(x), torch.zeros_like(ids)
+
+    def fresh_grads() -> None:      # autograd's own: each sub-batch's backward makes them, its flush drops them
+        if not grads_kept:
+            for p in params:
+                p.grad = None
+
     counter = _MetaTracker()
+    fresh_grads()
     with counter.tracking(True), _SavedBytes(params) as saved:
         y = lm.run_layers(0, k, x.detach().requires_grad_(True), calls)
         held = counter.live
@@ -130,13 +138,13 @@ def _trace(lm, ids: torch.Tensor, k: int, train: bool, resident: bool, grads_kep
         y = lm.run_layers(layers - k, layers, x.detach().requires_grad_(True), calls)
         lm.loss(lm.logits(y), labels, int(ids.numel())).backward()
 
+    fresh_grads()
     turn = _peak(turnaround)        # then the embedding's backward through the prologue's own graph
+    fresh_grads()
     embed_backward = _peak(lambda: torch.autograd.backward(hidden, gy)) if hidden.requires_grad else 0
     whole = 0
     if resident:
-        if not grads_kept:
-            for p in params:
-                p.grad = None
+        fresh_grads()
 
         def everything() -> None:
             h, cs = lm.prologue(ids, None, use_cache=False)

@@ -40,7 +40,8 @@ Term by term, as the runtime allocates them:
             gradients and reads them back (sltune.runtime.traffic counts the same for a running engine)
     device  the step played phase by phase as the engine runs it (the plan of sltune.runtime.phases): the units live
             in each phase (a group, the embedding, the head, the tied weights all pass) with their gradient
-            buffers in backward (and a float32 sum under a master), the next phase's units prefetched, the
+            buffers in backward (under a float32 master the float32 sums, the dtype gradients being autograd's own,
+            in the traced compute), the next phase's units prefetched, the
             boundary activations in flight (this sub-batch's, the next one's, the last one's output), the layer
             arguments each sub-batch's prologue recorded, and what the phase's compute allocates for one
             sub-batch (sltune.tuning.cost.footprint, traced on the meta device); resident keeps everything on the
@@ -193,7 +194,7 @@ def predict(recipe: Setup, c: Candidate) -> Prior:
     tokens = recipe.seq_len if train else recipe.prompt_len
     groups = _group_layers(shape.layers, k)
     fp = footprint(recipe.source, shape.dtype, b, tokens, k, groups[-1], recipe.mode,
-                   resident=recipe.schedule == "resident", grads_kept=recipe.master or recipe.schedule != "resident",
+                   resident=recipe.schedule == "resident", grads_kept=_grads_kept(recipe),
                    depth=shape.layers)
     device = _Timeline()
     if train:
@@ -449,6 +450,15 @@ def _units(shape: ModelShape, groups: list[int]) -> tuple[_Unit, _Unit, list[_Un
             [_Unit(f"group{i}", g * shape.layer_bytes) for i, g in enumerate(groups)], _Unit("head", shape.head_bytes))
 
 
+def _grads_kept(r: Setup) -> bool:
+    """Whether the device's dtype gradients are buffers autograd adds into (sltune.runtime.params): not under a
+    float32 master on the speedloader schedule (autograd's own, added into the float32 sums and dropped after every
+    sub-batch), nor on the resident schedule without one (autograd's own until the step)."""
+    if r.master:
+        return r.schedule != "speedloader"
+    return r.schedule != "resident"
+
+
 def _in_flight(n: int, per_sub_batch: int) -> int:
     """Boundary activations live while a sub-batch computes: its own, the next one's (fetched ahead) and the
     last one's output (still bound until this one's replaces it): three from N=3 on."""
@@ -488,9 +498,10 @@ def _train_step(t: _Timeline, r: Setup, c: Candidate, groups: list[int], fp: Foo
             t.take(u.name, "weights prefetched", u.nbytes, e)
 
     def begin_grads(u: _Unit) -> None:
-        t.take(u.name + ".grad", "gradients", u.nbytes, e)
-        if accumulate32:
+        if accumulate32:        # the dtype gradients are autograd's own: in the traced backward (footprint)
             t.take(u.name + ".grad32", "float32 gradient sums", u.nbytes // e * 4, 4)
+        else:
+            t.take(u.name + ".grad", "gradients", u.nbytes, e)
 
     def release(u: _Unit) -> None:
         for suffix in ("", ".grad", ".grad32"):

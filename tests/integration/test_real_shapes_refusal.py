@@ -17,7 +17,7 @@ def test_a_spec_no_config_of_which_fits_this_machine_is_refused_before_any_trial
     assert main(["profile", "--model", "llama-2-7b", "--dtype", "bfloat16", "--host-memory-limit", "17GiB",
                  "--steps", "1"]) == 2
     err = capsys.readouterr().err
-    assert "this trial cannot fit: --host-memory-limit 17.0 GiB is below the 117." in err
+    assert "this trial cannot fit: --host-memory-limit 17.0 GiB is below the 116." in err
     # the weights and the optimizer on disk would fit (sltune.tuning.cost.feasible names them first), named as the
     # flags this command takes, not as a spec's fields
     assert "What would fit: --param-offload disk with --optimizer-offload disk (" in err

@@ -395,19 +395,25 @@ class ParamStore:
     def bind_grads(self, unit: ParamUnit, flat: torch.Tensor | None) -> None:
         """Point the optimizer's view of the unit's gradients (Stepped.grad, a slice's in the disk tier's blocks too)
         at `flat`, the buffer a GradWindow lent it; None: at nothing (the step is over, the buffer goes)."""
-        items = {id(s): s for s in self.stepped.get(id(unit), [])}
-        if self.disk is not None:
-            items.update((id(s), s) for block in self.disk.blocks_of(unit) for s in block.items)
+        items = self._grad_items(unit)
         if flat is None:
-            for s in items.values():
+            for s in items:
                 s.grad = None
             return
         views = dict(zip(unit.offsets, unit._views(flat, unit.grad_offsets)))
-        for s in items.values():
+        for s in items:
             if s.part is None:
                 s.grad = views[s.offset]
             else:
                 s.grad = views[s.offset - s.part].reshape(-1)[s.part:s.part + s.numel]
+
+    def _grad_items(self, unit: ParamUnit) -> list[Stepped]:
+        """What views the unit's gradients for the optimizer: its stepped tensors and, in the disk tier's blocks,
+        their slices (each once)."""
+        items = {id(s): s for s in self.stepped.get(id(unit), [])}
+        if self.disk is not None:
+            items.update((id(s), s) for block in self.disk.blocks_of(unit) for s in block.items)
+        return list(items.values())
 
     # -- gradients -------------------------------------------------------------------------------
     def begin_grads(self, unit: ParamUnit) -> None:
@@ -468,16 +474,23 @@ class ParamStore:
     def offload_grads(self, unit: ParamUnit, accumulate: bool) -> Pending | None:
         """Copy (or, for later micro-batches, add) the unit's device gradients into its host gradients; returns
         the copy (its event, when asynchronous, says when the host may read them)."""
-        if self.resident or unit.dev_grad is None and unit.dev_grad32 is None:
+        if self.resident:
             return None
-        if id(unit) in self._unsummed:      # never flushed: its sum is the gradients autograd holds
-            self.flush_grads((unit,))
-        src = unit.dev_grad32 if unit.dev_grad32 is not None else unit.dev_grad
+        src = self._device_sum(unit)
+        if src is None:
+            return None
         if self.grads is not None:      # a buffer, for as long as the unit takes to step (or to spill)
             with self.pool.memory.paused():     # host memory, not the device's
                 out = self.grads.acquire(unit)
             return self.copier.to_host(src, out, "grad_offload_bytes")
         return self.copier.to_host(src, unit.host_grad, "grad_offload_bytes", accumulate=accumulate)
+
+    def _device_sum(self, unit: ParamUnit) -> torch.Tensor | None:
+        """The device buffer holding the unit's gradients summed over this step's sub-batches (the float32 sum under
+        a master, flushed first if no flush wrote it yet), or None where it has none."""
+        if id(unit) in self._unsummed:      # never flushed: its sum is the gradients autograd holds
+            self.flush_grads((unit,))
+        return unit.dev_grad32 if unit.dev_grad32 is not None else unit.dev_grad
 
     def drop_resident_grads(self) -> None:
         if self.resident:

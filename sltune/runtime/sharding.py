@@ -194,11 +194,9 @@ class ShardedParamStore(ParamStore):
     def offload_grads(self, unit: ParamUnit, accumulate: bool) -> Pending | None:
         """Sum the unit's gradients over ranks into this rank's shard, then offload that shard (into a buffer a
         GradWindow lends, under param_offload disk)."""
-        if unit.dev_grad is None and unit.dev_grad32 is None:
+        src = self._device_sum(unit)
+        if src is None:
             return None
-        if id(unit) in self._unsummed:      # never flushed: its sum is the gradients autograd holds
-            self.flush_grads((unit,))
-        src = unit.dev_grad32 if unit.dev_grad32 is not None else unit.dev_grad
         mine = torch.empty(unit.shard, dtype=src.dtype, device=src.device)
         self.copier.counters.reduce_scatter_bytes += src.numel() * src.element_size()
         with region("reduce_scatter", unit.name):
@@ -218,10 +216,11 @@ class ShardedParamStore(ParamStore):
     def bind_grads(self, unit: ParamUnit, flat: torch.Tensor | None) -> None:
         """Point the optimizer's view of the unit's gradient shard (its slices' in the disk tier's blocks too) at
         `flat`, the buffer a GradWindow lent it; None: at nothing (the step is over, the buffer goes)."""
-        items = {id(s): s for s in self.stepped.get(id(unit), [])}
-        items.update((id(s), s) for block in self.disk.blocks_of(unit) for s in block.items)
-        for s in items.values():
-            s.grad = None if flat is None else flat if s.part is None else flat[s.part:s.part + s.numel]
+        for s in self._grad_items(unit):
+            if flat is None:
+                s.grad = None
+            else:
+                s.grad = flat if s.part is None else flat[s.part:s.part + s.numel]
 
     # -- results -----------------------------------------------------------------------------------
     def full_state(self) -> dict[int, torch.Tensor]:

@@ -2,7 +2,8 @@
 the same union, and each backend's best against the others, in one interleaved run per model.
 
     python bench/backends.py [--models llama-small,qwen2-0.5b] [--reps 2] [--strategy oneshot] [--max-trials N]
-                             [--seq-len 64] [--layers 4] [--trial-time 2] [--rounds 5] [--remeasure-time 2]
+                             [--seq-len 64] [--layers 4] [--sub-batch-sizes 1,2,4] [--num-sub-batches 1,2,4]
+                             [--trial-time 2] [--rounds 5] [--remeasure-time 2]
                              [--activations recompute[,offload]] [--quick]
 
 The shapes run (float32 weights with AdamW, seq --seq-len, one rank, every core, no device memory limit):
@@ -17,7 +18,8 @@ The shapes run (float32 weights with AdamW, seq --seq-len, one rank, every core,
 The union searched (each knob's values apply to every backend unless named): sub_batch_size b {1, 2, 4},
 num_sub_batches N {1, 2, 4}; speedloader num_live_blocks k {1, 2}; deepspeed zero_stage {2, 3} x offload_optimizer
 {none, cpu} x offload_param {none, cpu} (offload_param cpu at ZeRO-3 only: 6 variants); fsdp cpu_offload
-{false, true}: 9 x (2 + 6 + 2) = 90 configs (--quick: b {1}, N {2}: 10). The tuned job's max_trials defaults to
+{false, true}: 9 x (2 + 6 + 2) = 90 configs (--quick: b {1}, N {2}: 10; --sub-batch-sizes and --num-sub-batches
+narrow b and N, e.g. 1,4 and 2,4: 40 configs). The tuned job's max_trials defaults to
 24 (its confirmation trials come on top, as they do for the grid's); the grid runs every config.
 
 Per model and rep, the grid job and the tuned job run one after the other, alternating which goes first, each in
@@ -86,7 +88,10 @@ def model_section(name: str, layers: int) -> tuple[dict[str, Any], str]:
 
 
 def job_spec(model: dict[str, Any], args, strategy: str, rep: int, tag: str) -> dict[str, Any]:
-    grid = QUICK_GRID if args.quick else GRID
+    grid = dict(QUICK_GRID if args.quick else GRID)
+    for knob, values in (("sub_batch_size", args.sub_batch_sizes), ("num_sub_batches", args.num_sub_batches)):
+        if values:
+            grid[knob] = values
     return {"name": f"bench-backends-{tag}-{strategy}-{rep}", "model": model, "workload": {"seq_len": args.seq_len},
             "search": {"strategy": strategy, "backend": BACKENDS, **grid, "activations": args.activations,
                        "deepspeed": DEEPSPEED, "fsdp": FSDP,
@@ -393,6 +398,11 @@ def main() -> None:
     ap.add_argument("--max-trials", type=int, default=None, help="the tuned job's search.max_trials (default 24; "
                                                                   "--quick 10)")
     ap.add_argument("--seq-len", type=int, default=64)
+    ints = lambda v: [int(x) for x in v.split(",")]  # noqa: E731
+    ap.add_argument("--sub-batch-sizes", type=ints, default=None,
+                    help="comma-separated b values of the union (default 1,2,4): fewer for a shorter run")
+    ap.add_argument("--num-sub-batches", type=ints, default=None,
+                    help="comma-separated N values of the union (default 1,2,4)")
     ap.add_argument("--layers", type=int, default=QWEN_LAYERS,
                     help=f"qwen2-0.5b's decoder layers (default {QWEN_LAYERS}; 0: all 24)")
     ap.add_argument("--trial-time", type=float, default=None,

@@ -106,6 +106,7 @@ from sltune.runtime.kvcache import kv_store
 from sltune.runtime.memory import DeviceMemory, monitor_for
 from sltune.runtime.params import BufferPool, ParamStore, ParamUnit
 from sltune.runtime.residency import keep_order, kept_share
+from sltune.runtime.rowgrads import row_embedding, sparse_rows, take_rows
 from sltune.runtime.precision import GradStep, LossScaler, finish_grads
 from sltune.runtime.regions import region, step_region
 from sltune.runtime.saved import KeptGraph, SavedTensors
@@ -522,7 +523,8 @@ class SpeedLoaderEngine:
             with region("compute", "embed_fwd"):
                 if trains[0]:
                     graph = graphs[("embed", i)] = KeptGraph(self._anchor)
-                    with torch.enable_grad(), self.saved.keeping(("embed", i), (self.embed, self.tied)):
+                    with torch.enable_grad(), self.saved.keeping(("embed", i), (self.embed, self.tied)), \
+                            sparse_rows(row_embedding(lm.model)):
                         hidden, calls = lm.prologue(sb.ids, sb.mask, use_cache=False)
                         graph.output(hidden)
                 else:
@@ -595,10 +597,22 @@ class SpeedLoaderEngine:
         return loss if self._scale_used is None else loss * self._scale_used
 
     def _embed_backward(self, subs: list[_SubBatch], graphs: dict) -> None:
+        """Per sub-batch, the prologue's backward. The input embedding's gradient comes as the rows the sub-batch
+        touched (sltune.runtime.rowgrads), added into the gradient already held, or by a master's flush into the
+        float32 sum; a gradient still in rows after that (the step's first, without a master) is made dense."""
+        rows = row_embedding(self.lm.model)
+        w = None if rows is None else rows.weight
         for i, (_, gy) in self._each(None, 0, len(subs), saved="embed"):
+            held = None
+            if w is not None:
+                held, w.grad = w.grad, None
             with region("compute", "embed_bwd"):
                 graphs.pop(("embed", i)).backward(gy.wait())
+                if w is not None:
+                    take_rows(w, held)
             self.params.flush_grads((self.embed, self.tied))
+            if w is not None and w.grad is not None and w.grad.is_sparse:
+                w.grad = w.grad.to_dense()
             self.saved.release(("embed", i))
             self.acts.drop(0, i)
 

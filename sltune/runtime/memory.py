@@ -141,14 +141,21 @@ class CpuAllocationTracker(DeviceMemory, TorchDispatchMode):
         return out
 
     def _count(self, t: torch.Tensor) -> None:
+        if t.is_sparse:         # the input embedding's gradient in rows (sltune.runtime.rowgrads)
+            for part in (t._indices(), t._values()):
+                self._count(part)
+            return
         st = t.untyped_storage()
-        nbytes = st.nbytes()
-        key = st.data_ptr()
+        nbytes, key = st.nbytes(), self._key(st)
         if nbytes == 0 or key in self._refs:
             return
         self._refs[key] = weakref.ref(st, lambda _r, k=key, n=nbytes: self._released(k, n))
         self.live += nbytes
         self._check()
+
+    @staticmethod
+    def _key(st: torch.UntypedStorage) -> int:
+        return st.data_ptr()
 
 
 class CudaAllocator:

@@ -32,6 +32,7 @@ from sltune.runtime.diskstate import DiskState, Stepped
 from sltune.runtime.gradwindow import GradWindow
 from sltune.runtime.memory import DeviceMemory
 from sltune.runtime.regions import region
+from sltune.runtime.rowgrads import add_rows
 from sltune.runtime.streams import Event, Streams
 from sltune.runtime.transfer import Copier, Pending
 from sltune.runtime.weightfiles import WeightFiles, placeholder
@@ -466,6 +467,10 @@ class ParamStore:
                     if g is None:           # no gradient reached it this sub-batch
                         if first:
                             view.zero_()
+                    elif g.is_sparse:       # the input embedding's touched rows (sltune.runtime.rowgrads)
+                        if first:
+                            view.zero_()
+                        add_rows(view, g)
                     elif first:
                         view.copy_(g)
                     else:

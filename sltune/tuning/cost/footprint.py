@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import logging
-import weakref
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -227,14 +226,9 @@ class _MetaTracker(CpuAllocationTracker):
     """The CPU tracker's count of fresh ATen outputs, on meta tensors too (no data pointer there: storages are
     told apart by their own identity)."""
 
-    def _count(self, t: torch.Tensor) -> None:
-        st = t.untyped_storage()
-        nbytes, key = st.nbytes(), st._cdata
-        if nbytes == 0 or key in self._refs:
-            return
-        self._refs[key] = weakref.ref(st, lambda _r, k=key, n=nbytes: self._released(k, n))
-        self.live += nbytes
-        self._check()
+    @staticmethod
+    def _key(st: torch.UntypedStorage) -> int:
+        return st._cdata
 
 
 class _CpuAttention(TorchFunctionMode):

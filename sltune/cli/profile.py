@@ -9,7 +9,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from sltune.cli.common import DISK_VERSIONS_ALONE, field_error
-from sltune.profiling import run_trial
+from sltune.profiling import forks, run_trial
 from sltune.profiling.schema import TrialSpec
 from sltune.sizes import format_bytes
 from sltune.training.optimizer import OptimizerConfig
@@ -111,6 +111,9 @@ def run(args: argparse.Namespace) -> int:
                  backend=args.backend, zero_stage=args.zero_stage, offload_optimizer=args.offload_optimizer,
                  offload_param=args.offload_param, cpu_offload=args.cpu_offload,
                  reshard_after_forward=args.reshard_after_forward)
+    # the trial's fork server imports torch and transformers on the other core while this process checks the spec
+    # against the host (the prior imports them too): one after the other they were 5 of an idle machine's 14 s
+    forks.start()
     if spec.backend == "speedloader":   # the prior models SpeedLoader's memory; another backend's is measured only
         _fits_host(spec)
     result = run_trial(spec)

@@ -74,6 +74,7 @@ BACKENDS = ["speedloader", "deepspeed", "fsdp"]
 DEEPSPEED = {"zero_stage": [2, 3], "offload_optimizer": ["none", "cpu"], "offload_param": ["none", "cpu"]}
 FSDP = {"cpu_offload": [False, True]}
 GOALS = {"pick": 0.95, "trials": 0.35, "zero3_offload": 2.0, "zero2": 1.5}
+SYSTEMS = ("speedloader", "zero3 offload", "zero2")      # the small-sub-batch comparison's (regime_system)
 
 
 def model_section(name: str, layers: int) -> tuple[dict[str, Any], str]:
@@ -198,7 +199,7 @@ def regime_system(k) -> str | None:
         return "speedloader"
     if k.backend == "deepspeed" and k.zero_stage == 2:
         return "zero2"
-    if k.backend == "deepspeed" and k.offload_optimizer == "cpu" and k.offload_param == "cpu":
+    if k.backend == "deepspeed" and k.zero_stage == 3 and k.offload_optimizer == "cpu" and k.offload_param == "cpu":
         return "zero3 offload"
     return None
 
@@ -223,16 +224,10 @@ def entries_of(grids: list[dict[str, Any]], tuned: list[dict[str, Any]],
                          key=lambda k: configs[k]["median"] if k in configs else 0.0)
             out[f"{backend} best"] = next(g["best_by_backend"][backend]["config"] for g in grids
                                           if key(g["best_by_backend"][backend]["config"]) == winner)
-    regime = {
-        f"speedloader best at b={b_min}": lambda k: k.backend == "speedloader" and k.b == b_min,
-        f"zero3 offload best at b={b_min}": lambda k: (k.backend == "deepspeed" and k.zero_stage == 3 and k.b == b_min
-                                                       and k.offload_optimizer == "cpu" and k.offload_param == "cpu"),
-        f"zero2 best at b={b_min}": lambda k: k.backend == "deepspeed" and k.zero_stage == 2 and k.b == b_min,
-    }
-    for name, keep in regime.items():
-        c = best_of(configs, keep)
+    for system in SYSTEMS:
+        c = best_of(configs, lambda k: k.b == b_min and regime_system(k) == system)
         if c is not None:
-            out[name] = c
+            out[f"{system} best at b={b_min}"] = c
     sl_min = out.get(f"speedloader best at b={b_min}")
     for n in regime_ns:
         # the paper's regime: b_min with many sub-batches, beyond the union's N. Every union config of each system
@@ -350,12 +345,15 @@ def bench_model(name: str, args, root: Path) -> dict[str, Any]:
                                       f" ({len(runs[k[n]]) - len(ok)} round(s) not ok)"))
 
     for n in args.regime_num_sub_batches:     # each system's best at b_min N=n, by its median over the rounds
-        for system in ("speedloader", "zero3 offload", "zero2"):
+        for system in SYSTEMS:
             prefix = f"{system} at b={b_min} N={n}: "
             medians = {name: per_entry[name]["tokens_per_s"]["median"] for name in entries
                        if name.startswith(prefix) and per_entry[name]["tokens_per_s"]}
             if medians:
-                k[f"{system} best at b={b_min} N={n}"] = k[max(medians, key=medians.get)]
+                best = k[f"{system} best at b={b_min} N={n}"] = k[max(medians, key=medians.get)]
+                print(f"  {system + f' best at b={b_min} N={n}':<32} {run_label(configs_of[best])}")
+    # the small-sub-batch comparisons: at b_min over the union's N, then at each regime N
+    scopes = [f"b={b_min}"] + [f"b={b_min} N={n}" for n in args.regime_num_sub_batches]
 
     pick_over_grid = [x for rep in range(args.reps) if f"tuned pick rep {rep}" in k and f"grid pick rep {rep}" in k
                       for x in ratios(runs, k[f"tuned pick rep {rep}"], k[f"grid pick rep {rep}"])]
@@ -364,25 +362,15 @@ def bench_model(name: str, args, root: Path) -> dict[str, Any]:
         for backend in BACKENDS[1:]:
             if f"{backend} best" in k:
                 versus[f"speedloader best / {backend} best"] = ratios(runs, k["speedloader best"], k[f"{backend} best"])
-    sl_min = f"speedloader best at b={b_min}"
-    ceiling = f"resident at b={b_min}"
-    for other in (f"zero3 offload best at b={b_min}", f"zero2 best at b={b_min}"):
-        if sl_min in k and other in k:
-            versus[f"{sl_min} / {other}"] = ratios(runs, k[sl_min], k[other])
-        if ceiling in k and other in k:      # the most any schedule that moves weights could reach here
-            versus[f"{ceiling} / {other}"] = ratios(runs, k[ceiling], k[other])
-    if ceiling in k and sl_min in k:
-        versus[f"{sl_min} / {ceiling}"] = ratios(runs, k[sl_min], k[ceiling])
-    for n in args.regime_num_sub_batches:
-        sl_n, ceiling_n = f"speedloader best at b={b_min} N={n}", f"resident at b={b_min} N={n}"
-        for other in (f"zero3 offload best at b={b_min} N={n}", f"zero2 best at b={b_min} N={n}"):
-            if sl_n in k and other in k:
-                versus[f"{sl_n} / {other}"] = ratios(runs, k[sl_n], k[other])
-        if sl_n in k and ceiling_n in k:
-            versus[f"{sl_n} / {ceiling_n}"] = ratios(runs, k[sl_n], k[ceiling_n])
-        for name in (sl_n, f"zero3 offload best at b={b_min} N={n}", f"zero2 best at b={b_min} N={n}"):
-            if name in k:
-                print(f"  {name:<32} {run_label(configs_of[k[name]])}")
+    for scope in scopes:
+        sl, ceiling = f"speedloader best at {scope}", f"resident at {scope}"
+        for other in (f"zero3 offload best at {scope}", f"zero2 best at {scope}"):
+            if sl in k and other in k:
+                versus[f"{sl} / {other}"] = ratios(runs, k[sl], k[other])
+            if ceiling in k and other in k:      # the most any schedule that moves weights could reach here
+                versus[f"{ceiling} / {other}"] = ratios(runs, k[ceiling], k[other])
+        if ceiling in k and sl in k:
+            versus[f"{sl} / {ceiling}"] = ratios(runs, k[sl], k[ceiling])
     print(f"\n{tag} ratios per round, median [min, max]:")
     same_pick = sum(k.get(f"tuned pick rep {r}") == k.get(f"grid pick rep {r}") for r in range(args.reps))
     print(f"  {args.strategy} pick / grid pick (each rep's, per round): {spread(pick_over_grid, '{:.3f}')}"
@@ -406,17 +394,11 @@ def bench_model(name: str, args, root: Path) -> dict[str, Any]:
 
     goals = [goal(f"{args.strategy} pick >= {GOALS['pick']}x the grid's best", med(pick_over_grid), GOALS["pick"]),
              goal(f"{args.strategy} trials <= {GOALS['trials']:.0%} of the grid's", med(trial_ratio), GOALS["trials"],
-                  at_most=True),
-             goal(f"speedloader >= {GOALS['zero3_offload']}x zero3 offload at b={b_min}",
-                  med(versus.get(f"{sl_min} / zero3 offload best at b={b_min}", [])), GOALS["zero3_offload"]),
-             goal(f"speedloader >= {GOALS['zero2']}x zero2 at b={b_min}",
-                  med(versus.get(f"{sl_min} / zero2 best at b={b_min}", [])), GOALS["zero2"])]
-    for n in args.regime_num_sub_batches:
-        sl_n = f"speedloader best at b={b_min} N={n}"
-        goals += [goal(f"speedloader >= {GOALS['zero3_offload']}x zero3 offload at b={b_min} N={n}",
-                       med(versus.get(f"{sl_n} / zero3 offload best at b={b_min} N={n}", [])), GOALS["zero3_offload"]),
-                  goal(f"speedloader >= {GOALS['zero2']}x zero2 at b={b_min} N={n}",
-                       med(versus.get(f"{sl_n} / zero2 best at b={b_min} N={n}", [])), GOALS["zero2"])]
+                  at_most=True)]
+    for scope in scopes:
+        for other, target in (("zero3 offload", GOALS["zero3_offload"]), ("zero2", GOALS["zero2"])):
+            goals.append(goal(f"speedloader >= {target}x {other} at {scope}",
+                              med(versus.get(f"speedloader best at {scope} / {other} best at {scope}", [])), target))
     print(f"\n{tag} goals:")
     for g in goals:
         v = "n/a" if g["measured"] is None else f"{g['measured']:.3f}"

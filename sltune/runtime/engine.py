@@ -519,12 +519,13 @@ class SpeedLoaderEngine:
         """The prologue per sub-batch; its graph is kept (only token ids are saved, or the embedding's
         dropout mask) so the embedding's backward recomputes nothing."""
         lm = self.lm
+        rows = row_embedding(lm.model)
         for i, sb in enumerate(subs):
             with region("compute", "embed_fwd"):
                 if trains[0]:
                     graph = graphs[("embed", i)] = KeptGraph(self._anchor)
                     with torch.enable_grad(), self.saved.keeping(("embed", i), (self.embed, self.tied)), \
-                            sparse_rows(row_embedding(lm.model)):
+                            sparse_rows(rows):
                         hidden, calls = lm.prologue(sb.ids, sb.mask, use_cache=False)
                         graph.output(hidden)
                 else:

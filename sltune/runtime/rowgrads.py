@@ -60,5 +60,9 @@ def take_rows(p: nn.Parameter, held: torch.Tensor | None) -> None:
     if held is None:
         return
     g, p.grad = p.grad, held
-    if g is not None:
-        add_rows(held, g) if g.is_sparse else held.add_(g)
+    if g is None:
+        return
+    if g.is_sparse:
+        add_rows(held, g)
+    else:
+        held.add_(g)

@@ -290,7 +290,12 @@ def _plan_spec(data: dict, source: str, limits: list, as_json: bool, disk_limit:
         on_disk = f", disk {format_bytes(row.get('peak_disk_bytes') or 0)}" if disk else ""
         print(f"  {describe_config(row['config'])}: host {format_bytes(row['peak_host_bytes'])}, device "
               f"{format_bytes(row['peak_device_bytes'])}{on_disk}  {verdict}")
-    for big in r["largest"][:5]:
+    shown: dict[str, int] = {}          # the five largest of each backend: a union's ties would hide the others
+    for big in r["largest"]:
+        backend = big["config"].get("backend") or "speedloader"
+        shown[backend] = shown.get(backend, 0) + 1
+        if shown[backend] > 5:
+            continue
         p = big["prior"]
         on_disk = f", disk {format_bytes(p.get('peak_disk_bytes') or 0)}" if disk else ""
         moved = (f"; disk traffic a step {format_bytes(p['disk_read_bytes_per_step'])} read, "

@@ -7,11 +7,13 @@ import re
 
 import optuna
 import pytest
+import yaml
 
 from sltune.profiling.schema import TrialSpec
 from sltune.tuning.cost.admission import load as admitted
 from sltune.tuning.cost.prior import Setup, predict
 from sltune.tuning.cost.shape import shape_of
+from sltune.tuning.report.plan_from_prior import plan_spec
 from sltune.tuning.report.result import job_result
 from sltune.tuning.search.confirm import ranked, winner_of
 from sltune.tuning.search.state import FinishedTrial, SearchState
@@ -19,6 +21,7 @@ from sltune.tuning.search.strategies import OneShotStrategy
 from sltune.tuning.search.trials import trial_spec
 from sltune.tuning.space import Candidate, SearchSpace
 from sltune.tuning.spec import TuningSpec
+from tests.support.cli import sltune
 
 needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                                      reason="DeepSpeed is not installed (pip install --no-build-isolation -e "
@@ -388,3 +391,33 @@ def test_a_diverged_trial_is_never_the_best_of_the_search_its_backend_or_the_con
     assert r["best_by_backend"]["fsdp"]["trial_number"] == 3
     assert r["best_by_backend"]["fsdp"]["config"] == {**fsdp(1, 1).knobs(), "schedule": None}
     assert r["best_by_backend"]["speedloader"]["trial_number"] == r["best"]["trial_number"]
+
+
+# -- plan ------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("backends", [
+    ["speedloader", "fsdp"], ["fsdp"],
+    pytest.param(["speedloader", "deepspeed", "fsdp"], marks=needs_deepspeed),
+    pytest.param(["deepspeed"], marks=needs_deepspeed)])
+def test_plan_predicts_ranks_and_refuses_a_spec_of_every_backend(backends, tmp_path):
+    """`sltune plan` on a spec naming DeepSpeed or FSDP (it crashed sorting their missing k): every config of every
+    backend predicted, the largest of each that fits listed, and a limit none fits refused naming the backend."""
+    knobs = {"sub_batch_size": [1, 2], "num_sub_batches": [1, 2],
+             **({"num_live_blocks": [1, 2]} if "speedloader" in backends else {})}
+    spec = {"name": "plan", "model": {"preset": "llama-tiny"}, "workload": {"seq_len": 32},
+            "hardware": {"device_memory_limit": "64MiB"}, "search": {"backend": backends, **knobs}}
+    out = plan_spec(spec, "spec.yaml")
+    assert out["fitting"] == out["candidates"] == len(out["configs"]) and out["refusal"] is None
+    assert {c["config"].get("backend", "speedloader") for c in out["configs"]} == set(backends)
+    largest = [x["config"] for x in out["largest"]]
+    assert {c.get("backend", "speedloader") for c in largest} == set(backends)
+    assert all(c["sub_batch_size"] == 2 and c["num_sub_batches"] == 2 for c in largest)
+    refused = plan_spec({**spec, "hardware": {"device_memory_limit": "1KiB"}}, "spec.yaml")
+    assert refused["fitting"] == 0 and refused["largest"] == []
+    assert re.match(rf"search\.backend ({'|'.join(backends)}): no \1 config fits: hardware\.device_memory_limit "
+                    r"1\.0 KiB is below", refused["refusal"]) if len(backends) > 1 else \
+        refused["refusal"].startswith("hardware.device_memory_limit 1.0 KiB is below")
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))      # the command a user runs, its text and exit
+    r = sltune("plan", str(tmp_path / "spec.yaml"))
+    assert r.returncode == 0, r.stderr
+    for backend in backends:
+        assert re.search(rf"largest that fits: {'' if backend == 'speedloader' else backend + ' '}b=2 N=2", r.stdout)

@@ -14,8 +14,10 @@ from sltune.api.errors import SpecInvalid, responses
 from sltune.api.examples import TUNE_EXAMPLE
 from sltune.api.schemas import Accepted, Health, JobDetail, JobSummary, TrialOut
 from sltune.service.jobs import job_detail, job_summary
+from sltune.service.trials import trial_views
 from sltune.service.validation import Busy
 from sltune.backends.export import FormatMismatch, NoPick
+from sltune.models.confined import OutsideModelsDir, admitted_under, within
 from sltune.tuning.report.formats import export_config
 from sltune.tuning.spec import TuningSpec
 
@@ -65,12 +67,7 @@ async def get_job(request: Request, job_id: str = JobId) -> Any:
 @router.get("/jobs/{job_id}/trials", response_model=list[TrialOut], responses=responses(404, 422))
 def get_trials(request: Request, job_id: str = JobId) -> Any:
     _job(request, job_id)
-    s = store(request)
-    traced = s.traced_trials(job_id)
-    return [TrialOut(number=t.number, role=t.role, status=t.status, config=t.config, predicted=t.predicted,
-                     result=t.result, started_at=t.started_at, finished_at=t.finished_at,
-                     trace_url=f"/jobs/{job_id}/trials/{t.number}/trace" if t.number in traced else None)
-            for t in s.trials(job_id)]
+    return [TrialOut(**t) for t in trial_views(store(request), job_id)]
 
 
 @router.get("/jobs/{job_id}/trials/{number}/trace", response_class=FileResponse,
@@ -118,8 +115,11 @@ def get_config(request: Request, job_id: str = JobId,
     if job.status != "succeeded":
         raise HTTPException(409, f"job {job_id} is {job.status}; the config exists once it has succeeded")
     try:
-        text, media_type = export_config(TuningSpec.model_validate(job.spec), job.result, backend, fmt,
-                                         flags=("backend", "format"))
+        with within(admitted_under(job.limits)):      # the model folder read (its config) only inside models_dir
+            text, media_type = export_config(TuningSpec.model_validate(job.spec), job.result, backend, fmt,
+                                             flags=("backend", "format"))
+    except OutsideModelsDir as err:
+        raise HTTPException(409, f"model.path: {err}") from None
     except NoPick as err:
         raise HTTPException(404, str(err)) from None
     except FormatMismatch as err:       # a 422 on the parameter, as a value outside its choices is

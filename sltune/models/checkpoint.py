@@ -21,11 +21,13 @@ import json
 import os
 import shutil
 from pathlib import Path, PurePosixPath
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from safetensors import SafetensorError
 from torch import nn
+
+from sltune.models import confined
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -74,10 +76,8 @@ class Checkpoint:
     @property
     def dtype(self) -> torch.dtype | None:
         """The dtype the floating weights are stored in (the first one's)."""
-        from safetensors import safe_open
-
         for name, file in self.files.items():
-            with safe_open(file, framework="pt") as f:
+            with _safe_open(file) as f:
                 code = f.get_slice(name).get_dtype()
             if code in _DTYPES and code != "F64":
                 return _DTYPES[code]
@@ -95,8 +95,6 @@ class Checkpoint:
         """`fill(p, dst)`: parameter p's tensor from the checkpoint (under any of its names, for tied weights)
         copied into dst, cast as it is copied, one file mapped at a time. Every parameter must be there with the
         model's shape."""
-        from safetensors import safe_open
-
         names: dict[int, list[str]] = {}
         for name, p in model.named_parameters(remove_duplicate=False):
             names.setdefault(id(p), []).append(name)
@@ -112,14 +110,14 @@ class Checkpoint:
             raise ValueError(f"{self.path}: the checkpoint has no tensor for {', '.join(missing[:4])}"
                              f"{f' and {len(missing) - 4} more' if len(missing) > 4 else ''}; is it a "
                              f"{self.config.model_type} checkpoint saved by transformers?")
-        state = {"file": None, "handle": None}
+        state: dict[str, Any] = {"file": None, "handle": None, "open": contextlib.ExitStack()}
 
         def fill(p: nn.Parameter, dst: torch.Tensor) -> None:
             name = chosen[id(p)]
             file = self.files[name]
             if state["file"] != file:
                 close()
-                state["handle"] = safe_open(file, framework="pt").__enter__()
+                state["handle"] = state["open"].enter_context(_safe_open(file))
                 state["file"] = file
             tensor = state["handle"].get_tensor(name)
             if tuple(tensor.shape) != tuple(p.shape):
@@ -128,8 +126,7 @@ class Checkpoint:
             dst.copy_(tensor)
 
         def close() -> None:
-            if state["handle"] is not None:
-                state["handle"].__exit__(None, None, None)
+            state["open"].close()
             state["file"] = state["handle"] = None
 
         try:
@@ -159,7 +156,7 @@ def read_index(folder: Path, source: str | None = None) -> dict[str, Path]:
     source = source or str(index)
     _bounded(index, MAX_INDEX_BYTES, source, "safetensors index")
     try:
-        data = json.loads(index.read_bytes())
+        data = json.loads(confined.read_bytes(index))
     except RecursionError:
         data = None
     except ValueError as err:       # JSONDecodeError and UnicodeDecodeError
@@ -213,13 +210,21 @@ def _bounded(file: Path, limit: int, source: str, what: str) -> None:
 
 
 def _keys(file: Path) -> list[str]:
-    from safetensors import SafetensorError, safe_open
-
     try:
-        with safe_open(file, framework="pt") as f:
+        with _safe_open(file) as f:
             return list(f.keys())
     except (SafetensorError, OSError) as err:
         raise ValueError(f"{file}: not a readable safetensors file ({err})") from None
+
+
+@contextlib.contextmanager
+def _safe_open(file: Path) -> Iterator[Any]:
+    """safetensors' handle on a weights file, the file checked inside the server's models_dir (if the reading is
+    confined: sltune.models.confined) as it is opened."""
+    from safetensors import safe_open
+
+    with confined.opened(file) as name, safe_open(name, framework="pt") as f:
+        yield f
 
 
 @contextlib.contextmanager
@@ -337,7 +342,8 @@ def read_tokenizer_files(folder: str | Path | None) -> dict[str, bytes]:
     so every folder it saves gets them even once the folder they came from is pruned or overwritten."""
     if folder is None:
         return {}
-    return {name: (Path(folder) / name).read_bytes() for name in TOKENIZER_FILES if (Path(folder) / name).is_file()}
+    return {name: confined.read_bytes(Path(folder) / name) for name in TOKENIZER_FILES
+            if (Path(folder) / name).is_file()}
 
 
 def write_tokenizer_files(folder: str | Path, files: dict[str, bytes]) -> None:

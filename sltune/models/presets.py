@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from sltune.models import confined
+
 if TYPE_CHECKING:       # torch loads when a model is built: the spec reads presets without it
     import torch
 
@@ -100,9 +102,10 @@ def load_config(model: Any, source: str | None = None):
             )
         source = source or str(path)
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
+            raw = confined.read_bytes(path)     # inside the server's models_dir, when a job's folder is read
+            data = json.loads(raw.decode("utf-8"))
         except UnicodeDecodeError:
-            raise ValueError(f"{source}: {_binary(path)}, not a model config; give a preset ({', '.join(PRESETS)}), "
+            raise ValueError(f"{source}: {_binary(raw)}, not a model config; give a preset ({', '.join(PRESETS)}), "
                              "a transformers config.json or a Hugging Face model folder (config.json and "
                              "model.safetensors, as `sltune train --save DIR` writes)") from None
         except json.JSONDecodeError as err:
@@ -123,12 +126,10 @@ def load_config(model: Any, source: str | None = None):
     return config
 
 
-def _binary(path: Path) -> str:
+def _binary(data: bytes) -> str:
     """What a file that is not text probably is: torch.save writes a zip archive (or, before torch 1.6 and
     with _use_new_zipfile_serialization=False, a pickle)."""
-    with open(path, "rb") as f:
-        head = f.read(4)
-    if head.startswith(b"PK\x03\x04") or head[:1] == b"\x80":
+    if data.startswith(b"PK\x03\x04") or data[:1] == b"\x80":
         return "a PyTorch checkpoint (torch.save: a zip or pickle of tensors)"
     return "a binary file"
 

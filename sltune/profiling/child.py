@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from sltune.models.confined import within
 from sltune.profiling.lifeline import exit_when_unread
 from sltune.profiling.schema import TrialSpec
 
@@ -29,7 +30,8 @@ def main(spec_data: dict[str, Any], conn, rank: int = 0, world: int = 1, port: i
     try:
         if world > 1:
             _join(spec, rank, world, port)
-        result = run(spec, rank, started)
+        with within(spec.models_dir):       # a server's job: its model folder read only inside its models_dir
+            result = run(spec, rank, started)
         if world > 1:
             import torch.distributed as dist
 

@@ -48,6 +48,8 @@ class TrialSpec(CheckedBackendKnobs):
                                         "optimizer_offload disk)")
     offload_dir: str | None = Field(None, description="optimizer_offload or param_offload disk: the directory of "
                                     "their files")
+    models_dir: str | None = Field(None, description="a server's job: the model folder's files are read only inside "
+                                   "this folder, each checked as it is opened (sltune.models.confined)")
     disk_versions: Literal[1, 2] = Field(2, description="optimizer_offload disk: versions of the files a step keeps "
                                          "(SpeedLoaderConfig.disk_versions; 1: one, and no rollback of a failed step)")
     device_memory_limit: int | None = None

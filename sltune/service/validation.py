@@ -22,12 +22,14 @@ from typing import Any
 from pebble import ProcessExpired, ProcessPool
 from pydantic import ValidationError
 
+from sltune.models import confined
 from sltune.plaindata import problems
 from sltune.profiling import forks
 from sltune.service.ceilings import Refused, within_ceilings
 from sltune.settings import Settings
 
 Errors = list[tuple[str, str]]      # (field path, one-line message naming the fix)
+NAME_MAX, PATH_MAX = 255, 4096      # Linux's bytes in a file name, and in a path with its final NUL
 
 
 @dataclass(frozen=True)
@@ -84,20 +86,30 @@ def _check(data: dict[str, Any], settings: Settings) -> Verdict:
     from sltune.tuning.spec import TuningSpec, field_errors
 
     try:
-        data = inside_models_dir(data, settings)
+        data, confinement = inside_models_dir(data, settings)
         before_validation(data, settings)
     except Refused as err:
         return Verdict(errors=err.errors)
     try:
-        spec = TuningSpec.model_validate(data)
-        admission.admit(spec)               # its model's shape against its limits, then the server's ceilings
-        spec, limits = within_ceilings(spec, settings)
+        with confined.within(confinement and confinement["models_dir"]):   # the folder as it is read, not as it was
+            spec = TuningSpec.model_validate(data)
+            admission.admit(spec)               # its model's shape against its limits, then the server's ceilings
+            spec, limits = within_ceilings(spec, settings)
     except ValidationError as err:
         return Verdict(errors=field_errors(err))
     except Refused as err:
         return Verdict(errors=err.errors)
+    except confined.OutsideModelsDir as err:
+        return Verdict(errors=[("model.path", str(err))])
     except ValueError as err:
         return Verdict(errors=[("", str(err))])
+    except OSError as err:
+        if confinement is None:
+            raise
+        return Verdict(errors=[("model.path", f"the folder cannot be read ({err.strerror or type(err).__name__}); "
+                                              "give a Hugging Face model folder inside models_dir")])
+    if confinement is not None:
+        limits[confined.LIMIT] = confinement
     return Verdict(job={"name": spec.name, "spec": spec.model_dump(mode="json"), "spec_hash": spec.digest(),
                         "requirements": requirements(spec), "limits": limits})
 
@@ -115,31 +127,53 @@ def before_validation(data: dict[str, Any], settings: Settings) -> None:
                                                f"server's cores); ask for at most {ceiling}")])
 
 
-def inside_models_dir(data: dict[str, Any], settings: Settings) -> dict[str, Any]:
+def inside_models_dir(data: dict[str, Any], settings: Settings) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """A spec naming model.path, with the path made absolute inside the server's models_dir (a relative path
-    is read from there); Refused when the server has no models_dir or the folder lies outside it, symlinks
-    and '..' resolved, or so does any file a job reads from it (files_inside). Runs before anything reads the
-    path: a server reads no folder a request names anywhere else, nor any file such a folder leads to. Other
-    specs come back as they are."""
+    is read from there), and the job's record of that confinement (sltune.models.confined.admission: every later
+    read of the folder is checked against it); Refused when the server has no models_dir, the path could be no
+    path (_unusable), or the folder lies outside it, symlinks and '..' resolved, or so does any file a job reads
+    from it (files_inside). Runs before anything reads the path: a server reads no folder a request names anywhere
+    else, nor any file such a folder leads to. Other specs come back as they are, with no record."""
     model = data.get("model")
     if not isinstance(model, dict) or not isinstance(model.get("path"), str) or not model["path"]:
-        return data        # no path, or not a string: the spec's own validation says what is wrong
+        return data, None    # no path, or not a string: the spec's own validation says what is wrong
     if settings.models_dir is None:
         raise Refused([("model.path", "this server has no models_dir, so it reads no model folder a request "
                                       "names; give model.preset or model.hf_config, or ask its operator to set "
                                       "SLTUNE_MODELS_DIR (sltune serve --models-dir)")])
+    root = Path(settings.models_dir).expanduser().resolve()
+    unusable = _unusable(root, model["path"])
+    if unusable:
+        raise Refused([("model.path", f"{unusable}; give the model folder's path inside models_dir (relative to it, "
+                                      "or absolute)")])
     try:
-        root = Path(settings.models_dir).expanduser().resolve()
         folder = (root / model["path"]).resolve()          # an absolute path stays itself
         inside = folder.is_relative_to(root)
-    except (OSError, ValueError, RuntimeError):             # NUL, undecodable, a symlink loop: not a folder
+    except (OSError, ValueError, RuntimeError):             # undecodable, a symlink loop: not a folder
         inside = False
     if not inside:
         raise Refused([("model.path", "the folder is outside this server's models_dir; give a path inside "
                                       "models_dir (relative to it, or absolute), with no symlink or '..' "
                                       "leading out of it")])
-    files_inside(folder, root)
-    return {**data, "model": {**model, "path": str(folder)}}
+    with confined.within(root):      # the index files_inside reads, as it is read
+        files_inside(folder, root)
+    return {**data, "model": {**model, "path": str(folder)}}, confined.admission(model["path"], folder, root)
+
+
+def _unusable(root: Path, path: str) -> str | None:
+    """Why no file system here could hold `path` inside `root`: a NUL byte, a name longer than NAME_MAX bytes, or
+    the whole longer than PATH_MAX (Linux's limits; the lookup would fail with ENAMETOOLONG, a 500 once). Counted,
+    not looked up: nothing touches such a path."""
+    if "\x00" in path:
+        return "it holds a NUL byte, which no path can"
+    size = len(os.fsencode(path))
+    longest = max(len(os.fsencode(part)) for part in path.split("/"))
+    whole = size if os.path.isabs(path) else len(os.fsencode(str(root))) + 1 + size
+    if longest > NAME_MAX:
+        return f"a name in it is {longest} bytes long, more than the {NAME_MAX} a file name may have"
+    if whole >= PATH_MAX:
+        return f"it is {whole} bytes long inside models_dir, more than the {PATH_MAX - 1} a path may have"
+    return None
 
 
 def files_inside(folder: Path, root: Path) -> None:
@@ -163,15 +197,24 @@ def files_inside(folder: Path, root: Path) -> None:
     for name in ("config.json", INDEX):
         if leads_out(folder / name):
             refuse(name)
-    if (folder / INDEX).is_file():
+    if _is_file(folder / INDEX):
         try:
             shards = set(read_index(folder).values())
-        except ValueError:
+        except (ValueError, OSError):       # the spec's own validation says what is wrong with it
             return
         if any(leads_out(shard) for shard in shards):
             refuse(f"{INDEX} lists a shard that")
     elif leads_out(folder / WEIGHTS):
         refuse(WEIGHTS)
+
+
+def _is_file(path: Path) -> bool:
+    """Path.is_file, with any error looking it up (a name too long once the folder's symlinks are resolved, a
+    folder this process may not enter) a no: what the spec's own validation then says of the folder."""
+    try:
+        return path.is_file()
+    except (OSError, ValueError):
+        return False
 
 
 def _start_worker() -> None:

@@ -17,6 +17,7 @@ from typing import Any, Callable, Literal
 
 import optuna
 
+from sltune.models.confined import admitted_under, confinement, within
 from sltune.profiling import run_trial
 from sltune.sizes import format_bytes
 from sltune.store import Store
@@ -79,14 +80,18 @@ def run_job(store: Store, job_id: str, *, progress: ProgressFn | None = None, sh
     trial's timed steps, and max_trials on the job's trials in all, confirmation trials included (as is the
     server's, recorded in the job's limits). offload_root is where trials of optimizer_offload disk keep their
     files (a folder per job and trial, removed after each; default: beside artifact_dir, else a temporary
-    folder); its free space bounds their disk beside the spec's hardware.disk_limit."""
-    run = JobRun(store, job_id, progress=progress, should_stop=should_stop, worker_id=worker_id,
-                 artifact_dir=artifact_dir, default_host_limit=default_host_limit, max_trial_steps=max_trial_steps,
-                 max_trials=max_trials, offload_root=offload_root)
-    run.resume()
-    run.search()
-    run.confirm()
-    return run.finish()
+    folder); its free space bounds their disk beside the spec's hardware.disk_limit. A job a server admitted naming
+    model.path reads its folder only inside the models_dir it was admitted under (sltune.models.confined), here and
+    in each trial: a folder that now leads outside fails the job in one line."""
+    job = store.job(job_id)
+    with within(admitted_under(job.limits if job is not None else None)):
+        run = JobRun(store, job_id, progress=progress, should_stop=should_stop, worker_id=worker_id,
+                     artifact_dir=artifact_dir, default_host_limit=default_host_limit,
+                     max_trial_steps=max_trial_steps, max_trials=max_trials, offload_root=offload_root)
+        run.resume()
+        run.search()
+        run.confirm()
+        return run.finish()
 
 
 class JobRun:
@@ -359,7 +364,7 @@ class JobRun:
             if folder is not None:
                 folder.mkdir(parents=True, exist_ok=True)
             spec = trial_spec(self.spec, cand, trace, self.default_host_limit, self.max_trial_steps, layers, folder,
-                              confirming=role == "confirm")
+                              confirming=role == "confirm", models_dir=confinement())
             return run_trial(spec, stop=self._stop_text if self.should_stop else None).model_dump(mode="json")
         finally:
             if folder is not None:       # the optimizer's files are the trial's alone: gone with it

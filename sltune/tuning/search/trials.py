@@ -23,7 +23,8 @@ def machine_cores() -> int:
 
 def trial_spec(spec: TuningSpec, c: Candidate, trace: Path | None, default_host_limit: int | None = None,
                max_trial_steps: int | None = None, layers: int | None = None,
-               offload_dir: Path | None = None, confirming: bool = False) -> TrialSpec:
+               offload_dir: Path | None = None, confirming: bool = False,
+               models_dir: Path | None = None) -> TrialSpec:
     """What one trial runs. The worker's ceilings hold whatever the stored spec says: host memory; timed steps, every
     round together (an unstable round is re-measured only while both fit); and intra-op threads, at most this machine's
     cores shared by the ranks (more would only take turns on them). A probe at reduced depth (`layers`) times its steps
@@ -33,7 +34,8 @@ def trial_spec(spec: TuningSpec, c: Candidate, trace: Path | None, default_host_
     config's breakdown and trace are its search trial's, and the paired rounds are its re-measurement (a round of its
     own measured again would pick the quieter of two moments for one finalist and not for the others); it cost a search
     trial's time again under load (bench/tuner.py). A config of another backend runs it with its knobs (DeepSpeed's nvme
-    offload swaps to files in `offload_dir` too); SpeedLoader's fields keep the defaults that backend runs."""
+    offload swaps to files in `offload_dir` too); SpeedLoader's fields keep the defaults that backend runs. A job a
+    server admitted reads its model folder only inside `models_dir` (sltune.models.confined), in the trial too."""
     w, hw, s = spec.workload, spec.hardware, spec.search
     min_time = s.trial_min_time_s
     if layers is not None:
@@ -68,7 +70,8 @@ def trial_spec(spec: TuningSpec, c: Candidate, trace: Path | None, default_host_
                                            default=None),
                      steps=steps, min_time_s=min_time, max_steps=max_steps, remeasure=remeasure,
                      cpu_threads=threads, profile=s.profile and not confirming, trace_path=str(trace) if trace else None,
-                     timeout_s=s.trial_timeout_s, seed=s.seed, num_layers=layers, **files)
+                     timeout_s=s.trial_timeout_s, seed=s.seed, num_layers=layers,
+                     models_dir=str(models_dir) if models_dir is not None else None, **files)
 
 
 def _required(offload_dir: Path | None, what: str) -> Path:

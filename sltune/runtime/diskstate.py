@@ -42,7 +42,8 @@ weights files, which drop their old copy the same way: sltune.runtime.weightfile
 Integrity: every file's payload is checksummed as it is written (xxh3_64 from the xxhash package; zlib's crc32
 where xxhash is missing), one sum per section, kept in the manifest beside the file's name, and verified whenever
 the file is read: each step's read-ahead, the reads for a checkpoint or a rollback (read_block, master_of), a
-resume (adopt, which verifies every file before linking it) and read_committed. The optimizer's counters file is
+resume (check_files as --resume picks the checkpoint, then adopt, which verifies every file before linking it
+unless check_files found that very file whole) and read_committed. The optimizer's counters file is
 checksummed whole. A mismatch, a short file, a malformed manifest or a manifest naming a file outside its folder
 (an absolute path, `..`, a symlink pointing out) is an IntegrityError: one line naming the file. Hashing runs on
 the IO threads (both hashes release the GIL). Measured (bench/disk_checksum.py, a 2-core VM): xxh3 hashes a
@@ -78,6 +79,7 @@ import torch
 from torch import nn
 
 from sltune.runtime import checksum
+from sltune.runtime.checksum import streaming as checksum_streaming
 from sltune.runtime.direct_io import DirectFiles, aligned_empty, writable_dir
 from sltune.runtime import disk_layout
 from sltune.runtime.disk_layout import DEPTH, pack, padded, pieces
@@ -560,7 +562,8 @@ class DiskState:
 
     def adopt(self, folder: Path) -> dict[str, Any]:
         """Continue from a checkpoint's files (link_into's): same blocks, or a ValueError saying what differs.
-        Every file is read and verified against its checksums before it is linked (an IntegrityError naming it).
+        Every file is verified against its checksums before it is linked (an IntegrityError naming it): read here,
+        unless this process read it whole already, unchanged since (check_files, as --resume picks the checkpoint).
         Returns the optimizer's counters to load."""
         folder = Path(folder)
         theirs = load_manifest(folder)
@@ -587,6 +590,10 @@ class DiskState:
                           parse_sums(entry))
             need = self.nbytes(probe, probe.has_state)
             _check_size(path, need)
+            if theirs["checksum"] == CHECKSUM and probe.sums is not None and _found_whole(
+                    path, file_sections(block.numel, self.master, self.layout, probe.has_state), probe.sums, CHECKSUM):
+                sums[block.index] = probe.sums      # read whole when --resume picked the checkpoint: not again
+                continue
             if buf is None or buf.numel() < padded(need):
                 buf = aligned_empty(need)
             self.files.read(path, buf, need)
@@ -669,9 +676,94 @@ def verify(path: Path, buf: Any, sections: Sequence[tuple[str, int, int]], sums:
     for (name, a, b), want in zip(sections, sums):
         got = fn(values[a:b])
         if got != want:
-            raise IntegrityError(f"{path}: checksum mismatch in its {name} section ({checksum} {got:x}, the manifest "
-                                 f"says {want:x}): the file changed after it was written (damaged storage or "
-                                 "another writer); resume from another checkpoint")
+            raise _mismatch(path, name, checksum, got, want)
+
+
+def _mismatch(path: Path, section: str, checksum: str, got: int, want: int) -> IntegrityError:
+    return IntegrityError(f"{path}: checksum mismatch in its {section} section ({checksum} {got:x}, the manifest says "
+                          f"{want:x}): the file changed after it was written (damaged storage or another writer); "
+                          "resume from another checkpoint")
+
+
+# Files read whole and found to hold what their manifest says, in this process: (device, inode, mtime, size) and
+# the sections and sums they were checked against. A checkpoint's blocks are hard links of the engine's files, so
+# the same inode is named by the checkpoint --resume picks and by the folder adopt links it into; a write changes
+# the mtime (and a replaced file is another inode), so an entry never vouches for other bytes.
+_FOUND_WHOLE: set[tuple[Any, ...]] = set()
+_CHUNK = 8 << 20
+
+
+def check_files(folder: str | Path) -> set[str]:
+    """Every file a disk checkpoint's manifest names, read whole and checked against its checksums: each block
+    section by section, each unit's frozen masters, the optimizer's counters; an IntegrityError naming the first
+    that is not what was written. Returns the names checked. What --resume runs as it picks a checkpoint
+    (sltune.training.checkpoints.verify), so a damaged block is found while an older checkpoint can still be
+    picked, not when adopt or read_committed reads it; a block found whole is remembered (_FOUND_WHOLE), and adopt
+    links it without reading it again. Streamed in chunks: a 192 MiB block takes 8 MiB of memory to check."""
+    folder = Path(folder)
+    manifest = load_manifest(folder)
+    layout = [(key, getattr(torch, dtype)) for key, dtype in manifest["layout"]]
+    checked = {MANIFEST}
+    for entry in manifest["blocks"]:
+        if entry["file"] is None:
+            continue
+        path = member(folder, entry["file"])
+        sections = file_sections(entry["numel"], manifest["master"], layout, entry["has_state"])
+        _check_size(path, sections[-1][2] if sections else 0)
+        sums = parse_sums(entry)
+        if sums is not None:
+            _check_sections(path, sections, sums, manifest["checksum"])
+        checked.add(path.name)
+    for f in manifest.get("frozen", {}).values():
+        path = member(folder, f["file"])
+        nbytes = 4 * sum(n for _, n in f["ranges"])
+        _check_size(path, nbytes)
+        if f.get("sum") is not None:
+            _check_sections(path, [("frozen", 0, nbytes)], [int(f["sum"], 16)], manifest["checksum"])
+        checked.add(path.name)
+    if manifest["optimizer"] is not None:
+        load_small(folder, manifest)
+        checked.add(manifest["optimizer"])
+    return checked
+
+
+def _check_sections(path: Path, sections: Sequence[tuple[str, int, int]], sums: Sequence[int],
+                    checksum: str) -> None:
+    """verify() of a file on disk, read in chunks; remembered in _FOUND_WHOLE once it holds."""
+    try:
+        with open(path, "rb") as f:
+            st = os.fstat(f.fileno())
+            key = (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size, checksum, tuple(sections), tuple(sums))
+            if key in _FOUND_WHOLE:
+                return
+            buf = bytearray(_CHUNK)
+            view = memoryview(buf)
+            for (name, a, b), want in zip(sections, sums):
+                h = checksum_streaming(checksum)
+                f.seek(a)
+                left = b - a
+                while left > 0:
+                    n = f.readinto(view[:min(left, _CHUNK)])
+                    if not n:
+                        break
+                    h.update(view[:n])
+                    left -= n
+                got = int(h.hexdigest(), 16)
+                if got != want:
+                    raise _mismatch(path, name, checksum, got, want)
+    except OSError as err:
+        raise IntegrityError(f"{path}: unreadable ({err.strerror or err}), though {path.parent / MANIFEST} names "
+                             "it; resume from another checkpoint") from None
+    _FOUND_WHOLE.add(key)
+
+
+def _found_whole(path: Path, sections: Sequence[tuple[str, int, int]], sums: Sequence[int], checksum: str) -> bool:
+    """Whether check_files read this very file (same inode, mtime and size) whole against these sums."""
+    try:
+        st = path.stat()
+    except OSError:
+        return False
+    return (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size, checksum, tuple(sections), tuple(sums)) in _FOUND_WHOLE
 
 
 def save_small(path: Path, small: dict[str, Any]) -> int:

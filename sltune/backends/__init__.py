@@ -5,7 +5,7 @@
     backend.close()
 
 Each lives in a module of its own, imported only when chosen (DeepSpeed is an optional extra:
-`pip install -e '.[backends]'`). This package and `knobs` load without torch.
+`bash scripts/install.sh backends`). This package and `knobs` load without torch.
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ def build(name: str, spec: TrainingSpec) -> Backend:
         from sltune.backends import speedloader as module
     elif name == "deepspeed":
         if importlib.util.find_spec("deepspeed") is None:    # not imported here: its accelerator is chosen first
-            raise ImportError("backend deepspeed: DeepSpeed is not installed; install it with "
-                              "pip install --no-build-isolation -e '.[backends]'")
+            from sltune.backends.deepspeed_ops import INSTALL
+
+            raise ImportError(f"backend deepspeed: DeepSpeed is not installed; install it with `{INSTALL}`")
         from sltune.backends import deepspeed as module
     elif name == "fsdp":
         from sltune.backends import fsdp as module

@@ -51,6 +51,13 @@ def backend_of(entry: Mapping[str, Any]) -> str:
     return (entry.get("config") or {}).get("backend") or "speedloader"
 
 
+def picked(result: Mapping[str, Any]) -> list[str]:
+    """The backends a job result has a pick of: best_by_backend's, and the overall best's."""
+    best = result.get("best")
+    return sorted({*(b for b, e in (result.get("best_by_backend") or {}).items() if e),
+                   *([backend_of(best)] if best else [])})
+
+
 def pick(result: Mapping[str, Any], backend: str | None = None, flag: str = "--backend") -> dict[str, Any]:
     """The job result's pick for `backend` (its best_by_backend entry), or the overall best for None. A backend the
     job has no pick of is refused naming the ones it has."""
@@ -66,15 +73,17 @@ def pick(result: Mapping[str, Any], backend: str | None = None, flag: str = "--b
         return dict(by_backend[backend])
     if backend_of(best) == backend:
         return dict(best)
-    have = sorted({*(b for b, e in by_backend.items() if e), backend_of(best)})
+    have = picked(result)
     raise NoPick(f"{flag} {backend}: job {result.get('job_id')} has no {backend} pick (its spec did not search "
                       f"it, or none of its {backend} trials succeeded); it has {', '.join(have)}: pass {flag} "
                       f"{' or '.join(have)}")
 
 
-def check_format(fmt: str, backend: str, flags: tuple[str, str] = ("--backend", "--format")) -> None:
+def check_format(fmt: str, backend: str, flags: tuple[str, str] = ("--backend", "--format"),
+                 have: list[str] | None = None) -> None:
     """yaml fits every pick; ds_config a deepspeed pick and accelerate an fsdp pick only: another is refused in one
-    line naming the format that fits and the backend whose pick has the asked format."""
+    line naming the format that fits, and the backend whose pick has the asked format where the job has one
+    (`have`: the backends it has a pick of; None: not known, so named)."""
     backend_flag, format_flag = flags
     if fmt not in FORMATS:
         raise ValueError(f"{format_flag} {fmt!r}: choose one of {', '.join(FORMATS)}")
@@ -84,8 +93,10 @@ def check_format(fmt: str, backend: str, flags: tuple[str, str] = ("--backend", 
     meant_for = next(b for b, f in OWN_FORMAT.items() if f == fmt)
     fits = f"{format_flag} {own} ({FORMAT_NAME[own]}) or yaml" if own else \
         f"{format_flag} yaml (what `sltune train --config` reads)"
+    other = (f", or {backend_flag} {meant_for} for the job's {meant_for} pick" if have is None or meant_for in have
+             else f"; the job has no {meant_for} pick (its picks: {', '.join(have)})")
     raise FormatMismatch(f"{format_flag} {fmt} is {FORMAT_NAME[fmt]}, for {_a(meant_for)} {meant_for} pick, and this "
-                         f"pick is {backend}: use {fits}, or {backend_flag} {meant_for} for the job's {meant_for} pick")
+                         f"pick is {backend}: use {fits}{other}")
 
 
 def _a(word: str) -> str:

@@ -25,8 +25,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "shards its index lists; a folder with only config.json gets random weights) or a "
                         "transformers config.json")
     p.add_argument("--backend", default="speedloader", choices=("speedloader", "deepspeed", "fsdp"),
-                   help="what trains: SpeedLoader's engine, DeepSpeed ZeRO (deepspeed.initialize; pip install "
-                        "--no-build-isolation -e '.[backends]') or PyTorch FSDP2 (fully_shard per decoder layer)")
+                   help="what trains: SpeedLoader's engine, DeepSpeed ZeRO (deepspeed.initialize; bash "
+                        "scripts/install.sh backends) or PyTorch FSDP2 (fully_shard per decoder layer)")
     p.add_argument("--zero-stage", type=int, choices=(2, 3), help="deepspeed: ZeRO stage (default 2)")
     p.add_argument("--offload-optimizer", choices=("none", "cpu", "nvme"),
                    help="deepspeed: the optimizer's state on the device, in host memory or on NVMe under "
@@ -59,7 +59,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="time steps until they add up to this many seconds")
     p.add_argument("--max-steps", type=int, default=100, help="timed steps at most while calibrating")
     p.add_argument("--cpu-threads", type=int, help="torch intra-op threads for the trial (default: all cores)")
-    p.add_argument("--world-size", type=int, default=1, help="ranks the trial launches (gloo on the CPU)")
+    p.add_argument("--world-size", type=int, default=1, help="ranks the trial launches (gloo on the CPU); at most "
+                                                             "this machine's cores unless --oversubscribe")
+    p.add_argument("--oversubscribe", action="store_true",
+                   help="launch --world-size ranks even beyond this machine's cores (refused otherwise: the ranks "
+                        "would take turns on the cores, and the trial would measure that)")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
     p.add_argument("--no-mixed-precision", dest="mixed_precision", action="store_const", const=False,
@@ -111,6 +115,11 @@ def run(args: argparse.Namespace) -> int:
                  backend=args.backend, zero_stage=args.zero_stage, offload_optimizer=args.offload_optimizer,
                  offload_param=args.offload_param, cpu_offload=args.cpu_offload,
                  reshard_after_forward=args.reshard_after_forward)
+    if not args.oversubscribe:
+        from sltune.settings import Settings
+        from sltune.tuning.search.trials import ranks_fit
+
+        ranks_fit(spec.world_size, Settings().world_size_ceiling, "--world-size", "--oversubscribe")
     # the trial's fork server imports torch and transformers on the other core while this process checks the spec
     # against the host (the prior imports them too): one after the other they were 5 of an idle machine's 14 s
     forks.start()

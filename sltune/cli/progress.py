@@ -16,9 +16,14 @@ class JobBar:
     def __init__(self, label: str, total: int, disable: bool = False):
         self.label = label
         self.bar = tqdm(total=total, unit="trial", desc=label, disable=disable)
+        self.note: str | None = None
+
 
     def show(self, progress: dict[str, Any], status: str | None = None, waiting_for: str | None = None) -> None:
         done = trials_run(progress)        # search and confirm trials alike; the postfix tells them apart
+        if progress.get("note") and progress["note"] != self.note:     # what the job does between trials
+            self.note = progress["note"]
+            self.bar.write(f"  {self.note}")
         finished = status in FINISHED or progress.get("phase") == "finished"
         if finished:
             self.bar.total = done          # a job may stop before max_trials: what it ran is all it will run

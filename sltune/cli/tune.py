@@ -29,6 +29,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                                     "else a new one)")
     p.add_argument("--json", action="store_true", help="print the job result as JSON instead of a progress bar and "
                                                        "text")
+    p.add_argument("--oversubscribe", action="store_true",
+                   help="run hardware.world_size ranks even beyond this machine's cores (refused otherwise: the ranks "
+                        "would take turns on the cores, and the trials would measure that)")
     p.set_defaults(run=run_tune)
 
     e = sub.add_parser("export", help="write the best config of a finished job as YAML (or its backend's own "
@@ -94,9 +97,9 @@ def run_tune(args: argparse.Namespace) -> int:
     # the trials' fork server imports torch and transformers beside this process from here: a spec the schema
     # refused (its limits below what its least config needs included) answered without it
     forks.start()
-    fits_this_machine(spec, Settings())     # a refusal is one line, before the bar starts
+    fits_this_machine(spec, Settings(), args.oversubscribe)     # a refusal is one line, before the bar starts
     bar = JobBar(f"tune {spec.name} ({spec.search.strategy})", spec.search.max_trials, disable=args.json)
-    result = tune(spec, args.db, job_id=args.job_id, progress=bar.show)
+    result = tune(spec, args.db, job_id=args.job_id, progress=bar.show, oversubscribe=args.oversubscribe)
     bar.close()
     if args.out and result["best"]:
         export_yaml(spec, result, args.out)

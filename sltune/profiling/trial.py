@@ -13,11 +13,13 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import sys
 import time
 from typing import Any, Callable
 
 import psutil
 
+from sltune.backends import deepspeed_ops
 from sltune.profiling import forks
 from sltune.profiling.schema import TrialResult, TrialSpec
 from sltune.sizes import format_bytes
@@ -32,6 +34,10 @@ def run_trial(spec: TrialSpec | dict[str, Any], stop: StopFn | None = None) -> T
     `stop` is polled while the trial runs; when it returns a reason the trial is killed and reported as
     failed with "stopped: <reason>"."""
     spec = TrialSpec.model_validate(spec) if not isinstance(spec, TrialSpec) else spec
+    not_ready = _ops_not_ready(spec)
+    if not_ready:
+        return TrialResult.model_validate({"status": "failed", "error": not_ready, "config": spec.knobs(),
+                                           "wall_seconds": 0.0})
     from sltune.profiling import child
 
     ctx = forks.context()
@@ -54,6 +60,17 @@ def run_trial(spec: TrialSpec | dict[str, Any], stop: StopFn | None = None) -> T
     outcome.pop("traceback", None)
     outcome.pop("rank", None)
     return TrialResult.model_validate(outcome)
+
+
+def _ops_not_ready(spec: TrialSpec) -> str | None:
+    """Why a DeepSpeed trial cannot start with the ops it loads compiled (a trial never compiles: they are built
+    here first, outside its clock and its timeout, saying so on stderr), or None."""
+    if spec.backend != "deepspeed":
+        return None
+    accelerator = deepspeed_ops.accelerator_of(spec.device)
+    ops = deepspeed_ops.needed(accelerator, spec.offload_optimizer, spec.offload_param, spec.optimizer.name)
+    return deepspeed_ops.prepare(ops, accelerator, say=lambda line: print(f"sltune: {line}", file=sys.stderr,
+                                                                            flush=True))
 
 
 def _wait(ranks, spec: TrialSpec, start: float, stop: StopFn | None) -> dict[str, Any]:

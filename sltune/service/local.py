@@ -17,12 +17,13 @@ from sltune.tuning.spec import TuningSpec
 
 
 def tune(spec: TuningSpec | dict[str, Any] | str | Path, db: str | None = None, *, strategy: str | None = None,
-         job_id: str | None = None, progress: ProgressFn | None = None, settings: Settings | None = None) -> dict[str, Any]:
+         job_id: str | None = None, progress: ProgressFn | None = None, settings: Settings | None = None,
+         oversubscribe: bool = False) -> dict[str, Any]:
     """A whole tuning job in this process: create it (or resume the unfinished one with the same spec).
 
     The process holds the job as a worker would: claimed atomically, with a lease its heartbeat renews, so
     a server worker on the same database never runs it at the same time, and takes it over if this
-    process dies."""
+    process dies. `oversubscribe` runs more ranks than this machine has cores (refused otherwise)."""
     settings = settings or Settings()
     source = str(spec) if isinstance(spec, (str, Path)) else "spec"
     if isinstance(spec, (str, Path)):
@@ -35,7 +36,7 @@ def tune(spec: TuningSpec | dict[str, Any] | str | Path, db: str | None = None, 
     admitted(spec, source)
     if db:
         settings = settings.model_copy(update={"db": db})
-    fits_this_machine(spec, settings)
+    fits_this_machine(spec, settings, oversubscribe)
     store = Store(settings.db_url())
     job = store.job(job_id) if job_id else store.resumable(spec.digest())
     if job is None:
@@ -60,18 +61,22 @@ def tune(spec: TuningSpec | dict[str, Any] | str | Path, db: str | None = None, 
         raise
 
 
-def fits_this_machine(spec: TuningSpec, settings: Settings) -> None:
-    """Refuse, before any trial, a spec whose least config is predicted over a limit (sltune.tuning.cost.feasible): the
-    spec's host limit, or without one this machine's trial ceiling (a 70B spec's trials would each grow to it and
+def fits_this_machine(spec: TuningSpec, settings: Settings, oversubscribe: bool = False) -> None:
+    """Refuse, before any trial, ranks beyond this machine's cores (the server's ceiling on hardware.world_size,
+    unless `oversubscribe`), and a spec whose least config is predicted over a limit (sltune.tuning.cost.feasible):
+    the spec's host limit, or without one this machine's trial ceiling (a 70B spec's trials would each grow to it and
     be killed), for all the trial's ranks together; and its device limit. The host prior counts what a trial
     process holds before its model, measured on this machine (once: sltune.tuning.cost.baseline)."""
     from sltune.tuning.cost.baseline import trial_baseline
     from sltune.tuning.cost.feasible import disk_room, shortfall
     from sltune.tuning.cost.prior import Setup
     from sltune.tuning.cost.shape import shape_of
+    from sltune.tuning.search.trials import ranks_fit
     from sltune.tuning.space import SearchSpace
 
     hw = spec.hardware
+    if not oversubscribe:
+        ranks_fit(hw.world_size, settings.world_size_ceiling, "hardware.world_size", "--oversubscribe")
     shape = shape_of(spec.model.source, spec.model.dtype)
     recipe = Setup.of_spec(spec, shape, trial_baseline(hw.device, hw.world_size, spec.workload.mode, hw.cpu_threads))
     unset = hw.host_memory_limit is None

@@ -17,6 +17,7 @@ from typing import Any, Callable, Literal
 
 import optuna
 
+from sltune.backends import deepspeed_ops
 from sltune.models.confined import admitted_under, confinement, within
 from sltune.profiling import run_trial
 from sltune.sizes import format_bytes
@@ -311,6 +312,7 @@ class JobRun:
                 layers: int | None = None) -> dict[str, Any] | None:
         """Run one trial (of `layers` decoder layers: a probe at reduced depth; None: the whole model) and record
         it; None (self.stop set) when the job was stopped or taken over."""
+        self._prepare(cand)            # before its clock: what the next trial takes is the trial's alone
         began = time.monotonic()       # the trial's whole cost, its records included: what the next will take
         pred = self.state.predict(cand, layers=layers)
         trace, trace_error = self._trace_file(role)
@@ -346,6 +348,19 @@ class JobRun:
             self.seconds.setdefault((cand, role == "confirm"), []).append(time.monotonic() - began)
         return result
 
+    def _prepare(self, cand: Candidate) -> None:
+        """DeepSpeed's compiled ops, built once before its first trial if the install left them out
+        (sltune.backends.deepspeed_ops), saying so in the job's progress; within the job's time budget, which the
+        build counts against. A build that fails leaves the reason for run_trial, which answers each DeepSpeed trial
+        with it (naming the install) without starting it."""
+        if cand.backend != "deepspeed":
+            return
+        accelerator = deepspeed_ops.accelerator_of(self.spec.hardware.device)
+        ops = deepspeed_ops.needed(accelerator, cand.offload_optimizer, cand.offload_param, self.spec.optimizer.name)
+        if deepspeed_ops.missing(ops, accelerator):
+            deepspeed_ops.prepare(ops, accelerator, say=lambda line: self.report(phase="preparing", note=line),
+                                  timeout_s=self.spec.search.time_budget_s - self.elapsed())
+
     def _trace_file(self, role: str) -> tuple[Path | None, str | None]:
         """Where the next trial writes its profile (search.profile: search trials only), or why it writes none."""
         if not (self.spec.search.profile and self.artifact_dir is not None and role != "confirm"):
@@ -377,8 +392,9 @@ class JobRun:
         return why.text if why else None
 
     def report(self, last: dict[str, Any] | None = None, phase: str = "running", best: FinishedTrial | None = None,
-               figure: float | None = None) -> None:
-        """Store the job's progress and pass it to the progress callback."""
+               figure: float | None = None, note: str | None = None) -> None:
+        """Store the job's progress and pass it to the progress callback; `note`: a line of what the job is doing
+        between trials (building DeepSpeed's ops)."""
         state, search, picks = self.state, self.spec.search, self.picks
         best = best or state.best()         # finished: the confirmed winner and its figure, as the result names
         done = len(state.history)
@@ -399,7 +415,8 @@ class JobRun:
                    "time_left_s": max(0.0, round(left, 1)), "phase": phase,
                    "stop_reason": self.stop.text if self.stop else None,
                    "best_tokens_per_s": figure if figure is not None else best.tokens_per_s if best else None,
-                   "best_config": best.candidate.knobs(self._named) if best else None, "last_trial": last}
+                   "best_config": best.candidate.knobs(self._named) if best else None, "last_trial": last,
+                   **({"note": note} if note else {})}
         self.store.update_progress(self.job_id, payload, holder=self.worker_id)
         if self.progress:
             self.progress(payload)

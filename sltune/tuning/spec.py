@@ -336,7 +336,7 @@ class Search(_Strict):
     schedule: Schedule = "speedloader"
     backend: Annotated[list[BackendName], BeforeValidator(_backends)] = Field(
         default_factory=lambda: ["speedloader"], min_length=1, description=(
-            "what trains: speedloader, deepspeed (ZeRO, the extra `pip install -e '.[backends]'`) or fsdp (PyTorch "
+            "what trains: speedloader, deepspeed (ZeRO: `bash scripts/install.sh backends`) or fsdp (PyTorch "
             "FSDP2), or a list: the job profiles each on this machine over the same batch knobs and picks the "
             "fastest (its result's best_by_backend holds each one's best). num_live_blocks, schedule, "
             "optimizer_offload and param_offload are SpeedLoader's"))

@@ -22,11 +22,9 @@ from sltune.tuning.spec import TuningSpec
 from tests.support.cli import sltune
 from tests.support.servers import Services
 from tests.support.specs import tiny_spec
+from tests.support.deepspeed import needs_deepspeed
 
 ROOT = Path(__file__).resolve().parents[2]
-needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
-                                     reason="DeepSpeed is not installed (pip install --no-build-isolation -e "
-                                            "'.[backends]', as .ci/run does)")
 FIGURES = {"tokens_per_s": 1000.0, "tokens_per_s_ci95": [900.0, 1100.0], "step_seconds": 0.1, "search_trials": 1,
            "confirm_trials": 0, "peak_device_bytes": 2_000_000, "peak_host_bytes": 400_000_000}
 PREDICTED = {"peak_device_bytes": 2.1e6, "peak_host_bytes": 4.2e8, "step_seconds": 0.1, "tokens_per_s": 990.0,
@@ -149,6 +147,11 @@ def test_a_format_or_backend_that_does_not_fit_is_refused_in_one_line(stored):
         assert cli.stderr.count("\n") == 1 and all(n in cli.stderr for n in named), cli.stderr
     cli = export(stored, "old", "--backend", "fsdp")       # a job from before backends: SpeedLoader's pick only
     assert cli.returncode == 2 and "has no fsdp pick" in cli.stderr and "--backend speedloader" in cli.stderr
+    for fmt, other in (("ds_config", "deepspeed"), ("accelerate", "fsdp")):   # no hint at a pick the job lacks
+        cli = export(stored, "old", "--format", fmt)
+        assert cli.returncode == 2 and cli.stderr.count("\n") == 1 and "--format yaml" in cli.stderr, cli.stderr
+        assert f"--backend {other}" not in cli.stderr and f"the job has no {other} pick (its picks: speedloader)" \
+            in cli.stderr, cli.stderr
 
 
 def test_the_accelerate_config_is_fsdp2_wrapping_the_decoder_layer(stored, tmp_path):

@@ -4,11 +4,13 @@ process, without transformers' deprecation warnings."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
@@ -122,3 +124,31 @@ def test_profile_generate_prints_no_future_warning(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "trial ok" in out.stdout, out.stdout
     assert "FutureWarning" not in out.stderr and "past_key_values" not in out.stderr, out.stderr
+
+
+def test_ranks_beyond_the_cores_are_refused_before_any_trial_unless_oversubscribed(tmp_path, monkeypatch):
+    """The server's ceiling on world_size applies on the command line too: 8 FSDP ranks of a tune on 2 cores ran, and
+    best.yaml said world_size 8. `--oversubscribe` measures it on purpose."""
+    from sltune.service.local import fits_this_machine
+    from sltune.settings import Settings
+    from sltune.tuning.spec import TuningSpec
+
+    monkeypatch.setenv("SLTUNE_MAX_WORLD_SIZE", "1")        # this machine's ceiling, whatever its cores
+    r = sltune("profile", "--world-size", "2", "--steps", "1", "--no-profile", "--json")
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr == ("sltune profile: error: --world-size 2 is more ranks than this machine's 1 "
+                        "(SLTUNE_MAX_WORLD_SIZE, else its cores): they would take turns on the cores, and the trials "
+                        "would measure that; ask for at most 1, or pass --oversubscribe to oversubscribe on purpose\n")
+    r = sltune("profile", "--world-size", "2", "--oversubscribe", "--steps", "1", "--min-time", "0", "--no-profile",
+               "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["config"]["world_size"] == 2
+
+    spec = tmp_path / "spec.yaml"
+    spec.write_text((Path(__file__).resolve().parents[2] / "examples" / "tiny-llama-cpu.yaml").read_text().replace("world_size: 1", "world_size: 2"))
+    r = sltune("tune", str(spec), "--db", f"sqlite:///{tmp_path / 'jobs.db'}", process=True,
+               env={"SLTUNE_MAX_WORLD_SIZE": "1", "SLTUNE_DATA_DIR": str(tmp_path)})
+    assert r.returncode == 2 and r.stderr.startswith("sltune tune: error: hardware.world_size 2 is more ranks than "
+                                                     "this machine's 1 (SLTUNE_MAX_WORLD_SIZE, else its cores)")
+    assert r.stderr.count("\n") == 1 and "--oversubscribe" in r.stderr
+    fits_this_machine(TuningSpec.load(spec), Settings(), oversubscribe=True)       # allowed on purpose

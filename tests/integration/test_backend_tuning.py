@@ -14,6 +14,7 @@ from sltune.service.local import tune
 from sltune.settings import Settings
 from sltune.tuning.search.study import optuna_storage
 from sltune.tuning.search.study import study_name
+from tests.support.deepspeed import needs_deepspeed
 from tests.support.fake_trials import QUIET
 
 BACKENDS = {"name": "backends", "model": {"preset": "llama-tiny"}, "workload": {"seq_len": 32},
@@ -93,6 +94,7 @@ class Measured:
             **({"error": "step-1 loss 2 is not plain PyTorch's 1"} if status != "ok" else {})})
 
 
+@needs_deepspeed
 @pytest.mark.parametrize("strategy", ["oneshot", "grid", "random", "tpe"])
 def test_every_strategy_searches_every_backend_s_space(tmp_path, monkeypatch, strategy):
     import sltune.tuning.runner as runner

@@ -1,7 +1,6 @@
 """Backends (issue #33): a trial runs SpeedLoader, DeepSpeed or FSDP2 through the same measuring code, and every
 trial's step-1 loss is held to plain PyTorch's on the same weights and batch (parity; diverged when it is off)."""
 
-import importlib.util
 import json
 
 import pytest
@@ -9,10 +8,8 @@ import pytest
 from sltune.profiling import SLICES, TrialResult, run_trial
 from sltune.profiling.schema import TrialSpec
 from tests.support.cli import sltune
+from tests.support.deepspeed import needs_deepspeed
 
-needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
-                                     reason="DeepSpeed is not installed (pip install --no-build-isolation -e "
-                                            "'.[backends]', as .ci/run does)")
 TINY = {"model": "llama-tiny", "seq_len": 32, "sub_batch_size": 2, "num_sub_batches": 2, "steps": 2, "min_time_s": 0,
         "remeasure": 0, "timeout_s": 300}
 

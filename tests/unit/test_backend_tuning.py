@@ -22,10 +22,8 @@ from sltune.tuning.search.trials import trial_spec
 from sltune.tuning.space import Candidate, SearchSpace
 from sltune.tuning.spec import TuningSpec
 from tests.support.cli import sltune
+from tests.support.deepspeed import needs_deepspeed
 
-needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
-                                     reason="DeepSpeed is not installed (pip install --no-build-isolation -e "
-                                            "'.[backends]', as .ci/run does)")
 SHAPE = shape_of("llama-tiny")
 KNOBS = {"sub_batch_size": [1, 2], "num_sub_batches": [1, 2], "num_live_blocks": [1, 2]}
 
@@ -125,8 +123,8 @@ def test_a_backend_that_is_not_installed_is_refused_at_admission(monkeypatch):
 
     real = importlib.util.find_spec
     monkeypatch.setattr(admission.importlib.util, "find_spec", lambda name: None if name == "deepspeed" else real(name))
-    with pytest.raises(ValueError, match=r"search\.backend: deepspeed is not installed here; install it with pip "
-                                         r"install .*, or drop deepspeed from search\.backend"):
+    with pytest.raises(ValueError, match=r"search\.backend: deepspeed is not installed here; install it with `bash "
+                                         r"scripts/install\.sh backends`, or drop deepspeed from search\.backend"):
         admitted({"name": "x", "model": {"preset": "llama-tiny"}, "search": {"backend": ["speedloader", "deepspeed"]}})
 
 
@@ -280,6 +278,7 @@ def test_a_backend_that_cannot_fit_is_refused_before_any_trial_naming_it():
                                                                               "fsdp": None}})
 
 
+@needs_deepspeed
 def test_nvme_files_are_disk_held_to_the_disk_limit(monkeypatch):
     """DeepSpeed's nvme offload writes its partitions to files: the prior counts them as disk (its estimators'
     bytes: the float32 master, Adam's two moments and the float32 gradients, 16 per parameter, and ZeRO-3's weight

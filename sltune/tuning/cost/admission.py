@@ -67,8 +67,10 @@ def _backends_run(spec: TuningSpec) -> None:
     if "deepspeed" not in search.backend:
         return
     if importlib.util.find_spec("deepspeed") is None:
-        raise ValueError("search.backend: deepspeed is not installed here; install it with pip install "
-                         "--no-build-isolation -e '.[backends]', or drop deepspeed from search.backend")
+        from sltune.backends.deepspeed_ops import INSTALL
+
+        raise ValueError(f"search.backend: deepspeed is not installed here; install it with `{INSTALL}`, or drop "
+                         "deepspeed from search.backend")
     for knob, values in search.backend_values("deepspeed").items():
         if "nvme" in values and not libaio_found():
             raise ValueError(f"search.deepspeed.{knob}: nvme needs libaio for DeepSpeed's async I/O (apt-get install "

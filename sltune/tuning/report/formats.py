@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from sltune.backends.export import (MEDIA_TYPES, accelerate_config, accelerate_yaml, backend_of, check_format,
-                                    deepspeed_config, deepspeed_json, model_facts, pick)
+                                    deepspeed_config, deepspeed_json, model_facts, pick, picked)
 from sltune.tuning.report.result import export_yaml
 from sltune.tuning.spec import TuningSpec
 
@@ -17,7 +17,7 @@ def export_config(spec: TuningSpec, result: dict[str, Any], backend: str | None 
     """(text, media type) of the overall best, or of `backend`'s pick, in `fmt`. `flags` name the backend and the
     format in a refusal: the CLI's flags, or the API's query parameters."""
     entry = pick(result, backend, flags[0])
-    check_format(fmt, backend_of(entry), flags)
+    check_format(fmt, backend_of(entry), flags, picked(result))
     if fmt == "yaml":
         return export_yaml(spec, result, backend=backend), MEDIA_TYPES[fmt]
     facts = model_facts(spec.model.source)

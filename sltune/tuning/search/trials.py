@@ -21,6 +21,18 @@ def machine_cores() -> int:
         return os.cpu_count() or 1
 
 
+def ranks_fit(world_size: int, ceiling: int, field: str, allow: str) -> None:
+    """Refuse ranks beyond this machine's cores before any trial, naming `field`: a trial's ranks are processes here,
+    and more of them than cores take turns on the cores, so what they measure is the oversubscription, not the
+    config (8 ranks of an FSDP tune on 2 cores ran, and best.yaml said world_size 8). `allow`, the flag that
+    measures it anyway, goes in the answer; `ceiling` is the server's setting (SLTUNE_MAX_WORLD_SIZE, else the
+    cores)."""
+    if world_size > ceiling:
+        raise ValueError(f"{field} {world_size} is more ranks than this machine's {ceiling} (SLTUNE_MAX_WORLD_SIZE, "
+                         f"else its cores): they would take turns on the cores, and the trials would measure that; ask "
+                         f"for at most {ceiling}, or pass {allow} to oversubscribe on purpose")
+
+
 def trial_spec(spec: TuningSpec, c: Candidate, trace: Path | None, default_host_limit: int | None = None,
                max_trial_steps: int | None = None, layers: int | None = None,
                offload_dir: Path | None = None, confirming: bool = False,

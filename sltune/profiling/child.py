@@ -150,13 +150,19 @@ def run(spec: TrialSpec, rank: int = 0, started: float | None = None) -> dict[st
         return result
     result["parity"] = _parity(spec, step_one, vocab)
     if not result["parity"]["ok"]:
-        p = result["parity"]
-        result.update(status="diverged",
-                      error=f"step-1 loss {p['loss']:.6g} is not plain PyTorch's {p['reference_loss']:.6g} on the same "
-                            f"weights and batch: relative difference {p['rel_diff']:.3g} > tolerance "
-                            f"{p['tolerance']:.3g} ({spec.dtype}); this {spec.backend} config does not train the "
-                            "model correctly")
+        result.update(status="diverged", error=_diverged(spec, result["parity"]))
     return result
+
+
+def _diverged(spec: TrialSpec, p: dict[str, Any]) -> str:
+    """Why the step-1 loss is not plain PyTorch's: the model's own (non-finite weights, an overflow), which no config
+    can fix, or this config's."""
+    if p.get("cause"):
+        return (f"step-1 loss {p['loss']:.6g}, and plain PyTorch's on the same weights and batch "
+                f"{p['reference_loss']:.6g}: {p['cause']}")
+    return (f"step-1 loss {p['loss']:.6g} is not plain PyTorch's {p['reference_loss']:.6g} on the same weights and "
+            f"batch: relative difference {p['rel_diff']:.3g} > tolerance {p['tolerance']:.3g} ({spec.dtype}); this "
+            f"{spec.backend} config does not train the model correctly")
 
 
 def _run_train(spec: TrialSpec, backend, rank: int, setup: dict[str, Any]) -> tuple[dict[str, Any], float]:
@@ -209,8 +215,8 @@ def _parity(spec: TrialSpec, loss: float, vocab: int) -> dict[str, Any]:
     _give_back_freed_memory()
     rows = torch.cat([next(batches(spec.rows, spec.seq_len, vocab, seed=spec.seed + r))
                       for r in range(spec.world_size)])
-    reference, allowance = reference_loss(spec, rows)
-    return parity(loss, reference, spec.dtype, allowance)
+    reference, allowance, cause = reference_loss(spec, rows)
+    return parity(loss, reference, spec.dtype, allowance, cause)
 
 
 def _measure(spec: TrialSpec, step) -> dict[str, Any]:

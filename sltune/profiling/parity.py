@@ -22,6 +22,10 @@ DeepSpeed ZeRO-2/3 and FSDP2, float32 and bfloat16, on the tiny presets); the to
   float16   2.5e-3: 11 significant bits (unit roundoff 4.9e-4); five roundoffs, as for bfloat16.
 A model with dropout draws different masks in every run, so its reference is the mean of a few draws in
 training mode, and the tolerance widens by the spread the draws show (8 standard errors).
+
+A reference that is not finite is no backend's fault: the model's tensors are then searched for NaN and infinity
+once (one pass over the weights the reference ran), and the parity's `cause` names the first such tensor, or, all
+finite, says the model overflows its dtype on the batch; every config of that model would fail the same way.
 """
 
 from __future__ import annotations
@@ -43,8 +47,9 @@ def has_dropout(config: Any) -> bool:
                for k, v in config.to_dict().items())
 
 
-def reference_loss(spec: TrainingSpec, ids: torch.Tensor) -> tuple[float, float]:
-    """(plain PyTorch's mean token loss on `ids` from the step-0 weights, the relative allowance its dropout adds).
+def reference_loss(spec: TrainingSpec, ids: torch.Tensor) -> tuple[float, float, str | None]:
+    """(plain PyTorch's mean token loss on `ids` from the step-0 weights, the relative allowance its dropout adds,
+    why that loss is not finite when it is not: `not_finite`).
 
     `ids`: every rank's first batch, one after the other (each row has as many tokens, so the mean of the
     micro-batches' means is the mean over them all, as the backends report it)."""
@@ -60,13 +65,29 @@ def reference_loss(spec: TrainingSpec, ids: torch.Tensor) -> tuple[float, float]
             torch.manual_seed(spec.seed + 1 + draw)
             parts = [model(input_ids=ids[i:i + b], labels=ids[i:i + b]).loss.float() for i in range(0, len(ids), b)]
             losses.append(torch.stack(parts).mean())
-    del model
     per_draw = torch.stack(losses).float().cpu()
     mean = float(per_draw.mean())
+    cause = None if math.isfinite(mean) else not_finite(model, spec.dtype)
+    del model
     if draws == 1:
-        return mean, 0.0
+        return mean, 0.0, cause
     spread = float(per_draw.std()) * math.sqrt(1 + 1 / draws)     # the run's one draw against the draws' mean
-    return mean, 8 * spread / abs(mean)
+    return mean, 8 * spread / abs(mean), cause
+
+
+def not_finite(model: torch.nn.Module, dtype: str) -> str:
+    """Why a model's own loss is not finite: the first of its tensors (parameters, then buffers) holding NaN or
+    infinity, and how many values do; else, every tensor finite, its activations overflowing `dtype`."""
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if not t.is_floating_point():
+            continue
+        nan, inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
+        if nan or inf:
+            what = " and ".join(f"{n:,} {kind}" for n, kind in ((nan, "NaN"), (inf, "infinite")) if n)
+            return (f"the model's weights are not finite: {name} holds {what} value(s) of {t.numel():,}; no config "
+                    "can train it: fix or replace the weights")
+    return (f"every weight is finite, but the model's own loss on the batch is not: its activations overflow "
+            f"{dtype} on this data; train it in float32 (or bfloat16), or check the weights' scale")
 
 
 def _place(model: torch.nn.Module, device: torch.device) -> torch.device:
@@ -82,9 +103,12 @@ def _place(model: torch.nn.Module, device: torch.device) -> torch.device:
         return torch.device("cpu")
 
 
-def parity(loss: float, reference: float, dtype: str, allowance: float = 0.0) -> dict[str, Any]:
-    """TrialResult.parity: the relative difference against the tolerance of the dtype (plus any allowance)."""
+def parity(loss: float, reference: float, dtype: str, allowance: float = 0.0,
+           cause: str | None = None) -> dict[str, Any]:
+    """TrialResult.parity: the relative difference against the tolerance of the dtype (plus any allowance); with
+    `cause`, why the reference itself is not finite (reference_loss)."""
     rel = abs(loss - reference) / max(abs(reference), 1e-12)
     tolerance = TOLERANCE[dtype] + allowance
     ok = math.isfinite(loss) and rel <= tolerance
-    return {"loss": loss, "reference_loss": reference, "rel_diff": rel, "tolerance": tolerance, "ok": ok}
+    return {"loss": loss, "reference_loss": reference, "rel_diff": rel, "tolerance": tolerance, "ok": ok,
+            "cause": cause}

@@ -139,6 +139,8 @@ class Parity(BaseModel):
     rel_diff: float = Field(description="|loss - reference_loss| / |reference_loss|")
     tolerance: float = Field(description="the largest rel_diff a correct run of this dtype shows")
     ok: bool
+    cause: str | None = Field(None, description="when reference_loss is not finite, why: the model's first tensor "
+                              "holding NaN or infinity, or its activations overflowing the dtype (no config's fault)")
 
 
 class BreakdownFractions(BaseModel):

@@ -35,8 +35,8 @@ Verified. `latest` resumes the newest checkpoint whose manifest verifies: every 
 trainer.pt and every safetensors file naming the manifest's step and run, and every checksum, the disk tier's
 hard-linked blocks read whole against their own manifest's (remembered by inode, mtime and size, so the engine
 adopting them reads none again; bench/resume_verify.py: 1.5 s/GB from a cold page cache, 0.4 warm). One that does
-not is skipped with a line naming the file, and refused when nothing older verifies. Under several ranks rank 0 picks and
-verifies the checkpoint and the others load the one it names (`agree`).
+not is skipped with a line naming the file, and refused when nothing older verifies. Under several ranks rank 0
+picks and verifies the checkpoint and the others load the one it names (`agree`).
 
 Deleted whole. A checkpoint is deleted by renaming it to a tombstone first, so no half-deleted folder is ever seen
 under its name. `prune` counts the complete checkpoints of this run only, keeps the newest, and runs after the new
@@ -601,7 +601,8 @@ def _check_linked(folder: Path, linked: list[str]) -> None:
             checked = check_files(folder / sub)
         except IntegrityError as err:
             raise Incomplete(str(err).removesuffix("; resume from another checkpoint")) from None
-        unchecked = [rel for rel in linked if PurePosixPath(rel).parent == sub and PurePosixPath(rel).name not in checked]
+        unchecked = [rel for rel in linked
+                     if PurePosixPath(rel).parent == sub and PurePosixPath(rel).name not in checked]
         if unchecked:
             raise Incomplete(f"{folder / unchecked[0]}: listed in {folder / TRAINING_STATE / MANIFEST} as a disk "
                              f"tier's file, but {folder / sub / MANIFEST} names no such file, so nothing can check it")

@@ -37,8 +37,14 @@ class _Strict(BaseModel):
         if isinstance(value, bool) and not kinds & {bool, Any}:
             raise ValueError(f"{str(value).lower()} is not a number; give a number")
         if value is not None and not isinstance(value, bool) and kinds - {type(None)} == {bool}:
-            raise ValueError(f"{value!r} is not a boolean; give true or false")
+            raise ValueError(f"{_shown(value)} is not a boolean; give true or false")
         return value
+
+
+def _shown(value: Any) -> str:
+    """A value of a spec as its JSON or YAML writes it (null, true, [1, null], not Python's None, True); a string in
+    quotes, as the messages quote a name ('nvme')."""
+    return repr(value) if isinstance(value, str) else json.dumps(value, default=str)
 
 
 def _leaves(annotation: Any) -> set:
@@ -220,7 +226,7 @@ def _shares(value: Any) -> Any:
         raise ValueError("give a share from 0 to 1 or a list of them, such as [0, 0.5, 1], not an empty list")
     for v in values:
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
-            raise ValueError(f"{v!r} is not a share of the parameter bytes; give numbers from 0 (keep none on "
+            raise ValueError(f"{_shown(v)} is not a share of the parameter bytes; give numbers from 0 (keep none on "
                              "the device) to 1 (keep them all), such as [0, 0.5, 1]")
     if len(values) > MAX_KNOB_VALUES:
         raise ValueError(f"at most {MAX_KNOB_VALUES} values per knob, got {len(values)}")
@@ -246,10 +252,10 @@ def _places(what: str) -> Any:
     def check(value: Any) -> Any:
         values = [value] if isinstance(value, str) else value
         if not isinstance(values, list) or not values:
-            raise ValueError(f"{value!r} is not a list of places; give host, disk or [host, disk]")
+            raise ValueError(f"{_shown(value)} is not a list of places; give host, disk or [host, disk]")
         for v in values:
             if v not in ("host", "disk"):
-                raise ValueError(f"{v!r} is not where {what} can live; give host, disk or [host, disk]")
+                raise ValueError(f"{_shown(v)} is not where {what} can live; give host, disk or [host, disk]")
         return [v for v in ("host", "disk") if v in values]
     return BeforeValidator(check)
 
@@ -262,11 +268,11 @@ def _backends(value: Any) -> Any:
     written in another order is the same job); one clear message for any bad value."""
     values = [value] if isinstance(value, str) else value
     if not isinstance(values, list) or not values:
-        raise ValueError(f"{value!r} is not a backend or a list of them; give speedloader, deepspeed, fsdp or a list "
-                         "such as [speedloader, fsdp]")
+        raise ValueError(f"{_shown(value)} is not a backend or a list of them; give speedloader, deepspeed, fsdp or "
+                         "a list such as [speedloader, fsdp]")
     for v in values:
         if v not in BACKENDS:
-            raise ValueError(f"{v!r} is not a backend; choose from {', '.join(BACKENDS)}")
+            raise ValueError(f"{_shown(v)} is not a backend; choose from {', '.join(BACKENDS)}")
     return [b for b in BACKENDS if b in values]
 
 

@@ -132,3 +132,14 @@ def api_with_models_dir(tmp_path_factory):
     with svc.client() as c:
         yield c
     svc.stop()
+
+
+def test_json_null_is_called_null_in_a_refusal(api_with_models_dir):
+    """Issue #47, item 4: `"backend": null` is refused as JSON says it, not as Python's None."""
+    body = tiny_spec()
+    body["search"]["backend"] = None
+    r = api_with_models_dir.post("/tune", json=body)
+    assert r.status_code == 422, r.text
+    assert [e["msg"] for e in r.json()["detail"]] == [
+        "search.backend: null is not a backend or a list of them; give speedloader, deepspeed, fsdp or a list such as "
+        "[speedloader, fsdp]"]

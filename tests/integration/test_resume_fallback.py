@@ -77,4 +77,4 @@ def test_resume_skips_a_checkpoint_with_a_damaged_block_for_the_newest_that_veri
     got = losses(tmp_path / "resume.jsonl")
     assert sorted(got) == list(range(resumed + 1, 9)) and all(got[s] == straight[s] for s in got), (got, straight)
     chosen = str(save / f"checkpoint-{resumed}" / BLOCKS)
-    assert not [r for r in reads if r.startswith(chosen)], "a block checked when the checkpoint was picked was read again"
+    assert not [r for r in reads if r.startswith(chosen)], "a block checked as the checkpoint was picked was read again"

@@ -43,6 +43,13 @@ def parse(**overrides):
     ({"workload": {"mode": "generate"}, "search": {"weights_on_device": "half"}},
      "search.weights_on_device: 'half' is not a share"),
     ({"workload": {"mode": "generate"}, "search": {"weights_on_device": []}}, "search.weights_on_device: give a share"),
+    # JSON's null is null, not Python's None (#47)
+    ({"search": {"backend": None}}, "search.backend: null is not a backend or a list of them; give speedloader"),
+    ({"search": {"backend": ["speedloader", None]}}, "search.backend: null is not a backend; choose from"),
+    ({"search": {"optimizer_offload": None}}, "search.optimizer_offload: null is not a list of places"),
+    ({"search": {"param_offload": ["host", None]}}, "search.param_offload: null is not where"),
+    ({"workload": {"mode": "generate"}, "search": {"weights_on_device": [0, None]}},
+     "search.weights_on_device: null is not a share"),
 ])
 def test_bad_specs_name_the_field(overrides, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("*", r"\*")):

@@ -14,6 +14,7 @@ from sltune.api.errors import SpecInvalid, responses
 from sltune.api.examples import TUNE_EXAMPLE
 from sltune.api.schemas import Accepted, Health, JobDetail, JobSummary, TrialOut
 from sltune.service.jobs import job_detail, job_summary
+from sltune.service.trials import trial_views
 from sltune.service.validation import Busy
 from sltune.backends.export import FormatMismatch, NoPick
 from sltune.models.confined import OutsideModelsDir, admitted_under, within
@@ -66,12 +67,7 @@ async def get_job(request: Request, job_id: str = JobId) -> Any:
 @router.get("/jobs/{job_id}/trials", response_model=list[TrialOut], responses=responses(404, 422))
 def get_trials(request: Request, job_id: str = JobId) -> Any:
     _job(request, job_id)
-    s = store(request)
-    traced = s.traced_trials(job_id)
-    return [TrialOut(number=t.number, role=t.role, status=t.status, config=t.config, predicted=t.predicted,
-                     result=t.result, started_at=t.started_at, finished_at=t.finished_at,
-                     trace_url=f"/jobs/{job_id}/trials/{t.number}/trace" if t.number in traced else None)
-            for t in s.trials(job_id)]
+    return [TrialOut(**t) for t in trial_views(store(request), job_id)]
 
 
 @router.get("/jobs/{job_id}/trials/{number}/trace", response_class=FileResponse,

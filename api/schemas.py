@@ -56,6 +56,7 @@ class TrialOut(BaseModel):
     number: int
     role: str
     status: str
+    backend: str = Field(description="what ran the trial: speedloader, deepspeed or fsdp (its config names it too)")
     config: dict[str, Any]
     predicted: dict[str, Any]
     result: dict[str, Any] | None

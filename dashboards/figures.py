@@ -14,12 +14,9 @@ renders a small subset of HTML in labels.
 
 from __future__ import annotations
 
-import gc
 import math
-import sys
-import threading
 from datetime import datetime, timezone
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
@@ -38,8 +35,10 @@ STATUS_COLORS = {"ok": "#2ca02c", "oom": "#d62728", "failed": "#7f7f7f", "timeou
                  "diverged": "#b00020"}     # its step-1 loss is not plain PyTorch's: measured, never picked
 CONFIRM_COLOR = "#9467bd"     # confirmation trials: re-measurements of the finalists, not search steps
 LIVE_BLOCK_COLORS = ["#4c78a8", "#f58518", "#54a24b", "#b279a2", "#e45756", "#72b7b2", "#eeca3b", "#9d755d"]
+# each backend's colour and marker where a figure tells them apart (none of the status colours)
+BACKEND_COLORS = {"speedloader": "#4c78a8", "deepspeed": "#e377c2", "fsdp": "#17becf"}
+BACKEND_SYMBOLS = {"speedloader": "circle", "deepspeed": "square", "fsdp": "triangle-up"}
 PIE_LIMIT = 12
-MIB = 1024 * 1024
 FONT = dict(family="system-ui, -apple-system, Segoe UI, sans-serif", size=12)
 
 
@@ -108,12 +107,44 @@ def seconds_of(trial: dict[str, Any]) -> dict[str, float] | None:
     return {k: v * wall for k, v in b.items()}
 
 
-def _hover_config(trial: dict[str, Any]) -> str:
+def hover_config(trial: dict[str, Any]) -> str:
     b, n, k = knobs(trial)
     layers = (trial.get("config") or {}).get("num_layers")      # a probe at reduced depth (search.probe_layers)
     what = f"b={b} N={n} k={k}" if backend_of(trial) == "speedloader" else config_label(trial)
     return (f"trial #{trial.get('number', '?')} ({trial.get('role') or '?'})<br>{what}"
             + (f" at {layers} layers" if layers else ""))
+
+
+def ids(trials: Iterable[dict[str, Any]]) -> list[str]:
+    """Each point's id: its trial's number, which the job page's click handler opens the trial page of."""
+    return [str(t.get("number", "")) for t in trials]
+
+
+def picks_of(result: dict[str, Any] | None) -> dict[int, dict[str, Any]]:
+    """The job result's picks (its best, each backend's best) by the number of every trial each one pools: the
+    pick's one figure is its entry's tokens_per_s (the median of all those trials' steps), which every place that
+    shows the pick shows, never one trial's own."""
+    result = result or {}
+    out: dict[int, dict[str, Any]] = {}
+    for entry in [result.get("best") or {}, *(result.get("best_by_backend") or {}).values()]:
+        if isinstance(entry.get("tokens_per_s"), (int, float)):
+            for n in [entry.get("trial_number"), *(entry.get("from_trials") or [])]:
+                if n is not None:
+                    out.setdefault(n, entry)
+    return out
+
+
+def pick_figure(trial: dict[str, Any], picks: dict[int, dict[str, Any]] | None) -> float | None:
+    """The trial's pick's figure where it is part of a pick, else its own."""
+    entry = (picks or {}).get(trial.get("number"))
+    return float(entry["tokens_per_s"]) if entry else tokens_per_s(trial)
+
+
+def pooled_text(trial: dict[str, Any], picks: dict[int, dict[str, Any]] | None) -> str:
+    """"pooled over trials #2, #9" for a pick of several trials, else "trial #2"."""
+    numbers = ((picks or {}).get(trial.get("number")) or {}).get("from_trials") or [trial.get("number")]
+    return (f"pooled over trials {', '.join(f'#{n}' for n in numbers)}" if len(numbers) > 1
+            else f"trial #{numbers[0]}")
 
 
 def parity_of(trial: dict[str, Any]) -> dict[str, Any] | None:
@@ -123,20 +154,7 @@ def parity_of(trial: dict[str, Any]) -> dict[str, Any] | None:
     return p if isinstance(p, dict) else None
 
 
-def _mib(v: Any) -> float | None:
-    return float(v) / MIB if isinstance(v, (int, float)) and v > 0 else None
-
-
-def _fmt_bytes(v: float | None) -> str:
-    if v is None:
-        return "-"
-    for unit, size in (("GiB", 1024 ** 3), ("MiB", MIB), ("KiB", 1024)):
-        if v >= size:
-            return f"{v / size:.1f} {unit}"
-    return f"{v:.0f} B"
-
-
-def _log_toggle(fig: go.Figure, log: bool = False) -> go.Figure:
+def log_toggle(fig: go.Figure, log: bool = False) -> go.Figure:
     """Buttons that switch every y axis between linear and log: one outlier no longer squashes the rest. They
     sit above the plot's top-left corner: Plotly's mode bar takes the top-right one."""
     axes = [k for k in fig.layout.to_plotly_json() if k.startswith("yaxis")] or ["yaxis"]
@@ -151,7 +169,7 @@ def _log_toggle(fig: go.Figure, log: bool = False) -> go.Figure:
     return fig
 
 
-def _base_layout(fig: go.Figure, title: str, height: int) -> go.Figure:
+def base_layout(fig: go.Figure, title: str, height: int) -> go.Figure:
     fig.update_layout(title=dict(text=title, x=0.01, xanchor="left"), height=height, font=FONT,
                       template="plotly_white", margin=dict(l=60, r=30, t=70, b=50))
     return fig
@@ -165,19 +183,24 @@ def pie_trials(trials: Iterable[dict[str, Any]], limit: int = PIE_LIMIT) -> tupl
     return eligible[:limit], len(eligible)
 
 
-def breakdown_pies(trials: Iterable[dict[str, Any]], limit: int = PIE_LIMIT, cols: int = 4) -> go.Figure | None:
+def breakdown_pies(trials: Iterable[dict[str, Any]], limit: int = PIE_LIMIT, cols: int = 4,
+                   picks: dict[int, dict[str, Any]] | None = None) -> go.Figure | None:
     """One pie per ok trial with a breakdown (the fastest `limit`): compute, memcpy, CPU, all-gather,
-    reduce-scatter, other, as fractions of the profiled step."""
+    reduce-scatter, other, as fractions of the profiled step. The pick's trial (picks_of) is starred and titled
+    with the pick's figure, as the Best config table gives it; every other pie with its trial's own."""
     shown, _total = pie_trials(trials, limit)
     if not shown:
         return None
-    titles = [f"#{t.get('number')} {config_label(t)}<br>{(tokens_per_s(t) or 0):,.0f} tok/s" for t in shown]
-    return _pie_grid([(t, f"trial #{t.get('number')}") for t in shown], titles, cols,
-                     "Time breakdown of the profiled step")
+    picked = {e.get("trial_number"): e for e in (picks or {}).values()}
+    titles = [f"★ #{t.get('number')} {config_label(t)}<br>{pick_figure(t, picks):,.1f} tok/s, the pick"
+              if t.get("number") in picked else
+              f"#{t.get('number')} {config_label(t)}<br>{(tokens_per_s(t) or 0):,.0f} tok/s" for t in shown]
+    return pie_grid([(t, f"trial #{t.get('number')}") for t in shown], titles, cols,
+                    "Time breakdown of the profiled step")
 
 
-def _pie_grid(pies: list[tuple[dict[str, Any], str]], titles: list[str], cols: int, title: str,
-              height: int = 250) -> go.Figure:
+def pie_grid(pies: list[tuple[dict[str, Any], str]], titles: list[str], cols: int, title: str,
+             height: int = 250) -> go.Figure:
     """(trial, trace name) pies in rows of `cols`, each titled; a slice per breakdown category the trial spent
     time in, its hover the seconds behind the percentage."""
     cols = max(1, min(cols, len(pies)))
@@ -190,7 +213,7 @@ def _pie_grid(pies: list[tuple[dict[str, Any], str]], titles: list[str], cols: i
         fig.add_trace(go.Pie(labels=[BREAKDOWN[k] for k in keys], values=[b[k] for k in keys],
                              marker=dict(colors=[BREAKDOWN_COLORS[k] for k in keys]), sort=False,
                              direction="clockwise", textinfo="percent", textposition="inside",
-                             name=name, hole=0.3,
+                             name=name, hole=0.3, meta={"trial": t.get("number")},     # a click opens its page
                              customdata=[f"{secs[k] * 1000:,.1f} ms" if k in secs else "-" for k in keys],
                              hovertemplate="%{label}: %{percent}, %{customdata}<extra>trial #"
                                            + str(t.get("number")) + "</extra>"),
@@ -198,7 +221,7 @@ def _pie_grid(pies: list[tuple[dict[str, Any], str]], titles: list[str], cols: i
     fig.update_annotations(font_size=11)
     fig.update_layout(legend=dict(orientation="h", y=-0.02, yanchor="top", x=0.5, xanchor="center"),
                       uniformtext=dict(minsize=9, mode="hide"))
-    return _base_layout(fig, title, 130 + height * rows)
+    return base_layout(fig, title, 130 + height * rows)
 
 
 # -- the backends side by side (issue #33) ----------------------------------------------------------
@@ -231,11 +254,12 @@ def backend_bests(trials: Iterable[dict[str, Any]], result: dict[str, Any] | Non
     return out
 
 
-def backend_pies(trials: Iterable[dict[str, Any]], bests: dict[str, dict[str, Any]],
-                 cols: int = 3) -> go.Figure | None:
+def backend_pies(trials: Iterable[dict[str, Any]], bests: dict[str, dict[str, Any]], cols: int = 3,
+                 picks: dict[int, dict[str, Any]] | None = None) -> go.Figure | None:
     """One pie per backend, side by side (as the SpeedLoader paper's profiling figure): the breakdown of its best
-    config, titled with the backend, its knobs and tokens/s. A best trial without a breakdown lends its pie to
-    another ok trial of the same config that has one (a confirmation trial); a backend with none is left out."""
+    config, titled with the backend, its knobs and tokens/s (its pick's figure, picks_of). A best trial without a
+    breakdown lends its pie to another ok trial of the same config that has one (a confirmation trial); a backend
+    with none is left out."""
     trials = list(trials)
     pies = []
     for backend, best in bests.items():
@@ -246,10 +270,15 @@ def backend_pies(trials: Iterable[dict[str, Any]], bests: dict[str, dict[str, An
             pies.append((backend, best, t))
     if not pies:
         return None
-    titles = [f"<b>{backend}</b> · {(tokens_per_s(best) or 0):,.0f} tok/s (trial #{t.get('number')})<br>"
-              f"{knob_text(best)}" for backend, best, t in pies]
-    return _pie_grid([(t, backend) for backend, _best, t in pies], titles, cols,
-                     "Time breakdown of each backend's best config", height=280)
+    titles = []
+    for backend, best, t in pies:
+        measured = pooled_text(best, picks)
+        if measured != f"trial #{t.get('number')}":
+            measured += f"; pie: trial #{t.get('number')}"
+        titles.append(f"<b>{backend}</b> · {pick_figure(best, picks) or 0:,.1f} tok/s ({measured})<br>"
+                      f"{knob_text(best)}")
+    return pie_grid([(t, backend) for backend, _best, t in pies], titles, cols,
+                    "Time breakdown of each backend's best config", height=280)
 
 
 # a tick's short names of another backend's knobs (the hover has them in full)
@@ -279,9 +308,10 @@ def knob_text(trial_or_config: dict[str, Any]) -> str:
                      *backend_name(c).split(" ")[1:]])
 
 
-def backend_throughput_figure(trials: Iterable[dict[str, Any]],
-                              bests: dict[str, dict[str, Any]] | None = None) -> go.Figure | None:
-    """Every trial's tokens/s, one column per backend, each backend's best a star. A diverged trial (its step-1
+def backend_throughput_figure(trials: Iterable[dict[str, Any]], bests: dict[str, dict[str, Any]] | None = None,
+                              picks: dict[int, dict[str, Any]] | None = None) -> go.Figure | None:
+    """Every trial's tokens/s, one column per backend, each backend's best a star at its pick's figure (picks_of:
+    the median of all its trials' steps, beside their own points). A diverged trial (its step-1
     loss is not plain PyTorch's) is a ringed red cross on the zero line, as oom and failed ones are crosses in
     their colours: what it measured is not a throughput of training the model. Probes at reduced depth (a smaller
     model's figures) are left out."""
@@ -304,16 +334,17 @@ def backend_throughput_figure(trials: Iterable[dict[str, Any]],
         if sel:
             fig.add_trace(go.Scatter(
                 x=x(sel), y=[tokens_per_s(t) for t in sel], mode="markers",
-                name="confirmation trial" if confirm else "trial", text=[_hover_config(t) for t in sel],
+                name="confirmation trial" if confirm else "trial", text=[hover_config(t) for t in sel], ids=ids(sel),
                 marker=dict(size=9, symbol="diamond" if confirm else "circle",
                             color=CONFIRM_COLOR if confirm else "#4c78a8", line=dict(width=1, color="white")),
                 hovertemplate="%{text}<br>%{y:,.1f} tokens/s<extra></extra>"))
     starred = [t for t in (bests or {}).values() if _full_depth_ok(t) and backend_of(t) in column]
     if starred:
         fig.add_trace(go.Scatter(
-            x=[spread.get(id(t), column[backend_of(t)]) for t in starred], y=[tokens_per_s(t) for t in starred],
-            mode="markers+text", name="best of its backend", text=[f"{tokens_per_s(t):,.0f}" for t in starred],
-            textposition="top center", cliponaxis=False, customdata=[_hover_config(t) for t in starred],
+            x=[spread.get(id(t), column[backend_of(t)]) for t in starred], y=[pick_figure(t, picks) for t in starred],
+            mode="markers+text", name="best of its backend", text=[f"{pick_figure(t, picks):,.1f}" for t in starred],
+            textposition="top center", cliponaxis=False, ids=ids(starred),
+            customdata=[f"{hover_config(t)}<br>{pooled_text(t, picks)}" for t in starred],
             marker=dict(symbol="star", size=18, color="#eeca3b", line=dict(width=1, color="#555")),
             hovertemplate="best: %{customdata}<br>%{y:,.1f} tokens/s<extra></extra>"))
     for status in ("diverged", "oom", "failed", "timeout"):
@@ -324,7 +355,7 @@ def backend_throughput_figure(trials: Iterable[dict[str, Any]],
                 # diverged: a ringed cross, told apart from an oom's red cross
                 marker=dict(symbol="circle-x-open" if status == "diverged" else "x", size=12,
                             color=STATUS_COLORS[status], line=dict(width=2 if status == "diverged" else 0)),
-                text=[_hover_config(t) + "<br>" + _why_not(t) for t in bad],
+                text=[hover_config(t) + "<br>" + _why_not(t) for t in bad], ids=ids(bad),
                 hovertemplate="%{text}<extra>" + status + "</extra>"))
     if not fig.data:
         return None
@@ -332,7 +363,7 @@ def backend_throughput_figure(trials: Iterable[dict[str, Any]],
                      title_text="backend")
     fig.update_yaxes(title_text="tokens/s", rangemode="tozero")
     fig.update_layout(legend=dict(orientation="h", y=-0.22, x=0))
-    return _log_toggle(_base_layout(fig, "Throughput by backend", 420))
+    return log_toggle(base_layout(fig, "Throughput by backend", 420))
 
 
 def _why_not(trial: dict[str, Any]) -> str:
@@ -347,11 +378,12 @@ def _why_not(trial: dict[str, Any]) -> str:
 
 
 # -- throughput against the knobs -------------------------------------------------------------------
-def throughput_figure(trials: Iterable[dict[str, Any]], best_number: int | None = None,
-                      max_facets: int = 8) -> go.Figure | None:
+def throughput_figure(trials: Iterable[dict[str, Any]], best_number: int | None = None, max_facets: int = 8,
+                      picks: dict[int, dict[str, Any]] | None = None) -> go.Figure | None:
     """tokens/s against sub_batch_size, one panel per num_sub_batches, coloured by num_live_blocks;
     confirmation trials as open diamonds beside the search's line; oom / failed / timeout trials as crosses
-    on the zero line. SpeedLoader's trials only: the knobs are its own (backend_throughput_figure has the rest)."""
+    on the zero line; the best trial's config a star at its pick's figure (picks_of), beside its trials' own points.
+    SpeedLoader's trials only: the knobs are its own (backend_throughput_figure has the rest)."""
     trials = [t for t in trials if all(v is not None for v in knobs(t)) and status_of(t) != "running"
               and backend_of(t) == "speedloader"]
     if not trials:
@@ -385,7 +417,7 @@ def throughput_figure(trials: Iterable[dict[str, Any]], best_number: int | None 
                     name="confirmation trial", legendgroup="confirm", showlegend="confirm" not in seen_legend,
                     marker=dict(symbol="diamond-open", size=11, line=dict(width=2),
                                 color=LIVE_BLOCK_COLORS[ci % len(LIVE_BLOCK_COLORS)]),
-                    text=[_hover_config(t) for t in again],
+                    text=[hover_config(t) for t in again], ids=ids(again),
                     hovertemplate="%{text}<br>%{y:,.1f} tokens/s (confirmation)<extra></extra>"), row=row, col=col)
                 seen_legend.add("confirm")
             if not pts:
@@ -396,12 +428,17 @@ def throughput_figure(trials: Iterable[dict[str, Any]], best_number: int | None 
                 name=name, legendgroup=name, showlegend=name not in seen_legend,
                 line=dict(color=LIVE_BLOCK_COLORS[ci % len(LIVE_BLOCK_COLORS)], width=1, dash="dot"),
                 marker=dict(color=LIVE_BLOCK_COLORS[ci % len(LIVE_BLOCK_COLORS)], line=dict(width=1, color="white"),
-                            size=[(18 if t.get("number") == best_number else 11) if facet
-                                  else 7 + 3 * math.log2(max(1, knobs(t)[1])) for t in pts],
-                            symbol=["star" if t.get("number") == best_number else "circle" for t in pts]),
-                text=[_hover_config(t) for t in pts],
+                            size=[11 if facet else 7 + 3 * math.log2(max(1, knobs(t)[1])) for t in pts]),
+                text=[hover_config(t) for t in pts], ids=ids(pts),
                 hovertemplate="%{text}<br>%{y:,.1f} tokens/s<extra></extra>"), row=row, col=col)
             seen_legend.add(name)
+        best = [t for t in in_panel if t.get("number") == best_number and status_of(t) == "ok" and tokens_per_s(t)]
+        if best:
+            fig.add_trace(go.Scatter(
+                x=[knobs(best[0])[0]], y=[pick_figure(best[0], picks)], mode="markers", name="the pick",
+                ids=ids(best), customdata=[f"{hover_config(best[0])}<br>{pooled_text(best[0], picks)}"],
+                marker=dict(symbol="star", size=18, color="#eeca3b", line=dict(width=1, color="#555")),
+                hovertemplate="the pick: %{customdata}<br>%{y:,.1f} tokens/s<extra></extra>"), row=row, col=col)
         for status in ("oom", "failed", "timeout", "diverged", "interrupted"):
             bad = [t for t in in_panel if status_of(t) == status]
             if not bad:
@@ -410,14 +447,14 @@ def throughput_figure(trials: Iterable[dict[str, Any]], best_number: int | None 
                 x=[knobs(t)[0] for t in bad], y=[0.0] * len(bad), mode="markers", name=status,
                 legendgroup=status, showlegend=status not in seen_legend,
                 marker=dict(symbol="x", size=12, color=STATUS_COLORS.get(status, "#444")),
-                text=[_hover_config(t) + "<br>" + _short((t.get("result") or {}).get("error")) for t in bad],
-                hovertemplate="%{text}<extra>" + status + "</extra>"), row=row, col=col)
+                text=[hover_config(t) + "<br>" + _short((t.get("result") or {}).get("error")) for t in bad],
+                ids=ids(bad), hovertemplate="%{text}<extra>" + status + "</extra>"), row=row, col=col)
             seen_legend.add(status)
     fig.update_xaxes(type="log", tickvals=bs, ticktext=[str(b) for b in bs], title_text="sub_batch_size b",
                      title_standoff=4)
     fig.update_yaxes(rangemode="tozero")
     fig.update_yaxes(title_text="tokens/s", col=1)
-    return _log_toggle(_base_layout(fig, "Throughput against the knobs", 150 + 300 * rows))
+    return log_toggle(base_layout(fig, "Throughput against the knobs", 150 + 300 * rows))
 
 
 def _short(text: Any, n: int = 160) -> str:
@@ -430,26 +467,36 @@ def history_figure(trials: Iterable[dict[str, Any]]) -> go.Figure | None:
     """tokens/s of each trial in the order they ran, and the best so far: how fast the search got there.
     Confirmation trials re-measure the finalists at other moments: they get their own marker and stay out of
     the best-so-far line, which is the search's (a round the machine ran faster would lift it past anything
-    the search found); so do probes at reduced depth (search.probe_layers), which measured a smaller model."""
+    the search found); so do probes at reduced depth (search.probe_layers), which measured a smaller model. A job
+    over several backends gives each backend's ok trials its colour and marker (open: confirmation trials)."""
     done = sorted((t for t in trials if status_of(t) not in ("running", "interrupted")),
                   key=lambda t: t.get("number") or 0)
     if not done:
         return None
+    several = len(backends_in(done)) > 1
     fig = go.Figure()
     for status in ("ok", "oom", "failed", "timeout", "diverged"):
-        for confirm in (False, True):
-            sel = [t for t in done if status_of(t) == status and (t.get("role") == "confirm") == confirm]
-            if not sel:
-                continue
-            ok = status == "ok"
-            name = ("confirmation trial" if confirm else "search trial") if ok else status
-            fig.add_trace(go.Scatter(
-                x=[t.get("number") for t in sel], y=[tokens_per_s(t) if ok else 0.0 for t in sel], mode="markers",
-                name=name, legendgroup=name, showlegend=ok or not any(tr.name == name for tr in fig.data),
-                text=[_hover_config(t) for t in sel],
-                marker=dict(size=10 if ok else 12, symbol=("diamond" if confirm else "circle") if ok else "x",
-                            color=CONFIRM_COLOR if ok and confirm else STATUS_COLORS[status]),
-                hovertemplate="%{text}<br>" + ("%{y:,.1f} tokens/s" if ok else status) + "<extra></extra>"))
+        for backend in backends_in(done) if several and status == "ok" else [None]:
+            for confirm in (False, True):
+                sel = [t for t in done if status_of(t) == status and (t.get("role") == "confirm") == confirm
+                       and backend in (None, backend_of(t))]
+                if not sel:
+                    continue
+                ok = status == "ok"
+                if backend is not None:
+                    name = f"{backend} confirmation trial" if confirm else f"{backend} trial"
+                    marker = dict(color=BACKEND_COLORS.get(backend, "#444"), line=dict(width=2),
+                                  symbol=BACKEND_SYMBOLS.get(backend, "circle") + ("-open" if confirm else ""))
+                else:
+                    name = ("confirmation trial" if confirm else "search trial") if ok else status
+                    marker = dict(symbol=("diamond" if confirm else "circle") if ok else "x",
+                                  color=CONFIRM_COLOR if ok and confirm else STATUS_COLORS[status])
+                fig.add_trace(go.Scatter(
+                    x=[t.get("number") for t in sel], y=[tokens_per_s(t) if ok else 0.0 for t in sel],
+                    mode="markers", name=name, legendgroup=name, ids=ids(sel),
+                    showlegend=ok or not any(tr.name == name for tr in fig.data), text=[hover_config(t) for t in sel],
+                    marker=dict(size=10 if ok else 12, **marker),
+                    hovertemplate="%{text}<br>" + ("%{y:,.1f} tokens/s" if ok else status) + "<extra></extra>"))
     best, xs, ys = None, [], []
     for t in done:
         if t.get("role") == "confirm" or (t.get("config") or {}).get("num_layers"):    # a smaller model's figure
@@ -467,7 +514,7 @@ def history_figure(trials: Iterable[dict[str, Any]]) -> go.Figure | None:
     fig.update_xaxes(title_text="trial #", dtick=1 if len(done) <= 30 else None)
     fig.update_yaxes(title_text="tokens/s", rangemode="tozero")
     fig.update_layout(legend=dict(orientation="h", y=-0.2, x=0))
-    return _log_toggle(_base_layout(fig, "History", 380))
+    return log_toggle(base_layout(fig, "History", 380))
 
 
 def importance_figure(importances: dict[str, float] | None) -> go.Figure | None:
@@ -479,30 +526,45 @@ def importance_figure(importances: dict[str, float] | None) -> go.Figure | None:
                            marker_color="#4c78a8", text=[f"{v:.2f}" for _, v in items], textposition="auto",
                            hovertemplate="%{y}: %{x:.3f}<extra></extra>"))
     fig.update_xaxes(title_text="importance for tokens/s (sums to 1)", range=[0, 1])
-    return _base_layout(fig, "Parameter importance", 110 + 45 * len(items))
+    return base_layout(fig, "Parameter importance", 110 + 45 * len(items))
+
+
+def _axis(label: str, values: list[Any], log2: bool = False) -> dict[str, Any]:
+    """A parallel-coordinates axis: sizes on a log2 scale, other knobs a tick per value (in their order: the
+    backends' order; none, cpu, nvme; false, true). None, a knob of another backend than the trial's, sits on a tick
+    "n/a" below the values: Plotly draws no line with a missing value, and a made-up value would read as one the
+    trial ran."""
+    order = (*BACKENDS, "none", "cpu", "nvme")
+    known = sorted({v for v in values if v is not None}, key=lambda v: order.index(v) if v in order else v)
+    at: dict[Any, float] = {v: math.log2(v) if log2 else float(i) for i, v in enumerate(known)}
+    at[None] = min(at.values(), default=0.0) - 1.0
+    ticks = [*([None] if None in values else []), *known]
+    return dict(label=label, values=[at[v] for v in values], tickvals=[at[v] for v in ticks],
+                ticktext=["n/a" if v is None else knob_value(v) for v in ticks])
 
 
 def parallel_figure(trials: Iterable[dict[str, Any]]) -> go.Figure | None:
-    """Every ok SpeedLoader trial as a line through b, N, k and tokens/s, coloured by tokens/s: drag an axis to
-    filter."""
-    ok = [t for t in trials if status_of(t) == "ok" and tokens_per_s(t) is not None and None not in knobs(t)
-          and backend_of(t) == "speedloader"]
+    """Every ok trial as a line through its knobs and tokens/s, coloured by tokens/s: drag an axis to filter. A job
+    over several backends has a backend axis, and each backend's own knobs an axis each (k is SpeedLoader's, the
+    ZeRO stage and offloads DeepSpeed's, cpu_offload and resharding FSDP's), where another backend's trials are
+    "n/a". Every backend has b and N: DeepSpeed's and FSDP's N is their gradient accumulation over b-row
+    micro-batches, so b x N rows make a step as SpeedLoader's do."""
+    ok = [t for t in trials if status_of(t) == "ok" and tokens_per_s(t) is not None and None not in knobs(t)[:2]]
     if len(ok) < 2:
         return None
     tps = [tokens_per_s(t) for t in ok]
-
-    def dim(label: str, values: list[float], log2: bool = True) -> dict[str, Any]:
-        ticks = sorted(set(values))
-        if not log2:
-            return dict(label=label, values=values)
-        return dict(label=label, values=[math.log2(v) for v in values], tickvals=[math.log2(v) for v in ticks],
-                    ticktext=[str(v) for v in ticks])
-
-    dims = [dim("sub_batch_size b", [knobs(t)[0] for t in ok]), dim("num_sub_batches N", [knobs(t)[1] for t in ok]),
-            dim("num_live_blocks k", [knobs(t)[2] for t in ok]), dim("tokens/s", tps, log2=False)]
+    backends = backends_in(ok)
+    configs = [normalized(trial_config(t)) for t in ok]
+    dims = [_axis("backend", [c["backend"] for c in configs])] if len(backends) > 1 else []
+    for knob, label in (("sub_batch_size", "sub_batch_size b"), ("num_sub_batches", "num_sub_batches N"),
+                        *((("num_live_blocks", "num_live_blocks k"),) if "speedloader" in backends else ()),
+                        *((k, k) for b in backends for k in BACKEND_KNOBS.get(b, ()))):
+        dims.append(_axis(label, [c[knob] for c in configs], log2=knob in ("sub_batch_size", "num_sub_batches",
+                                                                             "num_live_blocks")))
+    dims.append(dict(label="tokens/s", values=tps))
     fig = go.Figure(go.Parcoords(dimensions=dims, line=dict(color=tps, colorscale="Viridis", showscale=True,
                                                             colorbar=dict(title="tokens/s"))))
-    return _base_layout(fig, "Parallel coordinates", 400)
+    return base_layout(fig, "Parallel coordinates", 400)
 
 
 def seconds_figure(trials: Iterable[dict[str, Any]]) -> go.Figure | None:
@@ -521,165 +583,11 @@ def seconds_figure(trials: Iterable[dict[str, Any]]) -> go.Figure | None:
         if not any(ys):
             continue                         # a category no trial spent time in stays out of the legend
         fig.add_trace(go.Bar(x=labels, y=ys, name=name, marker_color=BREAKDOWN_COLORS[k], customdata=full,
+                             ids=ids(t for t, _ in rows),
                              hovertemplate="%{customdata}<br>" + name + ": %{y:.4f} s<extra></extra>"))
     fig.update_layout(barmode="stack", legend=dict(orientation="h", y=-0.35, x=0))
     fig.update_yaxes(title_text="seconds of the profiled step")
-    return _log_toggle(_base_layout(fig, "Seconds per trial", 430))
-
-
-# -- measured peaks against the fitted models -------------------------------------------------------
-Variables = Callable[[dict[str, Any]], dict[str, float]]
-# transformers imports its model code lazily and not thread-safely, and pages render in request threads: the shapes
-# are built one at a time (the API process imports torch and transformers only when a page first needs a shape)
-_MODEL_CODE = threading.Lock()
-
-
-def job_variables(spec: dict[str, Any] | None) -> Variables | None:
-    """A trial config's variables as the job's fits saw them (sltune.tuning.search.fit.variables under the job's
-    model shape and tokens per row); None when the spec cannot say."""
-    from sltune.tuning.search.fit import variables
-    from sltune.tuning.cost.shape import shape_of
-    from sltune.tuning.space import Candidate
-    from sltune.tuning.spec import ModelSpec, Workload
-
-    try:
-        model = ModelSpec.model_validate(spec["model"])
-        tokens = Workload.model_validate(spec.get("workload") or {}).tokens_per_row
-        with _MODEL_CODE:
-            fresh = "torch" not in sys.modules
-            shape = shape_of(model.source, model.dtype)
-            if fresh:       # torch's and transformers' objects, just loaded, leave the collector's view as the
-                gc.collect()        # server's own did at startup (api/app.py)
-                gc.freeze()
-    except (TypeError, KeyError, ValueError):
-        return None
-    return lambda config: variables(Candidate.from_knobs(config), shape, tokens)
-
-
-def _model_predict(model: dict[str, Any] | None, trial: dict[str, Any], at: Variables | None) -> float | None:
-    """What the job's final fit predicts for a trial that is not among its residuals (an oom, say)."""
-    from sltune.tuning.search.fit import FEATURES
-
-    if at is None or not model or not model.get("coef") or len(model["coef"]) != len(model.get("features") or []):
-        return None
-    known = 0.0
-    if model.get("offset"):     # a fit of what trials measure beyond a known term: the prior the trial was given
-        known = (trial.get("predicted") or {}).get(f"{model['offset']}_bytes")
-        if known is None:
-            return None
-    try:
-        v = at(trial.get("config") or {})
-        return float(known + sum(c * FEATURES[f](v) for c, f in zip(model["coef"], model["features"])))
-    except (KeyError, TypeError, ValueError, ArithmeticError):
-        return None
-
-
-def peaks_figure(models: dict[str, Any] | None, trials: Iterable[dict[str, Any]],
-                 limits: dict[str, int | None] | None = None, spec: dict[str, Any] | None = None) -> go.Figure | None:
-    """Measured device and host peaks against what the fitted models predict, with each limit drawn.
-
-    Filled circles: the job's (final or latest) fit on the trials it was fitted to (its residuals).
-    Crosses: trials the fit did not use (oom ones), predicted by the same fit (given the job's spec, which
-    the fit's variables need). Open diamonds: what the models predicted for a trial before it ran (the
-    trial's `predicted`), where there was a prediction. SpeedLoader's trials only: the models are of its memory,
-    another backend's peaks are measured only."""
-    models = models or {}
-    limits = limits or {}
-    trials = [t for t in trials if backend_of(t) == "speedloader"]
-    by_knobs = {knobs(t): t for t in trials}
-    at = job_variables(spec)
-    fig = make_subplots(rows=1, cols=2, subplot_titles=["device peak", "host peak"], horizontal_spacing=0.1)
-    drawn = False
-    in_legend: set[str] = set()
-
-    def legend(group: str) -> bool:
-        first = group not in in_legend
-        in_legend.add(group)
-        return first
-
-    for col, kind in ((1, "device"), (2, "host")):
-        key = f"peak_{kind}_bytes"
-        model = models.get(kind) or {}
-        fit_x, fit_y, fit_text = [], [], []
-        used = set()
-        for r in model.get("residuals") or []:
-            v = r.get("vars") or {}
-            kn = (v.get("b"), v.get("N"), v.get("k"))
-            x, y = _mib(r.get("predicted")), _mib(r.get("measured"))
-            if x is None or y is None:
-                continue
-            used.add(kn)
-            t = by_knobs.get(kn, {"config": {"sub_batch_size": kn[0], "num_sub_batches": kn[1],
-                                             "num_live_blocks": kn[2]}})
-            fit_x.append(x)
-            fit_y.append(y)
-            rel = r.get("rel_error")
-            fit_text.append(_hover_config(t) + (f"<br>error {rel:+.1%}" if isinstance(rel, (int, float)) else ""))
-        other_x, other_y, other_text, prior_x, prior_y, prior_text = [], [], [], [], [], []
-        for t in trials:
-            measured = _mib((t.get("result") or {}).get(key, t.get(key)))
-            if measured is None:
-                continue
-            if knobs(t) not in used:
-                x = _mib(_model_predict(model, t, at))
-                if x is not None:
-                    other_x.append(x)
-                    other_y.append(measured)
-                    other_text.append(_hover_config(t) + f"<br>{status_of(t)}")
-            before = _mib((t.get("predicted") or {}).get(key))
-            if before is not None:
-                prior_x.append(before)
-                prior_y.append(measured)
-                prior_text.append(_hover_config(t) + f"<br>{status_of(t)}")
-        if fit_x:
-            fig.add_trace(go.Scatter(x=fit_x, y=fit_y, mode="markers", name="trials the fit used",
-                                     legendgroup="fit", showlegend=legend("fit"), text=fit_text,
-                                     marker=dict(size=9, color="#4c78a8"),
-                                     hovertemplate="%{text}<br>predicted %{x:.2f} MiB<br>measured %{y:.2f} MiB"
-                                                   "<extra></extra>"), row=1, col=col)
-        if other_x:
-            fig.add_trace(go.Scatter(x=other_x, y=other_y, mode="markers", name="other trials (oom)",
-                                     legendgroup="other", showlegend=legend("other"), text=other_text,
-                                     marker=dict(size=11, symbol="x", color="#d62728"),
-                                     hovertemplate="%{text}<br>predicted %{x:.2f} MiB<br>measured %{y:.2f} MiB"
-                                                   "<extra></extra>"), row=1, col=col)
-        if prior_x:
-            fig.add_trace(go.Scatter(x=prior_x, y=prior_y, mode="markers", name="predicted before the trial ran",
-                                     legendgroup="prior", showlegend=legend("prior"), text=prior_text,
-                                     marker=dict(size=10, symbol="diamond-open", color="#f58518", line=dict(width=2)),
-                                     hovertemplate="%{text}<br>predicted %{x:.2f} MiB<br>measured %{y:.2f} MiB"
-                                                   "<extra></extra>"), row=1, col=col)
-        xs, ys = fit_x + other_x + prior_x, fit_y + other_y + prior_y
-        if not xs:
-            continue
-        drawn = True
-        limit = _mib(limits.get(kind))
-        lo, hi = min(xs + ys) * 0.8, max(xs + ys) * 1.25     # the data's range: a far limit must not squash it
-        if limit and limit <= 2 * max(xs + ys):
-            hi = max(hi, limit * 1.15)                          # a near limit is drawn as a line
-        fig.add_trace(go.Scatter(x=[lo, hi], y=[lo, hi], mode="lines", name="measured = predicted",
-                                 legendgroup="diag", showlegend=legend("diag"), hoverinfo="skip",
-                                 line=dict(color="#999", dash="dash", width=1)), row=1, col=col)
-        if limit:
-            label = f"{kind} limit {_fmt_bytes(limits[kind])}"
-            if limit <= hi:
-                fig.add_trace(go.Scatter(x=[lo, hi], y=[limit, limit], mode="lines", name="memory limit",
-                                         legendgroup="limit", showlegend=legend("limit"),
-                                         line=dict(color="#d62728", width=2),
-                                         hovertemplate=label + "<extra></extra>"), row=1, col=col)
-            else:
-                label += f": {limit / max(ys):,.1f}x the largest measured peak, above the plot"
-            fig.add_annotation(x=math.log10(lo), y=math.log10(min(limit, hi)), xref=f"x{col if col > 1 else ''}",
-                               yref=f"y{col if col > 1 else ''}", text=label, showarrow=False, xanchor="left",
-                               yanchor="bottom" if limit <= hi else "top", font=dict(color="#d62728", size=11))
-        fig.update_xaxes(type="log", range=[math.log10(lo), math.log10(hi)], title_text="predicted (MiB)",
-                         row=1, col=col)
-        fig.update_yaxes(type="log", range=[math.log10(lo), math.log10(hi)], title_text="measured (MiB)",
-                         row=1, col=col)
-    if not drawn:
-        return None
-    fig.update_layout(legend=dict(orientation="h", y=-0.22, x=0))
-    return _base_layout(fig, "Measured peaks against the fitted models", 470)
+    return log_toggle(base_layout(fig, "Seconds per trial", 430))
 
 
 # -- timeline ---------------------------------------------------------------------------------------
@@ -697,7 +605,8 @@ def _utc(v: Any) -> datetime | None:
 
 
 def timeline_figure(trials: Iterable[dict[str, Any]], now: datetime | None = None) -> go.Figure | None:
-    """Each trial's start to finish (a running one: to now), coloured by status, labelled with its role."""
+    """Each trial's start to finish (a running one: to now), coloured by status, labelled with its role; in a job
+    over several backends each bar starts with its backend's marker (a legend of its own)."""
     now = _utc(now) or datetime.now(timezone.utc).replace(tzinfo=None)
     rows = []
     for t in trials:
@@ -710,24 +619,34 @@ def timeline_figure(trials: Iterable[dict[str, Any]], now: datetime | None = Non
         return None
     rows.sort(key=lambda r: (r[1], r[0].get("number") or 0))
     labels = [f"#{t.get('number')} {t.get('role') or ''}".strip() for t, _, _ in rows]
+    backends = backends_in(t for t, _, _ in rows)
+    groups = {"legendgroup": "status", "legendgrouptitle_text": "status"} if len(backends) > 1 else {}
     fig = go.Figure()
     for status in sorted({status_of(t) for t, _, _ in rows}, key=lambda s: list(STATUS_COLORS).index(s)
                          if s in STATUS_COLORS else 99):
         sel = [(lab, t, a, b) for lab, (t, a, b) in zip(labels, rows) if status_of(t) == status]
         fig.add_trace(go.Bar(
-            y=[lab for lab, *_ in sel], base=[a.isoformat() for _, _, a, _ in sel],
+            y=[lab for lab, *_ in sel], base=[a.isoformat() for _, _, a, _ in sel], ids=ids(t for _, t, _, _ in sel),
             x=[max((b - a).total_seconds() * 1000.0, 1.0) for *_, a, b in sel], orientation="h", name=status,
-            marker=dict(color=STATUS_COLORS.get(status, "#444")),
+            marker=dict(color=STATUS_COLORS.get(status, "#444")), **groups,
             text=[f"{(b - a).total_seconds():.1f}s" for *_, a, b in sel], textposition="inside",
-            customdata=[[_hover_config(t), f"{(b - a).total_seconds():.1f}",
+            customdata=[[hover_config(t), f"{(b - a).total_seconds():.1f}",
                          f"{tokens_per_s(t):,.1f} tokens/s" if tokens_per_s(t) and status_of(t) == "ok"
                          else status_of(t)]
                         for _, t, a, b in sel],
             hovertemplate="%{customdata[0]}<br>%{customdata[1]} s<br>%{customdata[2]}<extra></extra>"))
+    for backend in backends if groups else []:
+        sel = [(lab, t, a) for lab, (t, a, _) in zip(labels, rows) if backend_of(t) == backend]
+        fig.add_trace(go.Scatter(
+            y=[lab for lab, _, _ in sel], x=[a.isoformat() for _, _, a in sel], mode="markers", name=backend,
+            ids=ids(t for _, t, _ in sel), legendgroup="backend", legendgrouptitle_text="backend",
+            marker=dict(symbol=BACKEND_SYMBOLS.get(backend, "circle"), color=BACKEND_COLORS.get(backend, "#444"),
+                        size=10, line=dict(width=1, color="white")),
+            text=[hover_config(t) for _, t, _ in sel], hovertemplate="%{text}<extra>" + backend + "</extra>"))
     fig.update_xaxes(type="date", title_text="time (UTC)")
     fig.update_yaxes(categoryorder="array", categoryarray=labels, autorange="reversed")
-    fig.update_layout(barmode="overlay", bargap=0.25, legend=dict(title_text="status"))
-    return _base_layout(fig, "Trial timeline", 140 + 26 * len(rows))
+    fig.update_layout(barmode="overlay", bargap=0.25, legend=dict(title_text="" if groups else "status"))
+    return base_layout(fig, "Trial timeline", 140 + 26 * len(rows))
 
 
 # -- comparison of two jobs -------------------------------------------------------------------------
@@ -767,4 +686,4 @@ def compare_figure(cmp: dict[str, Any], label_a: str = "A", label_b: str = "B",
     fig.update_yaxes(title_text="tokens/s", row=1, col=1)
     spread = max([abs(c) for c in changes if c is not None] + [max_regression or 0.0, 0.05]) * 1.3
     fig.update_yaxes(title_text="B / A − 1", tickformat="+.0%", range=[-spread, spread], row=2, col=1)
-    return _base_layout(fig, "Throughput per config, side by side", 560)
+    return base_layout(fig, "Throughput per config, side by side", 560)

@@ -17,6 +17,7 @@ import functools
 import gzip
 import html
 import math
+import re
 from datetime import datetime, timezone
 from importlib import resources
 from pathlib import Path
@@ -29,14 +30,14 @@ from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, Response
 from jinja2 import Environment, FileSystemLoader, StrictUndefined, select_autoescape
 from markupsafe import Markup
-from sqlalchemy import select
 
-from sltune.dashboards import figures
+from sltune.dashboards import figures, peaks, trial_figures
 from sltune.tuning.report import compare as comparing
 from sltune.service.jobs import job_detail
 from sltune.service.progress import trial_counts, trials_run
+from sltune.service.trials import trial_view, trial_views
 from sltune.sizes import format_bytes
-from sltune.store.schema import Artifact
+from sltune.tuning.report.fixes import fix_of
 from sltune.tuning.search.study import optuna_storage
 from sltune.tuning.search.study import param_importances
 
@@ -121,18 +122,6 @@ def _knobs(c: dict[str, Any] | None) -> str:
     return figures.config_label(c) if c else "-"
 
 
-def trial_dicts(store, job_id: str) -> list[dict[str, Any]]:
-    """The job's trials as GET /jobs/{id}/trials gives them (what figures and compare() take)."""
-    with store.Session() as s:
-        traced = set(s.scalars(select(Artifact.trial_number).where(Artifact.job_id == job_id,
-                                                                   Artifact.kind == "trace")))
-    return [{"number": t.number, "role": t.role, "status": t.status, "config": t.config or {},
-             "predicted": t.predicted or {}, "result": t.result, "started_at": t.started_at,
-             "finished_at": t.finished_at,
-             "trace_url": f"/jobs/{_q(job_id)}/trials/{t.number}/trace" if t.number in traced else None}
-            for t in store.trials(job_id)]
-
-
 # -- plotly.js, served by the app ------------------------------------------------------------------
 @functools.lru_cache(maxsize=1)
 def _plotly_js() -> tuple[bytes, bytes, str]:
@@ -193,13 +182,14 @@ def job_page(job_id: str, request: Request) -> HTMLResponse:
     if job is None:
         return _not_found(f"no job {job_id!r}")
     detail = job_detail(store, job, request.app.state.settings)
-    trials = trial_dicts(store, job.id)
+    trials = trial_views(store, job.id)
     spec = job.spec or {}
     hw = spec.get("hardware") or {}
     result = job.result or {}
     progress = job.progress or {}
     best = result.get("best")
     best_number = (best or {}).get("trial_number")
+    picks = figures.picks_of(result)        # a pick's one figure, wherever the page shows the pick
     limits = {"device": hw.get("device_memory_limit"), "host": hw.get("host_memory_limit")}
     shown, total = figures.pie_trials(trials)
     # issue #33: a job over several backends, or on one other than SpeedLoader, shows them side by side
@@ -209,10 +199,13 @@ def job_page(job_id: str, request: Request) -> HTMLResponse:
     figs = {"history": figures.history_figure(trials),
             "importance": figures.importance_figure(param_importances(optuna_storage(store.url), job.id)),
             "parallel": figures.parallel_figure(trials),
-            "by_backend": figures.backend_throughput_figure(trials, bests) if by_backend else None,
-            "throughput": figures.throughput_figure(trials, best_number),
-            "peaks": figures.peaks_figure(detail.get("models"), trials, limits, spec),
-            "pies": figures.backend_pies(trials, bests) if len(backends) > 1 else figures.breakdown_pies(trials),
+            "by_backend": figures.backend_throughput_figure(trials, bests, picks) if by_backend else None,
+            # SpeedLoader's trials only: its best is starred (the job's best may be another backend's)
+            "throughput": figures.throughput_figure(trials, bests["speedloader"]["number"] if "speedloader" in bests
+                                                    else best_number, picks=picks),
+            "peaks": peaks.peaks_figure(detail.get("models"), trials, limits, spec),
+            "pies": figures.backend_pies(trials, bests, picks=picks) if len(backends) > 1
+            else figures.breakdown_pies(trials, picks=picks),
             "seconds": figures.seconds_figure(trials),
             "timeline": figures.timeline_figure(trials)}
     so_far = progress.get("best_config") if job.status in ACTIVE else None
@@ -221,7 +214,7 @@ def job_page(job_id: str, request: Request) -> HTMLResponse:
                  summary=_job_summary(job, detail, spec, progress),
                  best=_best(best, result, hw, trials, named=len(backends) > 1) if best else None,
                  backends=backends, by_backend=by_backend,
-                 backend_bests=_backend_bests(bests, result) if len(backends) > 1 else [],
+                 backend_bests=_backend_bests(bests, picks) if len(backends) > 1 else [],
                  so_far={"knobs": _knobs(so_far), "tokens_per_s": _num(progress.get("best_tokens_per_s"))}
                  if so_far else None,
                  figs={name: _plot(fig) for name, fig in figs.items()},
@@ -360,20 +353,135 @@ def _trial_rows(trials: list[dict[str, Any]], best_number: int | None) -> list[d
     return rows
 
 
-def _backend_bests(bests: dict[str, dict[str, Any]], result: dict[str, Any]) -> list[dict[str, Any]]:
-    """The job page's best per backend (several backends): the job result's best_by_backend entry where it names
-    that trial (its figure pools the config's trials), else the trial's own figure."""
-    entries = dict(result.get("best_by_backend") or {})
-    best = result.get("best") or {}
+def _backend_bests(bests: dict[str, dict[str, Any]], picks: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
+    """The job page's best per backend (several backends): the figure of the job result's pick that pools that
+    trial (best_by_backend's, or the best's), else the trial's own."""
     rows = []
     for backend, t in bests.items():
-        entry = entries.get(backend) or (best if best.get("trial_number") == t.get("number") else {})
-        if t.get("number") not in [entry.get("trial_number"), *(entry.get("from_trials") or [])]:
-            entry = {}                  # the entry's trial is not an ok one here: the trial speaks for itself
-        rows.append({"backend": backend, "knobs": figures.knob_text(t),
-                     "tokens_per_s": _num(entry.get("tokens_per_s", figures.tokens_per_s(t))),
+        entry = picks.get(t.get("number"))
+        rows.append({"backend": backend, "knobs": figures.knob_text(t), "number": t.get("number"),
+                     "tokens_per_s": _num(figures.pick_figure(t, picks)),
                      "measured_in": _measured_in(entry) if entry else f"Trial #{t.get('number')}",
                      "parity": _parity(t)})
+    return rows
+
+
+# -- one trial -------------------------------------------------------------------------------------
+@router.get("/dashboard/jobs/{job_id}/trials/{number}", response_class=HTMLResponse)
+def trial_page(job_id: str, number: str, request: Request) -> HTMLResponse:
+    """One trial: its config, figure and interval, predictions, breakdown, top operators, parity, trace and error.
+    A trial number that is not one of the job's is the not-found page, as an unknown job is."""
+    store = request.app.state.store
+    job = store.job(job_id)
+    if job is None:
+        return _not_found(f"no job {job_id!r}")
+    row = store.trial(job.id, int(number)) if re.fullmatch(r"[0-9]{1,9}", number) else None
+    if row is None:
+        return _not_found(f"job {job.name} ({job.id}) has no trial {number!r}")
+    t = trial_view(job.id, row, store.artifact(job.id, row.number, "trace") is not None)
+    r = t["result"] or {}
+    picks = figures.picks_of(job.result)
+    status = figures.status_of(t)
+    return _page("trial.html", f"trial #{row.number} · job {job.name}", plots=True,
+                 refresh=15 if status == "running" else None, job=job, qid=_q(job.id), trial=t, status=status,
+                 summary=_trial_summary(t, picks), config=_config_rows(t), throughput=_throughput(t),
+                 measured=_measured_predicted(t), breakdown=_breakdown_rows(t), top_ops=_top_ops(r),
+                 parity=_parity_table(t), error=str(r.get("error") or ""), trace_error=str(r.get("trace_error") or ""),
+                 fix=fix_of(status, t["backend"], r.get("oom_resource"), r.get("error")),
+                 figs={"steps": _plot(trial_figures.steps_figure(t, picks)),
+                       "pie": _plot(trial_figures.breakdown_pie(t))})
+
+
+def _trial_summary(t: dict[str, Any], picks: dict[int, dict[str, Any]]) -> list[tuple[str, str]]:
+    """The trial page's (label, text) pairs: what ran, when, what it took to start, and its part in the job's pick."""
+    r = t["result"] or {}
+    ran = r.get("config") or {}
+    timing = r.get("timing") or {}
+    items = [("backend", t["backend"]), ("config", _knobs(t["config"])), ("role", str(t["role"]))]
+    shape = ", ".join(f"{k} {ran[k]}" for k in ("seq_len", "world_size", "num_layers") if ran.get(k) is not None)
+    if shape:
+        items.append(("ran", shape + (" (a probe at reduced depth)" if t["config"].get("num_layers") else "")))
+    items.append(("started / finished (UTC)", f"{_ts(t['started_at'])} / {_ts(t['finished_at'])} "
+                                              f"({_duration(t['started_at'], t['finished_at'])})"))
+    if timing.get("setup_s") is not None:
+        items.append(("setup", f"{timing['setup_s']:.1f} s from its fork to its first step; resident memory then "
+                               f"{_bytes(timing.get('host_bytes_at_start'))}"))
+    for k, v in (r.get("backend_detail") or {}).items():
+        items.append((str(k), str(v)))
+    entry = picks.get(t["number"])
+    if entry:
+        which = "the job's pick" if entry.get("trial_number") == t["number"] else \
+            f"pooled into the pick of trial #{entry.get('trial_number')}"
+        items.append(("in the job's best", f"{which}: {_measured_in(entry)}; its figure "
+                                           f"{_num(entry.get('tokens_per_s'))} tokens/s"))
+    return items
+
+
+def _parity_table(t: dict[str, Any]) -> dict[str, Any] | None:
+    """The trial page's parity row: both losses, the relative difference (the job page's cell), the tolerance."""
+    p = figures.parity_of(t)
+    if p is None:
+        return None
+    return {"loss": _g(p.get("loss"), ".6g"), "reference_loss": _g(p.get("reference_loss"), ".6g"),
+            "rel_diff": _g(p.get("rel_diff")), "tolerance": _g(p.get("tolerance")), "ok": bool(p.get("ok"))}
+
+
+def _config_rows(t: dict[str, Any]) -> list[tuple[str, str]]:
+    """Every knob the trial ran with: its stored config, then what its result's config adds (seq_len, world size)."""
+    ran = (t["result"] or {}).get("config") or {}
+    return [(k, comparing.knob_value(v)) for k, v in {**ran, **t["config"]}.items() if v is not None]
+
+
+def _throughput(t: dict[str, Any]) -> dict[str, Any]:
+    """The trial's figure: the median step's tokens/s, its 95% interval and what stands behind it."""
+    r = t["result"] or {}
+    timing = r.get("timing") or {}
+    ci = timing.get("tokens_per_s_ci95")
+    steps = timing.get("steps_s") or []
+    return {"tokens_per_s": _num(r.get("tokens_per_s")), "diverged": figures.status_of(t) == "diverged",
+            "interval": f"[{_num(ci[0])}, {_num(ci[1])}]" if ci else None,
+            "steps": len(steps), "rounds": timing.get("rounds"), "step_s": _num(r.get("step_seconds"), ".4f"),
+            "cv": f"{timing['cv']:.1%}" if isinstance(timing.get("cv"), (int, float)) else None,
+            "unstable": timing.get("unstable_reasons") or [],
+            "others_busy": _num((timing.get("interference") or {}).get("others_busy_cores"), ".1f")}
+
+
+def _measured_predicted(t: dict[str, Any]) -> dict[str, Any]:
+    """The trial's measured figures beside what the job's models predicted for it before it ran (its `predicted`),
+    and how far off they were."""
+    r, pred = t["result"] or {}, t["predicted"] or {}
+    rows = []
+    for label, key, show in (("tokens/s", "tokens_per_s", _num), ("step seconds", "step_seconds",
+                                                                    lambda v: _num(v, ".4f")),
+                             ("device peak", "peak_device_bytes", _bytes), ("host peak", "peak_host_bytes", _bytes)):
+        m, p = r.get(key), pred.get(key)
+        off = f"{m / p - 1:+.1%}" if isinstance(m, (int, float)) and isinstance(p, (int, float)) and p > 0 else "-"
+        rows.append((label, show(m), show(p), off))
+    fits = pred.get("fits")
+    verdict = None if fits is None else "predicted to fit" if fits else \
+        f"predicted not to fit ({', '.join(map(str, pred.get('over') or [])) or 'over a limit'})"
+    return {"rows": rows, "any": any(pred.get(k) is not None for k in ("tokens_per_s", "step_seconds",
+                                                                        "peak_device_bytes", "peak_host_bytes")),
+            "verdict": verdict}
+
+
+def _breakdown_rows(t: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """(category, share of the profiled step, seconds) for each category the step spent time in."""
+    shares, secs = figures.breakdown_of(t) or {}, figures.seconds_of(t) or {}
+    return [(figures.BREAKDOWN[k], f"{v:.1%}", f"{secs[k] * 1000:,.2f} ms" if k in secs else "-")
+            for k, v in shares.items() if v > 0]
+
+
+def _top_ops(r: dict[str, Any]) -> list[tuple[str, str, str, str]]:
+    """(operator, calls, self time, share of the profiled step) of the operators the profiler found costliest."""
+    wall = r.get("profiled_step_seconds")
+    rows = []
+    for op in r.get("top_ops") or []:
+        s = op.get("self_seconds")
+        rows.append((str(op.get("name", "?")), str(op.get("count", "-")),
+                     f"{s * 1000:,.2f} ms" if isinstance(s, (int, float)) else "-",
+                     f"{s / wall:.1%}" if isinstance(s, (int, float)) and isinstance(wall, (int, float)) and wall
+                     else "-"))
     return rows
 
 

@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 
 from sltune.settings import Settings
 from sltune.tuning.cost.admission import load as admitted_spec
-from tests.support.dashboard_data import backend_trials, realistic_models, realistic_trials
+from tests.support.dashboard_data import backend_trials, measured_job, realistic_models, realistic_trials
 from tests.support.specs import tiny_spec
 
 
@@ -65,6 +65,21 @@ def _job(store, name, status, trials, scale=1.0, result=True, extra=None):
     return job.id
 
 
+def _measured(store) -> str:
+    """tests.support.dashboard_data.measured_job stored as its job stored it: every trial's config, prediction and
+    TrialResult as measured, a trace for each that profiled a step, and the job's result."""
+    job = measured_job()
+    spec = admitted_spec(job["spec"])
+    row = store.create_job(job["name"], spec.model_dump(mode="json"), spec.digest(), {}, status="running")
+    for t in job["trials"]:
+        store.start_trial(row.id, t["number"], t["role"], t["config"], t["predicted"], None, None)
+        store.finish_trial(row.id, t["number"], t["result"])
+        if t["result"].get("trace_path"):
+            store.add_artifact(row.id, t["number"], "trace", f"{row.id}/trial-{t['number']}.json", 10)
+    store.set_status(row.id, "succeeded", result={**job["result"], "job_id": row.id})
+    return row.id
+
+
 @pytest.fixture(scope="module")
 def site(tmp_path_factory):
     from sltune.api.app import create_app
@@ -88,6 +103,7 @@ def site(tmp_path_factory):
     }
     spec = _spec("waiting")
     ids["queued"] = store.create_job("waiting", spec.model_dump(mode="json"), spec.digest(), {"device": "cpu"}).id
+    ids["measured"] = _measured(store)
     with TestClient(app) as client:
         yield client, ids
 
@@ -407,3 +423,182 @@ def test_one_job_reports_one_best_figure_everywhere(site, monkeypatch, tmp_path,
     assert attrs["pick_confidence"] == r["confidence"]
     # Optuna's best_trial is one trial, here a confirmation trial of a faster round: not the pick's figure
     assert study.best_trial.value > figure and study.best_trial.user_attrs["role"] == "confirm"
+
+
+# -- a page per trial, and the job page's links, figures and backends (issue #46) ------------------------------
+def _trial(number: int) -> dict:
+    return next(t for t in measured_job()["trials"] if t["number"] == number)
+
+
+def _traces(section: str) -> dict[str, dict]:
+    """The traces of the section's figure by name, as the page hands them to Plotly.newPlot."""
+    import json
+
+    start = section.index("[", section.index("Plotly.newPlot("))
+    return {tr.get("name"): tr for tr in json.JSONDecoder().raw_decode(section[start:])[0]}
+
+
+@pytest.mark.parametrize("number", [7, 2, 4])       # SpeedLoader's, DeepSpeed's and FSDP's picks
+def test_a_trial_page_shows_its_config_figure_predictions_breakdown_operators_parity_and_trace(site, number):
+    from sltune.sizes import format_bytes
+
+    client, ids = site
+    job_id = ids["measured"]
+    t = _trial(number)
+    r = t["result"]
+    page = client.get(f"/dashboard/jobs/{job_id}/trials/{number}")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    text = page.text
+    _no_cdn(text)
+    backend = r["config"]["backend"]
+    assert f"Trial #{number} <small>of three-backends" in text and f"<dd>{backend}</dd>" in text
+    assert f"href='/dashboard/jobs/{job_id}'" in text
+    # the config: every knob it ran with
+    config = _section(text, "Config")
+    for knob, value in {**r["config"], **t["config"]}.items():
+        if value is not None:
+            shown = str(value).lower() if isinstance(value, bool) else str(value)
+            assert f"<tr><th>{knob}</th><td>{shown}</td></tr>" in config, knob
+    # the figure with its interval, and every timed step drawn
+    lo, hi = r["timing"]["tokens_per_s_ci95"]
+    throughput = _section(text, "Throughput")
+    assert f"<b>{r['tokens_per_s']:,.1f}</b> tokens/s, 95% interval <b>[{lo:,.1f}, {hi:,.1f}]</b>" in throughput
+    assert f"the median of {len(r['timing']['steps_s'])} timed steps" in throughput
+    assert throughput.count('class="plotly-graph-div"') == 1 and '"name":"timed step"' in throughput
+    # measured beside predicted
+    measured = _section(text, "Measured and predicted")
+    for label, key in (("device peak", "peak_device_bytes"), ("host peak", "peak_host_bytes")):
+        m, p = r[key], t["predicted"][key]
+        assert (f"<tr><th>{label}</th><td class='num'>{format_bytes(int(m))}</td>"
+                f"<td class='num'>{format_bytes(int(p))}</td><td class='num'>{m / p - 1:+.1%}</td></tr>") in measured
+    fits = t["predicted"]["fits"]       # SpeedLoader's b=2 was predicted not to fit its device, and did
+    assert ("predicted to fit" if fits else f"predicted not to fit ({', '.join(t['predicted']['over'])})") in measured
+    # the pie and the seconds behind it
+    breakdown = _section(text, "Time breakdown")
+    assert breakdown.count('"hole":0.3') == 1
+    for key, share in r["breakdown"].items():
+        if share > 0:
+            seconds = r["breakdown_seconds"][key] * 1000
+            assert f"<td class='num'>{share:.1%}</td><td class='num'>{seconds:,.2f} ms</td>" in breakdown, key
+    # the top operators, every one of them with its own time
+    ops = _section(text, "Top operators")
+    assert len(r["top_ops"]) == 10 and ops.count("<tr><td><code>") == 10
+    for op in r["top_ops"]:
+        assert f"<code>{op['name']}</code></td><td class='num'>{op['count']}</td>" \
+               f"<td class='num'>{op['self_seconds'] * 1000:,.2f} ms</td>" in ops
+    # parity
+    p = r["parity"]
+    parity = _section(text, "Parity")
+    assert f"<td class='num'>{p['loss']:.6g}</td><td class='num'>{p['reference_loss']:.6g}</td>" in parity
+    assert f">{p['rel_diff']:.2g}</td><td class='num'>{p['tolerance']:.2g}</td><td>ok</td>" in parity
+    # the trace, to download
+    assert f"<a href='/jobs/{job_id}/trials/{number}/trace' download=" in _section(text, "Trace")
+    assert "Perfetto" in _section(text, "Trace")
+    assert ">Error</h2>" not in text
+    if backend == "deepspeed":
+        assert "<dt>optimizer</dt><dd>DeepSpeedCPUAdam</dd>" in text
+    # its part in the job's pick, at the pick's figure
+    pick = measured_job()["result"]["best_by_backend"][backend]
+    assert f"its figure {pick['tokens_per_s']:,.1f} tokens/s" in text
+
+
+def test_a_failed_trials_page_shows_its_error_and_the_specs_fix(site):
+    """FSDP's b=16 trial ran out of device memory: its own error says to lower num_live_blocks, which FSDP does not
+    have; the page adds the fix in the spec's terms, FSDP's own knobs. A diverged trial says why it is never picked."""
+    client, ids = site
+    text = client.get(f"/dashboard/jobs/{ids['measured']}/trials/5").text
+    error = _section(text, "Error")
+    assert html_escaped(_trial(5)["result"]["error"]) in error and "s-oom" in text
+    fix = error.split("<b>Fix:</b>")[1]
+    assert "search.fsdp sweep cpu_offload true" in fix and "hardware.device_memory_limit" in fix
+    assert "num_live_blocks" not in fix
+    assert "No throughput: the trial ended oom" in text and "No trace" in text
+    assert "The trial recorded no prediction" not in text and "No operators recorded" in text
+    diverged = client.get(f"/dashboard/jobs/{ids['backends']}/trials/13").text
+    assert "the tuner never picks it" in _section(diverged, "Error") and "search.fsdp" in _section(diverged, "Error")
+    parity = _section(diverged, "Parity")
+    assert "<td class='num bad'>0.21</td>" in parity and "no: diverged" in parity
+    assert "(<b>5,000.0</b> tokens/s: not a throughput, the trial diverged)" in diverged
+
+
+def test_a_missing_trial_or_job_is_the_dashboards_not_found_page(site):
+    """Issue #46: /dashboard/jobs/ID/trials/8 was FastAPI's JSON 404."""
+    client, ids = site
+    for path in (f"/dashboard/jobs/{ids['measured']}/trials/99", f"/dashboard/jobs/{ids['measured']}/trials/x",
+                 f"/dashboard/jobs/{ids['measured']}/trials/-1", "/dashboard/jobs/nope/trials/0",
+                 f"/dashboard/jobs/{ids['queued']}/trials/0"):
+        r = client.get(path)
+        assert r.status_code == 404 and r.headers["content-type"].startswith("text/html"), path
+        assert "<h1>Not found</h1>" in r.text and "href='/dashboard'" in r.text, path
+    assert "has no trial &#x27;99&#x27;" in client.get(f"/dashboard/jobs/{ids['measured']}/trials/99").text
+
+
+def test_the_job_page_links_every_trial_and_its_plots_to_the_trials_page(site):
+    client, ids = site
+    job_id = ids["measured"]
+    text = client.get(f"/dashboard/jobs/{job_id}").text
+    for t in measured_job()["trials"]:
+        n = t["number"]
+        assert _row(text, n).startswith(f"<tr><td data-v='{n}'><a href='/dashboard/jobs/{job_id}/trials/{n}'")
+        assert client.get(f"/dashboard/jobs/{job_id}/trials/{n}").status_code == 200
+    best = _section(text, "Best config").split("<h3>Best per backend</h3>")[1]
+    assert f"<td><a href='/dashboard/jobs/{job_id}/trials/2'>" in best
+    # every plotted trial carries its number (the click handler opens its page)
+    assert 'div.on("plotly_click"' in text and '"/trials/" + n' in text
+    assert '"ids":["0","1","2"]' in _section(text, "History")           # DeepSpeed's trials, in one trace
+    assert '"meta":{"trial":2}' in _section(text, "Time breakdown per backend")
+
+
+def test_the_job_page_shows_each_picks_pooled_figure_everywhere(site):
+    """Issue #46: the pie's title and the throughput star said trial #2's own 6,953 tokens/s while the Best config
+    table said the pick's 5,219.0 (the median of #2's and #9's steps). Every place says 5,219.0 now."""
+    client, ids = site
+    text = client.get(f"/dashboard/jobs/{ids['measured']}").text
+    best = _section(text, "Best config")
+    assert "<th>tokens/s</th><td class='num'>5,219.0</td>" in best
+    assert "<tr><td>deepspeed</td>" in best and "<td class='num'>5,219.0</td>" in best
+    pies = _section(text, "Time breakdown per backend")
+    # (Plotly's JSON writes / as \u002f)
+    assert r"5,219.0 tok\u002fs (pooled over trials #2, #9; pie: trial #2)" in pies
+    assert r"3,142.8 tok\u002fs (pooled over trials #7, #10; pie: trial #7)" in pies
+    pick = {b: e["tokens_per_s"] for b, e in measured_job()["result"]["best_by_backend"].items()}
+    stars = _traces(_section(text, "Throughput by backend"))["best of its backend"]
+    assert stars["text"] == ["3,142.8", "5,219.0", "1,963.3"] and stars["ids"] == ["7", "2", "4"]
+    assert stars["y"] == [pick["speedloader"], pick["deepspeed"], pick["fsdp"]]
+    star = _traces(_section(text, "Throughput against the knobs"))["the pick"]      # SpeedLoader's trials only
+    assert star["y"] == [pick["speedloader"]] and star["ids"] == ["7"] and star["marker"]["symbol"] == "star"
+    for section in ("Best config", "Time breakdown per backend", "Throughput by backend"):
+        assert "6,953" not in _section(text, section), section
+
+
+def test_the_job_page_marks_each_trials_backend(site):
+    client, ids = site
+    text = client.get(f"/dashboard/jobs/{ids['measured']}").text
+    backend = {str(t["number"]): t["result"]["config"]["backend"] for t in measured_job()["trials"]}
+    history = _traces(_section(text, "History"))
+    for b in ("speedloader", "deepspeed", "fsdp"):
+        assert {backend[i] for i in history[f"{b} trial"]["ids"]} == {b}
+    timeline = _traces(_section(text, "Trial timeline"))
+    for b in ("speedloader", "deepspeed", "fsdp"):
+        assert timeline[b]["legendgroup"] == "backend" and sorted(timeline[b]["ids"]) == \
+            sorted(n for n, their in backend.items() if their == b)
+    par = _traces(_section(text, "Parallel coordinates"))[None]["dimensions"]
+    assert [d["label"] for d in par][:4] == ["backend", "sub_batch_size b", "num_sub_batches N", "num_live_blocks k"]
+    assert "n/a" in par[3]["ticktext"] and "zero_stage" in [d["label"] for d in par]
+
+
+def test_get_trials_names_every_trials_backend(site):
+    """Issue #46: GET /jobs/{id}/trials gave SpeedLoader's trials no backend (their stored config names none) while
+    best_by_backend named it. Every trial names it, beside its config and in it; a running one too."""
+    client, ids = site
+    trials = client.get(f"/jobs/{ids['measured']}/trials").json()
+    expect = {t["number"]: t["result"]["config"]["backend"] for t in measured_job()["trials"]}
+    assert {t["number"]: t["backend"] for t in trials} == expect
+    assert {t["number"]: t["config"]["backend"] for t in trials} == expect
+    assert "speedloader" in expect.values()
+    running = client.get(f"/jobs/{ids['running']}/trials").json()
+    assert [t["backend"] for t in running] == ["speedloader"] * 4 and running[3]["result"] is None
+    assert [t["backend"] for t in client.get(f"/jobs/{ids['backends']}/trials").json()] == \
+        ["speedloader"] * 9 + ["deepspeed"] * 3 + ["fsdp"] * 2
+    schema = client.get("/openapi.json").json()["components"]["schemas"]["TrialOut"]
+    assert "backend" in schema["required"] and schema["properties"]["backend"]["type"] == "string"

@@ -3,12 +3,15 @@ and the browser test draw the same data."""
 
 from __future__ import annotations
 
+import json
 from datetime import datetime, timedelta, timezone
+from pathlib import Path
 
 from sltune.tuning.search.fit import MODELS, LinearFit, variables
 from sltune.tuning.cost.shape import shape_of
 from sltune.tuning.space import Candidate
 
+MEASURED_JOB = Path(__file__).with_name("three_backends_job.json")
 # (number, role, status, b, N, k, tokens/s, device peak, host peak, (compute, memcpy, cpu, other)) as a real
 # job of examples/tiny-llama-cpu.yaml measured them
 ROWS = [
@@ -112,3 +115,16 @@ def backend_trials(start: datetime | None = None) -> list[dict]:
                     "started_at": at, "finished_at": at + timedelta(seconds=7),
                     "trace_url": f"/jobs/j/trials/{num}/trace" if status == "ok" else None})
     return out
+
+
+def measured_job() -> dict:
+    """A real job over the three backends on a 2-core CPU machine (llama-tiny, seq_len 32, a 5 MiB device limit,
+    b in 1, 2, 16, one confirmation round, profiled), as the store held it: its spec, its result (best and
+    best_by_backend pool each pick's trials) and its trials with their whole TrialResults (timing, breakdown and its
+    seconds, top operators, parity, DeepSpeed's backend_detail) and predictions. DeepSpeed's pick, trial #2, ran
+    6,953 tokens/s on its own and its confirmation 3,664: the pick's figure is 5,219, their steps' median. SpeedLoader's
+    and FSDP's b=16 trials (#8, #5) ran out of device memory."""
+    data = json.loads(MEASURED_JOB.read_text())
+    for t in data["trials"]:
+        t["started_at"], t["finished_at"] = (datetime.fromisoformat(t[k]) for k in ("started_at", "finished_at"))
+    return data

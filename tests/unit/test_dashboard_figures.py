@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from sltune.dashboards import figures
+from sltune.dashboards import figures, peaks, trial_figures
 from sltune.tuning.report.compare import JobData, compare
-from tests.support.dashboard_data import backend_trials, realistic_models, realistic_trials
+from tests.support.dashboard_data import backend_trials, measured_job, realistic_models, realistic_trials
 
 MIB = 1024 * 1024
 DEVICE_LIMIT, HOST_LIMIT = 6 * MIB, 8 * 1024 * MIB
@@ -117,14 +117,15 @@ def test_throughput_figure_facets_by_n_colours_by_k_and_marks_the_oom():
     assert len(oom) == 1 and list(oom[0].y) == [0.0] and oom[0].marker.symbol == "x"
     assert {a.text for a in fig.layout.annotations} >= {"num_sub_batches N=1", "num_sub_batches N=4",
                                                         "num_sub_batches N=8"}
-    star = [tr for tr in fig.data if tr.marker.symbol is not None and "star" in list(tr.marker.symbol or [])]
-    assert len(star) == 1
+    star = [tr for tr in fig.data if tr.name == "the pick"]       # no pick given: at the trial's own figure
+    assert len(star) == 1 and star[0].marker.symbol == "star" and list(star[0].y) == [1618.8]
+    assert {tr.marker.symbol for tr in fig.data if tr.name.startswith("num_live_blocks")} == {None}   # no star
 
 
 def test_peaks_figure_draws_measured_against_predicted_with_both_limits():
     trials = realistic_trials()
     models = realistic_models(trials)
-    fig = figures.peaks_figure(models, trials, {"device": DEVICE_LIMIT, "host": HOST_LIMIT}, SPEC)
+    fig = peaks.peaks_figure(models, trials, {"device": DEVICE_LIMIT, "host": HOST_LIMIT}, SPEC)
     limits = [tr for tr in fig.data if tr.name == "memory limit"]
     assert [tr.y[0] for tr in limits] == [6.0]          # the device limit, near the data: a line
     # the host limit (8 GiB, 25x the largest peak) is a note at the top, not an axis stretched to it
@@ -199,7 +200,7 @@ def test_one_pie_per_backend_side_by_side_titled_with_the_backend_and_its_knobs(
     assert [p.name for p in pies] == ["speedloader", "deepspeed", "fsdp"]
     assert {p.domain.y for p in pies} == {pies[0].domain.y}                     # one row: side by side
     titles = [a.text for a in fig.layout.annotations]
-    assert titles[1].startswith("<b>deepspeed</b> · 940 tok/s (trial #9)")
+    assert titles[1].startswith("<b>deepspeed</b> · 940.0 tok/s (trial #9)")
     assert "b=4 N=2 zero_stage=2 offload_optimizer=cpu offload_param=none" in titles[1]
     assert "b=8 N=8 k=1" in titles[0] and "cpu_offload=false reshard_after_forward=true" in titles[2]
     # every category each best spent time in: DeepSpeed's collectives are slices, at one rank SpeedLoader has none
@@ -230,8 +231,8 @@ def test_throughput_by_backend_stars_each_best_and_draws_a_diverged_trial_red_no
 
 
 def test_the_speedloader_figures_keep_to_speedloaders_trials():
-    """Throughput against the knobs (k is SpeedLoader's), the parallel coordinates and the peaks against its
-    memory models draw SpeedLoader's trials; the seconds per trial and the history every backend's."""
+    """Throughput against the knobs (k is SpeedLoader's) and the peaks against its memory models draw SpeedLoader's
+    trials; the seconds per trial, the history and the parallel coordinates every backend's."""
     trials = backend_trials()
     speedloader = [t for t in trials if t["number"] <= 8]
     fig = figures.throughput_figure(trials, best_number=8)
@@ -239,7 +240,7 @@ def test_the_speedloader_figures_keep_to_speedloaders_trials():
     assert points == {(t["config"]["sub_batch_size"], t["result"]["tokens_per_s"])
                       for t in speedloader if t["status"] == "ok"}
     assert "diverged" not in {tr.name for tr in fig.data}
-    assert len(figures.parallel_figure(trials).data[0].dimensions[3].values) == 8
+    assert len(figures.parallel_figure(trials).data[0].dimensions[-1].values) == 11    # every ok trial
     seconds = figures.seconds_figure(trials)
     assert len(seconds.data[0].x) == 11 and "#9 deepspeed b=4 N=2" in seconds.data[0].x
     history = {tr.name: tr for tr in figures.history_figure(trials).data}
@@ -267,13 +268,16 @@ def test_partial_and_missing_data_give_no_figure_instead_of_an_error():
         assert figures.backend_pies(trials, figures.backend_bests(trials)) is None
         assert figures.backend_throughput_figure(trials) is None
         assert figures.throughput_figure(trials) is None
-        assert figures.peaks_figure(None, trials, {}) is None
+        assert peaks.peaks_figure(None, trials, {}) is None
+        assert figures.parallel_figure(trials) is None
+        figures.history_figure(trials)          # draws what it can (a trial without a number, say), never fails
+        assert all(trial_figures.steps_figure(t) is None and trial_figures.breakdown_pie(t) is None for t in trials)
     assert figures.timeline_figure([]) is None
     assert figures.timeline_figure(running) is not None
     assert figures.compare_figure({"rows": []}) is None
     failed = [t for t in realistic_trials() if t["status"] == "oom"]
     assert figures.throughput_figure(failed) is not None          # the oom cross, on its own
-    assert figures.peaks_figure({}, failed, {"device": DEVICE_LIMIT}) is None   # no model: nothing to compare
+    assert peaks.peaks_figure({}, failed, {"device": DEVICE_LIMIT}) is None   # no model: nothing to compare
 
 
 def test_every_template_ships_as_package_data():
@@ -287,3 +291,144 @@ def test_every_template_ships_as_package_data():
              if p.is_file()]
     assert "templates/base.html" in names
     assert all(any(fnmatch.fnmatch(n, g) for g in conf["sltune.dashboards"]) for n in names), names
+
+
+# -- one figure per pick, the backend marked, a click per trial (issue #46) --------------------------------------
+def test_a_pick_is_drawn_at_its_pooled_figure_not_at_one_of_its_trials():
+    """Issue #46: the pie's title and the throughput star said the pick's search trial's own figure (DeepSpeed's
+    #2 alone ran 6,953 tokens/s) while the Best config table said the pick's: 5,219.0, the median of the steps of
+    #2 and its confirmation #9. The pie, the stars and the single-backend pies say the pick's figure."""
+    job = measured_job()
+    trials, result = job["trials"], job["result"]
+    picks = figures.picks_of(result)
+    pooled = {b: e["tokens_per_s"] for b, e in result["best_by_backend"].items()}
+    assert f"{pooled['deepspeed']:,.1f}" == "5,219.0" and figures.tokens_per_s(trials[2]) > 6900
+    assert set(picks) == {2, 9, 7, 10, 4} and picks[9] is picks[2]          # every trial a pick pools
+    bests = figures.backend_bests(trials, result)
+    assert {b: t["number"] for b, t in bests.items()} == {"speedloader": 7, "deepspeed": 2, "fsdp": 4}
+
+    titles = [a.text for a in figures.backend_pies(trials, bests, picks=picks).layout.annotations]
+    assert titles[1].startswith("<b>deepspeed</b> · 5,219.0 tok/s (pooled over trials #2, #9; pie: trial #2)")
+    assert titles[0].startswith("<b>speedloader</b> · 3,142.8 tok/s (pooled over trials #7, #10; pie: trial #7)")
+    assert titles[2].startswith("<b>fsdp</b> · 1,963.3 tok/s (trial #4)")
+    assert not any("6,953" in t for t in titles)
+
+    star = next(tr for tr in figures.backend_throughput_figure(trials, bests, picks).data
+                if tr.name == "best of its backend")
+    assert list(star.y) == [pooled["speedloader"], pooled["deepspeed"], pooled["fsdp"]]
+    assert list(star.text) == ["3,142.8", "5,219.0", "1,963.3"] and "pooled over trials #2, #9" in star.customdata[1]
+
+    star = next(tr for tr in figures.throughput_figure(trials, 7, picks=picks).data if tr.name == "the pick")
+    assert list(star.y) == [pooled["speedloader"]] and list(star.x) == [2] and list(star.ids) == ["7"]
+
+    # SpeedLoader's trials alone: its pick's pie is starred and titled with the pick's figure, the others their own
+    alone = [t for t in trials if figures.backend_of(t) == "speedloader"]
+    titles = [a.text for a in figures.breakdown_pies(alone, picks=picks).layout.annotations]
+    assert titles == ["★ #7 b=2 N=1 k=1<br>3,142.8 tok/s, the pick", "#6 b=1 N=1 k=1<br>1,722 tok/s"]
+
+
+def test_history_and_timeline_mark_each_backend_with_a_legend():
+    trials = backend_trials()
+    history = figures.history_figure(trials)
+    ok = {b: sorted(t["number"] for t in trials if t["status"] == "ok" and figures.backend_of(t) == b)
+          for b in ("speedloader", "deepspeed", "fsdp")}
+    by_name = {tr.name: tr for tr in history.data}
+    for backend, numbers in ok.items():
+        tr = by_name[f"{backend} trial"]
+        assert sorted(tr.x) == numbers and tr.marker.color == figures.BACKEND_COLORS[backend]
+        assert tr.marker.symbol == figures.BACKEND_SYMBOLS[backend] and tr.showlegend
+    assert len(set(figures.BACKEND_COLORS.values())) == 3 and len(set(figures.BACKEND_SYMBOLS.values())) == 3
+    assert list(by_name["diverged"].x) == [13] and list(by_name["oom"].x) == [3, 11]
+
+    timeline = figures.timeline_figure(trials)
+    marks = {tr.name: tr for tr in timeline.data if tr.legendgroup == "backend"}
+    assert set(marks) == {"speedloader", "deepspeed", "fsdp"}
+    for backend, tr in marks.items():
+        assert tr.type == "scatter" and tr.legendgrouptitle.text == "backend"
+        assert sorted(int(y.split()[0][1:]) for y in tr.y) == sorted(
+            t["number"] for t in trials if figures.backend_of(t) == backend)        # every trial, failed ones too
+        assert tr.marker.symbol == figures.BACKEND_SYMBOLS[backend]
+    # one backend: as before, nothing to tell apart
+    alone = realistic_trials()
+    assert {tr.name for tr in figures.history_figure(alone).data} == {"search trial", "oom",
+                                                                      "best so far (search trials only)"}
+    assert {tr.type for tr in figures.timeline_figure(alone).data} == {"bar"}
+
+
+def test_the_parallel_coordinates_have_a_backend_axis_and_keep_each_trial_off_other_backends_knobs():
+    """Issue #46: DeepSpeed's and FSDP's trials have no k; they were drawn on SpeedLoader's k axis. Each backend's
+    own knobs have an axis; another backend's trial crosses it at "n/a", below every value a trial ran."""
+    trials = backend_trials()
+    ok = [t for t in trials if t["status"] == "ok"]
+    par = figures.parallel_figure(trials).data[0]
+    dims = {d.label: d for d in par.dimensions}
+    assert list(dims) == ["backend", "sub_batch_size b", "num_sub_batches N", "num_live_blocks k", "zero_stage",
+                          "offload_optimizer", "offload_param", "cpu_offload", "reshard_after_forward", "tokens/s"]
+    assert list(dims["tokens/s"].values) == [figures.tokens_per_s(t) for t in ok]
+    backend = dims["backend"]
+    assert [backend.ticktext[list(backend.tickvals).index(v)] for v in backend.values] == \
+        [figures.backend_of(t) for t in ok]
+    for label, owner in (("num_live_blocks k", "speedloader"), ("zero_stage", "deepspeed"),
+                         ("cpu_offload", "fsdp")):
+        d = dims[label]
+        na = d.tickvals[list(d.ticktext).index("n/a")]
+        assert na < min(v for v, text in zip(d.tickvals, d.ticktext) if text != "n/a")
+        for t, v in zip(ok, d.values):
+            assert (v == na) == (figures.backend_of(t) != owner), (label, t["number"])
+    k = dims["num_live_blocks k"]
+    assert [k.ticktext[list(k.tickvals).index(v)] for v, t in zip(k.values, ok) if figures.backend_of(t) ==
+            "speedloader"] == [str(t["config"]["num_live_blocks"]) for t in ok if t["number"] <= 8]
+    zero = dims["zero_stage"]
+    assert sorted(zero.ticktext[list(zero.tickvals).index(v)] for v, t in zip(zero.values, ok)
+                  if figures.backend_of(t) == "deepspeed") == ["2", "3"]
+    # a job of SpeedLoader alone: its three knobs, no backend axis and no n/a
+    alone = figures.parallel_figure(realistic_trials()).data[0]
+    assert [d.label for d in alone.dimensions] == ["sub_batch_size b", "num_sub_batches N", "num_live_blocks k",
+                                                   "tokens/s"]
+    assert not any("n/a" in (d.ticktext or ()) for d in alone.dimensions)
+
+
+def test_every_point_of_a_trial_carries_its_number_for_the_click_that_opens_its_page():
+    trials = backend_trials()
+    bests = figures.backend_bests(trials)
+    for fig in (figures.history_figure(trials), figures.backend_throughput_figure(trials, bests)):
+        drawn = [tr for tr in fig.data if tr.ids is not None]
+        assert sorted(int(i) for tr in drawn if tr.name != "best of its backend" for i in tr.ids) == \
+            [t["number"] for t in trials]
+    for tr in figures.history_figure(trials).data:         # history: x is the trial's number
+        assert tr.ids is None or list(tr.ids) == [str(x) for x in tr.x]
+    by_number = {t["number"]: t for t in trials}
+    for tr in figures.throughput_figure(trials, 8).data:     # x is the trial's b, y its figure (0: a failed trial)
+        assert [(by_number[int(i)]["config"]["sub_batch_size"], figures.tokens_per_s(by_number[int(i)]) or 0.0)
+                for i in tr.ids] == list(zip(tr.x, tr.y))
+    for tr in figures.timeline_figure(trials).data:
+        assert list(tr.ids) == [label.split()[0][1:] for label in tr.y]
+    for tr in figures.seconds_figure(trials).data:
+        assert list(tr.ids) == [label.split()[0][1:] for label in tr.x]
+    pies = figures.breakdown_pies(realistic_trials()).data
+    assert [p.meta["trial"] for p in pies] == [int(p.name.split("#")[1]) for p in pies]
+
+
+# -- the trial page's figures ------------------------------------------------------------------------------------
+def test_a_trials_steps_are_drawn_with_its_median_its_interval_and_its_picks_figure():
+    job = measured_job()
+    trials, picks = job["trials"], figures.picks_of(job["result"])
+    t = trials[2]                           # DeepSpeed's pick, pooled with its confirmation #9
+    timing = t["result"]["timing"]
+    fig = trial_figures.steps_figure(t, picks)
+    by_name = {tr.name: tr for tr in fig.data}
+    steps = by_name["timed step"]
+    assert list(steps.y) == pytest.approx([timing["tokens_per_step"] / s for s in timing["steps_s"]])
+    assert list(by_name["the trial's figure (median step)"].y) == [t["result"]["tokens_per_s"]] * 2
+    pooled = job["result"]["best"]["tokens_per_s"]
+    assert list(by_name["the pick's figure (pooled over trials #2, #9)"].y) == [pooled] * 2
+    band = fig.layout.shapes[0]
+    assert (band.y0, band.y1) == tuple(timing["tokens_per_s_ci95"])
+    # a pick of one trial has no second line; a trial that ran out of memory has no steps
+    assert [tr.name for tr in trial_figures.steps_figure(trials[4], picks).data] == [
+        "timed step", "the trial's figure (median step)"]
+    assert trial_figures.steps_figure(trials[5], picks) is None and trial_figures.breakdown_pie(trials[5]) is None
+    pie = trial_figures.breakdown_pie(t).data[0]
+    shares = {k: v for k, v in t["result"]["breakdown"].items() if v > 0}
+    assert list(pie.values) == list(shares.values()) and pie.meta["trial"] == 2
+    assert list(pie.customdata) == [f"{t['result']['breakdown_seconds'][k] * 1000:,.1f} ms" for k in shares]

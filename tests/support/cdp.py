@@ -77,9 +77,13 @@ class Browser:
                 return self._events.pop(i)["params"]
         deadline = time.monotonic() + timeout
         while True:
-            got = self._message(max(0.0, deadline - time.monotonic()))
+            try:
+                got = self._message(max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                raise TimeoutError(f"no {event} within {timeout:g} s") from None
             if got.get("method") == event:
                 return got["params"]
+            self._events.append(got)
 
     def open(self, url: str) -> None:
         """Load the page, to its load event."""

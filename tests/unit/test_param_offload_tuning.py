@@ -291,22 +291,29 @@ def test_plan_puts_a_7b_under_17_gib_of_host_with_the_weights_on_disk(monkeypatc
     prior = big["prior"]
     assert prior["peak_host_bytes"] < 17 * GiB and 170 * GiB < prior["peak_disk_bytes"] < 180 * GiB
     assert prior["disk_read_bytes_per_step"] > prior["disk_write_bytes_per_step"] > 0
-    assert r["limits"]["disk_limit"] == 2**40 and r["limits"]["disk_limit_note"] is None
+    assert r["limits"]["disk_limit"] == 2**40
+    assert r["limits"]["disk_limit_note"] == (f"--disk-limit, a what-if: this machine has 2.0 TiB free in "
+                                              f"{tmp_path / 'offload'}")
     over = {tuple(sorted(row["config"].items())): row["over"] for row in r["configs"]}
     assert ["host"] in over.values()                  # the optimizer on disk alone still needs 43.0 GiB
 
 
 def test_plan_says_when_the_free_space_overrides_a_larger_disk_limit(monkeypatch, tmp_path):
+    """The spec's hardware.disk_limit is held to the free space where trials offload to, as tune holds it; plan's
+    --disk-limit is a what-if, which stands (tests/unit/test_refusals_newcomer.py)."""
     data = seven_b(80 * GiB, monkeypatch, **BOTH)
-    r = plan_spec(data, "7b.yaml", host_memory_limit="17GiB", disk_limit="1TiB",
-                  settings=Settings(data_dir=tmp_path), disk_flag="--disk-limit")
+    data["hardware"] = {**data.get("hardware", {}), "disk_limit": "1TiB"}
+    r = plan_spec(data, "7b.yaml", host_memory_limit="17GiB", settings=Settings(data_dir=tmp_path))
     root = tmp_path / "offload"
     assert r["limits"]["disk_limit"] == 80 * GiB
-    assert r["limits"]["disk_limit_note"] == (f"--disk-limit is 1.0 TiB but only 80.0 GiB is free in {root}: "
+    assert r["limits"]["disk_limit_note"] == (f"hardware.disk_limit is 1.0 TiB but only 80.0 GiB is free in {root}: "
                                               "planning with 80.0 GiB")
-    assert r["refusal"].startswith(f"the 80.0 GiB free in {root} (--disk-limit 1.0 TiB is more than is free there: "
-                                   "the free space applies) is below the 175.7 GiB")
+    assert r["refusal"].startswith(f"the 80.0 GiB free in {root} (hardware.disk_limit 1.0 TiB is more than is free "
+                                   "there: the free space applies) is below the 175.7 GiB")
     assert f"at least 175.7 GiB free in {root}" in r["refusal"] and "a the " not in r["refusal"]
+    what_if = plan_spec(data, "7b.yaml", host_memory_limit="17GiB", disk_limit="1TiB",
+                        settings=Settings(data_dir=tmp_path), disk_flag="--disk-limit")
+    assert what_if["limits"]["disk_limit"] == 2**40 and what_if["refusal"] is None
 
 
 def test_a_host_refusal_names_the_weights_on_disk_under_what_would_fit(monkeypatch, tmp_path):

@@ -129,3 +129,31 @@ def test_the_free_space_over_a_larger_disk_limit_says_so_and_the_disk_wording_re
     assert f"What would fit: no change of dtype, precision or optimizer; at least 1.5 TiB free in {root}" in \
         r["refusal"] or f"; or at least 1.5 TiB free in {root}" in r["refusal"]
     assert "a the " not in r["refusal"] and "a the " not in out.stdout
+
+
+def test_plan_s_disk_limit_is_a_what_if_that_stands_and_what_would_fit_names_one_version(tmp_path, monkeypatch):
+    """`plan --disk-limit 1TiB` plans with 1 TiB whatever this machine has free (a 7B's weights and optimizer on disk
+    were refused on a 70 GiB disk), saying what is free here beside it; under a limit only one version of the disk
+    tier's files fits, what would fit names --disk-versions 1."""
+    from sltune.tuning.cost import feasible
+
+    monkeypatch.setattr(feasible, "free_bytes", lambda folder: 10 * 2**30)
+    spec = {"name": "7b", "model": {"preset": "llama-2-7b", "dtype": "bfloat16"}, "workload": {"seq_len": 2048},
+            "hardware": {"device": "cuda", "device_memory_limit": "24GiB", "host_memory_limit": "64GiB"},
+            "search": {"sub_batch_size": [1], "num_sub_batches": [4], "num_live_blocks": [1],
+                       "optimizer_offload": "disk", "param_offload": "disk"}}
+    settings = Settings(data_dir=tmp_path)
+    r = plan_spec(spec, "7b.yaml", settings=settings, disk_limit="1TiB", disk_flag="--disk-limit")
+    assert r["fitting"] == 1 and r["refusal"] is None and r["limits"]["disk_limit"] == 2**40
+    assert r["limits"]["disk_limit_note"] == (f"--disk-limit, a what-if: this machine has 10.0 GiB free in "
+                                              f"{tmp_path / 'offload'}")
+    need = r["configs"][0]["peak_disk_bytes"]
+    one = plan_spec(spec, "7b.yaml", settings=settings, disk_limit=need, disk_versions=1)["configs"][0]
+    r = plan_spec(spec, "7b.yaml", settings=settings, disk_limit=(need + one["peak_disk_bytes"]) // 2,
+                  disk_flag="--disk-limit")
+    assert r["fitting"] == 0 and r["refusal"].startswith("--disk-limit ")
+    assert "What would fit: --disk-versions 1 (one version of the disk tier's files: about half the disk)" in \
+        r["refusal"]
+    # the spec's own disk limit is held to the free space, as tune holds it
+    held = plan_spec({**spec, "hardware": {**spec["hardware"], "disk_limit": "1TiB"}}, "7b.yaml", settings=settings)
+    assert held["limits"]["disk_limit"] == 10 * 2**30 and held["fitting"] == 0

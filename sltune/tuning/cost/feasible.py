@@ -111,11 +111,13 @@ class Naming:
     no_master: str = "model.mixed_precision false"
     sgd: str = "optimizer sgd without momentum"
     bf16: str = "model.dtype bfloat16"
+    disk_versions: str | None = None    # one version of the disk tier's files, where the command takes it
 
 
 SPEC = Naming()
 FLAGS = Naming("--optimizer-offload disk", "--param-offload disk", "--no-mixed-precision",
-               "--optimizer sgd (--momentum 0)", "--dtype bfloat16")
+               "--optimizer sgd (--momentum 0)", "--dtype bfloat16", "--disk-versions 1")
+PLAN = dataclasses.replace(SPEC, disk_versions="--disk-versions 1")     # plan: the spec's fields, and its flag
 
 
 @dataclasses.dataclass(frozen=True)
@@ -291,10 +293,14 @@ def _without_process(recipe: Setup, closest: list[Over]) -> str:
 
 
 def _changes(recipe: Setup, naming: Naming = SPEC) -> list[tuple[str, Setup]]:
-    """Each change of precision, optimizer or dtype that needs less memory."""
+    """Each change of precision, optimizer or dtype that needs less memory; and one version of the disk tier's files
+    (half the disk) where the command takes it."""
     from sltune.tuning.cost.shape import shape_of
 
     changes: list[tuple[str, Setup]] = []
+    if naming.disk_versions and recipe.disk_versions == 2:
+        changes.append((f"{naming.disk_versions} (one version of the disk tier's files: about half the disk)",
+                        dataclasses.replace(recipe, disk_versions=1)))
     sgd = OptimizerConfig(name="sgd")
     train = recipe.mode == "train"
     if train and recipe.master:

@@ -7,8 +7,9 @@ the free space where trials offload to) (or, with none, this machine's trial cei
 the tuner's own margin, and each of the largest that fit names the limit that stops it growing. A spec none of
 whose configs can fit is refused with every limit the closest config is over, its terms there, and what would fit
 (sltune.tuning.cost.feasible), which holds the places on disk the spec does not try to the same disk limit. A disk
-limit larger than the free space is named beside it: the free space applies ("the disk limit is 1.0 TiB but only
-80.0 GiB is free in DIR: planning with 80.0 GiB").
+limit larger than the free space is named beside it: the spec's own applies as tune would apply it ("the disk limit is
+1.0 TiB but only 80.0 GiB is free in DIR: planning with 80.0 GiB"), plan's --disk-limit is a what-if and stands, this
+machine's free space said beside it.
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from sltune.settings import Settings
-from sltune.sizes import parse_bytes
+from sltune.sizes import format_bytes, parse_bytes
 from sltune.tuning.cost.admission import load
 from sltune.tuning.cost.baseline import trial_baseline
-from sltune.tuning.cost.feasible import FreeSpace, disk_room, shortfall
+from sltune.tuning.cost import feasible
+from sltune.tuning.cost.feasible import PLAN, FreeSpace, disk_room, shortfall
 from sltune.tuning.cost.shape import shape_of
 from sltune.tuning.search.state import SearchState
 from sltune.tuning.space import SearchSpace
@@ -69,8 +71,17 @@ def plan_spec(data: dict[str, Any], source: str | Path, device_memory_limit: int
     on_disk = any(c.uses_disk for c in space.candidates)
     if disk_asked is not None and not on_disk:         # as the spec's own check says it (TuningSpec)
         raise ValueError(f"{source}: the disk limit {DISK_LIMIT_WITHOUT_DISK}")
-    # what would fit holds the places on disk a spec does not try to the free space too
-    disk_limit, disk_name = disk_room(disk_asked, settings.offload_root(), disk_from)
+    # what would fit holds the places on disk a spec does not try to the free space too; plan's --disk-limit is a
+    # what-if, which stands whatever this machine has free (said beside it)
+    what_if = None
+    if disk_limit is not None:
+        root = settings.offload_root()
+        free = feasible.free_bytes(root)
+        disk_limit, disk_name = disk_asked, disk_flag
+        what_if = (f"{disk_flag}, a what-if: this machine has "
+                   f"{'an unknown amount' if free is None else format_bytes(free)} free in {root}")
+    else:
+        disk_limit, disk_name = disk_room(disk_asked, settings.offload_root(), disk_from)
     state = SearchState(limited, shape, space, baseline=baseline, host_ceiling=ceiling,
                         disk_ceiling=disk_limit if on_disk else None)
     if disk_versions != state.recipe.disk_versions:
@@ -83,7 +94,7 @@ def plan_spec(data: dict[str, Any], source: str | Path, device_memory_limit: int
         "limits": {"device_memory_limit": device_limit, "host_memory_limit": host_limit or ceiling,
                    "host_limit_from": host_name, "disk_limit": disk_limit if on_disk else None,
                    "disk_limit_from": str(disk_name) if on_disk else None,
-                   "disk_limit_note": (disk_name.overrides() or None)
+                   "disk_limit_note": what_if if on_disk and what_if else (disk_name.overrides() or None)
                    if on_disk and isinstance(disk_name, FreeSpace) else None},
         "margin": spec.search.margin, "trial_baseline_bytes": baseline, "disk_versions": disk_versions,
         "candidates": len(preds), "fitting": len(fitting),
@@ -92,6 +103,6 @@ def plan_spec(data: dict[str, Any], source: str | Path, device_memory_limit: int
         "largest": [{"config": c.knobs(), "binding_limit": state.binding_limit(c),
                      "prior": state.prior(c).to_dict()} for c in sorted(largest, key=lambda c: (-c.batch, -c.b, -(c.k or 0)))],
         "refusal": shortfall(state.recipe, space.candidates, host_limit or ceiling, device_limit, host_name=host_name,
-                             disk_limit=disk_limit, disk_name=disk_name),
+                             disk_limit=disk_limit, disk_name=disk_name, naming=PLAN),
     }
     return out

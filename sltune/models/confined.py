@@ -15,7 +15,8 @@ and a library that wants a path (safetensors maps the file itself) is handed tha
 openat with O_NOFOLLOW component by component, refuses every symlink, while submission admits the ones that stay
 inside models_dir (a Hugging Face cache's snapshot links to its blobs): the two checks would disagree on the same
 folder. openat2's RESOLVE_BENEATH would do the walk in the kernel but is not in Python's os module. The cost is an
-extra open and a readlink per file: microseconds against the file's read.
+extra open and a readlink per file: a 600-byte config.json read in 36 us instead of 16 (this machine), once per
+file a trial or a check opens, against the milliseconds to seconds reading its shards takes.
 
 Outside `within` (`sltune tune`, `train` and `plan` on the user's own folders) files are read as named.
 """

@@ -191,7 +191,8 @@ def run(args: argparse.Namespace) -> int:
     if report.saved:
         print(f"saved a Hugging Face folder to {report.saved}: AutoModelForCausalLM.from_pretrained({report.saved!r})"
               + (f"; continue with --resume {report.saved}" if cfg.backend != "deepspeed" else
-                 f"; a deepspeed run does not resume: start another from it with --model {report.saved}"))
+                 f"; a deepspeed run does not resume, so it keeps no resume state or periodic checkpoints: start "
+                 f"another from it with --model {report.saved}"))
     return 0
 
 

@@ -870,6 +870,17 @@ def discard(folder: Path, owner: int | None = None) -> None:
     _rmtree(trash)
 
 
+def drop_resume_state(path: str | Path, run: str, owner: int | None = None) -> None:
+    """After the final save of a run nothing resumes (a deepspeed run: ZeRO's optimizer partitions are not in these
+    checkpoints): the run's checkpoint-N folders, kept meanwhile as folders to start another run from should it
+    stop, and the final folder's training_state go, leaving the Hugging Face folder alone (--model takes it)."""
+    path = Path(path)
+    for folder in _candidates(path):
+        if folder != path and _run_of(folder)[0] == run:
+            discard(folder, owner)
+    discard(path / TRAINING_STATE, owner)
+
+
 def prune(path: str | Path, keep: int, step: int | None = None, run: str | None = None,
           owner: int | None = None) -> None:
     """After checkpoint-{step} of `run` is complete: remove all but the newest `keep` complete checkpoints of the

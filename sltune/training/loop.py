@@ -260,6 +260,9 @@ def _run(job: TrainJob, rank: int, world: int, progress: Callable[[dict[str, Any
                                      if rank == 0 else None)   # after the new one is complete; this run's only
         if job.save:
             save(Path(job.save), job.steps, periodic=False)
+            if job.config.backend == "deepspeed":       # nothing resumes it: no resume state left to suggest one
+                checkpoints.together(lambda: checkpoints.drop_resume_state(job.save, run_id, owner)
+                                     if rank == 0 else None)
     finally:
         if log is not None:
             log.close()
@@ -283,12 +286,16 @@ def _is_folder(model: Any) -> bool:
 
 
 def _save_dtype(job: TrainJob, trainer: dict[str, Any] | None, checkpoint, engine) -> torch.dtype:
-    """--save-dtype, else what the run started from saved (on resume), else the source checkpoint's dtype,
-    else the weights as stepped (float32 masters under mixed precision)."""
+    """--save-dtype, else what the run started from saved (on resume), else a deepspeed run's compute dtype (its
+    model holds no more: the float32 masters stay in ZeRO's optimizer, so a float32 file would only widen bfloat16
+    values), else the source checkpoint's dtype, else the weights as stepped (float32 masters under mixed
+    precision)."""
     if job.save_dtype:
         return getattr(torch, job.save_dtype)
     if trainer is not None:
         return getattr(torch, trainer["save_dtype"])
+    if job.config.backend == "deepspeed":
+        return engine.stepped_dtype
     if checkpoint is not None and checkpoint.has_weights and checkpoint.dtype is not None:
         return checkpoint.dtype
     if getattr(engine, "stepped_dtype", None) is not None:     # a wrapped backend's (training.wrapped)

@@ -6,8 +6,9 @@ What carries over from SpeedLoader runs: the learning-rate schedule (on the back
 (DeepSpeed's gradient_clipping; torch's clip_grad_norm_ over FSDP2's sharded gradients), evaluation, --save (the
 full weights gathered into a Hugging Face folder) and, under fsdp, an exact --resume (the optimizer's full state
 saved and loaded by parameter name). What does not: --resume of a deepspeed run (its optimizer state lives in ZeRO's
-partitions, which sltune's checkpoints do not hold; the loop refuses the flag), and a deepspeed run in bfloat16 or
-float16 saves the weights the model computes with (DeepSpeed keeps the float32 masters inside its optimizer).
+partitions, which sltune's checkpoints do not hold; the loop refuses the flag, and drops the resume state and periodic
+checkpoints once the final folder is saved), and a deepspeed run in bfloat16 or float16 saves the weights the model
+computes with (DeepSpeed keeps the float32 masters inside its optimizer).
 """
 
 from __future__ import annotations

@@ -271,6 +271,36 @@ def test_the_ds_config_trains_with_deepspeed_initialize_and_train_config_saves_i
     assert out["train"]["equal"], out["train"]      # ZeRO-3's partitions gathered into the saved folder
 
 
+@needs_deepspeed
+def test_a_deepspeed_run_saves_in_its_compute_dtype_and_keeps_no_resume_state(tmp_path):
+    """From a float32 folder in bfloat16, `--save` wrote float32 (the source's dtype, widening bfloat16 values) and
+    left checkpoint-N/ and training_state/ behind though the run says it does not resume: the folder it leaves is
+    the Hugging Face folder alone, in the dtype DeepSpeed computed in, and another run starts from it."""
+    from safetensors import safe_open
+
+    from sltune.models import build
+
+    source = tmp_path / "source"
+    build("llama-tiny", seed=0).save_pretrained(source)          # float32
+    best = tmp_path / "best.yaml"
+    SpeedLoaderConfig(sub_batch_size=1, num_sub_batches=2, num_live_blocks=1, dtype="bfloat16", backend="deepspeed",
+                      zero_stage=2, offload_optimizer="cpu").to_yaml(
+        best, workload={"mode": "train", "seq_len": 16, "world_size": 1},
+        provenance={"job_id": "j", "model": {"path": str(source), "dtype": "bfloat16"}})
+    out = tmp_path / "out"
+    r = sltune("train", "--config", str(best), "--model", str(source), "--steps", "3", "--save", str(out),
+               "--save-every", "1", process=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "does not resume, so it keeps no resume state or periodic checkpoints" in r.stdout
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == \
+        ["config.json", "generation_config.json", "model.safetensors"]
+    with safe_open(out / "model.safetensors", "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+    again = sltune("train", "--config", str(best), "--model", str(out), "--steps", "1", "--save", str(out),
+                   process=True)
+    assert again.returncode == 0, again.stderr[-3000:]
+
+
 @pytest.fixture
 def clean_environ():
     """FSDP2 in this process: the process group it starts sets the rank variables; put them back after."""

@@ -33,7 +33,7 @@ def test_tune_says_why_a_model_has_no_leave_one_out_error(two_points):
     for line in models:
         assert "- typical" not in line and "- max" not in line, line
         assert line.endswith("no leave-one-out error: too few points for a leave-one-out fit: 2 points for 2 "
-                             "coefficients (leaving one out needs at least 3)"), line
+                             "coefficients: has a leave-one-out error after 1 more (3 in all)"), line
 
 
 def test_plan_of_a_best_yaml_says_why_its_models_have_no_leave_one_out_error(two_points, capsys):
@@ -43,6 +43,6 @@ def test_plan_of_a_best_yaml_says_why_its_models_have_no_leave_one_out_error(two
     line = next(x for x in out.splitlines() if "leave-one-out" in x)
     assert "- typical" not in line and "- max" not in line, line
     assert line.endswith("none for device, host and throughput: too few points for a leave-one-out fit: 2 "
-                         "points for 2 coefficients (leaving one out needs at least 3)"), line
+                         "points for 2 coefficients: has a leave-one-out error after 1 more (3 in all)"), line
     assert "expect errors near the leave-one-out figures" not in out
     assert "the models have no leave-one-out error: their errors are unknown" in out

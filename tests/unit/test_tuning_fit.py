@@ -71,3 +71,18 @@ def test_one_outlier_moves_a_robust_fit_by_less_than_its_noise():
         assert robust.loo_typical_error < 2 * noise < robust.loo_rel_error   # the outlier's own miss is the max
     assert max(moved) < noise, moved
     assert min(moved_plain) > noise, moved_plain     # the test would catch a non-robust fit
+
+
+def test_a_fit_with_too_few_points_says_how_many_more_trials_it_needs():
+    """A DeepSpeed or FSDP fit of one point said only 'too few points': it says how many more trials make it predict,
+    and how many more give it a leave-one-out error."""
+    from sltune.tuning.search.fit import no_loo_reason
+
+    one = {"n": 1, "features": ["1", "N", "N*b*s", "zero3"], "loo_rel_error": None}
+    assert no_loo_reason(one) == ("too few points for a leave-one-out fit: 1 point for 4 coefficients: it predicts "
+                                  "after 3 more trials that differ in its knobs, and has a leave-one-out error after "
+                                  "4 more (5 in all)")
+    assert no_loo_reason({**one, "n": 0}).endswith("it predicts after 4 more trials that differ in its knobs, and "
+                                                   "has a leave-one-out error after 5 more (5 in all)")
+    assert no_loo_reason({**one, "n": 4}).endswith("4 points for 4 coefficients: has a leave-one-out error after 1 "
+                                                   "more (5 in all)")

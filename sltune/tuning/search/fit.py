@@ -316,8 +316,12 @@ def no_loo_reason(model: dict[str, Any]) -> str | None:
         return None
     n, coefficients = int(model.get("n") or 0), len(model.get("features") or [])
     if n <= coefficients:
+        short = coefficients - n
+        predicts = (f"it predicts after {short} more trial{'s' * (short != 1)} that differ in its knobs, and "
+                    if short > 0 else "")
         return (f"too few points for a leave-one-out fit: {n} point{'s' * (n != 1)} for {coefficients} "
-                f"coefficient{'s' * (coefficients != 1)} (leaving one out needs at least {coefficients + 1})")
+                f"coefficient{'s' * (coefficients != 1)}: {predicts}has a leave-one-out error after {short + 1} more "
+                f"({coefficients + 1} in all)")
     return (f"every leave-one-out fit is underdetermined: without any one of its {n} points, the other {n - 1} do "
             f"not fix its {coefficients} coefficients (the trials differ in too few knobs)")
 

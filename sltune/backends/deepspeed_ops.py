@@ -53,14 +53,7 @@ def prebuilt(accelerator: str) -> dict[str, bool]:
     spec = importlib.util.find_spec("deepspeed")
     if spec is None or not spec.submodule_search_locations:
         return {}
-    path = Path(list(spec.submodule_search_locations)[0]) / "git_version_info_installed.py"
-    found: dict[str, object] = {}
-    try:
-        for node in ast.parse(path.read_text()).body:
-            if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
-                found[node.targets[0].id] = ast.literal_eval(node.value)
-    except (OSError, SyntaxError, ValueError):
-        return {}
+    found = _constants(Path(list(spec.submodule_search_locations)[0]) / "git_version_info_installed.py")
     ops = found.get("installed_ops")
     if found.get("accelerator_name") != accelerator or not isinstance(ops, dict):
         return {}
@@ -68,9 +61,42 @@ def prebuilt(accelerator: str) -> dict[str, bool]:
 
 
 def missing(ops: Iterable[str], accelerator: str) -> list[str]:
-    """Those of `ops` neither prebuilt nor made ready by this process already."""
+    """Those of `ops` neither prebuilt, nor built into torch's extension cache, nor made ready by this process."""
     built = prebuilt(accelerator)
-    return [op for op in dict.fromkeys(ops) if not built.get(op) and (accelerator, op) not in _READY]
+    return [op for op in dict.fromkeys(ops)
+            if not built.get(op) and (accelerator, op) not in _READY and not (jit_cache() / op / f"{op}.so").is_file()]
+
+
+def jit_cache() -> Path:
+    """Where torch.utils.cpp_extension builds an op DeepSpeed compiles on first load (its _get_build_directory), read
+    without importing torch: TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions/py311_cpu (or _cu128, ...). An op
+    found there loads in a second; one whose sources changed since (another DeepSpeed) would build again in its
+    trial."""
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return Path(os.environ["TORCH_EXTENSIONS_DIR"])
+    versions: dict[str, object] = {}
+    spec = importlib.util.find_spec("torch")
+    if spec is not None and spec.submodule_search_locations:
+        versions = _constants(Path(list(spec.submodule_search_locations)[0]) / "version.py")
+    hip, cuda = versions.get("hip"), versions.get("cuda")
+    device = (f"rocm{str(hip).replace('.', '')}" if hip else f"cu{str(cuda).replace('.', '')}" if cuda else "cpu")
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "torch_extensions"
+    return root / f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}_{device}"
+
+
+def _constants(path: Path) -> dict[str, object]:
+    """The literal assignments of a generated Python file (DeepSpeed's install record, torch's version.py)."""
+    found: dict[str, object] = {}
+    try:
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+                try:
+                    found[node.targets[0].id] = ast.literal_eval(node.value)
+                except ValueError:
+                    continue
+    except (OSError, SyntaxError):
+        return {}
+    return found
 
 
 def prepare(ops: Iterable[str], accelerator: str, say: Callable[[str], None] | None = None,

@@ -6,10 +6,7 @@ and transformers: the API process loads them only when a page first draws this f
 
 from __future__ import annotations
 
-import gc
 import math
-import sys
-import threading
 from typing import Any, Callable, Iterable
 
 import plotly.graph_objects as go
@@ -34,9 +31,6 @@ def _fmt_bytes(v: float | None) -> str:
 
 
 Variables = Callable[[dict[str, Any]], dict[str, float]]
-# transformers imports its model code lazily and not thread-safely, and pages render in request threads: the shapes
-# are built one at a time (the API process imports torch and transformers only when a page first needs a shape)
-_MODEL_CODE = threading.Lock()
 
 
 def job_variables(spec: dict[str, Any] | None) -> Variables | None:
@@ -50,12 +44,7 @@ def job_variables(spec: dict[str, Any] | None) -> Variables | None:
     try:
         model = ModelSpec.model_validate(spec["model"])
         tokens = Workload.model_validate(spec.get("workload") or {}).tokens_per_row
-        with _MODEL_CODE:
-            fresh = "torch" not in sys.modules
-            shape = shape_of(model.source, model.dtype)
-            if fresh:       # torch's and transformers' objects, just loaded, leave the collector's view as the
-                gc.collect()        # server's own did at startup (api/app.py)
-                gc.freeze()
+        shape = shape_of(model.source, model.dtype)     # in a child of the fork server: no torch in this process
     except (TypeError, KeyError, ValueError):
         return None
     return lambda config: variables(Candidate.from_knobs(config), shape, tokens)

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from sltune.models.confined import within
+from sltune.profiling.resident import resident_bytes  # noqa: F401 - the trial's own figures; tests read it here
 from sltune.profiling.lifeline import exit_when_unread
 from sltune.profiling.schema import TrialSpec
 
@@ -81,19 +82,6 @@ def describe_failure(err: BaseException) -> dict[str, Any]:
 def host_peak_bytes() -> int:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024
-
-
-def resident_bytes(peak: bool = False) -> int:
-    """This process's resident memory now, or its high-water mark (Linux; 0 where /proc is missing)."""
-    key = "VmHWM:" if peak else "VmRSS:"
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(key):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 def forget_fork_server_heap() -> None:

@@ -38,8 +38,6 @@ def run_trial(spec: TrialSpec | dict[str, Any], stop: StopFn | None = None) -> T
     if not_ready:
         return TrialResult.model_validate({"status": "failed", "error": not_ready, "config": spec.knobs(),
                                            "wall_seconds": 0.0})
-    from sltune.profiling import child
-
     ctx = forks.context()
     world = spec.world_size
     port = _free_port() if world > 1 else None
@@ -47,7 +45,7 @@ def run_trial(spec: TrialSpec | dict[str, Any], stop: StopFn | None = None) -> T
     start = time.monotonic()
     for rank in range(world):
         recv, send = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=child.main, args=(spec.model_dump(), send, rank, world, port), daemon=True)
+        proc = ctx.Process(target=_rank, args=(spec.model_dump(), send, rank, world, port), daemon=True)
         proc.start()
         send.close()
         ranks.append((proc, recv))
@@ -60,6 +58,14 @@ def run_trial(spec: TrialSpec | dict[str, Any], stop: StopFn | None = None) -> T
     outcome.pop("traceback", None)
     outcome.pop("rank", None)
     return TrialResult.model_validate(outcome)
+
+
+def _rank(*args: Any) -> None:
+    """A trial process's entry (sltune.profiling.child.main), named here so that the caller imports neither it nor
+    torch: the fork server has both loaded, the caller may have neither (a tune or worker process)."""
+    from sltune.profiling import child
+
+    child.main(*args)
 
 
 def _ops_not_ready(spec: TrialSpec) -> str | None:

@@ -7,16 +7,26 @@ from typing import Any
 
 
 def local_capabilities() -> dict[str, Any]:
-    """Devices here: the CPU always; CUDA devices with their memory when present."""
-    import torch            # here: the API process checks jobs against workers' capabilities without torch
+    """Devices here: the CPU always; CUDA devices with their memory when present (asked of torch where it is
+    imported: a worker process has no need of it otherwise, sltune.profiling.forks.call)."""
+    from sltune.profiling import forks
 
     caps: dict[str, Any] = {"devices": {"cpu": {"count": 1, "memory_bytes": None}},
                             "max_world_size": max(1, (os.cpu_count() or 1))}
-    if torch.cuda.is_available():
-        n = torch.cuda.device_count()
-        mem = min(torch.cuda.get_device_properties(i).total_memory for i in range(n))
-        caps["devices"]["cuda"] = {"count": n, "memory_bytes": mem}
+    cuda = forks.call(f"{__name__}:cuda_devices")
+    if cuda is not None:
+        caps["devices"]["cuda"] = cuda
     return caps
+
+
+def cuda_devices() -> dict[str, int] | None:
+    """The CUDA devices torch sees, and the least memory among them; None without one."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    n = torch.cuda.device_count()
+    return {"count": n, "memory_bytes": min(torch.cuda.get_device_properties(i).total_memory for i in range(n))}
 
 
 def can_run(caps: dict[str, Any], req: dict[str, Any]) -> bool:

@@ -56,10 +56,8 @@ class Worker:
     def run_forever(self) -> None:
         """Claim and run jobs until stopped: settings.jobs_per_worker at a time (default 1, since trials
         running side by side on the same cores disturb each other's throughput figures)."""
-        # transformers imports its model code lazily and not thread-safely: load it once, here, before any
-        # job thread builds a model
-        import sltune.profiling.preload  # noqa: F401
-
+        # no model code runs here: the cost model's shapes and traces run in children of the fork server, which
+        # has transformers' model code loaded (sltune.profiling.forks.call), and so do the trials
         self.store.register_worker(self.id, self.caps)
         log.info("worker %s ready (%s), %d job(s) at a time", self.id, self.caps, self.settings.jobs_per_worker)
         extra = [threading.Thread(target=self._loop, name=f"jobs-{i}", daemon=True)

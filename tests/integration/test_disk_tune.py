@@ -239,7 +239,7 @@ def test_plan_takes_a_disk_limit_for_a_spec_and_refuses_it_where_disk_is_not_pla
     path.write_text(yaml.safe_dump(spec()))
     assert main(["plan", str(path), "--disk-limit", "100MiB"]) == 1         # the flag over the spec's 2 GiB
     out = capsys.readouterr().out
-    assert "disk 100.0 MiB (--disk-limit)" in out.splitlines()[0] and "over disk" in out
+    assert "disk 100.0 MiB (--disk-limit, a what-if: this machine has " in out.splitlines()[0] and "over disk" in out
     host_only = {**spec(), "hardware": {k: v for k, v in spec()["hardware"].items() if k != "disk_limit"},
                  "search": {**SEARCH, "optimizer_offload": "host"}}
     path.write_text(yaml.safe_dump(host_only))

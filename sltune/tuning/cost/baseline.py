@@ -39,9 +39,10 @@ def trial_baseline(device: str = "cpu", world_size: int = 1, mode: str = "train"
         cached = _read_cache().get(key)
         if isinstance(cached, int) and cached > 0:
             return cached
-        from sltune.profiling.child import resident_bytes
+        from sltune.profiling import forks
 
-        return resident_bytes() * max(1, world_size)
+        # an idle process of the trials' imports (this one may have none of them)
+        return forks.call("sltune.profiling.resident:resident_bytes") * max(1, world_size)
     _MEMO[key] = measured = _measure(device, world_size, mode, cpu_threads)
     _write_cache(key, measured)
     return measured
@@ -65,13 +66,13 @@ def _measure(device: str, world_size: int, mode: str, cpu_threads: int | None) -
 
 
 def _key(device: str, world_size: int, mode: str, cpu_threads: int | None) -> str:
-    import torch
-    import transformers
+    """The setting and the library versions the figure depends on (read from their installs: no import of torch)."""
+    from importlib.metadata import version
 
     from sltune import __version__
 
     return "|".join(str(x) for x in (device, world_size, mode, cpu_threads, os.cpu_count(), platform.python_version(),
-                                     torch.__version__, transformers.__version__, __version__))
+                                     version("torch"), version("transformers"), __version__))
 
 
 def _cache_file() -> Path:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from sltune.runtime.residency import keep_order, kept_share
+from sltune.profiling import forks
 
 
 @dataclass(frozen=True)
@@ -119,7 +120,7 @@ def _modified(model: Any) -> int | None:
 
 @lru_cache(maxsize=64)
 def _cached(key: str, dtype: str, modified: int | None) -> ModelShape:
-    return _build(json.loads(key), dtype)
+    return forks.call(f"{__name__}:_build", json.loads(key), dtype)     # transformers' code: where it is imported
 
 
 def _build(model: Any, dtype: str) -> ModelShape:

@@ -558,3 +558,10 @@ def _side(job, best_tokens_per_s: float | None, best_config: dict[str, Any] | No
             "best_backend": comparing.backend_of(best_config) if best_config else "-",
             "best_config": comparing.config_name(best_config).removeprefix(comparing.backend_of(best_config) + " ")
             if best_config else "-"}
+
+
+@router.get("/dashboard/{rest:path}", response_class=HTMLResponse)
+def unknown_page(rest: str) -> HTMLResponse:
+    """Any other page under /dashboard (a trial list without a number, a mistyped path): the dashboard's not-found
+    page a browser shows, not the API's JSON 404. Registered last: every page above matches first."""
+    return _not_found(f"no dashboard page /dashboard/{rest}")

@@ -526,7 +526,8 @@ def test_a_missing_trial_or_job_is_the_dashboards_not_found_page(site):
     client, ids = site
     for path in (f"/dashboard/jobs/{ids['measured']}/trials/99", f"/dashboard/jobs/{ids['measured']}/trials/x",
                  f"/dashboard/jobs/{ids['measured']}/trials/-1", "/dashboard/jobs/nope/trials/0",
-                 f"/dashboard/jobs/{ids['queued']}/trials/0"):
+                 f"/dashboard/jobs/{ids['queued']}/trials/0", f"/dashboard/jobs/{ids['measured']}/trials",
+                 "/dashboard/nope", "/dashboard/jobs/"):
         r = client.get(path)
         assert r.status_code == 404 and r.headers["content-type"].startswith("text/html"), path
         assert "<h1>Not found</h1>" in r.text and "href='/dashboard'" in r.text, path

@@ -508,8 +508,9 @@ def history_figure(trials: Iterable[dict[str, Any]]) -> go.Figure | None:
             xs.append(t.get("number"))
             ys.append(best)
     if xs:
+        # its steps name their trial as the points do: a click that lands on the line at a trial opens its page
         fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines", name="best so far (search trials only)",
-                                 line=dict(color="#d62728", shape="hv"),
+                                 ids=[str(x) for x in xs], line=dict(color="#d62728", shape="hv"),
                                  hovertemplate="best search trial so far %{y:,.1f} tokens/s<extra></extra>"))
     fig.update_xaxes(title_text="trial #", dtick=1 if len(done) <= 30 else None)
     fig.update_yaxes(title_text="tokens/s", rangemode="tozero")

@@ -148,6 +148,10 @@ def test_a_click_on_a_plotted_trial_or_its_table_row_opens_the_trials_page(serve
                 e.scrollIntoView({{block: "center"}}); const r = e.getBoundingClientRect();
                 return {{x: r.left + r.width / 2, y: r.top + r.height / 2}}; }})()""")
 
+        def hovering(figure: str) -> str:
+            """True once Plotly has found the point under the mouse in the figure's plot: its hover label is drawn."""
+            return f"!!document.querySelector({(figure + ' .hoverlayer .hovertext')!r})"
+
         def opened(n: int) -> None:
             browser.wait_for("Page.loadEventFired", timeout=30)
             assert browser.evaluate("location.pathname") == f"/dashboard/jobs/{job_id}/trials/{n}"
@@ -159,7 +163,7 @@ def test_a_click_on_a_plotted_trial_or_its_table_row_opens_the_trials_page(serve
         point = "h2#history + .fig .scatterlayer path.point"
         n = browser.evaluate(f"document.querySelector({point!r}).__data__.x")
         where = at(point)
-        browser.click(where["x"], where["y"])
+        browser.click(where["x"], where["y"], hovered=hovering("h2#history + .fig"))
         opened(n)
         # the trial's page: its steps and its pie drawn, its trace served as JSON
         assert browser.wait_until("document.querySelectorAll('.js-plotly-plot').length") == 2
@@ -177,7 +181,7 @@ def test_a_click_on_a_plotted_trial_or_its_table_row_opens_the_trials_page(serve
         n = browser.evaluate("document.querySelector('h2#time-breakdown-per-trial ~ .fig .plotly-graph-div')"
                              ".data[0].meta.trial")
         where = at(pie)
-        browser.click(where["x"], where["y"])
+        browser.click(where["x"], where["y"], hovered=hovering("h2#time-breakdown-per-trial ~ .fig"))
         opened(n)
 
         # the last row of the trials table

@@ -12,6 +12,7 @@ from fastapi.testclient import TestClient
 
 from sltune.settings import Settings
 from sltune.tuning.cost.admission import load as admitted_spec
+from sltune.tuning.spec import TuningSpec
 from tests.support.dashboard_data import backend_trials, measured_job, realistic_models, realistic_trials
 from tests.support.specs import tiny_spec
 
@@ -69,7 +70,7 @@ def _measured(store) -> str:
     """tests.support.dashboard_data.measured_job stored as its job stored it: every trial's config, prediction and
     TrialResult as measured, a trace for each that profiled a step, and the job's result."""
     job = measured_job()
-    spec = admitted_spec(job["spec"])
+    spec = TuningSpec.parse(job["spec"])      # as a stored job is read: admitted where it ran, not here again
     row = store.create_job(job["name"], spec.model_dump(mode="json"), spec.digest(), {}, status="running")
     for t in job["trials"]:
         store.start_trial(row.id, t["number"], t["role"], t["config"], t["predicted"], None, None)

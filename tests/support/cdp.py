@@ -110,11 +110,15 @@ class Browser:
                 raise TimeoutError(f"never true: {expression}")
             time.sleep(0.2)
 
-    def click(self, x: float, y: float) -> None:
-        """A user's left click at the viewport point: the mouse moves there (Plotly finds the point under it on the
-        move), then presses and releases."""
+    def click(self, x: float, y: float, hovered: str | None = None) -> None:
+        """A user's left click at the viewport point: the mouse moves there, then presses and releases. Plotly finds
+        the point under the mouse on the move, in a later frame (seconds later on a busy machine), and its click
+        event names the point hovered: `hovered`, a JavaScript expression true once it has, is waited for first."""
         self.send("Input.dispatchMouseEvent", type="mouseMoved", x=x, y=y)
-        time.sleep(0.3)
+        if hovered is not None:
+            self.wait_until(hovered, timeout=30)
+        else:
+            time.sleep(0.3)
         for kind in ("mousePressed", "mouseReleased"):
             self.send("Input.dispatchMouseEvent", type=kind, x=x, y=y, button="left", clickCount=1)
 

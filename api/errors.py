@@ -10,6 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
+from sltune.field_errors import field_error
 from sltune.store.faults import describe, is_full, is_unreachable
 
 log = logging.getLogger("sltune.api")
@@ -52,8 +53,10 @@ async def on_spec_invalid(request: Request, exc: SpecInvalid) -> JSONResponse:
 
 async def on_request_invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
     """Path and query parameters (the body of POST /tune is checked by SpecChecker)."""
-    detail = [_entry(str(e["loc"][0]), [str(p) for p in e["loc"][1:]], e["msg"].removeprefix("Value error, "),
-                     e["type"]) for e in exc.errors()]
+    detail = []
+    for e in exc.errors():
+        where, reason = field_error({**e, "loc": e["loc"][1:]})
+        detail.append(_entry(str(e["loc"][0]), where.split(".") if where else [], reason, e["type"]))
     return JSONResponse({"detail": detail}, status_code=422)
 
 

@@ -52,7 +52,7 @@ def exact_weights(folder: Path) -> dict[str, torch.Tensor]:
 
 def checksum_cost(root: Path, mib: int = 100) -> str:
     """What a checkpoint's checksums cost: a file of `mib` MiB (in the page cache, as one just written is) read
-    alone, hashed with xxh3_64 (xxhash) and zlib's crc32, and hashed and flushed as a save does (checkpoints._record);
+    alone, hashed with xxh3_64 (xxhash) and zlib's crc32, and hashed and flushed as a save does (checkpoints.record);
     best of 3."""
     import zlib
 
@@ -84,7 +84,7 @@ def checksum_cost(root: Path, mib: int = 100) -> str:
         for _ in range(3):
             file.write_bytes(data)
             t = time.perf_counter()
-            checkpoints._record(file)
+            checkpoints.record(file)
             times.append(time.perf_counter() - t)
         return min(times) * 1000
 
@@ -98,8 +98,8 @@ def checksum_cost(root: Path, mib: int = 100) -> str:
         return min(times) * 1000
 
     out = (f"checksum of a {mib} MiB file (page cache): read alone {best(read):.0f} ms, {checkpoints.HASH} "
-           f"{best(lambda: checkpoints._hash_file(file, checkpoints.HASH)):.0f} ms, zlib.crc32 {best(crc):.0f} ms; a save writes "
-           f"it in {write_only():.0f} ms, then hashes and flushes it (checkpoints._record) in {fresh_record():.0f} ms")
+           f"{best(lambda: checkpoints.hash_file(file, checkpoints.HASH)):.0f} ms, zlib.crc32 {best(crc):.0f} ms; a save writes "
+           f"it in {write_only():.0f} ms, then hashes and flushes it (checkpoints.record) in {fresh_record():.0f} ms")
     file.unlink()
     return out
 

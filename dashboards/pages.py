@@ -81,7 +81,7 @@ def _plot(fig: go.Figure | None) -> str | None:
     return fig.to_html(full_html=False, include_plotlyjs=False, config={"displaylogo": False, "responsive": True})
 
 
-def _fig_html(fig: go.Figure | None, empty: str) -> str:
+def fig_html(fig: go.Figure | None, empty: str) -> str:
     """One figure as the pages draw it (the figure() macro), for laying figures out outside a page (tests)."""
     return templates.get_template("macros.html").module.figure(_plot(fig), empty)
 

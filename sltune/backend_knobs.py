@@ -27,7 +27,9 @@ KNOBS: dict[str, tuple[str, ...]] = {
 ALL_KNOBS: tuple[str, ...] = tuple(k for names in KNOBS.values() for k in names)
 DEFAULTS: dict[str, Any] = {"zero_stage": 2, "offload_optimizer": "none", "offload_param": "none",
                             "cpu_offload": False, "reshard_after_forward": True}
-# what only SpeedLoader's engine has; another backend refuses a value other than the default
+# what only SpeedLoader's engine has, declared once: another backend refuses a value other than the default here, a
+# spec without speedloader refuses its search field (sltune.tuning.spec), another backend's trials store None for it
+# (sltune.tuning.report.compare)
 SPEEDLOADER_ONLY: dict[str, Any] = {"num_live_blocks": 1, "schedule": "speedloader", "optimizer_offload": "host",
                                     "param_offload": "host", "mode": "train"}
 

@@ -11,6 +11,7 @@ import yaml
 from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from sltune.backend_knobs import ALL_KNOBS, KNOBS, CheckedBackendKnobs
+from sltune.field_errors import one_line
 from sltune.sizes import parse_bytes
 from sltune.yamlfile import read_yaml
 
@@ -25,8 +26,8 @@ KVCache = Literal["host", "device"]
 OptimizerOffload = Literal["host", "disk"]
 ParamOffload = Literal["host", "disk"]
 
-PARAM_OFFLOAD_TRAIN = ("param_offload: disk in training steps each unit's weights file with its optimizer block; "
-                       "add optimizer_offload: disk")
+PARAM_OFFLOAD_TRAIN = ("param_offload disk: training steps each unit's weights file with its optimizer block; add "
+                       "optimizer_offload disk")
 
 # Sections a best-config YAML carries besides the knobs: reports, read by `sltune plan`, ignored here.
 REPORT_SECTIONS = ("effective_batch_size", "workload", "measured", "predicted", "resource_models",
@@ -35,6 +36,13 @@ REPORT_SECTIONS = ("effective_batch_size", "workload", "measured", "predicted", 
 # was tuned with and will train with
 # The backend and every backend's knobs: a speedloader config's YAML leaves them out
 BACKEND_FIELDS = ("backend", *ALL_KNOBS)
+
+
+def param_offload_refusal(param_offload: str, optimizer_offload: str, train: bool) -> str | None:
+    """Where the weights may live in training, the one rule and its one wording (the config, the engine, a trial,
+    the search space and the CLI ask here): a step writes each unit's weights file with its optimizer block, so
+    param_offload disk trains only beside optimizer_offload disk. Generation reads the files alone."""
+    return PARAM_OFFLOAD_TRAIN if train and param_offload == "disk" and optimizer_offload != "disk" else None
 
 
 class SpeedLoaderConfig(CheckedBackendKnobs):
@@ -142,7 +150,9 @@ class SpeedLoaderConfig(CheckedBackendKnobs):
         try:
             cfg = cls(**knobs)
         except ValidationError as err:
-            raise ValueError(f"{source}: {_describe(err)}") from None
+            fields = ", ".join(cls.model_fields)
+            raise ValueError(f"{source}: " + one_line(err, unknown=f"unknown field; check the spelling (fields: "
+                                                                    f"{fields})")) from None
         batch = data.get("effective_batch_size")
         if batch is not None and batch != cfg.effective_batch_size:
             raise ValueError(
@@ -186,18 +196,3 @@ class SpeedLoaderConfig(CheckedBackendKnobs):
 
     def replace(self, **changes: Any) -> "SpeedLoaderConfig":
         return SpeedLoaderConfig(**{**self.model_dump(), **changes})
-
-
-def _describe(err: ValidationError) -> str:
-    """One line per bad field: 'num_live_blocks: Input should be greater than or equal to 1'."""
-    parts = []
-    for e in err.errors():
-        where = ".".join(str(p) for p in e["loc"]) or "config"
-        msg = e["msg"].removeprefix("Value error, ").removeprefix(f"{where}: ")   # a validator's own naming
-        if e["type"] == "extra_forbidden":
-            msg = "unknown field; check the spelling (fields: " + ", ".join(SpeedLoaderConfig.model_fields) + ")"
-        if not e["loc"]:        # a check across fields: its message names the field it blames
-            parts.append(msg)
-            continue
-        parts.append(f"{where}: {msg}")
-    return "; ".join(parts)

@@ -78,12 +78,12 @@ def cell(text) -> str:
 
 # -- the command line ---------------------------------------------------------------------------------------
 def cli() -> str:
-    from sltune.cli.main import _subcommands, parser
+    from sltune.cli.main import subcommands, parser
 
     os.environ["COLUMNS"] = WIDTH
     top = parser()
     out = [f"```\n{top.format_usage().strip()}\n```\n", cell(top.description), ""]
-    for name, sub in _subcommands(top).choices.items():
+    for name, sub in subcommands(top).choices.items():
         out += [f"## sltune {name}\n", f"```\n{sub.format_usage().strip()}\n```\n"]
         if sub.description:
             out += [sub.description.strip(), ""]

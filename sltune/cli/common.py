@@ -58,6 +58,13 @@ def add_knobs(parser: argparse.ArgumentParser) -> None:
                         "else mixed precision)")
 
 
+def as_flags(text: str, flags: dict[str, str] | None = None) -> str:
+    """A refusal worded with the config's fields, worded with this command's flags instead: 'param_offload disk'
+    reads '--param-offload disk' (`flags`: field -> flag; the knobs' by default)."""
+    flags = flags or {field: spec[0] for field, spec in KNOB_FLAGS.items()}
+    return re.sub(r"\b(" + "|".join(flags) + r")\b", lambda m: flags[m.group(1)], text)
+
+
 def config_from_args(args: argparse.Namespace, base: SpeedLoaderConfig | None = None) -> SpeedLoaderConfig:
     """The config file (if any) with flags given on the command line taking precedence. The file was checked
     when it was read, so a bad value here came from a flag: the message names the flag."""
@@ -93,11 +100,3 @@ def open_store(settings: Settings) -> None:
     from sltune.store import Store
 
     Store(settings.db_url())
-
-
-def field_error(e: dict) -> str:
-    """One pydantic error as a line names it: 'field: reason' (pydantic's "Value error, " and a reason that names
-    its field already, dropped)."""
-    where = ".".join(str(p) for p in e["loc"])
-    reason = e["msg"].removeprefix("Value error, ")
-    return f"{where}: {reason.removeprefix(f'{where}: ')}" if where else reason

@@ -11,7 +11,7 @@ from typing import NoReturn, Sequence
 from pydantic import ValidationError
 
 from sltune.cli import profile, service, train, tune
-from sltune.cli.common import field_error
+from sltune.field_errors import one_line
 from sltune.service.client import ServiceError
 
 COMMANDS = [train, profile, tune, service]
@@ -44,7 +44,7 @@ class Parser(argparse.ArgumentParser):
         """The top-level parse: what no parser took is reported by the command's parser, naming the flag it
         has that is closest; no command at all is named as such."""
         parsed, unknown = self.parse_known_args(args, namespace)
-        sub = _subcommands(self)
+        sub = subcommands(self)
         command = sub.choices.get(getattr(parsed, "command", None) or "") if sub else None
         if unknown:
             (command or self).unrecognized(unknown)
@@ -73,7 +73,7 @@ def closest_flag(given: str, parser: argparse.ArgumentParser) -> str | None:
     return names[match[0]] if match else None
 
 
-def _subcommands(p: argparse.ArgumentParser) -> argparse._SubParsersAction | None:
+def subcommands(p: argparse.ArgumentParser) -> argparse._SubParsersAction | None:
     return next((a for a in p._actions if isinstance(a, argparse._SubParsersAction)), None)
 
 
@@ -102,20 +102,20 @@ def main(argv: list[str] | None = None) -> int:
         _end_progress_bars()
         if args.debug:
             traceback.print_exc()
-        print(f"sltune {args.command}: error: {_one_line(err)}", file=sys.stderr)
+        print(f"sltune {args.command}: error: {error_line(err)}", file=sys.stderr)
         return 2 if isinstance(err, USER_ERRORS) else 1
 
 
 USER_ERRORS = (ValueError, OSError, ServiceError)
 
 
-def _one_line(err: Exception) -> str:
+def error_line(err: Exception) -> str:
     """A user's mistake (a bad value, a missing file, a server's refusal) reads as its message; anything
     else is named as unexpected, with the way to see more."""
     if isinstance(err, OSError) and err.filename is not None:
         return f"{err.filename}: {err.strerror or err}"
     if isinstance(err, ValidationError):            # a model built from flags: the field and pydantic's reason
-        return "; ".join(field_error(e) for e in err.errors())
+        return one_line(err)
     text = " ".join(str(err).split())
     if isinstance(err, USER_ERRORS):
         return text

@@ -8,7 +8,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from sltune.cli.common import DISK_VERSIONS_ALONE, field_error
+from sltune.cli.common import DISK_VERSIONS_ALONE, as_flags
+from sltune.config import param_offload_refusal
+from sltune.field_errors import one_line
 from sltune.profiling import forks, run_trial
 from sltune.profiling.schema import TrialSpec
 from sltune.sizes import format_bytes
@@ -143,13 +145,10 @@ FLAGS["mixed_precision"] = "--no-mixed-precision"
 
 def _spec(**fields: Any) -> TrialSpec:
     """The trial spec; a refusal (a knob of another backend, offload_param without stage 3, ...) names the flags."""
-    import re
-
     try:
         return TrialSpec(**fields)
     except ValidationError as err:
-        why = "; ".join(field_error(e) for e in err.errors())
-        raise ValueError(re.sub(r"\b(" + "|".join(FLAGS) + r")\b", lambda m: FLAGS[m.group(1)], why)) from None
+        raise ValueError(as_flags(one_line(err), FLAGS)) from None
 
 
 def _fits_host(spec: TrialSpec) -> None:
@@ -184,9 +183,8 @@ def _offload_dir(args: argparse.Namespace) -> str | None:
         raise ValueError(DISK_VERSIONS_ALONE)
     if args.backend == "deepspeed":         # nvme offload's folder; the spec refuses it without nvme
         return str(writable_dir(args.offload_dir, "--offload-dir")) if args.offload_dir else None
-    if args.param_offload == "disk" and args.mode == "train" and args.optimizer_offload == "host":
-        raise ValueError("--param-offload disk: training steps each unit's weights file with its optimizer block; add "
-                         "--optimizer-offload disk")
+    if why := param_offload_refusal(args.param_offload, args.optimizer_offload, args.mode == "train"):
+        raise ValueError(as_flags(why, FLAGS))
     if args.optimizer_offload == "host" and args.param_offload == "host":
         if args.offload_dir:
             raise ValueError("--offload-dir: the optimizer's files go there under --optimizer-offload disk (the "
@@ -225,9 +223,7 @@ def _optimizer(args: argparse.Namespace) -> OptimizerConfig:
     try:
         return OptimizerConfig(**{k: v for k, v in given.items() if v is not None})
     except ValidationError as err:
-        raise ValueError("; ".join(f"--{str(e['loc'][0]).replace('_', '-')} "
-                                   f"{given.get(str(e['loc'][0]))}: {e['msg'].removeprefix('Value error, ')}"
-                                   for e in err.errors())) from None
+        raise ValueError(one_line(err, name=lambda field: f"--{field.replace('_', '-')} {given.get(field)}")) from None
 
 
 def describe(r) -> str:

@@ -16,6 +16,7 @@ from pydantic import ValidationError
 
 from sltune.cli.common import DATA_DIR_HELP, DB_HELP, SERVER_HELP, open_store
 from sltune.cli.progress import JobBar, describe_config
+from sltune.field_errors import one_line
 from sltune.profiling import forks
 from sltune.service.embedded import job_worker
 from sltune.settings import Settings
@@ -98,8 +99,7 @@ def _settings(args: argparse.Namespace) -> Settings:
         def source(key: str) -> str:
             return "--" + FLAGS[key].replace("_", "-") if key in overrides else "SLTUNE_" + key.upper()
 
-        raise ValueError("; ".join(f"{source(str(e['loc'][0]))}: {e['msg'].removeprefix('Value error, ')}"
-                                   for e in err.errors())) from None
+        raise ValueError(one_line(err, name=source)) from None
 
 
 def run_serve(args: argparse.Namespace) -> int:

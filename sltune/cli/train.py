@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from tqdm import tqdm
 
-from sltune.cli.common import add_knobs, config_from_args
-from sltune.config import SpeedLoaderConfig
+from sltune.cli.common import add_knobs, as_flags, config_from_args
+from sltune.config import SpeedLoaderConfig, param_offload_refusal
 from sltune.sizes import format_bytes
 from sltune.training.optimizer import OptimizerConfig
 from sltune.training.schedule import SCHEDULES
@@ -109,9 +109,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args, base)
     if args.world_size is not None:
         cfg = cfg.replace(world_size=args.world_size)
-    if cfg.param_offload == "disk" and cfg.optimizer_offload != "disk":
-        raise ValueError("--param-offload disk: training steps each unit's weights file with its optimizer block; "
-                         "add --optimizer-offload disk")
+    if why := param_offload_refusal(cfg.param_offload, cfg.optimizer_offload, train=True):
+        raise ValueError(as_flags(why))
     model_source, model_name = _model(args, tuned)
     job = TrainJob(
         model=model_source, config=cfg, optimizer=_optimizer(args, tuned),

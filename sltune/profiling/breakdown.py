@@ -56,7 +56,7 @@ class Breakdown:
         return {k: (v / total if total > 0 else 0.0) for k, v in self.seconds.items()}
 
 
-class _Event(NamedTuple):
+class Event(NamedTuple):
     start: int      # ns
     end: int
     name: str
@@ -109,14 +109,14 @@ def _kineto_quiet() -> Iterator[None]:
         os.close(devnull)
 
 
-def _events(prof) -> list[_Event]:
+def _events(prof) -> list[Event]:
     cpu = torch.autograd.DeviceType.CPU
-    return [_Event(k.start_ns(), k.start_ns() + k.duration_ns(), k.name(), k.start_thread_id(),
+    return [Event(k.start_ns(), k.start_ns() + k.duration_ns(), k.name(), k.start_thread_id(),
                    k.device_type() != cpu)
             for k in prof.profiler.kineto_results.events()]
 
 
-def attribute(events: list[_Event], top: int = 10) -> Breakdown:
+def attribute(events: list[Event], top: int = 10) -> Breakdown:
     steps = [i for i, e in enumerate(events) if e.name == STEP and not e.on_device]
     if not steps:
         raise RuntimeError("the profiled call ran no sltune step")
@@ -138,11 +138,11 @@ def attribute(events: list[_Event], top: int = 10) -> Breakdown:
                      copy_hidden=hidden)
 
 
-def _top_ops(events: list[_Event], windows: list[tuple[int, int]], top: int) -> list[dict[str, Any]]:
+def _top_ops(events: list[Event], windows: list[tuple[int, int]], top: int) -> list[dict[str, Any]]:
     """Operators by self time on every host thread during the steps: CUDA runs backward on autograd's
     device thread, not on the step's."""
     self_ns: dict[str, list[float]] = defaultdict(lambda: [0, 0])
-    by_thread: dict[int, list[_Event]] = defaultdict(list)
+    by_thread: dict[int, list[Event]] = defaultdict(list)
     for e in events:
         if not e.on_device and any(a <= e.start and e.end <= b for a, b in windows):
             by_thread[e.thread].append(e)
@@ -168,7 +168,7 @@ def collective_of(name: str) -> str | None:
     return "other"
 
 
-def _nest(events: list[_Event]) -> list[list[int]]:
+def _nest(events: list[Event]) -> list[list[int]]:
     """children[i]: the events directly inside event i (events sorted by start, longest first)."""
     children: list[list[int]] = [[] for _ in events]
     stack: list[int] = []
@@ -231,7 +231,7 @@ def kernel_slice(name: str) -> str:
     return "compute"
 
 
-def _attribute_device(kernels: list[_Event], windows: list[tuple[int, int]],
+def _attribute_device(kernels: list[Event], windows: list[tuple[int, int]],
                       seconds: dict[str, float]) -> float | None:
     """On CUDA the device timeline is the truth. Each slice is the union of its kernels' intervals within the
     steps (streams overlap, so their sum could exceed the wall); step time no kernel covers is cpu. Overlaps

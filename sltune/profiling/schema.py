@@ -7,7 +7,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 from sltune.backends.knobs import ALL_KNOBS, KNOBS, BackendKnobs, CheckedBackendKnobs
-from sltune.config import PARAM_OFFLOAD_TRAIN, Activations, DType, KVCache, OptimizerOffload, ParamOffload, Schedule
+from sltune.config import Activations, DType, KVCache, OptimizerOffload, ParamOffload, Schedule, param_offload_refusal
 from sltune.runtime.counters import IOCounters
 from sltune.sizes import parse_bytes
 from sltune.training.optimizer import OptimizerConfig
@@ -75,9 +75,9 @@ class TrialSpec(CheckedBackendKnobs):
 
     @model_validator(mode="after")
     def _param_offload(self) -> "TrialSpec":
-        if self.param_offload == "disk" and self.backend == "speedloader" and self.mode == "train" \
-                and self.optimizer_offload != "disk":
-            raise ValueError(PARAM_OFFLOAD_TRAIN)
+        why = param_offload_refusal(self.param_offload, self.optimizer_offload, self.mode == "train")
+        if why and self.backend == "speedloader":
+            raise ValueError(why)
         return self
 
     @property

@@ -206,7 +206,7 @@ class DiskState:
         self._writes: list[Future] = []
         self._written: list[Path] = []
         self._sums: dict[str, list[int]] = {}       # this step's written files -> their sums
-        self._lock = threading.Condition()
+        self.lock = threading.Condition()   # the pump's; the gradient window (gradwindow) does its I/O under it
         self._error: BaseException | None = None
         self._pool = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="sltune-disk")
         self._cleanup = weakref.finalize(self, close_folder, self.folder, lock, self._pool)
@@ -305,7 +305,7 @@ class DiskState:
     def begin(self, order: Sequence[Block]) -> None:
         """Start reading the step's blocks in the order they will step, as slots free up."""
         self.check_whole()
-        with self._lock:
+        with self.lock:
             self._queue = list(order)
             self._loaded, self._writes, self._written, self._error = {}, [], [], None
             self.times = IOTimes()
@@ -325,7 +325,7 @@ class DiskState:
             slot.block = block
             slot.read = self._pool.submit(self._read, block, slot)
             self._loaded[block.index] = slot
-            self._lock.notify_all()
+            self.lock.notify_all()
 
     def _read(self, block: Block, slot: _Slot) -> None:
         if block.file is None:
@@ -337,21 +337,21 @@ class DiskState:
             if self.verify_reads:
                 self._verify(block, slot.buf, block.has_state)
         except BaseException as err:    # the step fails: every block waited for from now on raises it too
-            with self._lock:
+            with self.lock:
                 self._error = self._error or err
-                self._lock.notify_all()
+                self.lock.notify_all()
             raise
-        with self._lock:
+        with self.lock:
             self.counters.disk_read_bytes += moved
             self.times.reads.append((start, end))
 
     def wait(self, block: Block) -> _Slot:
         """The block's slot once its read is done (the stepping thread waits here for the disk)."""
-        with self._lock:
+        with self.lock:
             while block.index not in self._loaded:
                 if self._error is not None:
                     raise self._error
-                self._lock.wait()
+                self.lock.wait()
             slot = self._loaded[block.index]
         slot.read.result()
         return slot
@@ -359,9 +359,9 @@ class DiskState:
     def interrupt(self, error: BaseException) -> None:
         """The step failed: whoever waits for a block raises instead of waiting for a read that will not come (the
         slots may hold blocks nobody will step)."""
-        with self._lock:
+        with self.lock:
             self._error = self._error or error
-            self._lock.notify_all()
+            self.lock.notify_all()
 
     def write_behind(self, block: Block, slot: _Slot) -> None:
         """Write the stepped block as version v+1; its slot is free once the file is renamed into place."""
@@ -372,16 +372,16 @@ class DiskState:
             sums = checksums(slot.buf, self._ranges(block, True))
             start = time.perf_counter()
             name = self._write_file(f"b{block.index:05d}-v{self.version + 1}.bin", slot.buf, self.nbytes(block, True))
-            with self._lock:
+            with self.lock:
                 self._written.append(self.folder / name)
                 self._sums[name] = sums
                 self.times.writes.append((start, time.perf_counter()))
             if self.versions == 1 and block.file is not None:
                 self.drop(self.folder / block.file)
         except BaseException as err:
-            with self._lock:
+            with self.lock:
                 self._error = err
-                self._lock.notify_all()
+                self.lock.notify_all()
             raise
         finally:
             self.release(slot)
@@ -390,7 +390,7 @@ class DiskState:
         """disk_versions 1: a file of the committed version whose replacement is in place goes now (the weights
         files' too). The step's first drop sets the manifest aside first (TORN): from here the folder holds no
         complete version until the commit, and a failed step cannot roll back."""
-        with self._lock:
+        with self.lock:
             if not self._dropped:
                 try:
                     os.replace(self.folder / MANIFEST, self.folder / TORN)
@@ -402,7 +402,7 @@ class DiskState:
 
     def release(self, slot: _Slot) -> None:
         """A slot back to the window (its block written, or not to be written); the next reads start."""
-        with self._lock:
+        with self.lock:
             if slot.block is not None:
                 self._loaded.pop(slot.block.index, None)
             slot.block, slot.read = None, None
@@ -411,7 +411,7 @@ class DiskState:
     def _write_file(self, name: str, buf: torch.Tensor, nbytes: int, count: bool = True) -> str:
         moved = self.files.replace(self.folder / name, buf, nbytes, label="disk")
         if count:
-            with self._lock:
+            with self.lock:
                 self.counters.disk_write_bytes += moved
         return name
 
@@ -467,7 +467,7 @@ class DiskState:
         """After a failed or skipped step: wait for the transfers in flight, drop what the step wrote, free the
         window. The committed version is untouched, unless files of it were dropped (disk_versions 1): then the
         engine is torn, and what is left of that version's blocks goes too (the manifest stays set aside)."""
-        with self._lock:
+        with self.lock:
             self._queue = []
         for slot in self._slots:
             if slot.read is not None:

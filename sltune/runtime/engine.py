@@ -93,7 +93,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from sltune.config import PARAM_OFFLOAD_TRAIN, SpeedLoaderConfig
+from sltune.config import SpeedLoaderConfig, param_offload_refusal
 from sltune.models.checkpoint import Checkpoint, materialize, untied, write_pretrained
 from sltune.runtime.activations import DeviceActivations, HostActivations
 from sltune.runtime.device import check_device, check_dtype
@@ -203,8 +203,8 @@ class SpeedLoaderEngine:
         self._build_units()
         resident = config.schedule == "resident"
         train = optimizer is not None
-        if config.param_offload == "disk" and train and config.optimizer_offload != "disk":
-            raise ValueError(PARAM_OFFLOAD_TRAIN)
+        if why := param_offload_refusal(config.param_offload, config.optimizer_offload, train):
+            raise ValueError(why)
         rank = dist.get_rank() if self.world > 1 else 0
         # optimizer_offload disk: the masters and the optimizer state in files (resident is refused by the config)
         self.disk = DiskState(config.offload_dir, self.io, master=config.has_master, rank=rank,
@@ -531,7 +531,7 @@ class SpeedLoaderEngine:
                 else:
                     with torch.no_grad():
                         hidden, calls = lm.prologue(sb.ids, sb.mask, use_cache=False)
-            sb.calls = [LayerCall(*_detached((c.args, c.kwargs))) for c in calls]
+            sb.calls = [LayerCall(*detached((c.args, c.kwargs))) for c in calls]
             self.acts.put(0, i, hidden)
 
     def _group_forward(self, group: "_Group", subs: list[_SubBatch], trains: list[bool], graphs: dict) -> None:
@@ -642,6 +642,12 @@ class SpeedLoaderEngine:
         return stepper is not None and self._overlap and self.scaler is None and self.max_grad_norm is None \
             and (stepper.rollback or self.disk is None)
 
+    def step_plan(self) -> phases.StepPlan:
+        """The plan a train_step runs now (it changes with what trains and how the step is set up)."""
+        trains, plan = self._plan()
+        return phases.StepPlan(tuple(trains), tuple(plan), tuple(self._unit(u) for u in phases.loaded(plan)),
+                               tuple(self._unit(u) for u in phases.step_order(plan)), self._early())
+
     def _step_order(self) -> list[ParamUnit]:
         """The units in the order a step makes their gradients final: the backward's, the tied weights last."""
         return [self._unit(u) for u in phases.step_order(self._plan()[1])]
@@ -719,7 +725,7 @@ class SpeedLoaderEngine:
                 masters = {key: self.params.weight_values(u) if masters.get(key) is None else masters[key]
                            for u in self.units if (key := id(u)) in masters}
             views = {id(p): v for unit in self.units if masters.get(id(unit)) is not None
-                     for p, v in zip(unit.params, unit._views(masters[id(unit)], unit.offsets))}
+                     for p, v in zip(unit.params, unit.views(masters[id(unit)], unit.offsets))}
             if not views:
                 return state
             params = dict(self.model.named_parameters(remove_duplicate=False))
@@ -788,17 +794,17 @@ def _warn_vanishing_eps(opt: torch.optim.Optimizer, dtype: torch.dtype) -> None:
             return
 
 
-def _detached(obj):
+def detached(obj):
     """Layer arguments made with autograd on (the kept prologue) without their graph: the layers' backward
     must not reach into the prologue's."""
     if torch.is_tensor(obj):
         return obj.detach()
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):     # a namedtuple
-        return type(obj)(*(_detached(o) for o in obj))
+        return type(obj)(*(detached(o) for o in obj))
     if isinstance(obj, (tuple, list)):
-        return type(obj)(_detached(o) for o in obj)
+        return type(obj)(detached(o) for o in obj)
     if isinstance(obj, dict):
-        return {k: _detached(v) for k, v in obj.items()}
+        return {k: detached(v) for k, v in obj.items()}
     return obj
 
 

@@ -17,7 +17,7 @@ import functools
 
 
 @functools.cache
-def _trim():
+def malloc_trim():
     """glibc's malloc_trim, or None where the C library has none."""
     try:
         return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
@@ -27,6 +27,6 @@ def _trim():
 
 def release_freed() -> None:
     """Give the pages malloc holds for freed blocks back to the system (a few ms after a step)."""
-    trim = _trim()
+    trim = malloc_trim()
     if trim is not None:
         trim(0)

@@ -89,7 +89,7 @@ class ParamUnit:
         """The flat values the optimizer steps: the master, else the dtype copy itself."""
         return self.master if self.master is not None else self.host
 
-    def _views(self, flat: torch.Tensor, offsets) -> list[torch.Tensor | None]:
+    def views(self, flat: torch.Tensor, offsets) -> list[torch.Tensor | None]:
         return [None if off is None else flat[off:off + shape.numel()].view(shape)
                 for shape, off in zip(self.shapes, offsets)]
 
@@ -169,20 +169,8 @@ class ParamStore:
         placeholder (its numel and dtype, no memory) and every load reads the file through the window; in training
         (but the canonical schedule, which sums every micro-batch's gradients on the host) the gradients are not
         held whole either: a unit's borrow a GradWindow's buffer from their offload to their step."""
-        self.units = units
-        self.copier = copier
-        self.pool = pool
-        self.resident = resident
-        self.master = master and train
-        self.accumulate32 = self.master and on_device_accumulate and not resident
-        self._unsummed: set[int] = set()    # units whose float32 sum no flush has written yet (holds no zeros)
-        self.disk = disk if train else None
-        self.master_on_disk = self.master and self.disk is not None
-        self.weights = weights
-        streamed = weights is not None and self.disk is not None and on_device_accumulate and not resident
+        streamed = self._attach(units, copier, pool, resident, train, master, on_device_accumulate, disk, weights)
         grad_dtype = torch.float32 if self.master else dtype
-        self.stepped: dict[int, list[Stepped]] = {}      # per unit (by id): the tensors the optimizer steps
-        self._masters: dict[int, nn.Parameter] = {}     # model parameter id -> its master's Parameter
         fill = fill or copy_own_data
         device = copier.device
 
@@ -210,7 +198,7 @@ class ParamStore:
             if self.master:     # on its way to disk: filled here, then written out and freed (not pinned)
                 unit.master = (torch.empty(unit.numel, dtype=torch.float32) if self.master_on_disk
                                else alloc(unit.numel, torch.float32))
-            for p, view in zip(unit.params, unit._views(unit.stepped, unit.offsets)):
+            for p, view in zip(unit.params, unit.views(unit.stepped, unit.offsets)):
                 fill(p, view)
             if unit.master is not None:
                 unit.host.copy_(unit.master)
@@ -232,7 +220,7 @@ class ParamStore:
             if resident and unit.master is not None and unit.host_grad is not None:
                 # each sub-batch's dtype gradients, flushed into the float32 host_grad (on the device here)
                 unit.dev_grad = torch.zeros(goff, dtype=dtype, device=device)
-                for p, g in zip(unit.params, unit._views(unit.dev_grad, unit.grad_offsets)):
+                for p, g in zip(unit.params, unit.views(unit.dev_grad, unit.grad_offsets)):
                     p.grad = g
         if resident:
             for unit in units:
@@ -241,17 +229,37 @@ class ParamStore:
                                                                        for t in extra if t is not None))
         if streamed:
             self.grads = GradWindow([u for u in units if id(u) in self.stepped], grad_dtype, self.disk.files,
-                                    self.disk.folder, self.disk.counters, self.disk._lock, self.bind_grads)
+                                    self.disk.folder, self.disk.counters, self.disk.lock, self.bind_grads)
+
+
+    def _attach(self, units: list[ParamUnit], copier: Copier, pool: BufferPool, resident: bool, train: bool,
+                master: bool, on_device_accumulate: bool, disk: "DiskState | None",
+                weights: WeightFiles | None) -> bool:
+        """What every store keeps (this one and sltune.runtime.sharding's); whether the gradients stream through a
+        GradWindow."""
+        self.units = units
+        self.copier = copier
+        self.pool = pool
+        self.resident = resident
+        self.master = master and train
+        self.accumulate32 = self.master and on_device_accumulate and not resident
+        self._unsummed: set[int] = set()    # units whose float32 sum no flush has written yet (holds no zeros)
+        self.disk = disk if train else None
+        self.master_on_disk = self.master and self.disk is not None
+        self.weights = weights
+        self.stepped: dict[int, list[Stepped]] = {}      # per unit (by id): the tensors the optimizer steps
+        self._masters: dict[int, nn.Parameter] = {}     # model parameter id -> its master's Parameter
+        return weights is not None and self.disk is not None and on_device_accumulate and not resident
 
     def _stepped_of(self, unit: ParamUnit, grad_dtype: torch.dtype) -> list[Stepped]:
         """The unit's trainable tensors as the optimizer steps them: under a master a float32 Parameter viewing
         it with its float32 gradient (a placeholder when the master is on disk), else the model's own. Gradients
         in a GradWindow are placeholders until their unit borrows a buffer (bind_grads)."""
         out = []
-        grads = unit._views(unit.host_grad, unit.grad_offsets) if unit.host_grad is not None else \
+        grads = unit.views(unit.host_grad, unit.grad_offsets) if unit.host_grad is not None else \
             [None if off is None else placeholder(shape, grad_dtype)
              for off, shape in zip(unit.grad_offsets, unit.shapes)]
-        masters = unit._views(unit.master, unit.offsets) if self.master else [None] * len(unit.params)
+        masters = unit.views(unit.master, unit.offsets) if self.master else [None] * len(unit.params)
         for p, off, shape, g, master in zip(unit.params, unit.offsets, unit.shapes, grads, masters):
             if g is None:
                 continue
@@ -273,9 +281,9 @@ class ParamStore:
         `flat` (the weights on disk) gives each a placeholder of its own."""
         if grad_flat is not None and grad_flat.dtype != flat.dtype:
             grad_flat = None
-        grads = unit._views(grad_flat, unit.grad_offsets) if grad_flat is not None else [None] * len(unit.params)
+        grads = unit.views(grad_flat, unit.grad_offsets) if grad_flat is not None else [None] * len(unit.params)
         views = [placeholder(shape, flat.dtype) for shape in unit.shapes] if flat.numel() and not flat.stride(0) \
-            else unit._views(flat, unit.offsets)
+            else unit.views(flat, unit.offsets)
         for p, view, g in zip(unit.params, views, grads):
             p.grad = None
             p.data = view
@@ -401,7 +409,7 @@ class ParamStore:
             for s in items:
                 s.grad = None
             return
-        views = dict(zip(unit.offsets, unit._views(flat, unit.grad_offsets)))
+        views = dict(zip(unit.offsets, unit.views(flat, unit.grad_offsets)))
         for s in items:
             if s.part is None:
                 s.grad = views[s.offset]
@@ -432,7 +440,7 @@ class ParamStore:
                 p.grad = None
             return
         unit.dev_grad = self.pool.acquire(numel, unit.host.dtype).zero_()
-        for p, g in zip(unit.params, unit._views(unit.dev_grad, unit.grad_offsets)):
+        for p, g in zip(unit.params, unit.views(unit.dev_grad, unit.grad_offsets)):
             p.grad = g
 
     def flush_grads(self, units: Sequence[ParamUnit]) -> None:
@@ -460,7 +468,7 @@ class ParamStore:
                 self._unsummed.discard(id(unit))
                 if first and acc.numel() > unit.grad_numel:     # a shard's padding: summed over ranks as zeros
                     acc[unit.grad_numel:].zero_()
-                for p, view in zip(unit.params, unit._views(acc, unit.grad_offsets)):
+                for p, view in zip(unit.params, unit.views(acc, unit.grad_offsets)):
                     if view is None:
                         continue
                     g, p.grad = p.grad, None

@@ -19,7 +19,7 @@ tied weights are live through the whole pass and are no phase's unit; they make 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence, Union
+from typing import Any, Sequence, Union
 
 Unit = Union[int, str]                      # a group's index, or "embed", "head", "tied"
 BACKWARD: tuple[str, ...] = ("turn", "bwd", "embed_bwd")
@@ -37,6 +37,20 @@ class Phase:
     def backward(self) -> bool:
         """Whether the phase makes gradients: its units take gradient buffers and offload them after it."""
         return self.kind in BACKWARD
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What one train_step of an engine runs, as a value (SpeedLoaderEngine.step_plan): its phases and which group
+    edges carry a gradient back, the engine's units a pass loads and the order a step makes their gradients final,
+    and whether each unit steps as soon as they are (else after the whole backward). The traffic a step should move
+    (sltune.runtime.traffic) is counted from it, not from the engine's insides."""
+
+    trains: tuple[bool, ...]
+    phases: tuple[Phase, ...]
+    loaded: tuple[Any, ...]         # the engine's units (sltune.runtime.params.ParamUnit), tied once per pass
+    step_order: tuple[Any, ...]
+    early: bool
 
 
 def trained_edges(embed: bool, groups: Sequence[bool]) -> list[bool]:

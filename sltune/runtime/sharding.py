@@ -57,19 +57,7 @@ class ShardedParamStore(ParamStore):
                  weights: WeightFiles | None = None):
         """As ParamStore's; `weights` (param_offload disk): each unit's shard goes to this rank's file once filled,
         and with `disk` (training, but the canonical schedule) the gradient shards stream through a GradWindow."""
-        self.units = units
-        self.copier = copier
-        self.pool = pool
-        self.resident = False
-        self.master = master and train
-        self.accumulate32 = self.master and on_device_accumulate
-        self._unsummed: set[int] = set()
-        self.disk = disk if train else None
-        self.master_on_disk = self.master and self.disk is not None
-        self.weights = weights
-        streamed = weights is not None and self.disk is not None and on_device_accumulate
-        self.stepped: dict[int, list[Stepped]] = {}
-        self._masters: dict[int, nn.Parameter] = {}
+        streamed = self._attach(units, copier, pool, False, train, master, on_device_accumulate, disk, weights)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.shard_params: list[nn.Parameter] = []
         fill = fill or copy_own_data
@@ -137,7 +125,7 @@ class ShardedParamStore(ParamStore):
             self._empty(unit)
         if streamed:
             self.grads = GradWindow([u for u in units if id(u) in self.stepped], grad_dtype, self.disk.files,
-                                    self.disk.folder, self.disk.counters, self.disk._lock, self.bind_grads,
+                                    self.disk.folder, self.disk.counters, self.disk.lock, self.bind_grads,
                                     numel=lambda u: u.trainable_here)
 
     @staticmethod
@@ -235,6 +223,6 @@ class ShardedParamStore(ParamStore):
             full = torch.empty(unit.padded, dtype=mine.dtype, device=mine.device)
             _all_gather(full, mine)
             full = full.cpu()
-            for p, view in zip(unit.params, unit._views(full, unit.offsets)):
+            for p, view in zip(unit.params, unit.views(full, unit.offsets)):
                 out[id(p)] = view
         return out

@@ -25,9 +25,8 @@ def expected_io(engine: "SpeedLoaderEngine", seq_len: int) -> IOCounters:
     if cfg.schedule == "resident":
         return IOCounters()
     itemsize = torch.empty((), dtype=engine.dtype).element_size()
-    trains, plan = engine._plan()
-    loaded = [engine._unit(u) for u in phases.loaded(plan)]               # tied: once per pass
-    backward = [engine._unit(u) for u in phases.step_order(plan)]
+    step = engine.step_plan()
+    trains, plan, loaded, backward = step.trains, step.phases, step.loaded, step.step_order
     loads = sum(u.nbytes for u in loaded)
     # gradients move as the device sums them: float32 under a master (dtype per micro-batch in canonical)
     grad_size = 4 if engine.params.accumulate32 else itemsize
@@ -43,7 +42,7 @@ def expected_io(engine: "SpeedLoaderEngine", seq_len: int) -> IOCounters:
     weight_loads, weight_staged, weight_writes = _weight_files(engine, loaded, backward)
     # param_offload disk, a deferred step: every unit's gradients spilled to a file and read back once
     spill = sum(padded(engine.params.host_grad_numel(u) * grad_size) for u in backward) \
-        if engine.params.grads is not None and not engine._early() else 0
+        if engine.params.grads is not None and not step.early else 0
     if cfg.schedule == "canonical":
         return IOCounters(param_load_bytes=n * loads, grad_offload_bytes=n * grads,
                           allgather_bytes=n * gathered, reduce_scatter_bytes=n * scattered,

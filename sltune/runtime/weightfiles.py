@@ -73,7 +73,7 @@ class WeightFiles:
         """`disk`: the engine's disk tier, whose folder, files and lock this shares; None: a folder of its own (named
         for `rank`, as the disk tier's is)."""
         if disk is not None:
-            self.folder, self.files, self._lock = disk.folder, disk.files, disk._lock
+            self.folder, self.files, self._lock = disk.folder, disk.files, disk.lock
         else:
             root = writable_dir(root)
             remove_stale(root)

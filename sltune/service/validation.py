@@ -22,6 +22,7 @@ from typing import Any
 from pebble import ProcessExpired, ProcessPool
 from pydantic import ValidationError
 
+from sltune.field_errors import field_errors
 from sltune.models import confined
 from sltune.plaindata import problems
 from sltune.profiling import forks
@@ -83,7 +84,7 @@ def _uncached(verdict: Verdict) -> Verdict:
 def _check(data: dict[str, Any], settings: Settings) -> Verdict:
     from sltune.tuning.cost import admission
     from sltune.tuning.runner import requirements
-    from sltune.tuning.spec import TuningSpec, field_errors
+    from sltune.tuning.spec import UNKNOWN_SPEC_FIELD, TuningSpec
 
     try:
         data, confinement = inside_models_dir(data, settings)
@@ -96,7 +97,7 @@ def _check(data: dict[str, Any], settings: Settings) -> Verdict:
             admission.admit(spec)               # its model's shape against its limits, then the server's ceilings
             spec, limits = within_ceilings(spec, settings)
     except ValidationError as err:
-        return Verdict(errors=field_errors(err))
+        return Verdict(errors=field_errors(err, unknown=UNKNOWN_SPEC_FIELD))
     except Refused as err:
         return Verdict(errors=err.errors)
     except confined.OutsideModelsDir as err:

@@ -110,7 +110,7 @@ HASH = checksum.NAME        # what a save sums its files with (sltune.runtime.ch
 _CHUNK = 8 << 20
 
 
-def _hash_file(path: Path, algo: str, sync: bool = False) -> str | None:
+def hash_file(path: Path, algo: str, sync: bool = False) -> str | None:
     """The file's checksum by `algo` (None when that algorithm is not installed here); `sync` also flushes the
     file to disk, as it is read."""
     h = checksum.streaming(algo)
@@ -126,14 +126,14 @@ def _hash_file(path: Path, algo: str, sync: bool = False) -> str | None:
     return h.hexdigest()
 
 
-def _record(path: Path) -> dict[str, Any]:
+def record(path: Path) -> dict[str, Any]:
     """A file's manifest entry, the file flushed to disk: its size and checksum, or only its size for a file
     hard-linked from the disk tier's folder (its blocks carry their own checksums; reading them here would read
     the whole optimizer state back at every checkpoint)."""
     st = path.stat()
     if st.st_nlink > 1:
         return {"size": st.st_size, "linked": True}
-    return {"size": st.st_size, HASH: _hash_file(path, HASH, sync=True)}
+    return {"size": st.st_size, HASH: hash_file(path, HASH, sync=True)}
 
 
 # -- ranks -------------------------------------------------------------------------------------------------------
@@ -359,7 +359,7 @@ def _write_optimizer(staging: Path, path: Path, engine, rank: int, world: int) -
             if state is not None:
                 torch.save(state, staging / f"{mine}.pt")
             written = [staging / f"{mine}.pt"] if state is not None else []
-        files = {p.relative_to(staging).as_posix(): _record(p) for p in written}
+        files = {p.relative_to(staging).as_posix(): record(p) for p in written}
     crash_point("save.optimizer")
     return files
 
@@ -390,7 +390,7 @@ def _write_unit_manifest(staging: Path, path: Path, files: dict[str, Any], step:
         for p in sorted(staging.rglob("*")):
             rel = p.relative_to(staging).as_posix()
             if p.is_file() and rel not in files:
-                files[rel] = _record(p)
+                files[rel] = record(p)
         for folder in [*(p for p in staging.rglob("*") if p.is_dir()), staging]:
             fsync_dir(folder)
         _write_manifest(staging / TRAINING_STATE, {"format": FORMAT, "step": step, "run": run, "world_size": world,
@@ -580,7 +580,7 @@ def verify(folder: str | Path, checksums: bool = True) -> tuple[dict[str, Any], 
     if checksums:
         for rel, entry in files.items():
             algo = next((a for a in ("xxh3_64", "crc32") if a in entry), None)
-            got = _hash_file(folder / rel, algo) if algo else None
+            got = hash_file(folder / rel, algo) if algo else None
             if got is not None and got != entry[algo]:
                 raise Incomplete(f"{folder / rel}: checksum mismatch ({algo} {got}, {mfile} lists {entry[algo]}): "
                                  "the file is damaged or not this checkpoint's")

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from sltune.field_errors import one_line
+
 if TYPE_CHECKING:       # torch loads when an optimizer is built: the spec and the CLI read this model without it
     import torch
 
@@ -52,14 +54,8 @@ class OptimizerConfig(BaseModel):
         try:
             return cls(**data)
         except ValidationError as err:
-            parts = []
-            for e in err.errors():
-                where = ".".join(str(p) for p in e["loc"]) or "optimizer"
-                msg = e["msg"].removeprefix("Value error, ")
-                if e["type"] == "extra_forbidden":
-                    msg = "unknown field; fields: " + ", ".join(cls.model_fields)
-                parts.append(f"{source}.{where}: {msg}")
-            raise ValueError("; ".join(parts)) from None
+            raise ValueError(one_line(err, within=source, unknown="unknown field; fields: " +
+                                      ", ".join(cls.model_fields))) from None
 
     def to_dict(self) -> dict[str, Any]:
         out = self.model_dump()

@@ -104,7 +104,7 @@ def tokenize_file(path: str | Path, tokenizer: str | Path) -> TextTokens:
     ids = _read_cache(cache)
     if ids is not None:
         return TextTokens(ids, cache, True)
-    drop = _drops_space(tok)
+    drop = drops_space(tok)
     pieces = _txt_pieces(path, drop) if path.suffix == ".txt" else _pieces(read_documents(path), drop)
     ids = _tokenize_pieces(pieces, tok, progress=_progress(path))
     return TextTokens(ids, cache if _write_cache(cache, ids) else None, False)
@@ -127,7 +127,7 @@ def tokenize_documents(docs: Iterable[str], tokenizer: Any, progress: tqdm | Non
     """One int32 stream: each document's ids (no special tokens added) followed by the tokenizer's EOS id,
     tokenized in batched calls (a fast tokenizer spreads each batch over its threads), a long document in
     pieces (see the module's doc)."""
-    return _tokenize_pieces(_pieces(docs, _drops_space(tokenizer)), tokenizer, progress)
+    return _tokenize_pieces(_pieces(docs, drops_space(tokenizer)), tokenizer, progress)
 
 
 def _tokenize_pieces(pieces: Iterable[tuple[str, bool]], tokenizer: Any, progress: tqdm | None = None) -> np.ndarray:
@@ -179,7 +179,7 @@ def _tokenize_pieces(pieces: Iterable[tuple[str, bool]], tokenizer: Any, progres
 
 
 # -- pieces --------------------------------------------------------------------------------------------
-def _drops_space(tokenizer: Any) -> bool:
+def drops_space(tokenizer: Any) -> bool:
     """Whether pieces cut at a space should give the next piece without it: true for a tokenizer that prepends
     its space marker to every input (so "a b" is "a" then "b"), false for the rest ("a" then " b")."""
     def ids(text: str) -> list[int]:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import optuna
 
 from sltune.backends.knobs import ALL_KNOBS, DEFAULTS, KNOBS, BackendChoice
+from sltune.config import param_offload_refusal
 from sltune.tuning.knobs import knob_values
 
 if TYPE_CHECKING:
@@ -186,10 +187,8 @@ class SearchSpace:
         self.backend_values = {b: s.backend_values(b) for b in self.backends}
         found: set[Candidate] = set()
         if "speedloader" in self.backends:
-            # the weights on disk train only beside the optimizer on disk (it steps each unit's weights file with
-            # its optimizer block: sltune.config.PARAM_OFFLOAD_TRAIN)
             places = [(o, p) for o in self.offload_values for p in self.param_values
-                      if not (train and p == "disk" and o != "disk")]
+                      if not param_offload_refusal(p, o, train)]   # the weights on disk train beside the optimizer's
             found = {Candidate(b, n, k, a, kv, w, o, p) for b, n in pairs for k in self.k_values
                      for a in self.activation_values for kv in self.kv_values or [None]
                      for w in self.weight_shares or [None] for o, p in places}

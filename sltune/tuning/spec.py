@@ -16,13 +16,17 @@ from typing import Annotated, Any, Literal, get_args
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, WithJsonSchema,
                       field_validator, model_validator)
 
-from sltune.backends.knobs import BACKENDS, KNOBS, BackendName, OffloadTarget, ZeroStage
+from sltune.backends.knobs import BACKENDS, KNOBS, SPEEDLOADER_ONLY, BackendName, OffloadTarget, ZeroStage
 from sltune.config import Activations, DType, KVCache, OptimizerOffload, ParamOffload, Schedule
+from sltune.field_errors import one_line
 from sltune.models.presets import hf_config_schema
 from sltune.sizes import SIZE_SCHEMA, parse_bytes
 from sltune.training.optimizer import OptimizerConfig
 from sltune.tuning.knobs import MAX_KNOB_VALUES, Range, knob_values
 from sltune.yamlfile import read_yaml
+
+# a field a spec does not have: where its fields are named
+UNKNOWN_SPEC_FIELD = "unknown field; check its spelling against the spec reference (docs/reference/spec.md)"
 
 
 class _Strict(BaseModel):
@@ -196,7 +200,7 @@ def _knob(value: Any) -> Any:
         try:
             knob = Range(**value)
         except ValidationError as err:
-            raise ValueError("; ".join(describe_errors(err))) from None
+            raise ValueError(one_line(err, unknown=UNKNOWN_SPEC_FIELD)) from None
         return _at_most_max_knob(knob, [knob.max])
     if isinstance(value, int) and not isinstance(value, bool):
         return _at_most_max_knob(value, [value])
@@ -328,8 +332,6 @@ class FSDPSearch(BaseModel):
 
 
 BACKEND_SECTIONS: dict[str, type[BaseModel]] = {"deepspeed": DeepSpeedSearch, "fsdp": FSDPSearch}
-# the search fields only SpeedLoader's engine has: a spec without backend speedloader that sets one is refused
-SPEEDLOADER_FIELDS = ("schedule", "num_live_blocks", "optimizer_offload", "param_offload", "probe_layers")
 
 
 Share = Annotated[float, Field(ge=0.0, le=1.0)]
@@ -459,6 +461,11 @@ def _no_bools(value: Any) -> Any:
     return value
 
 
+# the search fields only SpeedLoader's engine has (its knobs, and the probes at reduced depth that scale its groups):
+# a spec without backend speedloader that sets one is refused
+SPEEDLOADER_FIELDS = (*(f for f in SPEEDLOADER_ONLY if f in Search.model_fields), "probe_layers")
+
+
 class TuningSpec(_Strict):
     name: str = Field("tuning-job", min_length=1, max_length=200, pattern=r"^[^\x00-\x1f]+$")
     model: ModelSpec
@@ -526,7 +533,7 @@ class TuningSpec(_Strict):
             raise ValueError("search.param_offload: the resident schedule keeps every weight on the device, so disk "
                              "cannot hold them; use host, or search.schedule speedloader or canonical")
         if self.workload.mode == "train" and "disk" not in self.search.optimizer_offload:
-            raise ValueError("search.param_offload: disk in training steps each unit's weights file with its "
+            raise ValueError("search.param_offload disk: training steps each unit's weights file with its "
                              "optimizer block, and search.optimizer_offload has no disk; add disk to "
                              "search.optimizer_offload (e.g. [host, disk]), or use host")
 
@@ -583,24 +590,5 @@ class TuningSpec(_Strict):
         try:
             return cls.model_validate(data)
         except ValidationError as err:
-            raise ValueError(f"{source}: " + "; ".join(describe_errors(err))) from None
+            raise ValueError(f"{source}: " + one_line(err, unknown=UNKNOWN_SPEC_FIELD)) from None
 
-
-def describe_errors(err: ValidationError) -> list[str]:
-    """'search.sub_batch_size.min: ...' lines, with the fix where pydantic's text lacks one."""
-    return list(dict.fromkeys(f"{where}: {msg}" if where else msg for where, msg in field_errors(err)))
-
-
-def field_errors(err: ValidationError) -> list[tuple[str, str]]:
-    """(field path, message) per error; the message never echoes the input (it may not encode)."""
-    out = []
-    for e in err.errors():
-        loc = [str(p) for p in e["loc"] if not str(p).startswith(("int", "list[", "Range", "function-"))]
-        where = ".".join(loc)
-        msg = e["msg"].removeprefix("Value error, ").removeprefix(f"{where}: ")
-        if e["type"] == "extra_forbidden":
-            msg = "unknown field; check its spelling against the spec reference (docs/reference/spec.md)"
-        elif e["type"] == "missing":
-            msg = "required field is missing"
-        out.append((where, msg))
-    return out

@@ -215,7 +215,7 @@ def test_the_log_y_buttons_stay_clear_of_plotlys_mode_bar_in_a_browser(tmp_path)
     (neither the mode bar nor the subplot titles)."""
     import json
 
-    from sltune.dashboards.pages import _fig_html
+    from sltune.dashboards.pages import fig_html
 
     binary = chromium()
     if binary is None:
@@ -225,7 +225,7 @@ def test_the_log_y_buttons_stay_clear_of_plotlys_mode_bar_in_a_browser(tmp_path)
     js = Path(plotly.__file__).parent / "package_data" / "plotly.min.js"
     page = tmp_path / "figures.html"
     page.write_text(f'<!doctype html><html><head><meta charset="utf-8"><script src="{js.as_uri()}"></script></head>'
-                    f'<body><main style="max-width:1400px">{"".join(_fig_html(f, "") for f in figs)}</main>'
+                    f'<body><main style="max-width:1400px">{"".join(fig_html(f, "") for f in figs)}</main>'
                     f"{MEASURE_JS}</body></html>")
     dom = run_chromium(binary, tmp_path / "chromium", "--window-size=1000,1600", "--dump-dom", page.as_uri())
     drawn = json.loads(re.search(r'<pre id="geometry">(.*?)</pre>', dom).group(1))

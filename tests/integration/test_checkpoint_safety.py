@@ -433,7 +433,7 @@ def two_ranks(tmp_path, fn, name: str, timeout: float = 30.0) -> list[str]:
     import datetime
     import time
 
-    from sltune.cli.main import _one_line
+    from sltune.cli.main import error_line
 
     store, pids, pipes = tmp_path / f"gloo-{name}", [], []
     for rank in range(2):
@@ -447,7 +447,7 @@ def two_ranks(tmp_path, fn, name: str, timeout: float = 30.0) -> list[str]:
                                                      timeout=datetime.timedelta(seconds=timeout / 2))
                 message = f"done {fn(rank)}"
             except BaseException as err:   # noqa: BLE001 - reported to the parent
-                message = f"error: {type(err).__name__}: {_one_line(err)}"
+                message = f"error: {type(err).__name__}: {error_line(err)}"
             os.write(w, message.encode()[:8000])
             os._exit(0)
         os.close(w)

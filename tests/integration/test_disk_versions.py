@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 from sltune import SpeedLoaderConfig, SpeedLoaderEngine
-from sltune.cli.main import _one_line, main
+from sltune.cli.main import error_line, main
 from sltune.models import build
 from sltune.runtime.disk_layout import DEPTH, padded
 from sltune.runtime.diskstate import MANIFEST, TORN, IntegrityError, TornError, read_committed
@@ -265,7 +265,7 @@ def test_a_step_failing_after_a_drop_tears_the_engine_and_the_checkpoint_before_
                     lambda: engine.disk.link_into(tmp_path / "link", engine.optimizer.state_dict())):
         with pytest.raises(TornError) as err:
             attempt()
-        line = _one_line(err.value)
+        line = error_line(err.value)
         assert str(folder) in line and "a step failed mid-way under disk_versions 1" in line, line
         assert "resume from the last checkpoint with --resume, or use disk_versions: 2" in line, line
     assert not (tmp_path / "link").exists()

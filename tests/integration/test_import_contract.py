@@ -2,6 +2,7 @@
 circles, the light modules free of torch. lint-imports reads the package as installed (api/ and dashboards/ go in
 as sltune.api and sltune.dashboards), so it runs on such a copy of the tree."""
 
+import ast
 import shutil
 import subprocess
 import sys
@@ -42,3 +43,47 @@ def test_a_runtime_module_importing_the_tuner_breaks_it(tmp_path):
     assert out.returncode != 0
     assert "sltune.runtime is not allowed to import sltune.tuning" in out.stdout, out.stdout[-3000:]
     assert "sltune.tuning.cost.prior -> sltune.tuning.search.state" in out.stdout, out.stdout[-3000:]
+
+
+# -- private names stay in their module -----------------------------------------------------------------------
+PROJECT = ("sltune", "api", "dashboards", "tests", "bench")
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def private_reach_ins(source: str) -> list[str]:
+    """`from sltune.x import _y`, and `m._y` where `m` was imported from this project (a module or a class): a
+    name starting with `_` used outside the module that defines it."""
+    tree = ast.parse(source)
+    imported, found = set(), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in PROJECT:
+            found += [f"line {node.lineno}: from {node.module} import {a.name}" for a in node.names if _private(a.name)]
+            imported |= {a.asname or a.name for a in node.names}
+        elif isinstance(node, ast.Import):
+            imported |= {a.asname or a.name.split(".")[0] for a in node.names if a.name.split(".")[0] in PROJECT}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _private(node.attr) and isinstance(node.value, ast.Name) \
+                and node.value.id in imported:
+            found.append(f"line {node.lineno}: {node.value.id}.{node.attr}")
+    return sorted(found)
+
+
+def test_no_module_reaches_into_another_s_private_names():
+    """The reach-ins there were (engine._detached, checkpoints._record, cli.main._one_line, ...) are public names now,
+    and none comes back: every .py of the package, the API, the pages, bench/ and tests/."""
+    files = [p for folder in ("sltune", "api", "dashboards", "bench", "tests") for p in (ROOT / folder).rglob("*.py")]
+    assert len(files) > 200
+    found = [f"{p.relative_to(ROOT)} {hit}" for p in files for hit in private_reach_ins(p.read_text())]
+    assert not found, "\n".join(found)
+
+
+def test_the_reach_in_check_finds_both_kinds():
+    assert private_reach_ins("from sltune.runtime.engine import _detached, SpeedLoaderEngine\n"
+                             "from sltune.training import checkpoints\n"
+                             "import sltune.cli.main\n"
+                             "checkpoints._record(1); SpeedLoaderEngine._plan; self._x; obj._y; checkpoints.__doc__\n") \
+        == ["line 1: from sltune.runtime.engine import _detached", "line 4: SpeedLoaderEngine._plan",
+            "line 4: checkpoints._record"]

@@ -35,7 +35,7 @@ import torch
 from safetensors.torch import load_file
 
 from sltune import SpeedLoaderConfig, SpeedLoaderEngine
-from sltune.cli.main import _one_line, main
+from sltune.cli.main import error_line, main
 from sltune.models import build
 from sltune.runtime.disk_layout import padded
 from sltune.runtime.diskstate import MANIFEST
@@ -323,7 +323,7 @@ def test_a_full_disk_mid_step_is_one_line_and_the_run_resumes_exactly(tmp_path, 
             folder, = (p for p in off.glob("sltune-r*"))
             left = sorted(p.name for p in folder.iterdir() if p.name.endswith(".tmp") or "-v3." in p.name)
             version = json.loads((folder / MANIFEST).read_text())["version"]
-            raise ValueError(f"{type(err).__name__}: {_one_line(err)} [left: {left}, version {version}]") from None
+            raise ValueError(f"{type(err).__name__}: {error_line(err)} [left: {left}, version {version}]") from None
         return "no failure"
 
     said = in_child(train)
@@ -361,7 +361,7 @@ def test_after_a_full_disk_the_engine_steps_on_exactly_once_there_is_room(tmp_pa
                     engine.train_step(x)
                     out.append("no failure")
                 except OSError as err:
-                    out.append(f"failed: {_one_line(err)}")
+                    out.append(f"failed: {error_line(err)}")
                 (folder / "filler").unlink()
             out.append(engine.train_step(x).loss)
         state = engine.state_dict()

@@ -31,9 +31,9 @@ def in_child(fn: Callable[[], Any], crash: str | None = None, kill: Callable[[],
             result = fn()
             message = "done" if result is None else f"done {result}"
         except BaseException as err:   # noqa: BLE001 - reported to the parent
-            from sltune.cli.main import _one_line
+            from sltune.cli.main import error_line
 
-            message = f"error: {type(err).__name__}: {_one_line(err)}"
+            message = f"error: {type(err).__name__}: {error_line(err)}"
         os.write(w, message.encode()[:8000])
         os._exit(0)
     os.close(w)

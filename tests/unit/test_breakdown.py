@@ -3,17 +3,17 @@ the answer computed by hand."""
 
 import pytest
 
-from sltune.profiling.breakdown import _Event, attribute
+from sltune.profiling.breakdown import Event, attribute
 
 MAIN, AUTOGRAD = 1, 2
 
 
 def host(start, end, name, thread=MAIN):
-    return _Event(start, end, name, thread, False)
+    return Event(start, end, name, thread, False)
 
 
 def dev(start, end, name):
-    return _Event(start, end, name, 0, True)
+    return Event(start, end, name, 0, True)
 
 
 EVENTS = [

@@ -163,5 +163,5 @@ def test_a_tokenizer_that_prepends_its_space_marker_gets_pieces_without_the_spac
     PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>", eos_token="<eos>").save_pretrained(tmp_path / "t")
     tok = load_tokenizer(tmp_path / "t")
     line = _line(20_000).replace("\t", " ")
-    assert text._drops_space(tok)
+    assert text.drops_space(tok)
     assert tokenize_documents([line], tok).tolist() == [*tok.encode(line, add_special_tokens=False), tok.eos_token_id]

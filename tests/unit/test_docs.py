@@ -87,11 +87,11 @@ def test_the_reference_pages_are_committed_as_the_code_generates_them():
     page = (DOCS / "reference" / "spec.md").read_text()
     assert "| `num_live_blocks` |" in page and hook.generated(page.replace("num_live_blocks", "k", 1)) == page
 
-    from sltune.cli.main import _subcommands, parser
+    from sltune.cli.main import subcommands, parser
     from sltune.settings import Settings
 
     cli = (DOCS / "reference" / "cli.md").read_text()
-    assert all(f"## sltune {name}\n" in cli for name in _subcommands(parser()).choices)
+    assert all(f"## sltune {name}\n" in cli for name in subcommands(parser()).choices)
     assert "`--sub-batch-size`" in cli
     settings = (DOCS / "reference" / "settings.md").read_text()
     assert all(f"`SLTUNE_{name.upper()}`" in settings for name in Settings.model_fields)

@@ -25,7 +25,7 @@ CHILD = textwrap.dedent("""
 """)
 
 
-@pytest.mark.skipif(hostheap._trim() is None or not sys.platform.startswith("linux"),
+@pytest.mark.skipif(hostheap.malloc_trim() is None or not sys.platform.startswith("linux"),
                     reason="malloc_trim is glibc's")
 def test_freed_blocks_malloc_kept_go_back_to_the_system():
     out = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, check=True).stdout

@@ -90,7 +90,7 @@ def test_generation_sweeps_the_weights_on_disk_alone():
     ({"param_offload": ["host", "nvme"]}, {}, "search.param_offload: 'nvme' is not where the dtype copy of the "
                                               "weights can live; give host, disk or [host, disk]"),
     ({"param_offload": []}, {}, "search.param_offload: [] is not a list of places"),
-    ({"param_offload": "disk"}, {}, "search.param_offload: disk in training steps each unit's weights file with its "
+    ({"param_offload": "disk"}, {}, "search.param_offload disk: training steps each unit's weights file with its "
                                     "optimizer block, and search.optimizer_offload has no disk; add disk to "
                                     "search.optimizer_offload"),
     ({**BOTH, "schedule": "resident"}, {}, "search.optimizer_offload: the resident schedule"),
@@ -352,7 +352,7 @@ def test_a_disk_refusal_alone_offers_no_more_disk():
     text = feasible.shortfall(Setup.of_spec(s, shape), SearchSpace(s, shape).candidates, None, None,
                               disk_limit=10 * GiB)
     assert text is not None and "param_offload" not in text
-    assert feasible._to_disk(Setup.of_spec(s, shape), SearchSpace(s, shape).candidates)[0][0] == \
+    assert feasible.to_disk(Setup.of_spec(s, shape), SearchSpace(s, shape).candidates)[0][0] == \
         "search.param_offload [host, disk]"
     assert limits[0].raised(GiB) == "a hardware.disk_limit of at least 1.0 GiB (with that much free where trials " \
                                     "offload to)"

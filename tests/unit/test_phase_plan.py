@@ -16,7 +16,7 @@ from tests.support.reference import adamw
 SEQ = 8
 RUNS = {"_embed_forward": "embed_fwd", "_group_forward": "fwd", "_turnaround": "turn", "_group_backward": "bwd",
         "_embed_backward": "embed_bwd"}
-TRAIN_STEP = prior._train_step
+TRAIN_STEP = prior.play_train_step
 
 
 def kinds(plan):
@@ -99,7 +99,7 @@ def test_a_partly_frozen_engine_runs_the_plan_of_its_trained_edges(frozen, activ
 def played(monkeypatch, k: int, model="llama-tiny", schedule="speedloader") -> list[phases.Phase]:
     """The phases the prior's device timeline plays for one config."""
     seen: list[phases.Phase] = []
-    monkeypatch.setattr(prior, "_train_step", lambda *args: seen.extend(TRAIN_STEP(*args)))
+    monkeypatch.setattr(prior, "play_train_step", lambda *args: seen.extend(TRAIN_STEP(*args)))
     predict(Setup(model, shape_of(model), schedule=schedule, seq_len=SEQ), Candidate(1, 2, k))
     return seen
 

@@ -180,7 +180,7 @@ def shortfall(recipe: Setup, candidates: Iterable[Candidate], host_limit: int | 
                  + " and ".join(f"{format_bytes(need)} {WHERE[limit.resource]}, over {limit.said(first=False)}"
                                 for limit, need in other.over))
     if len(closest) == 1 and [limit.resource for limit, _ in first.over] == ["device"] and \
-            not any(_within(recipe, twins, limits, ["device"]) for _, _, twins in _to_disk(recipe, cands, naming)):
+            not any(_within(recipe, twins, limits, ["device"]) for _, _, twins in to_disk(recipe, cands, naming)):
         return text + "; raise it to at least that"     # (the weights on disk prefetch no unit on the device)
     return text + ". What would fit: " + _would_fit(recipe, cands, limits, closest, naming)
 
@@ -235,7 +235,7 @@ def _would_fit(recipe: Setup, cands: list[Candidate], limits: list[Limit], close
     then the limits each closest config takes, all of them together."""
     named = [limit.resource for limit, _ in closest[0].over]
     fits, disk_only = [], []
-    for what, why, twins in _to_disk(recipe, cands, naming):
+    for what, why, twins in to_disk(recipe, cands, naming):
         if (f := _within(recipe, twins, limits, named)) is not None:
             fits.append(f"{what} ({why}: {format_bytes(f.prior.host)} in host memory, {format_bytes(f.prior.disk)} on "
                         "disk)")
@@ -253,7 +253,7 @@ def _would_fit(recipe: Setup, cands: list[Candidate], limits: list[Limit], close
     return text + _without_process(recipe, closest)
 
 
-def _to_disk(recipe: Setup, cands: list[Candidate], naming: Naming = SPEC) -> list[tuple[str, str, list[Candidate]]]:
+def to_disk(recipe: Setup, cands: list[Candidate], naming: Naming = SPEC) -> list[tuple[str, str, list[Candidate]]]:
     """The places on disk the spec does not try, each as (the change a spec makes, what it moves, the configs it
     adds): the optimizer's master and state in files (training), then the weights in files too (in training
     beside the optimizer on disk), whose host memory holds a window of the weights and gradients."""

@@ -198,7 +198,7 @@ def predict(recipe: Setup, c: Candidate) -> Prior:
                    depth=shape.layers)
     device = _Timeline()
     if train:
-        _train_step(device, recipe, c, groups, fp)
+        play_train_step(device, recipe, c, groups, fp)
     else:
         _generate_step(device, recipe, c, groups, fp)
 
@@ -465,7 +465,7 @@ def _in_flight(n: int, per_sub_batch: int) -> int:
     return min(n, 3) * per_sub_batch
 
 
-def _train_step(t: _Timeline, r: Setup, c: Candidate, groups: list[int], fp: Footprint) -> list[phases.Phase]:
+def play_train_step(t: _Timeline, r: Setup, c: Candidate, groups: list[int], fp: Footprint) -> list[phases.Phase]:
     """The step's device buffers played into `t`; the phases played, in order (none under resident, which runs
     plain autograd): the engine's plan, with no frozen prefix."""
     shape, e = r.shape, r.shape.itemsize

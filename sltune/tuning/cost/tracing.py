@@ -51,7 +51,7 @@ def _traced(key: str, dtype: str, b: int, s: int, mode: str, resident: bool,
 def _trace(lm, ids: torch.Tensor, k: int, train: bool, resident: bool, grads_kept: bool) -> Footprint:
     """One sub-batch through the engine's phases with groups of k layers: the first k for a body group, the last
     k for the turnaround, the first k before the head for the resident schedule."""
-    from sltune.runtime.engine import _detached
+    from sltune.runtime.engine import detached
     from sltune.runtime.family import LayerCall
 
     layers = len(lm.layers)
@@ -62,7 +62,7 @@ def _trace(lm, ids: torch.Tensor, k: int, train: bool, resident: bool, grads_kep
     with counter.tracking(True), torch.set_grad_enabled(train), _SavedBytes(params) as saved_embed:
         hidden, calls = lm.prologue(ids, None, use_cache=False)
     prologue, kept = counter.peak, counter.live - _nbytes(hidden)
-    calls = [LayerCall(*_detached((c.args, c.kwargs))) for c in calls]
+    calls = [LayerCall(*detached((c.args, c.kwargs))) for c in calls]
     x = torch.empty_like(hidden).detach()
     forward = _peak(lambda: _no_grad(lm.run_layers, 0, k, x, calls))
     if not train:

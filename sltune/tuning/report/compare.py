@@ -28,7 +28,7 @@ from pathlib import Path
 from statistics import median
 from typing import Any, Callable
 
-from sltune.backends.knobs import ALL_KNOBS, BACKENDS
+from sltune.backends.knobs import ALL_KNOBS, BACKENDS, SPEEDLOADER_ONLY
 from sltune.backends.knobs import DEFAULTS as BACKEND_DEFAULTS
 from sltune.backends.knobs import KNOBS as BACKEND_KNOBS
 from sltune.profiling.stats import paired_ratio_ci, ratio_ci
@@ -44,8 +44,8 @@ KNOBS = ("sub_batch_size", "num_sub_batches", "num_live_blocks", "activations", 
 # memory (a host config's knobs leave optimizer_offload out), SpeedLoader (before there were backends)
 BEFORE_KNOB = {"activations": "recompute", "weights_on_device": 0.0, "optimizer_offload": "host",
                "param_offload": "host", "backend": "speedloader"}
-# SpeedLoader's own knobs, which another backend does not have (its trials store None, or nothing)
-SPEEDLOADER_ONLY = ("num_live_blocks", "optimizer_offload", "param_offload")
+# SpeedLoader's own knobs among them, which another backend does not have (its trials store None, or nothing)
+SPEEDLOADER_KNOBS = tuple(k for k in KNOBS if k in SPEEDLOADER_ONLY)
 
 
 def backend_of(config: dict[str, Any]) -> str:
@@ -65,7 +65,7 @@ def normalized(config: dict[str, Any]) -> dict[str, Any]:
         elif k in ALL_KNOBS:
             own = k in BACKEND_KNOBS.get(backend, ())
             out[k] = (BACKEND_DEFAULTS[k] if config.get(k) is None else config[k]) if own else None
-        elif k in SPEEDLOADER_ONLY and backend != "speedloader":
+        elif k in SPEEDLOADER_KNOBS and backend != "speedloader":
             out[k] = None
         else:
             out[k] = config.get(k, BEFORE_KNOB.get(k))

@@ -1,1 +1,1 @@
-"""The tuning service's logic: workers that claim jobs, and the client CI uses; routes live in api/."""
+"""The tuning service's logic: workers that claim jobs, and the client CI uses; routes live in sltune/api/."""

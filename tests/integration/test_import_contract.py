@@ -1,6 +1,5 @@
 """The import contract (.importlinter): the runtime below the tuner and the service, tuning/'s rooms one way, no
-circles, the light modules free of torch. lint-imports reads the package as installed (api/ and dashboards/ go in
-as sltune.api and sltune.dashboards), so it runs on such a copy of the tree."""
+circles, the light modules free of torch. lint-imports runs on a copy of the package (a test breaks it on purpose)."""
 
 import ast
 import shutil
@@ -11,11 +10,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _installed_copy(tmp: Path) -> Path:
+def _copy(tmp: Path) -> Path:
     skip = shutil.ignore_patterns("__pycache__")
     shutil.copytree(ROOT / "sltune", tmp / "sltune", ignore=skip)
-    shutil.copytree(ROOT / "api", tmp / "sltune" / "api", ignore=skip)
-    shutil.copytree(ROOT / "dashboards", tmp / "sltune" / "dashboards", ignore=skip)
     return tmp
 
 
@@ -26,7 +23,7 @@ def _lint(tree: Path) -> subprocess.CompletedProcess:
 
 
 def test_the_import_contract_holds(tmp_path):
-    out = _lint(_installed_copy(tmp_path))
+    out = _lint(_copy(tmp_path))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
     assert "5 kept, 0 broken" in out.stdout
 
@@ -34,7 +31,7 @@ def test_the_import_contract_holds(tmp_path):
 def test_a_runtime_module_importing_the_tuner_breaks_it(tmp_path):
     """The check can fail: the engine reaching up into tuning/ breaks the runtime's contract, and a cost-model
     module importing the search breaks the rooms'."""
-    tree = _installed_copy(tmp_path)
+    tree = _copy(tmp_path)
     with open(tree / "sltune" / "runtime" / "engine.py", "a") as f:
         f.write("\nfrom sltune.tuning.search import state  # noqa\n")
     with open(tree / "sltune" / "tuning" / "cost" / "prior.py", "a") as f:
@@ -46,7 +43,7 @@ def test_a_runtime_module_importing_the_tuner_breaks_it(tmp_path):
 
 
 # -- private names stay in their module -----------------------------------------------------------------------
-PROJECT = ("sltune", "api", "dashboards", "tests", "bench")
+PROJECT = ("sltune", "tests", "bench")
 
 
 def _private(name: str) -> bool:
@@ -73,8 +70,8 @@ def private_reach_ins(source: str) -> list[str]:
 
 def test_no_module_reaches_into_another_s_private_names():
     """The reach-ins there were (engine._detached, checkpoints._record, cli.main._one_line, ...) are public names now,
-    and none comes back: every .py of the package, the API, the pages, bench/ and tests/."""
-    files = [p for folder in ("sltune", "api", "dashboards", "bench", "tests") for p in (ROOT / folder).rglob("*.py")]
+    and none comes back: every .py of the package (its API and pages too), bench/ and tests/."""
+    files = [p for folder in ("sltune", "bench", "tests") for p in (ROOT / folder).rglob("*.py")]
     assert len(files) > 200
     found = [f"{p.relative_to(ROOT)} {hit}" for p in files for hit in private_reach_ins(p.read_text())]
     assert not found, "\n".join(found)

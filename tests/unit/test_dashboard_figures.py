@@ -281,13 +281,14 @@ def test_partial_and_missing_data_give_no_figure_instead_of_an_error():
 
 
 def test_every_template_ships_as_package_data():
-    """pip install . (not editable) carries dashboards/templates/ only where pyproject's package data names it."""
+    """pip install . (not editable) carries sltune/dashboards/templates/ only where pyproject's package data names it."""
     import fnmatch
     import tomllib
 
     root = Path(__file__).resolve().parents[2]
     conf = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
-    names = [p.relative_to(root / "dashboards").as_posix() for p in (root / "dashboards" / "templates").rglob("*")
+    pages = root / "sltune" / "dashboards"
+    names = [p.relative_to(pages).as_posix() for p in (pages / "templates").rglob("*")
              if p.is_file()]
     assert "templates/base.html" in names
     assert all(any(fnmatch.fnmatch(n, g) for g in conf["sltune.dashboards"]) for n in names), names

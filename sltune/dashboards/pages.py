@@ -1,9 +1,9 @@
 """HTML pages under /dashboard: the job list, one job's figures, and two jobs compared.
 
-Plain server-rendered HTML with Plotly figures (dashboards/figures.py). plotly.js comes from this app
+Plain server-rendered HTML with Plotly figures (sltune/dashboards/figures.py). plotly.js comes from this app
 (/dashboard/static/plotly.min.js, the copy inside the installed `plotly` package), never from a CDN:
 the machines that run this are often offline. This module gathers each page's data; the Jinja2
-templates in dashboards/templates/ lay it out (base.html the shared head, nav and style). Templates
+templates in sltune/dashboards/templates/ lay it out (base.html the shared head, nav and style). Templates
 autoescape, so every string a user chose (job names, errors) is HTML-escaped; only Plotly's figure
 divs are inserted raw (|safe in macros.html). A running, failed or queued job shows what it has so far.
 A job over several backends (SpeedLoader, DeepSpeed, FSDP; issue #33) shows them side by side: each one's best

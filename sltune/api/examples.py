@@ -13,7 +13,7 @@ from pathlib import Path
 import yaml
 
 HERE = Path(__file__).resolve().parent
-SOURCE = HERE.parent / "examples" / "tiny-llama-cpu.yaml"
+SOURCE = HERE.parents[1] / "examples" / "tiny-llama-cpu.yaml"
 PACKAGED = HERE / "tiny-llama-cpu.yaml"
 
 TUNE_EXAMPLE = yaml.safe_load((SOURCE if SOURCE.is_file() else PACKAGED).read_text())

@@ -60,8 +60,9 @@ def add_knobs(parser: argparse.ArgumentParser) -> None:
 
 def as_flags(text: str, flags: dict[str, str] | None = None) -> str:
     """A refusal worded with the config's fields, worded with this command's flags instead: 'param_offload disk'
-    reads '--param-offload disk' (`flags`: field -> flag; the knobs' by default)."""
-    flags = flags or {field: spec[0] for field, spec in KNOB_FLAGS.items()}
+    reads '--param-offload disk' (`flags`: field -> flag; by default the knobs' whose names are no English word,
+    such as param_offload: 'device' or 'schedule' in a sentence stays as it is)."""
+    flags = flags or {field: spec[0] for field, spec in KNOB_FLAGS.items() if "_" in field}
     return re.sub(r"\b(" + "|".join(flags) + r")\b", lambda m: flags[m.group(1)], text)
 
 

@@ -231,7 +231,6 @@ class ParamStore:
             self.grads = GradWindow([u for u in units if id(u) in self.stepped], grad_dtype, self.disk.files,
                                     self.disk.folder, self.disk.counters, self.disk.lock, self.bind_grads)
 
-
     def _attach(self, units: list[ParamUnit], copier: Copier, pool: BufferPool, resident: bool, train: bool,
                 master: bool, on_device_accumulate: bool, disk: "DiskState | None",
                 weights: WeightFiles | None) -> bool:

@@ -360,9 +360,9 @@ class SpeedLoaderEngine:
         self._scale_used = self.scaler.scale if self.scaler is not None else None
         self.saved.start_step()
         stepper = self._stepper
-        early = self._early()
-        if stepper is not None and (early or self.disk is not None):
-            stepper.begin(self._step_order(), early, need_norm=self.track_grad_norm)
+        step = self.step_plan()
+        if stepper is not None and (step.early or self.disk is not None):
+            stepper.begin(step.step_order, step.early, need_norm=self.track_grad_norm)
         else:
             stepper = None
         if self.config.schedule == "canonical":
@@ -377,7 +377,7 @@ class SpeedLoaderEngine:
         streamed = self.params.grads        # param_offload disk: the norm was taken as the gradients streamed by
         with self.memory.paused() if host_side else contextlib.nullcontext(), \
                 region("cpu" if host_side else "compute", "optimizer"):
-            if early:       # the units stepped (or are stepping) already; the norm of what they stepped with
+            if step.early:       # the units stepped (or are stepping) already; the norm of what they stepped with
                 stepper.finish()
                 grads = finish_grads(self.params.grad_buffers(), need_norm=self.track_grad_norm, world=self.world,
                                      square=streamed.square(self.units) if streamed is not None else None)
@@ -647,10 +647,6 @@ class SpeedLoaderEngine:
         trains, plan = self._plan()
         return phases.StepPlan(tuple(trains), tuple(plan), tuple(self._unit(u) for u in phases.loaded(plan)),
                                tuple(self._unit(u) for u in phases.step_order(plan)), self._early())
-
-    def _step_order(self) -> list[ParamUnit]:
-        """The units in the order a step makes their gradients final: the backward's, the tied weights last."""
-        return [self._unit(u) for u in phases.step_order(self._plan()[1])]
 
     def _each(self, edge: int | None, grad_edge: int | None, n: int, saved=None) -> Iterator:
         """Sub-batch indices with their inputs fetched one ahead (the next copy overlaps this compute), and

@@ -78,7 +78,7 @@ def test_the_engine_runs_the_plan(k):
     last = engine.groups[-1]
     turn = next(p for p in plan if p.kind == "turn")
     assert [engine._unit(u) for u in turn.units] == [last.unit, engine.head]
-    assert engine._step_order() == [last.unit, engine.head, *(g.unit for g in reversed(engine.groups[:-1])),
+    assert list(engine.step_plan().step_order) == [last.unit, engine.head, *(g.unit for g in reversed(engine.groups[:-1])),
                                     engine.embed, engine.tied]
 
 

@@ -11,7 +11,7 @@ import yaml
 from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from sltune.backend_knobs import ALL_KNOBS, KNOBS, CheckedBackendKnobs
-from sltune.field_errors import one_line
+from sltune.field_errors import one_line, unknown_among
 from sltune.sizes import parse_bytes
 from sltune.yamlfile import read_yaml
 
@@ -150,9 +150,7 @@ class SpeedLoaderConfig(CheckedBackendKnobs):
         try:
             cfg = cls(**knobs)
         except ValidationError as err:
-            fields = ", ".join(cls.model_fields)
-            raise ValueError(f"{source}: " + one_line(err, unknown=f"unknown field; check the spelling (fields: "
-                                                                    f"{fields})")) from None
+            raise ValueError(f"{source}: " + one_line(err, unknown=unknown_among(cls.model_fields))) from None
         batch = data.get("effective_batch_size")
         if batch is not None and batch != cfg.effective_batch_size:
             raise ValueError(

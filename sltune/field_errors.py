@@ -14,6 +14,11 @@ UNKNOWN = "unknown field; check its spelling"
 MISSING = "required field is missing"
 
 
+def unknown_among(fields: Iterable[str]) -> str:
+    """The fix for a field a model does not have, naming those it has."""
+    return f"unknown field; check the spelling (fields: {', '.join(fields)})"
+
+
 def field_error(error: dict[str, Any], *, within: str = "", unknown: str = UNKNOWN,
                 name: Callable[[str], str] | None = None) -> tuple[str, str]:
     """(field, reason) of one pydantic error. `within`: the section the fields sit in ('optimizer'); `name`: how

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from sltune.field_errors import one_line
+from sltune.field_errors import one_line, unknown_among
 
 if TYPE_CHECKING:       # torch loads when an optimizer is built: the spec and the CLI read this model without it
     import torch
@@ -54,8 +54,7 @@ class OptimizerConfig(BaseModel):
         try:
             return cls(**data)
         except ValidationError as err:
-            raise ValueError(one_line(err, within=source, unknown="unknown field; fields: " +
-                                      ", ".join(cls.model_fields))) from None
+            raise ValueError(one_line(err, within=source, unknown=unknown_among(cls.model_fields))) from None
 
     def to_dict(self) -> dict[str, Any]:
         out = self.model_dump()

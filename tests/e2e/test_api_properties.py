@@ -1,8 +1,8 @@
 """schemathesis with --checks all over every operation of /openapi.json, against a real server: with the
 write token and without it, against a server with a models_dir, where every model.path the fuzzer invents is looked
-up (a 4096-byte name was a 500); and the coverage phase of POST /tune alone, which posts one. 0 failures means: no 5xx, every status and media
-type documented, responses match their schemas, schema-invalid requests refused, schema-valid ones accepted (save
-the spec rules JSON schema cannot express, see tests/support/schemathesis.toml)."""
+up (a 4096-byte name was a 500); and the coverage phase of POST /tune alone, which posts one. 0 failures means: no
+5xx, every status and media type documented, responses match their schemas, schema-invalid requests refused,
+schema-valid ones accepted (save the spec rules JSON schema cannot express, see tests/support/schemathesis.toml)."""
 
 import subprocess
 import sys

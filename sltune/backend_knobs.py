@@ -9,6 +9,7 @@ and sltune.backends.knobs re-exports them for the backends and the specs.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -27,11 +28,34 @@ KNOBS: dict[str, tuple[str, ...]] = {
 ALL_KNOBS: tuple[str, ...] = tuple(k for names in KNOBS.values() for k in names)
 DEFAULTS: dict[str, Any] = {"zero_stage": 2, "offload_optimizer": "none", "offload_param": "none",
                             "cpu_offload": False, "reshard_after_forward": True}
-# what only SpeedLoader's engine has, declared once: another backend refuses a value other than the default here, a
-# spec without speedloader refuses its search field (sltune.tuning.spec), another backend's trials store None for it
-# (sltune.tuning.report.compare)
-SPEEDLOADER_ONLY: dict[str, Any] = {"num_live_blocks": 1, "schedule": "speedloader", "optimizer_offload": "host",
-                                    "param_offload": "host", "mode": "train"}
+
+
+@dataclass(frozen=True)
+class Knob:
+    """What a knob is to the rest of the house, declared beside it as metadata of its type
+    (`num_live_blocks: Annotated[int, Knob(speedloader=True)] = Field(...)`), so that what follows from it is derived
+    instead of listed again: which knobs another backend refuses (speedloader_only), and what a trial's result records
+    (sltune.profiling.schema.TrialConfig)."""
+
+    speedloader: bool = False
+    """SpeedLoader's engine's alone: another backend refuses a value other than its default, and its trials record
+    None for it"""
+    mode: Literal["train", "generate"] | None = None
+    """what only training or only generation reads: a trial of the other mode records None for it"""
+    recorded: Literal["always", "changed", "never"] = "always"
+    """in a trial's result: always, only away from its default (as results recorded before the knob read), never
+    (how the trial ran, not a config of the search: the device, the dtype, a folder)"""
+
+
+def knobs_of(model: type[BaseModel]) -> dict[str, Knob]:
+    """A model's fields that are knobs, each with what its declaration says of it."""
+    return {name: next(m for m in field.metadata if isinstance(m, Knob))
+            for name, field in model.model_fields.items() if any(isinstance(m, Knob) for m in field.metadata)}
+
+
+def speedloader_only(model: type[BaseModel]) -> dict[str, Any]:
+    """What only SpeedLoader's engine has among a model's fields, with the default another backend runs."""
+    return {name: model.model_fields[name].default for name, knob in knobs_of(model).items() if knob.speedloader}
 
 
 class BackendKnobs(BaseModel):
@@ -60,7 +84,7 @@ class CheckedBackendKnobs(BackendKnobs):
 
     @model_validator(mode="after")
     def _backend_knobs(self) -> "CheckedBackendKnobs":
-        why = refusals({name: getattr(self, name) for name in type(self).model_fields})
+        why = refusals({name: getattr(self, name) for name in type(self).model_fields}, speedloader_only(type(self)))
         if why:
             raise ValueError("; ".join(why))
         for knob in KNOBS[self.backend]:
@@ -69,21 +93,19 @@ class CheckedBackendKnobs(BackendKnobs):
         return self
 
 
-@dataclass(frozen=True, kw_only=True)
-class BackendChoice:
-    """The same, as plain fields: what a search candidate (sltune.tuning.space.Candidate) and a backend's input
-    (sltune.backends.base.TrainingSpec) carry, keyword-only after their own fields."""
+def _backend_knobs(self: Any) -> dict[str, Any]:
+    """Its backend's own knobs: {} for speedloader."""
+    return {knob: getattr(self, knob) for knob in KNOBS[self.backend]}
 
-    backend: str = "speedloader"
-    zero_stage: int | None = None
-    offload_optimizer: str | None = None
-    offload_param: str | None = None
-    cpu_offload: bool | None = None
-    reshard_after_forward: bool | None = None
 
-    def backend_knobs(self) -> dict[str, Any]:
-        """Its backend's own knobs: {} for speedloader."""
-        return {knob: getattr(self, knob) for knob in KNOBS[self.backend]}
+# The same fields as plain ones, derived from BackendKnobs: what a search candidate (sltune.tuning.space.Candidate) and
+# a backend's input (sltune.backends.base.TrainingSpec) carry, keyword-only after their own fields
+BackendChoice = dataclasses.make_dataclass(
+    "BackendChoice", [(name, field.annotation, dataclasses.field(default=field.default))
+                      for name, field in BackendKnobs.model_fields.items()],
+    frozen=True, kw_only=True,
+    namespace={"__module__": __name__, "backend_knobs": _backend_knobs,
+               "__doc__": "What trains and its backend's knobs, as a dataclass's fields (BackendKnobs')."})
 
 
 def owner(knob: str) -> str:
@@ -101,9 +123,10 @@ def libaio_found() -> bool:
     return header and ctypes.util.find_library("aio") is not None
 
 
-def refusals(values: dict[str, Any]) -> list[str]:
+def refusals(values: dict[str, Any], only: dict[str, Any]) -> list[str]:
     """Why these trial values do not make a run of their backend, one line per field, each naming the field
-    and the fix; [] when they do. `values` holds `backend`, the knobs and the fields read here."""
+    and the fix; [] when they do. `values` holds `backend`, the knobs and the fields read here; `only`, what only
+    SpeedLoader has among them and the default another backend runs (speedloader_only)."""
     backend = values.get("backend", "speedloader")
     out = []
     for knob in (k for names in KNOBS.values() for k in names):
@@ -113,7 +136,7 @@ def refusals(values: dict[str, Any]) -> list[str]:
                        f"(backend {backend} has {', '.join(KNOBS[backend]) or 'none of these knobs'})")
     if backend == "speedloader":
         return out
-    for field, default in SPEEDLOADER_ONLY.items():
+    for field, default in only.items():
         if values.get(field, default) != default:
             out.append(f"{field}: {values[field]!r} is SpeedLoader's; backend {backend} runs "
                        f"{field} {default!r} only (drop {field}, or use backend speedloader)")

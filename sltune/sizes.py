@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import math
 import re
+from typing import Annotated, Any
+
+from pydantic import BeforeValidator, ValidationInfo, WithJsonSchema
 
 _UNITS = {
     "": 1, "b": 1,
@@ -11,10 +14,11 @@ _UNITS = {
     "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
 }
 _PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
-# what parse_bytes takes, as JSON schema (for the API's OpenAPI document)
-SIZE_SCHEMA = {"anyOf": [{"type": "number", "minimum": 1},
-                         {"type": "string", "pattern": r"^\s*[0-9]*\.?[0-9]+\s*([bB]|[kKmMgGtT]([bB]|[iI][bB])?)?\s*$"},
-                         {"type": "null"}]}
+# what parse_bytes takes, as JSON schema (for the API's OpenAPI document and the reference pages)
+SIZE_VALUE_SCHEMA = {"anyOf": [{"type": "number", "minimum": 1},
+                               {"type": "string",
+                                "pattern": r"^\s*[0-9]*\.?[0-9]+\s*([bB]|[kKmMgGtT]([bB]|[iI][bB])?)?\s*$"}]}
+SIZE_SCHEMA = {"anyOf": [*SIZE_VALUE_SCHEMA["anyOf"], {"type": "null"}]}
 
 
 def parse_bytes(value: int | float | str, field: str = "size") -> int:
@@ -36,6 +40,14 @@ def parse_bytes(value: int | float | str, field: str = "size") -> int:
     if size < 1:
         raise ValueError(f"{field}: must be at least 1 byte, got {value!r}")
     return size
+
+
+def _bytes_field(value: Any, info: ValidationInfo) -> int:
+    return parse_bytes(value, info.field_name or "size")
+
+
+# A model's byte-size field: bytes, or text such as "2GiB" read by parse_bytes (the CLI passes a flag's text as is)
+Bytes = Annotated[int, BeforeValidator(_bytes_field), WithJsonSchema(SIZE_VALUE_SCHEMA)]
 
 
 def format_bytes(n: int | float | None) -> str:

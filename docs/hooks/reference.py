@@ -15,6 +15,8 @@ whose body is what NAME renders to:
 - `cli`: every `sltune` command from `sltune.cli.main.parser()`: its description, usage, and each flag with its
   help (defaults as `sltune COMMAND -h` shows them);
 - `spec`: the tuning spec from `TuningSpec.model_json_schema()`, a table per section;
+- `config`: the best-config YAML's knobs from `SpeedLoaderConfig.model_json_schema()` (each declared once, in
+  `sltune.config.RuntimeKnobs` and the backends' knobs);
 - `settings`: `sltune.settings.Settings`, each field with its `SLTUNE_*` variable, default and description;
 - `trial-result`: `TrialResult.model_json_schema()`, a table per object.
 
@@ -139,6 +141,12 @@ def spec() -> str:
     return schema_tables(TuningSpec.model_json_schema())
 
 
+def config() -> str:
+    from sltune.config import SpeedLoaderConfig
+
+    return schema_tables(SpeedLoaderConfig.model_json_schema())
+
+
 def trial_result() -> str:
     from sltune.profiling.schema import TrialResult
 
@@ -161,7 +169,7 @@ def settings() -> str:
     return "\n".join(out) + "\n"
 
 
-RENDERERS = {"cli": cli, "spec": spec, "settings": settings, "trial-result": trial_result}
+RENDERERS = {"cli": cli, "spec": spec, "config": config, "settings": settings, "trial-result": trial_result}
 
 
 if __name__ == "__main__":

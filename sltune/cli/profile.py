@@ -8,13 +8,20 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from sltune.cli.common import DISK_VERSIONS_ALONE, as_flags
-from sltune.config import param_offload_refusal
+from sltune.cli.common import as_flags, unused_flags
+from sltune.backend_knobs import BackendKnobs
+from sltune.cli.flags import add_fields, given
+from sltune.config import RuntimeKnobs
 from sltune.field_errors import one_line
 from sltune.profiling import forks, run_trial
 from sltune.profiling.schema import TrialSpec
 from sltune.sizes import format_bytes
 from sltune.training.optimizer import OptimizerConfig
+
+# TrialSpec's fields `profile` takes as flags, each declared once: the backend and its knobs (sltune.backend_knobs),
+# the runtime's knobs (sltune.config.RuntimeKnobs), then what the trial runs and for how long
+KNOBS = (*BackendKnobs.model_fields, *RuntimeKnobs.model_fields, "mode", "seq_len", "prompt_len", "new_tokens", "steps",
+         "max_steps", "cpu_threads", "host_memory_limit")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -26,70 +33,17 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="preset name, a Hugging Face model folder (its weights are loaded: model.safetensors or the "
                         "shards its index lists; a folder with only config.json gets random weights) or a "
                         "transformers config.json")
-    p.add_argument("--backend", default="speedloader", choices=("speedloader", "deepspeed", "fsdp"),
-                   help="what trains: SpeedLoader's engine, DeepSpeed ZeRO (deepspeed.initialize; bash "
-                        "scripts/install.sh backends) or PyTorch FSDP2 (fully_shard per decoder layer)")
-    p.add_argument("--zero-stage", type=int, choices=(2, 3), help="deepspeed: ZeRO stage (default 2)")
-    p.add_argument("--offload-optimizer", choices=("none", "cpu", "nvme"),
-                   help="deepspeed: the optimizer's state on the device, in host memory or on NVMe under "
-                        "--offload-dir (default none)")
-    p.add_argument("--offload-param", choices=("none", "cpu", "nvme"),
-                   help="deepspeed, --zero-stage 3: the parameter partitions on the device, in host memory or on "
-                        "NVMe under --offload-dir (default none)")
-    p.add_argument("--cpu-offload", action="store_const", const=True,
-                   help="fsdp: CPUOffloadPolicy, the sharded parameters, gradients and optimizer state in host memory")
-    p.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction,
-                   help="fsdp: free each layer's gathered parameters after its forward (default: yes)")
-    p.add_argument("--sub-batch-size", type=int, default=1, help="rows per sub-batch (b)")
-    p.add_argument("--num-sub-batches", type=int, default=1, help="sub-batches per step (N)")
-    p.add_argument("--num-live-blocks", type=int, default=1, help="speedloader: layers live on the device at once (k)")
-    p.add_argument("--schedule", default="speedloader", help="speedloader: speedloader | canonical | resident")
-    p.add_argument("--activations", default="recompute", choices=["recompute", "offload"],
-                   help="recompute | offload: rerun each group's forward in backward, or keep autograd's saved "
-                        "tensors in host memory")
-    p.add_argument("--mode", default="train", help="train | generate")
-    p.add_argument("--kv-cache", default="host", choices=("host", "device"), help="generate: where KV caches live")
-    p.add_argument("--weights-on-device", type=float, default=0.0, metavar="SHARE",
-                   help="generate only: the share of the parameter bytes kept on the device for the whole call, "
-                        "0 to 1 (whole units: tied weights, embedding, head, then groups); the rest is copied in "
-                        "at every step")
-    p.add_argument("--seq-len", type=int, default=128, help="train: tokens per row")
-    p.add_argument("--prompt-len", type=int, default=32, help="generate: prompt tokens")
-    p.add_argument("--new-tokens", type=int, default=16, help="generate: tokens to generate")
-    p.add_argument("--steps", type=int, default=2, help="timed steps at least (after one warm-up step)")
-    p.add_argument("--min-time", type=float, default=2.0,
-                   help="time steps until they add up to this many seconds")
-    p.add_argument("--max-steps", type=int, default=100, help="timed steps at most while calibrating")
-    p.add_argument("--cpu-threads", type=int, help="torch intra-op threads for the trial (default: all cores)")
-    p.add_argument("--world-size", type=int, default=1, help="ranks the trial launches (gloo on the CPU); at most "
-                                                             "this machine's cores unless --oversubscribe")
+    add_fields(p, TrialSpec, KNOBS, notes={"world_size": "; at most this machine's cores unless --oversubscribe"})
     p.add_argument("--oversubscribe", action="store_true",
                    help="launch --world-size ranks even beyond this machine's cores (refused otherwise: the ranks "
                         "would take turns on the cores, and the trial would measure that)")
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
-    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
-    p.add_argument("--no-mixed-precision", dest="mixed_precision", action="store_const", const=False,
-                   help="with --dtype bfloat16/float16, keep one copy of the weights and the optimizer state in that "
-                        "dtype instead of float32 masters (default: mixed precision)")
+    p.add_argument("--min-time", type=float, default=2.0,
+                   help="time steps until they add up to this many seconds")
     p.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd"),
                    help="what the host parameters are stepped with, as the training job will (default: adamw)")
     p.add_argument("--lr", type=float, help="learning rate (default: OptimizerConfig's, 1e-3)")
     p.add_argument("--weight-decay", type=float, help="weight decay (default: torch's, 0.01 for AdamW, 0 for SGD)")
     p.add_argument("--momentum", type=float, help="SGD's momentum (default: 0, which keeps no state)")
-    p.add_argument("--optimizer-offload", default="host", choices=("host", "disk"),
-                   help="train: where the float32 masters and the optimizer state live: host memory, or files under "
-                        "--offload-dir stepped unit by unit through a bounded window")
-    p.add_argument("--param-offload", default="host", choices=("host", "disk"),
-                   help="host | disk: the dtype copy of the weights in host memory, or a file per unit under "
-                        "--offload-dir read ahead into a bounded window (training: with --optimizer-offload disk)")
-    p.add_argument("--offload-dir", help="the directory of --optimizer-offload/--param-offload disk's files, on a "
-                   "local disk")
-    p.add_argument("--disk-versions", type=int, default=2, choices=(1, 2),
-                   help="--optimizer-offload disk: versions of the files a step keeps; 1 drops each old file as its "
-                        "new one lands (about half the disk)")
-    p.add_argument("--device-memory-limit", help="bytes or e.g. 2GiB (default: no limit)")
-    p.add_argument("--host-memory-limit", help="stop the trial as oom above this resident memory (default: no "
-                                               "limit)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before the trial is stopped")
     p.add_argument("--trace", help="write the profiled step as a Chrome/Perfetto trace (JSON)")
     p.add_argument("--no-profile", action="store_true", help="skip the profiled step (no breakdown)")
@@ -98,25 +52,14 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if not 0 <= args.weights_on_device <= 1:
-        raise ValueError(f"--weights-on-device {args.weights_on_device:g}: give a share from 0 (no weights kept on "
-                         "the device) to 1 (all of them)")
-    spec = _spec(model=_model(args.model), optimizer=_optimizer(args),
-                 mixed_precision=args.mixed_precision is not False,
-                 sub_batch_size=args.sub_batch_size, num_sub_batches=args.num_sub_batches,
-                 num_live_blocks=args.num_live_blocks, schedule=args.schedule,
-                 activations=args.activations, mode=args.mode, kv_cache=args.kv_cache,
-                 weights_on_device=args.weights_on_device,
-                 seq_len=args.seq_len, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
-                 steps=args.steps, min_time_s=args.min_time, max_steps=args.max_steps,
-                 cpu_threads=args.cpu_threads, world_size=args.world_size, device=args.device, dtype=args.dtype,
-                 device_memory_limit=args.device_memory_limit, host_memory_limit=args.host_memory_limit,
-                 timeout_s=args.timeout, trace_path=args.trace, profile=not args.no_profile,
-                 optimizer_offload=args.optimizer_offload, param_offload=args.param_offload,
-                 offload_dir=_offload_dir(args), disk_versions=args.disk_versions,
-                 backend=args.backend, zero_stage=args.zero_stage, offload_optimizer=args.offload_optimizer,
-                 offload_param=args.offload_param, cpu_offload=args.cpu_offload,
-                 reshard_after_forward=args.reshard_after_forward)
+    knobs = given(args, KNOBS)
+    unused_flags(knobs, knobs)
+    spec = _spec(model=_model(args.model), optimizer=_optimizer(args), min_time_s=args.min_time,
+                 timeout_s=args.timeout, trace_path=args.trace, profile=not args.no_profile, **knobs)
+    if spec.offload_dir:
+        from sltune.runtime.direct_io import writable_dir
+
+        spec = spec.model_copy(update={"offload_dir": str(writable_dir(spec.offload_dir, "--offload-dir"))})
     if not args.oversubscribe:
         from sltune.settings import Settings
         from sltune.tuning.search.trials import ranks_fit
@@ -135,20 +78,12 @@ def run(args: argparse.Namespace) -> int:
     return 0 if result.status == "ok" else 3
 
 
-# the spec's fields a refusal names, as this command's flags
-FLAGS = {name: "--" + name.replace("_", "-") for name in
-         ("zero_stage", "offload_optimizer", "offload_param", "cpu_offload", "reshard_after_forward",
-          "offload_dir", "num_live_blocks", "schedule", "optimizer_offload", "param_offload", "disk_versions", "mode",
-          "dtype", "world_size")}
-FLAGS["mixed_precision"] = "--no-mixed-precision"
-
-
 def _spec(**fields: Any) -> TrialSpec:
     """The trial spec; a refusal (a knob of another backend, offload_param without stage 3, ...) names the flags."""
     try:
         return TrialSpec(**fields)
     except ValidationError as err:
-        raise ValueError(as_flags(one_line(err), FLAGS)) from None
+        raise ValueError(as_flags(one_line(err), TrialSpec, KNOBS)) from None
 
 
 def _fits_host(spec: TrialSpec) -> None:
@@ -172,36 +107,6 @@ def _fits_host(spec: TrialSpec) -> None:
                       what="this trial", naming=FLAGS)
     if short:
         raise ValueError(f"this trial cannot fit: {short}")
-
-
-def _offload_dir(args: argparse.Namespace) -> str | None:
-    """--offload-dir, checked writable here (a mistake is one line, not a failed trial), and only with disk (or
-    DeepSpeed's nvme offload)."""
-    from sltune.runtime.direct_io import writable_dir
-
-    if args.disk_versions != 2 and (args.optimizer_offload != "disk" or args.backend != "speedloader"):
-        raise ValueError(DISK_VERSIONS_ALONE)
-    if args.backend == "deepspeed":         # nvme offload's folder; the spec refuses it without nvme
-        return str(writable_dir(args.offload_dir, "--offload-dir")) if args.offload_dir else None
-    if why := param_offload_refusal(args.param_offload, args.optimizer_offload, args.mode == "train"):
-        raise ValueError(as_flags(why, FLAGS))
-    if args.optimizer_offload == "host" and args.param_offload == "host":
-        if args.offload_dir:
-            raise ValueError("--offload-dir: the optimizer's files go there under --optimizer-offload disk (the "
-                             "weights' under --param-offload disk); add --optimizer-offload disk (or drop "
-                             "--offload-dir)")
-        return None
-    if args.schedule == "resident" and args.param_offload == "disk":
-        raise ValueError("--param-offload disk: the resident schedule keeps every weight on the device; use "
-                         "--param-offload host, or --schedule speedloader or canonical")
-    if args.schedule == "resident" and args.mode == "train":      # SpeedLoaderConfig's check, named by its flags
-        raise ValueError("--optimizer-offload disk: the resident schedule steps its optimizer on the device; use "
-                         "--optimizer-offload host, or --schedule speedloader or canonical")
-    if not args.offload_dir:
-        which = "--optimizer-offload disk keeps the optimizer's" if args.optimizer_offload == "disk" \
-            else "--param-offload disk keeps the weights'"
-        raise ValueError(f"--offload-dir: {which} files there; give a directory on a local disk")
-    return str(writable_dir(args.offload_dir, "--offload-dir"))
 
 
 def _model(model: str) -> str:

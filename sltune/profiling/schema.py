@@ -2,58 +2,40 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, model_serializer, model_validator
 
-from sltune.backends.knobs import ALL_KNOBS, KNOBS, BackendKnobs, CheckedBackendKnobs
-from sltune.config import Activations, DType, KVCache, OptimizerOffload, ParamOffload, Schedule, param_offload_refusal
+from sltune.backends.knobs import (ALL_KNOBS, KNOBS, BackendKnobs, CheckedBackendKnobs, Knob, knobs_of,
+                                   speedloader_only)
+from sltune.config import (Activations, KVCache, OptimizerOffload, ParamOffload, RuntimeKnobs, Schedule,
+                           param_offload_refusal)
 from sltune.runtime.counters import IOCounters
-from sltune.sizes import parse_bytes
+from sltune.sizes import Bytes
 from sltune.training.optimizer import OptimizerConfig
 
 Status = Literal["ok", "oom", "failed", "timeout", "diverged"]
 
 
-class TrialSpec(CheckedBackendKnobs):
-    """One configuration of the runtime (or of another backend), run for a few steps in its own process."""
+class TrialSpec(RuntimeKnobs, CheckedBackendKnobs):
+    """One configuration of the runtime (or of another backend), run for a few steps in its own process: the
+    runtime's knobs as RuntimeKnobs declares them, and how the trial runs and measures."""
 
     model_config = ConfigDict(extra="forbid")
 
     model: str | dict[str, Any] = Field("llama-tiny", description="preset, config.json path, inline config, or a "
                                         "Hugging Face model folder (whose weights the trial loads, if it has any)")
-    sub_batch_size: int = Field(1, ge=1)
-    num_sub_batches: int = Field(1, ge=1)
-    num_live_blocks: int = Field(1, ge=1)
-    schedule: Schedule = "speedloader"
-    activations: Activations = "recompute"
-    mode: Literal["train", "generate"] = "train"
-    kv_cache: KVCache = Field("host", description="generate: KV caches in host or device memory")
-    weights_on_device: float = Field(0.0, ge=0.0, le=1.0, description="generate: the share of the parameter bytes "
-                                     "kept on the device for a whole generate call (whole units)")
+    world_size: Annotated[int, Knob()] = Field(1, ge=1, description="ranks the trial launches (gloo on the CPU)")
+    mode: Annotated[Literal["train", "generate"], Knob(speedloader=True, recorded="never")] = Field(
+        "train", description="time training steps, or generate calls")
     seq_len: int = Field(128, ge=2, description="train: tokens per row")
     prompt_len: int = Field(32, ge=1, description="generate: prompt tokens per row")
     new_tokens: int = Field(16, ge=1, description="generate: tokens generated per row")
-    world_size: int = Field(1, ge=1)
-    device: str = "cpu"
-    dtype: DType = "float32"
-    mixed_precision: bool = Field(True, description="train: float32 master weights, gradients and optimizer "
-                                  "state under a bfloat16/float16 dtype (SpeedLoaderConfig.mixed_precision)")
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="train: what the engine steps "
                                        "the host parameters with, as the training job will")
-    optimizer_offload: OptimizerOffload = Field("host", description="train: the float32 masters and optimizer "
-                                                "state in host memory, or in files under offload_dir")
-    param_offload: ParamOffload = Field("host", description="the dtype copy of the weights in host memory, or in "
-                                        "files under offload_dir read ahead into a window (train: with "
-                                        "optimizer_offload disk)")
-    offload_dir: str | None = Field(None, description="optimizer_offload or param_offload disk: the directory of "
-                                    "their files")
     models_dir: str | None = Field(None, description="a server's job: the model folder's files are read only inside "
                                    "this folder, each checked as it is opened (sltune.models.confined)")
-    disk_versions: Literal[1, 2] = Field(2, description="optimizer_offload disk: versions of the files a step keeps "
-                                         "(SpeedLoaderConfig.disk_versions; 1: one, and no rollback of a failed step)")
-    device_memory_limit: int | None = None
-    host_memory_limit: int | None = Field(None, description="the trial is stopped as 'oom' above this RSS")
+    host_memory_limit: Bytes | None = Field(None, description="the trial is stopped as 'oom' above this RSS")
     steps: int = Field(2, ge=1, description="timed steps at least")
     min_time_s: float = Field(2.0, ge=0, description="time steps until they add up to this many seconds")
     max_steps: int = Field(100, ge=1, description="timed steps at most while calibrating to min_time_s")
@@ -68,11 +50,6 @@ class TrialSpec(CheckedBackendKnobs):
                                    "own, every width unchanged (the tuner's reduced-depth probes; seeded random "
                                    "weights, also for a model folder); None: the whole model")
 
-    @field_validator("device_memory_limit", "host_memory_limit", mode="before")
-    @classmethod
-    def _sizes(cls, value: Any, info) -> int | None:
-        return None if value is None else parse_bytes(value, info.field_name)
-
     @model_validator(mode="after")
     def _param_offload(self) -> "TrialSpec":
         why = param_offload_refusal(self.param_offload, self.optimizer_offload, self.mode == "train")
@@ -85,49 +62,57 @@ class TrialSpec(CheckedBackendKnobs):
         return self.sub_batch_size * self.num_sub_batches
 
     def knobs(self) -> dict[str, Any]:
-        speedloader = self.backend == "speedloader"
-        return {"sub_batch_size": self.sub_batch_size, "num_sub_batches": self.num_sub_batches,
-                "num_live_blocks": self.num_live_blocks if speedloader else None,
-                "schedule": self.schedule if speedloader else None,
-                "activations": self.activations,
-                "seq_len": self.seq_len if self.mode == "train" else self.prompt_len + self.new_tokens,
-                "world_size": self.world_size, "kv_cache": self.kv_cache if self.mode == "generate" else None,
-                "weights_on_device": self.weights_on_device if self.mode == "generate" else None,
-                "optimizer_offload": self.optimizer_offload if self.mode == "train" and speedloader else None,
-                # only when on disk: a result of the default reads as it did before the knob
-                **({"param_offload": "disk"} if speedloader and self.param_offload == "disk" else {}),
-                **({"disk_versions": 1} if speedloader and self.disk_versions == 1 else {}),
+        """The config it runs, as its result records it (TrialConfig): each knob as its Knob says, None where its
+        backend or mode does not read it, the tokens a row holds, the depth, and the backend's own knobs."""
+        out: dict[str, Any] = {}
+        for name, knob in RECORDED.items():
+            value = getattr(self, name)
+            if (knob.speedloader and self.backend != "speedloader") or (knob.mode and knob.mode != self.mode):
+                value = None
+            if knob.recorded == "always" or value not in (None, type(self).model_fields[name].default):
+                out[name] = value
+        return {**out, "seq_len": self.seq_len if self.mode == "train" else self.prompt_len + self.new_tokens,
                 "num_layers": self.num_layers, "backend": self.backend,
                 **{knob: getattr(self, knob) for knob in KNOBS[self.backend]}}
 
 
-class TrialConfig(BackendKnobs):
-    """The config a trial ran; its backend's knobs only (backend speedloader in results older than backends)."""
+# What a trial's result records of its spec's knobs, and what only SpeedLoader has among them (derived from their Knobs)
+RECORDED = {name: knob for name, knob in knobs_of(TrialSpec).items() if knob.recorded != "never"}
+SPEEDLOADER_ONLY = speedloader_only(TrialSpec)
 
-    sub_batch_size: int
-    num_sub_batches: int
-    num_live_blocks: int | None = Field(description="SpeedLoader's live blocks (None under another backend)")
-    schedule: Schedule | None = Field(description="SpeedLoader's schedule (None under another backend)")
-    activations: Activations = "recompute"
-    seq_len: int
-    world_size: int = 1
-    kv_cache: KVCache | None = None     # generation trials only
-    weights_on_device: float | None = None  # generation trials only
-    optimizer_offload: OptimizerOffload | None = None   # training trials (None in results older than the field)
-    param_offload: ParamOffload | None = None   # SpeedLoader's trials with the weights on disk (else left out)
-    disk_versions: Literal[1, 2] | None = None   # SpeedLoader's trials with one version on disk (else left out)
-    num_layers: int | None = Field(None, description="the decoder layers the trial ran (fewer than the model's in "
-                                   "a reduced-depth probe); None in results older than the field")
+
+class _RecordedConfig(BackendKnobs):
+    """The config a trial ran; its backend's knobs only (backend speedloader in results older than backends)."""
 
     @model_serializer(mode="wrap")
     def _its_own_knobs(self, handler) -> dict[str, Any]:
         """The backend's own knobs only: another backend's (None) are left out, so a SpeedLoader result reads as
         it did before there were backends, plus its name."""
         out = handler(self)
-        for knob in (*ALL_KNOBS, "param_offload", "disk_versions"):
+        for knob in (*ALL_KNOBS, *(name for name, knob in RECORDED.items() if knob.recorded == "changed")):
             if out.get(knob, 0) is None:
                 del out[knob]
         return out
+
+
+def _recorded(name: str) -> tuple[Any, Any]:
+    """A knob as a result records it: as TrialSpec declares it, with its default where every trial reads it (a result
+    older than the knob), else None where its backend or mode does not read it."""
+    field, knob = TrialSpec.model_fields[name], RECORDED[name]
+    if knob.speedloader or knob.mode or knob.recorded == "changed":
+        when = [*(["under another backend"] if knob.speedloader else []),
+                *([f"in a trial that does not {knob.mode}"] if knob.mode else []),
+                *(["at its default (left out)"] if knob.recorded == "changed" else [])]
+        return field.annotation | None, Field(None, description=f"{field.description} (None {' or '.join(when)})")
+    return field.annotation, Field(field.default, description=field.description)
+
+
+TrialConfig = create_model(
+    "TrialConfig", __base__=_RecordedConfig, __module__=__name__, __doc__=_RecordedConfig.__doc__,
+    **{name: _recorded(name) for name in RECORDED},
+    seq_len=(int, Field(description="tokens per row: train, seq_len; generate, the prompt and the new tokens")),
+    num_layers=(int | None, Field(None, description="the decoder layers the trial ran (fewer than the model's in a "
+                                  "reduced-depth probe); None in results older than the field")))
 
 
 class Parity(BaseModel):

@@ -16,10 +16,11 @@ from typing import Annotated, Any, Literal, get_args
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, WithJsonSchema,
                       field_validator, model_validator)
 
-from sltune.backends.knobs import BACKENDS, KNOBS, SPEEDLOADER_ONLY, BackendName, OffloadTarget, ZeroStage
+from sltune.backends.knobs import BACKENDS, KNOBS, BackendName, OffloadTarget, ZeroStage
 from sltune.config import Activations, DType, KVCache, OptimizerOffload, ParamOffload, Schedule
 from sltune.field_errors import one_line
 from sltune.models.presets import hf_config_schema
+from sltune.profiling.schema import SPEEDLOADER_ONLY
 from sltune.sizes import SIZE_SCHEMA, parse_bytes
 from sltune.training.optimizer import OptimizerConfig
 from sltune.tuning.knobs import MAX_KNOB_VALUES, Range, knob_values

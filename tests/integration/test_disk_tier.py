@@ -166,9 +166,10 @@ def test_o_direct_refused_falls_back_to_buffered_io(tmp_path, monkeypatch):
 
 
 def test_mistakes_are_one_line_naming_the_field(tmp_path, capsys):
-    with pytest.raises(ValueError, match=r"offload_dir: optimizer_offload 'disk' keeps .*\(--offload-dir DIR\)"):
+    with pytest.raises(ValueError, match=r"^config: offload_dir: optimizer_offload disk keeps the optimizer's files "
+                                         r"there; give a directory on a local disk \(--offload-dir DIR\)$"):
         SpeedLoaderConfig.from_dict({"optimizer_offload": "disk"})
-    with pytest.raises(ValueError, match="optimizer_offload: the resident schedule"):
+    with pytest.raises(ValueError, match="optimizer_offload disk: the resident schedule"):
         SpeedLoaderConfig.from_dict({"optimizer_offload": "disk", "offload_dir": "x", "schedule": "resident"})
     blocked = tmp_path / "file"
     blocked.write_text("not a folder")
@@ -181,7 +182,8 @@ def test_mistakes_are_one_line_naming_the_field(tmp_path, capsys):
     err = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert err[0].startswith(f"sltune train: error: offload_dir {blocked / 'sub'}: not writable")
     assert err[1] == ("sltune train: error: --offload-dir: the optimizer's files go there under --optimizer-offload "
-                      "disk; add --optimizer-offload disk (or drop --offload-dir)")
+                      "disk (the weights' under --param-offload disk); add --optimizer-offload disk (or drop "
+                      "--offload-dir)")
     assert err[2].startswith("sltune profile: error: --offload-dir: --optimizer-offload disk keeps")
     assert err[3] == ("sltune profile: error: --optimizer-offload disk: the resident schedule steps its optimizer on "
                       "the device; use --optimizer-offload host, or --schedule speedloader or canonical")

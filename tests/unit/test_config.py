@@ -1,8 +1,15 @@
 """SpeedLoaderConfig: validation messages and the YAML a tuning job exports."""
 
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import yaml
 
+import sltune
 from sltune import SpeedLoaderConfig
 
 
@@ -51,3 +58,80 @@ def test_an_empty_api_token_is_no_token():
     from sltune.settings import Settings
 
     assert Settings(api_token="").api_token is None
+
+
+# -- each knob declared once ----------------------------------------------------------------------------------------
+ADDED = '''
+    test_knob: Annotated[int, Knob()] = Field(3, ge=1, description="a knob a test adds, in this one place")
+    test_engine_knob: Annotated[str, Knob(speedloader=True)] = Field(
+        "plain", description="a knob of SpeedLoader's engine alone, added by a test")
+
+'''
+ONE_PLACE = '''
+import importlib.util, json, sys
+import sltune
+assert sltune.__file__.startswith(sys.argv[1]), sltune.__file__       # the copy with the added knobs
+from sltune.cli import common, profile
+from sltune.cli.flags import given
+from sltune.cli.main import parser
+from sltune.config import SpeedLoaderConfig
+from sltune.profiling.schema import SPEEDLOADER_ONLY, TrialConfig, TrialSpec
+
+found = {}
+top = parser()
+spec = TrialSpec(**given(top.parse_args(["profile", "--test-knob", "5", "--test-engine-knob", "fast"]), profile.KNOBS))
+found["profile flag -> trial spec"] = (spec.test_knob, spec.test_engine_knob)
+found["trial result"] = TrialConfig.model_validate(spec.knobs()).model_dump(include={"test_knob", "test_engine_knob"})
+other = TrialSpec(backend="fsdp", test_knob=6)
+found["another backend's result"] = TrialConfig.model_validate(other.knobs()).model_dump(
+    include={"test_knob", "test_engine_knob"})
+try:
+    TrialSpec(backend="fsdp", test_engine_knob="fast")
+except ValueError as err:
+    found["another backend refuses"] = "test_engine_knob: 'fast' is SpeedLoader's" in str(err)
+found["speedloader only"] = SPEEDLOADER_ONLY.get("test_engine_knob")
+cfg = common.config_from_args(top.parse_args(["train", "--test-knob", "7"]))
+found["train flag -> best.yaml"] = "test_knob: 7" in cfg.to_yaml()
+found["best.yaml -> config"] = SpeedLoaderConfig.from_dict({"test_knob": 8}).test_knob
+try:
+    common.config_from_args(top.parse_args(["train", "--test-knob", "0"]))
+except ValueError as err:
+    found["a bad value names the flag"] = str(err)
+hook_spec = importlib.util.spec_from_file_location("reference_hook", sys.argv[2])
+hook = importlib.util.module_from_spec(hook_spec)
+hook_spec.loader.exec_module(hook)
+found["docs"] = ["| `test_knob` |" in hook.config(), "| `test_knob` |" in hook.trial_result(),
+                 "`--test-knob` | a knob a test adds, in this one place (default: 3)" in hook.cli(),
+                 "`--test-knob` | a knob a test adds, in this one place (default: the --config file's, else 3)"
+                 in hook.cli()]
+print(json.dumps(found))
+'''
+
+
+def test_a_knob_declared_in_one_place_is_a_flag_a_trial_field_a_result_field_and_documented(tmp_path):
+    """The house's rule for knobs: declared once, in RuntimeKnobs, everything else derived. A copy of the package gets
+    two knobs added there and nowhere else; `profile` and `train` take them as flags, a trial's spec runs them and its
+    result records them (None for SpeedLoader's own under another backend, which refuses another value), best.yaml
+    writes and reads them, and the reference pages document them."""
+    root = Path(sltune.__file__).parents[1]
+    shutil.copytree(root / "sltune", tmp_path / "sltune", ignore=shutil.ignore_patterns("__pycache__"))
+    config = tmp_path / "sltune" / "config.py"
+    text = config.read_text()
+    anchor = '    @field_validator("device")\n'
+    assert text.count(anchor) == 1, "RuntimeKnobs' first validator moved: add the knobs before another line"
+    config.write_text(text.replace(anchor, ADDED + anchor))
+    run = subprocess.run([sys.executable, "-c", ONE_PLACE, str(tmp_path), str(root / "docs" / "hooks" / "reference.py")],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=120,
+                         env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin", "COLUMNS": "100"})
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout) == {
+        "profile flag -> trial spec": [5, "fast"],
+        "trial result": {"test_knob": 5, "test_engine_knob": "fast"},
+        "another backend's result": {"test_knob": 6, "test_engine_knob": None},
+        "another backend refuses": True,
+        "speedloader only": "plain",
+        "train flag -> best.yaml": True,
+        "best.yaml -> config": 8,
+        "a bad value names the flag": "--test-knob: Input should be greater than or equal to 1",
+        "docs": [True, True, True, True],
+    }

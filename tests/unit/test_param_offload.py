@@ -203,9 +203,10 @@ def test_a_damaged_weights_file_is_one_line_naming_it(tmp_path, damage):
 
 
 def test_bad_knobs_are_one_line_naming_the_fix(tmp_path, capsys):
-    for knobs, fix in [({}, "offload_dir: param_offload 'disk' keeps the weights' files there; give a directory"),
+    for knobs, fix in [({}, "offload_dir: param_offload disk keeps the weights' files there; give a directory"),
                        ({"offload_dir": "x", "schedule": "resident"},
-                        "param_offload: the resident schedule keeps every weight on the device; use 'host'")]:
+                        "param_offload disk: the resident schedule keeps every weight on the device; use param_offload "
+                        "host")]:
         with pytest.raises(ValueError) as err:
             SpeedLoaderConfig.from_dict({"param_offload": "disk", **knobs})
         assert "\n" not in str(err.value) and fix in str(err.value)
@@ -228,7 +229,8 @@ def test_bad_knobs_are_one_line_naming_the_fix(tmp_path, capsys):
         "sltune profile: error: --param-offload disk: training steps each unit's weights file with its optimizer "
         "block; add --optimizer-offload disk",
         "sltune profile: error: --offload-dir: --optimizer-offload disk keeps the optimizer's files there; give a "
-        "directory on a local disk",
-        "sltune profile: error: --param-offload disk: the resident schedule keeps every weight on the device; use "
-        "--param-offload host, or --schedule speedloader or canonical",
+        "directory on a local disk (--offload-dir DIR)",
+        "sltune profile: error: --optimizer-offload disk: the resident schedule steps its optimizer on the device; "
+        "use --optimizer-offload host, or --schedule speedloader or canonical; --param-offload disk: the resident "
+        "schedule keeps every weight on the device; use --param-offload host, or --schedule speedloader or canonical",
     ]

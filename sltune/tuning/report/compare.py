@@ -28,9 +28,10 @@ from pathlib import Path
 from statistics import median
 from typing import Any, Callable
 
-from sltune.backends.knobs import ALL_KNOBS, BACKENDS, SPEEDLOADER_ONLY
+from sltune.backends.knobs import ALL_KNOBS, BACKENDS
 from sltune.backends.knobs import DEFAULTS as BACKEND_DEFAULTS
 from sltune.backends.knobs import KNOBS as BACKEND_KNOBS
+from sltune.profiling.schema import SPEEDLOADER_ONLY
 from sltune.profiling.stats import paired_ratio_ci, ratio_ci
 from sltune.profiling.timing import step_tokens_per_s, timing_of
 from sltune.tuning.report.throughput import median_of

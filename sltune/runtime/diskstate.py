@@ -64,7 +64,6 @@ from __future__ import annotations
 
 import io
 import itertools
-import json
 import os
 import shutil
 import threading
@@ -83,12 +82,14 @@ from sltune.runtime.checksum import streaming as checksum_streaming
 from sltune.runtime.direct_io import DirectFiles, aligned_empty, writable_dir
 from sltune.runtime import disk_layout
 from sltune.runtime.disk_layout import DEPTH, pack, padded, pieces
+from sltune.runtime import manifest as manifest_file
 from sltune.runtime.durable import crash_point, replace_durably
+from sltune.runtime.manifest import ManifestError
 from sltune.runtime.enginefolder import close_folder, own_folder, remove_stale, safe_name, unlink_quietly
 from sltune.runtime.counters import IOCounters
 
 IO_THREADS = 4
-MANIFEST = "manifest.json"
+MANIFEST = manifest_file.NAME
 TORN = "manifest.torn.json"     # disk_versions 1: the manifest set aside while a step drops its version's files
 TORN_FIX = "resume from the last checkpoint with --resume, or use disk_versions: 2 to keep a failed step's rollback"
 DELAY_ENV = "SLTUNE_DISK_WRITE_DELAY_S"     # emulate a slow disk: seconds of sleep before each file write
@@ -98,7 +99,7 @@ CHECKSUMS = checksum.ONE_SHOT       # checksum name -> function of a buffer givi
 CHECKSUM = checksum.NAME            # what this tier's new files are summed with
 
 
-class IntegrityError(ValueError):
+class IntegrityError(ManifestError):
     """A file of the disk tier (or its manifest) is not what was written: one line naming the file."""
 
 
@@ -450,7 +451,7 @@ class DiskState:
             for block, (file, has_state, sums) in zip(self.blocks, before):
                 block.file, block.has_state, block.sums = file, has_state, sums
             self.version = new - 1
-            for name in (f"optimizer-v{new}.pt", f"optimizer-v{new}.pt.tmp", f"{MANIFEST}.tmp"):
+            for name in (f"optimizer-v{new}.pt", f"optimizer-v{new}.pt.tmp", manifest_file.TMP):
                 unlink_quietly(self.folder / name)
             raise
         crash_point("disk.committed")
@@ -506,7 +507,7 @@ class DiskState:
                 path = self.folder / optimizer
                 digest = save_small(path, small_state)
                 path = self.folder / MANIFEST
-            write_manifest(self.folder, self.manifest(optimizer, digest))
+            manifest_file.write(self.folder, self.manifest(optimizer, digest))
         except OSError as err:      # a full disk, a folder gone read-only or removed: one line, with the fix
             raise self.files.failure(err, path, "writing") from None
 
@@ -558,7 +559,7 @@ class DiskState:
         files = [b.file for b in self.blocks if b.file is not None] + [f for f, _, _ in self.frozen.values()]
         for name in files:
             _link(self.folder / name, folder / name)
-        write_manifest(folder, self.manifest("optimizer.pt", save_small(folder / "optimizer.pt", small_state)))
+        manifest_file.write(folder, self.manifest("optimizer.pt", save_small(folder / "optimizer.pt", small_state)))
 
     def adopt(self, folder: Path) -> dict[str, Any]:
         """Continue from a checkpoint's files (link_into's): same blocks, or a ValueError saying what differs.
@@ -624,11 +625,6 @@ def state_layout(factory, dtype: torch.dtype) -> list[tuple[str, torch.dtype]]:
     opt.step()
     return [(key, value.dtype) for key, value in opt.state[probe].items()
             if torch.is_tensor(value) and value.shape == probe.shape]
-
-
-def write_manifest(folder: Path, manifest: dict[str, Any]) -> None:
-    """manifest.json, replaced atomically and flushed with its folder: what names the complete version."""
-    replace_durably(folder / MANIFEST, json.dumps(manifest).encode())
 
 
 def block_sections(numel: int, master: bool,
@@ -798,19 +794,8 @@ def load_small(folder: Path, manifest: dict[str, Any]) -> dict[str, Any]:
 
 
 def member(folder: Path, name: Any) -> Path:
-    """A file a manifest names, which must be in the manifest's folder: a plain name (no absolute path, no `/`,
-    no `..`), and not a symlink pointing out of it; else an IntegrityError."""
-    if (not isinstance(name, str) or name in ("", ".", "..") or "/" in name or os.sep in name or "\0" in name
-            or os.path.isabs(name)):
-        raise IntegrityError(f"{folder / MANIFEST}: names the file {name!r}, which is not a file of its own folder "
-                             "(a manifest names only files beside it); the manifest is damaged or forged")
-    path = folder / name
-    if path.is_symlink():
-        target = path.resolve()
-        if target.parent != folder.resolve():
-            raise IntegrityError(f"{path}: a symlink pointing out of its folder (to {target}); the files a manifest "
-                                 "names must be in its folder")
-    return path
+    """A file a manifest names, a plain name in the manifest's folder (sltune.runtime.manifest.member)."""
+    return manifest_file.member(folder, name, IntegrityError)
 
 
 def parse_sums(entry: dict[str, Any]) -> list[int] | None:
@@ -836,20 +821,15 @@ def load_manifest(folder: str | Path) -> dict[str, Any]:
     folder = Path(folder)
     path = folder / MANIFEST
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as err:
-        if isinstance(err, FileNotFoundError) and (folder / TORN).exists():
+        manifest = manifest_file.read(folder, IntegrityError)
+    except IntegrityError as err:
+        if isinstance(err.__cause__, FileNotFoundError) and (folder / TORN).exists():
             raise TornError(f"{folder}: a step failed (or was killed) mid-way under disk_versions 1, after it had "
                             f"replaced some of the files {TORN} names, so the folder holds no complete version; "
                             "resume from the last checkpoint (--resume)") from None
-        why = err.strerror if isinstance(err, OSError) else "not UTF-8 text"
-        raise IntegrityError(f"{path}: unreadable ({why}); {folder} is not an engine's folder or a disk "
-                             "checkpoint's, or is damaged") from None
-    try:
-        manifest = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise IntegrityError(f"{path}: not valid JSON ({err}); the manifest is damaged: resume from another "
-                             "checkpoint") from None
+        fix = "resume from another checkpoint" if err.__cause__ is None else \
+            f"{folder} is not an engine's folder or a disk checkpoint's, or is damaged"
+        raise IntegrityError(f"{err}; {fix}") from None
     try:
         _check_manifest(manifest)
     except (KeyError, TypeError, ValueError, AttributeError) as err:

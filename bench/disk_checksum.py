@@ -1,7 +1,7 @@
 """What the disk tier's checksums cost (issue 31 M3): hashing a block against reading it, and a training step.
 
 1. Raw: a block file as large as the tier writes (16 Mi values of float32 master and AdamW's two moments: 192 MiB)
-   is read with O_DIRECT (sltune.runtime.direct_io) and hashed with xxh3_64 (the xxhash package) and zlib's crc32,
+   is read with O_DIRECT (sltune.runtime.disk.direct_io) and hashed with xxh3_64 (the xxhash package) and zlib's crc32,
    interleaved, --rounds times over --files files (so no read is of a file just read). GB/s per round: median
    [min, max], and the hash's time as a share of the read's.
 2. A step: llama-small (bf16, AdamW, optimizer_offload disk, one row of 32 tokens: the disk dominates) in a
@@ -34,7 +34,7 @@ def spread(values: list[float], fmt: str = "{:.2f}") -> str:
 def raw(folder: Path, rounds: int, files: int) -> None:
     import xxhash
 
-    from sltune.runtime.direct_io import DirectFiles, aligned_empty
+    from sltune.runtime.disk.direct_io import DirectFiles, aligned_empty
 
     n = 3 * (16 << 20) * 4
     io = DirectFiles(folder)
@@ -74,11 +74,11 @@ import json, sys, time
 import torch
 from sltune import SpeedLoaderConfig, SpeedLoaderEngine
 from sltune.models import build
-from sltune.runtime import diskstate
+from sltune.runtime.disk import files, state
 from sltune.training import OptimizerConfig
 folder, model, checksum, verify, n = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "1", int(sys.argv[5])
-diskstate.CHECKSUMS["none"] = lambda values: 0
-diskstate.CHECKSUM = checksum
+files.CHECKSUMS["none"] = lambda values: 0
+files.CHECKSUM = state.CHECKSUM = checksum      # what the engine sums its new files with, and checks them by
 cfg = SpeedLoaderConfig(dtype="bfloat16", num_live_blocks=1, optimizer_offload="disk", offload_dir=folder)
 engine = SpeedLoaderEngine(build(model, seed=0), cfg, optimizer=OptimizerConfig().factory)
 engine.disk.verify_reads = verify

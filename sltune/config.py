@@ -91,11 +91,11 @@ class RuntimeKnobs(BaseModel):
     optimizer_offload: Annotated[OptimizerOffload, Knob(speedloader=True, mode="train")] = Field(
         "host", description="training: where the float32 master weights (mixed precision) and the optimizer state "
         "live: 'host' memory, or files under offload_dir ('disk'), a bounded window of units in host memory, the "
-        "optimizer stepping unit by unit as gradients arrive (sltune.runtime.diskstate)")
+        "optimizer stepping unit by unit as gradients arrive (sltune.runtime.disk.state)")
     param_offload: Annotated[ParamOffload, Knob(speedloader=True, recorded="changed")] = Field(
         "host", description="where the dtype copy of the weights the device loads lives between loads: 'host' "
         "memory, or a file per unit under offload_dir ('disk'), read ahead with O_DIRECT into a bounded window of "
-        "host buffers just before the device needs it (sltune.runtime.weightfiles). Training needs "
+        "host buffers just before the device needs it (sltune.runtime.disk.weightfiles). Training needs "
         "optimizer_offload 'disk' with it. Over several ranks each rank's shards go to files of its own")
     offload_dir: Annotated[str | None, Knob(recorded="never")] = Field(
         None, description="optimizer_offload or param_offload 'disk': the directory of the files (a local disk with "

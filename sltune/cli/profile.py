@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     spec = _spec(model=_model(args.model), optimizer=_optimizer(args), min_time_s=args.min_time,
                  timeout_s=args.timeout, trace_path=args.trace, profile=not args.no_profile, **knobs)
     if spec.offload_dir:
-        from sltune.runtime.direct_io import writable_dir
+        from sltune.runtime.disk.direct_io import writable_dir
 
         spec = spec.model_copy(update={"offload_dir": str(writable_dir(spec.offload_dir, "--offload-dir"))})
     if not args.oversubscribe:
@@ -93,7 +93,7 @@ def _fits_host(spec: TrialSpec) -> None:
     from sltune.settings import Settings
     from sltune.tuning.cost.baseline import trial_baseline
     from sltune.tuning.cost.feasible import FLAGS, shortfall
-    from sltune.tuning.cost.prior import Setup
+    from sltune.tuning.cost.setup import Setup
     from sltune.tuning.cost.shape import shape_of
     from sltune.tuning.space import Candidate
 

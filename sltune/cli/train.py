@@ -20,7 +20,7 @@ from sltune.yamlfile import read_yaml
 if TYPE_CHECKING:
     from sltune.runtime.memory import DeviceMemoryExceeded
     from sltune.training.loop import Inputs, TrainJob
-    from sltune.tuning.cost.prior import Setup
+    from sltune.tuning.cost.setup import Setup
     from sltune.tuning.space import Candidate
 
 DEFAULT_MODEL, DEFAULT_SEQ_LEN, DEFAULT_HOLDOUT = "llama-tiny", 128, 0.05
@@ -315,7 +315,7 @@ def _over_the_limit(err: DeviceMemoryExceeded, job: TrainJob, inputs: Inputs, ar
 def _recipe(job: TrainJob, inputs: Inputs, world: int) -> Setup:
     """What the prior predicts this job from: the model (the resumed checkpoint's when resuming), how it steps,
     its optimizer, seq_len and ranks."""
-    from sltune.tuning.cost.prior import Setup
+    from sltune.tuning.cost.setup import Setup
     from sltune.tuning.cost.shape import shape_of
 
     cfg = job.config

@@ -139,7 +139,7 @@ def describe(r: dict, out: str | None = None, mode: str = "train") -> str:
         lines.append(f"  model {kind}: {m['n']} points, R^2 {r2}, {_loo(m)}" + beside)
     depth = r.get("depth")
     if depth:
-        from sltune.tuning.search.probes import AUTO_STEP_S
+        from sltune.tuning.search.state import AUTO_STEP_S
 
         ran, layers = ", ".join(map(str, depth["probes_ran_at"])), depth["layers"]
         step = depth.get("first_probe_full_depth_step_s")

@@ -125,24 +125,17 @@ def peaks_figure(models: dict[str, Any] | None, trials: Iterable[dict[str, Any]]
                 prior_x.append(before)
                 prior_y.append(measured)
                 prior_text.append(hover_config(t) + f"<br>{status_of(t)}")
-        if fit_x:
-            fig.add_trace(go.Scatter(x=fit_x, y=fit_y, mode="markers", name="trials the fit used",
-                                     legendgroup="fit", showlegend=legend("fit"), text=fit_text,
-                                     marker=dict(size=9, color="#4c78a8"),
-                                     hovertemplate="%{text}<br>predicted %{x:.2f} MiB<br>measured %{y:.2f} MiB"
-                                                   "<extra></extra>"), row=1, col=col)
-        if other_x:
-            fig.add_trace(go.Scatter(x=other_x, y=other_y, mode="markers", name="other trials (oom)",
-                                     legendgroup="other", showlegend=legend("other"), text=other_text,
-                                     marker=dict(size=11, symbol="x", color="#d62728"),
-                                     hovertemplate="%{text}<br>predicted %{x:.2f} MiB<br>measured %{y:.2f} MiB"
-                                                   "<extra></extra>"), row=1, col=col)
-        if prior_x:
-            fig.add_trace(go.Scatter(x=prior_x, y=prior_y, mode="markers", name="predicted before the trial ran",
-                                     legendgroup="prior", showlegend=legend("prior"), text=prior_text,
-                                     marker=dict(size=10, symbol="diamond-open", color="#f58518", line=dict(width=2)),
-                                     hovertemplate="%{text}<br>predicted %{x:.2f} MiB<br>measured %{y:.2f} MiB"
-                                                   "<extra></extra>"), row=1, col=col)
+        for xs, ys, text, name, group, marker in (
+                (fit_x, fit_y, fit_text, "trials the fit used", "fit", dict(size=9, color="#4c78a8")),
+                (other_x, other_y, other_text, "other trials (oom)", "other",
+                 dict(size=11, symbol="x", color="#d62728")),
+                (prior_x, prior_y, prior_text, "predicted before the trial ran", "prior",
+                 dict(size=10, symbol="diamond-open", color="#f58518", line=dict(width=2)))):
+            if xs:
+                fig.add_trace(go.Scatter(x=xs, y=ys, mode="markers", name=name, legendgroup=group,
+                                         showlegend=legend(group), text=text, marker=marker,
+                                         hovertemplate="%{text}<br>predicted %{x:.2f} MiB<br>measured %{y:.2f} MiB"
+                                                       "<extra></extra>"), row=1, col=col)
         xs, ys = fit_x + other_x + prior_x, fit_y + other_y + prior_y
         if not xs:
             continue

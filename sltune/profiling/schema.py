@@ -8,8 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field, create_model, model_serialize
 
 from sltune.backends.knobs import (ALL_KNOBS, KNOBS, BackendKnobs, CheckedBackendKnobs, Knob, knobs_of,
                                    speedloader_only)
-from sltune.config import (Activations, KVCache, OptimizerOffload, ParamOffload, RuntimeKnobs, Schedule,
-                           param_offload_refusal)
+from sltune.config import RuntimeKnobs, param_offload_refusal
 from sltune.runtime.counters import IOCounters
 from sltune.sizes import Bytes
 from sltune.training.optimizer import OptimizerConfig

@@ -27,54 +27,14 @@ gradients offloaded and added on the host each time: ZeRO-Offload's traffic), ke
 offload the saved tensors) on the device. "resident" keeps everything on the device and runs plain autograd
 through the whole model per sub-batch: the no-I/O, no-recompute bound, whatever `activations` says.
 
-Bytes per step, per channel (P_u: parameter bytes of unit u, G_u: its trainable gradient bytes, e = b*s*hidden*
-itemsize: one boundary activation of one sub-batch, S: the bytes autograd saves in one sub-batch's forward of
-every group below the last and of the embedding, each tensor once, parameters excluded):
+Bytes per step, per channel, in each schedule (the parameter loads, the gradient offloads, the boundary
+activations and saved tensors, the disk tier's files, the collectives): sltune.runtime.traffic, which computes them
+(`expected_io()`); the tests hold the counters to them.
 
-    speedloader  param_load = sum_u 2*P_u - P_last - P_head - P_tied   (the turnaround and tied weights load once)
-                 grad_offload = sum_u G_u
-        recompute  act_offload = N*(2G)*e: G group inputs forward, G input gradients backward
-                   act_load = N*(3G-1)*e: G inputs forward; each group below the last its input and its
-                              output's gradient; the embedding its output's gradient
-        offload    act_offload = N*(2G)*e + N*S
-                   act_load = N*(2G)*e + N*S: no group loads its input again, every saved tensor comes back once
-    canonical    N times speedloader's param_load and grad_offload at N=1; no activation traffic
-    resident     nothing
-
-Under mixed precision (a float32 master on the host) P_u stays in dtype bytes: the device loads the dtype copy,
-refreshed from the master after each step. G_u is in float32 bytes (the device sums the sub-batches' gradients in
-float32 and offloads the sum once), except canonical's, which offloads each micro-batch's dtype gradients.
-
-optimizer_offload disk (sltune.runtime.diskstate) moves the float32 masters and the optimizer state through files,
-each block once each way per step (n_b values, m = 4 bytes of master or 0 without one, s the optimizer state's bytes
-per value; the first step reads only the masters):
-
-    disk_read = disk_write = sum_b pad4096(n_b * (m + s))
-
-param_offload disk (sltune.runtime.weightfiles) adds the dtype copies' files: every load reads its unit's file, every
-stepped unit's new copy is written once (and its file read once more first when the step needs its values: no
-master, or frozen values the copy keeps):
-
-    disk_read += sum over loads pad4096(P_u) + sum over such stepped units pad4096(P_u)
-    disk_write += sum over stepped units pad4096(P_u)
-
-A frozen prefix drops the backward (its loads, its gradient edges) of the units below the lowest trainable one.
-Sharded over W ranks (torch.distributed initialised), P_u above is this rank's shard of unit u, and the
-collectives see whole (padded) units: allgather = the same count of loads times the unit's bytes,
-reduce_scatter = the unit's bytes once per gradient offload. Each rank runs its own b*N rows.
-
-`expected_io()` (sltune.runtime.traffic) computes these (S from the step: it depends on the family's code; the
-tests hold it to what plain autograd saves); the tests hold the counters to them.
-
-`generate()` runs the same inversion for decoding (sltune.runtime.generate): per step each unit loads once
-and every sub-batch passes through it with its own KV cache, in host or device memory as kv_cache says
-(sltune.runtime.kvcache). weights_on_device keeps a share of the units on the device for the whole call
-(`kept_units`), so over a call of T forward steps (the prefill and every decode step):
-
-    speedloader  param_load = sum_u P_u + (T-1) * sum_{u streamed} P_u      (kept units load once)
-    canonical    param_load = sum_{u kept} P_u + T*N * sum_{u streamed} P_u
-    resident     nothing
-    device memory: the kept bytes, sum_{u kept} P_u, all call, on top of the live unit
+`generate()` runs the same inversion for decoding (sltune.runtime.generate, which says what a call moves): per
+step each unit loads once and every sub-batch passes through it with its own KV cache, in host or device memory as
+kv_cache says (sltune.runtime.kvcache); weights_on_device keeps a share of the units on the device for the whole
+call.
 
 generate.py does not import this module: it names what it uses as generate.Runtime.
 """
@@ -97,7 +57,7 @@ from sltune.config import SpeedLoaderConfig, param_offload_refusal
 from sltune.models.checkpoint import Checkpoint, materialize, untied, write_pretrained
 from sltune.runtime.activations import DeviceActivations, HostActivations
 from sltune.runtime.device import check_device, check_dtype
-from sltune.runtime.diskstate import DiskState, state_layout
+from sltune.runtime.disk.state import DiskState, state_layout
 from sltune.runtime import phases, traffic
 from sltune.runtime.family import CausalLM, LayerCall, unique_params
 from sltune.runtime.hostheap import release_freed
@@ -107,14 +67,15 @@ from sltune.runtime.memory import DeviceMemory, monitor_for
 from sltune.runtime.params import BufferPool, ParamStore, ParamUnit
 from sltune.runtime.residency import keep_order, kept_share
 from sltune.runtime.rowgrads import row_embedding, sparse_rows, take_rows
-from sltune.runtime.precision import GradStep, LossScaler, finish_grads
+from sltune.runtime.precision import GradStep, LossScaler, finish_grads, warn_vanishing_eps
 from sltune.runtime.regions import region, step_region
+from sltune.runtime.rngstash import RngStash
 from sltune.runtime.saved import KeptGraph, SavedTensors
 from sltune.runtime.sharding import ShardedParamStore
 from sltune.runtime.stepping import StepTimeline, UnitStepper
 from sltune.runtime.counters import IOCounters
 from sltune.runtime.transfer import Copier
-from sltune.runtime.weightfiles import WeightFiles
+from sltune.runtime.disk.weightfiles import WeightFiles
 
 if TYPE_CHECKING:
     from sltune.models.seeded import SeededWeights
@@ -166,21 +127,13 @@ class SpeedLoaderEngine:
         as its gradients are final, during the backward (sltune.runtime.stepping), where no clipping or loss
         scaling needs every gradient first; default: under optimizer_offload disk (whose files let a failed step
         roll back), not under host (a step that fails part-way would leave some units stepped)."""
-        if isinstance(config, dict):
-            config = SpeedLoaderConfig(**config)
-        if not isinstance(config, SpeedLoaderConfig):
-            raise TypeError(f"config must be a SpeedLoaderConfig or a dict, got {type(config).__name__}")
-        if config.backend != "speedloader":
-            raise ValueError(f"backend {config.backend!r}: this engine is SpeedLoader's; train the config with "
-                             "`sltune train --config`, which runs the backend it names (sltune.backends)")
-        self.config = config
+        self.config = config = _runnable(config, max_grad_norm)
         self.device = check_device(config.device)
         self.dtype = getattr(torch, config.dtype)
         check_dtype(self.device, self.dtype)
         if config.device_memory_limit is not None and config.memory_tracking == "never" \
                 and self.device.type != "cuda":
             raise ValueError("device_memory_limit needs memory_tracking 'first' or 'always' on the CPU")
-
         self.world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         if config.world_size is not None and config.world_size != self.world:
             raise ValueError(f"the config was made for world_size {config.world_size} but this process group has "
@@ -188,8 +141,6 @@ class SpeedLoaderEngine:
         if self.world > 1 and config.schedule == "resident":
             raise ValueError("the resident schedule keeps every parameter on every device; with torch.distributed "
                              "use schedule 'speedloader' or 'canonical'")
-        if max_grad_norm is not None and not max_grad_norm > 0:
-            raise ValueError(f"max_grad_norm must be > 0 (or None: no clipping), got {max_grad_norm!r}")
         self.lm = CausalLM(model)
         self.model = model
         if weights is not None:
@@ -211,7 +162,7 @@ class SpeedLoaderEngine:
                               versions=config.disk_versions) \
             if train and config.optimizer_offload == "disk" else None
         # param_offload disk: the dtype copies (sharded: this rank's shards) in files beside the disk tier's
-        # (sltune.runtime.weightfiles)
+        # (sltune.runtime.disk.weightfiles)
         self.weights = WeightFiles(config.offload_dir, self.io, self.disk, rank=rank) \
             if config.param_offload == "disk" else None
         with weights.reader(model) if weights else contextlib.nullcontext() as fill:
@@ -239,22 +190,7 @@ class SpeedLoaderEngine:
         self.track_grad_norm = track_grad_norm
         self.scaler = LossScaler() if train and config.has_master and self.dtype == torch.float16 else None
         if optimizer is not None:
-            # sharded: this rank's flat shard of each unit (same update for element-wise optimizers); under
-            # mixed precision the float32 masters, in the model's parameter order
-            if self.world > 1:
-                stepped = self.params.shard_params
-            else:
-                trainable = [p for p in unique_params(model.parameters()) if p.requires_grad]
-                masters = self.params.master_params()
-                stepped = [masters[id(p)] for p in trainable] if masters else trainable
-            opt = optimizer(stepped)
-            if not isinstance(opt, torch.optim.Optimizer):
-                raise TypeError(f"optimizer factory returned {type(opt).__name__}, not a torch.optim.Optimizer")
-            if not config.has_master:
-                _warn_vanishing_eps(opt, self.dtype)
-            self.optimizer = opt
-            if self.disk is not None:
-                self.disk.configure(state_layout(optimizer, torch.float32 if config.has_master else self.dtype), opt)
+            self.optimizer = self._build_optimizer(optimizer)
         overlap = self.disk is not None if overlap_optimizer is None else overlap_optimizer
         # per-unit stepping: always under disk (early when it can roll back), under host when asked to overlap
         self._stepper = UnitStepper(self.optimizer, self.params.stepped, self.disk,
@@ -266,6 +202,24 @@ class SpeedLoaderEngine:
         self.last_stepping: StepTimeline | None = None
         self._measured: dict[tuple, int] = {}
         release_freed()     # the build's temporaries (sltune.runtime.hostheap)
+
+    def _build_optimizer(self, factory: OptimizerFactory) -> torch.optim.Optimizer:
+        """The host optimizer over what is stepped: sharded, this rank's flat shard of each unit (the same update
+        for element-wise optimizers); under mixed precision the float32 masters, in the model's parameter order."""
+        if self.world > 1:
+            stepped = self.params.shard_params
+        else:
+            trainable = [p for p in unique_params(self.model.parameters()) if p.requires_grad]
+            masters = self.params.master_params()
+            stepped = [masters[id(p)] for p in trainable] if masters else trainable
+        opt = factory(stepped)
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise TypeError(f"optimizer factory returned {type(opt).__name__}, not a torch.optim.Optimizer")
+        if not self.config.has_master:
+            warn_vanishing_eps(opt, self.dtype)
+        if self.disk is not None:
+            self.disk.configure(state_layout(factory, torch.float32 if self.config.has_master else self.dtype), opt)
+        return opt
 
     @classmethod
     def from_pretrained(cls, path: str | Path, config: SpeedLoaderConfig | dict,
@@ -356,7 +310,7 @@ class SpeedLoaderEngine:
         num_items = int(num_items)
         subs = [_SubBatch(ids[i * b:(i + 1) * b], labels[i * b:(i + 1) * b],
                           None if mask is None else mask[i * b:(i + 1) * b]) for i in range(n)]
-        self._rng = _RngStash(self.device, enabled=self.model.training)
+        self._rng = RngStash(self.device, enabled=self.model.training)
         self._scale_used = self.scaler.scale if self.scaler is not None else None
         self.saved.start_step()
         stepper = self._stepper
@@ -422,7 +376,7 @@ class SpeedLoaderEngine:
                           None if mask is None else mask[i * b:(i + 1) * b]) for i in range(n)]
         training = self.model.training
         self.model.eval()
-        self._rng = _RngStash(self.device, enabled=False)
+        self._rng = RngStash(self.device, enabled=False)
         store, lm = self.params, self.lm
         *body, last = self.groups
         trains = [False] * (len(self.groups) + 1)
@@ -749,45 +703,19 @@ class SpeedLoaderEngine:
                 if keep]
 
 
-class _RngStash:
-    """Dropout must draw the same numbers when a group is recomputed: keep the RNG state per
-    (unit, sub-batch) at the forward and replay it in backward, as torch.utils.checkpoint does."""
-
-    def __init__(self, device: torch.device, enabled: bool):
-        self.enabled = enabled
-        self.cuda = device.type == "cuda"
-        self.device = device
-        self._states: dict = {}
-
-    @contextlib.contextmanager
-    def save(self, key) -> Iterator[None]:
-        if self.enabled:
-            self._states[key] = (torch.get_rng_state(),
-                                 torch.cuda.get_rng_state(self.device) if self.cuda else None)
-        yield
-
-    @contextlib.contextmanager
-    def replay(self, key) -> Iterator[None]:
-        if not self.enabled:
-            yield
-            return
-        cpu, cuda = self._states.pop(key)
-        with torch.random.fork_rng(devices=[self.device] if self.cuda else []):
-            torch.set_rng_state(cpu)
-            if cuda is not None:
-                torch.cuda.set_rng_state(cuda, self.device)
-            yield
-
-
-def _warn_vanishing_eps(opt: torch.optim.Optimizer, dtype: torch.dtype) -> None:
-    """Without a float32 master (mixed_precision false) the optimizer steps the engine's dtype, so an eps that
-    rounds to 0 there turns zero gradients into 0/0 = NaN, as it would for model.half() in plain PyTorch."""
-    for group in opt.param_groups:
-        eps = group.get("eps")
-        if isinstance(eps, float) and eps > 0 and torch.tensor(eps, dtype=dtype).item() == 0.0:
-            warnings.warn(f"optimizer eps={eps:g} is 0 in {str(dtype).removeprefix('torch.')}: zero gradients will "
-                          "give NaN updates; use eps >= 1e-4 or dtype='bfloat16'", UserWarning, stacklevel=3)
-            return
+def _runnable(config: SpeedLoaderConfig | dict, max_grad_norm: float | None) -> SpeedLoaderConfig:
+    """The config as this engine runs it: a SpeedLoaderConfig (or a dict of its fields) of backend speedloader, and a
+    positive max_grad_norm or none."""
+    if isinstance(config, dict):
+        config = SpeedLoaderConfig(**config)
+    if not isinstance(config, SpeedLoaderConfig):
+        raise TypeError(f"config must be a SpeedLoaderConfig or a dict, got {type(config).__name__}")
+    if config.backend != "speedloader":
+        raise ValueError(f"backend {config.backend!r}: this engine is SpeedLoader's; train the config with "
+                         "`sltune train --config`, which runs the backend it names (sltune.backends)")
+    if max_grad_norm is not None and not max_grad_norm > 0:
+        raise ValueError(f"max_grad_norm must be > 0 (or None: no clipping), got {max_grad_norm!r}")
+    return config
 
 
 def detached(obj):

@@ -17,6 +17,13 @@ at the prefill and every later step finds them live, where the others are copied
 (sltune.runtime.kvcache: host memory, attention reading the past where it lives, or the device). All run the
 same arithmetic and produce the same tokens.
 
+What a call moves: over T forward steps (the prefill and every decode step), P_u a unit's parameter bytes:
+
+    speedloader  param_load = sum_u P_u + (T-1) * sum_{u streamed} P_u      (kept units load once)
+    canonical    param_load = sum_{u kept} P_u + T*N * sum_{u streamed} P_u
+    resident     nothing
+    device memory: the kept bytes, sum_{u kept} P_u, all call, on top of the live unit
+
 The model's own forward prepares each step, as in training: the prologue runs the library's base model with
 the layers replaced by recorders, given what transformers' generate would pass (the full-length attention
 mask, position ids from its cumulative sum so left padding works, a Cache, use_cache=True); the Cache is a

@@ -27,15 +27,15 @@ from typing import Callable, Iterator, Sequence
 import torch
 from torch import nn
 
-from sltune.runtime.direct_io import aligned_empty
-from sltune.runtime.diskstate import DiskState, Stepped
-from sltune.runtime.gradwindow import GradWindow
+from sltune.runtime.disk.direct_io import aligned_empty
+from sltune.runtime.disk.state import DiskState, Stepped
+from sltune.runtime.disk.gradwindow import GradWindow
 from sltune.runtime.memory import DeviceMemory
 from sltune.runtime.regions import region
 from sltune.runtime.rowgrads import add_rows
 from sltune.runtime.streams import Event, Streams
 from sltune.runtime.transfer import Copier, Pending
-from sltune.runtime.weightfiles import WeightFiles, placeholder
+from sltune.runtime.disk.weightfiles import WeightFiles, placeholder
 
 
 @dataclass

@@ -13,6 +13,7 @@ makes the norm non-finite).
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -63,7 +64,7 @@ class GradStep:
 
 def square_of(grad: torch.Tensor) -> torch.Tensor:
     """One flat buffer's squared norm: float32 norm, squared in float64 (streamed gradients take the same,
-    sltune.runtime.gradwindow, so the global norm is the same to the bit)."""
+    sltune.runtime.disk.gradwindow, so the global norm is the same to the bit)."""
     return torch.linalg.vector_norm(grad, dtype=torch.float32).double() ** 2
 
 
@@ -81,7 +82,8 @@ def finish_grads(grads: list[torch.Tensor], scale: float = 1.0, max_norm: float 
 
     `grads` are this rank's flat gradient buffers, each parameter once; sharded, the squares are summed over
     ranks so every rank sees the same norm and takes the same decision. `square`: the squared norm taken as the
-    gradients streamed by (sltune.runtime.gradwindow), with `grads` empty; the step then applies the coefficient."""
+    gradients streamed by (sltune.runtime.disk.gradwindow), with `grads` empty; the step then applies the
+    coefficient."""
     scaled = scale != 1.0
     if not (need_norm or scaled or max_norm is not None):
         return GradStep(None, False)
@@ -99,3 +101,14 @@ def finish_grads(grads: list[torch.Tensor], scale: float = 1.0, max_norm: float 
         for g in grads:
             g.mul_(coef)
     return GradStep(norm, False, coef)
+
+
+def warn_vanishing_eps(opt: torch.optim.Optimizer, dtype: torch.dtype) -> None:
+    """Without a float32 master (mixed_precision false) the optimizer steps the engine's dtype, so an eps that
+    rounds to 0 there turns zero gradients into 0/0 = NaN, as it would for model.half() in plain PyTorch."""
+    for group in opt.param_groups:
+        eps = group.get("eps")
+        if isinstance(eps, float) and eps > 0 and torch.tensor(eps, dtype=dtype).item() == 0.0:
+            warnings.warn(f"optimizer eps={eps:g} is 0 in {str(dtype).removeprefix('torch.')}: zero gradients will "
+                          "give NaN updates; use eps >= 1e-4 or dtype='bfloat16'", UserWarning, stacklevel=3)
+            return

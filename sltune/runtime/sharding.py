@@ -11,7 +11,7 @@ Each unit is flattened with its trainable parameters first, so the trainable par
 prefix of it: the optimizer steps flat shard parameters, which for element-wise optimizers such as
 AdamW or SGD is the same update as on the unflattened parameters.
 
-Under `param_offload: disk` (sltune.runtime.weightfiles) each rank's shard of each unit's dtype copy is a file of
+Under `param_offload: disk` (sltune.runtime.disk.weightfiles) each rank's shard of each unit's dtype copy is a file of
 that rank's engine folder (beside its optimizer_offload disk files), written at setup and rewritten when the unit
 steps, as one rank's whole units are: `unit.host` is a placeholder of the shard's size. `prefetch` only starts the
 read of the next unit's shard into the window; `activate` waits for it, copies it to the device and all-gathers
@@ -35,13 +35,13 @@ import torch.distributed as dist
 import torch.distributed.nn.functional  # noqa: F401
 from torch import nn
 
-from sltune.runtime.direct_io import aligned_empty
-from sltune.runtime.diskstate import DiskState, Stepped
-from sltune.runtime.gradwindow import GradWindow
+from sltune.runtime.disk.direct_io import aligned_empty
+from sltune.runtime.disk.state import DiskState, Stepped
+from sltune.runtime.disk.gradwindow import GradWindow
 from sltune.runtime.params import BufferPool, ParamStore, ParamUnit, WeightFill, copy_own_data
 from sltune.runtime.regions import region
 from sltune.runtime.transfer import Copier, Pending
-from sltune.runtime.weightfiles import WeightFiles, placeholder
+from sltune.runtime.disk.weightfiles import WeightFiles, placeholder
 
 # torch 2.13 renamed the tensor collectives (*_single); older releases have only the old names
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -10,7 +10,7 @@ needs every gradient first: clipping on the global norm, or float16's overflow c
 Each tensor gets the update a whole-model step gives it: the optimizer steps with only the unit's tensors in its
 groups, and element-wise optimizers (AdamW, SGD) compute each tensor alone, so the result is the same to the bit.
 
-Under `optimizer_offload: disk` (sltune.runtime.diskstate) a unit steps block by block: the stepped tensors'
+Under `optimizer_offload: disk` (sltune.runtime.disk.state) a unit steps block by block: the stepped tensors'
 values (the float32 masters) and the optimizer's state tensors are bound to views of the block's slot, the
 optimizer steps, its state is taken back out (between steps the optimizer holds only per-tensor counters), the
 dtype copy the device loads is refreshed from the new master, and the slot is written behind. A failed step
@@ -19,13 +19,13 @@ copies of the units stepped so far are restored from it, and the optimizer's cou
 master on disk the stepped values are the dtype copy itself, in host memory, which cannot be restored: those
 steps are deferred to after the backward, and only an I/O error while stepping can leave them part-done. Under
 disk_versions 1 a step that fails once a block's old file was dropped has no committed version to restore from:
-the disk tier is torn (sltune.runtime.diskstate) and the engine refuses to go on.
+the disk tier is torn (sltune.runtime.disk.state) and the engine refuses to go on.
 
-Under `param_offload: disk` (sltune.runtime.weightfiles) the dtype copy is not in host memory either: a unit steps
+Under `param_offload: disk` (sltune.runtime.disk.weightfiles) the dtype copy is not in host memory either: a unit steps
 into a window buffer of its own (holding its committed copy first when the step updates it in place, without a
 master, or keeps frozen values), which is written behind as the unit's next version and becomes the one loaded
 when the step commits; a failed step deletes it, so the committed copy needs no rollback. Its gradients borrow a
-buffer of a GradWindow (sltune.runtime.gradwindow): an early step gives it back once the unit has stepped; a
+buffer of a GradWindow (sltune.runtime.disk.gradwindow): an early step gives it back once the unit has stepped; a
 deferred one spills them to a file on the stepping thread as they arrive (their squared norm taken on the way),
 and after the backward reads them back one unit ahead, scaled by the clipping and unscaling coefficient.
 """
@@ -42,12 +42,12 @@ from typing import Any, Iterator, Sequence
 import torch
 from torch import nn
 
-from sltune.runtime.diskstate import Block, DiskState, Stepped
-from sltune.runtime.gradwindow import GradWindow
+from sltune.runtime.disk.state import Block, DiskState, Stepped
+from sltune.runtime.disk.gradwindow import GradWindow
 from sltune.runtime.hostheap import release_freed
 from sltune.runtime.regions import region
 from sltune.runtime.spans import union_length
-from sltune.runtime.weightfiles import WeightFiles, placeholder
+from sltune.runtime.disk.weightfiles import WeightFiles, placeholder
 
 
 @dataclass

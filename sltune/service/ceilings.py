@@ -61,7 +61,7 @@ def _fits(spec: TuningSpec, shape: ModelShape, candidates: list[Candidate], limi
     request named none or more), the process a trial runs in counted (sltune.tuning.cost.baseline)."""
     from sltune.tuning.cost.baseline import trial_baseline
     from sltune.tuning.cost.feasible import shortfall
-    from sltune.tuning.cost.prior import Setup
+    from sltune.tuning.cost.setup import Setup
 
     hw = spec.hardware
     baseline = trial_baseline(hw.device, hw.world_size, spec.workload.mode, hw.cpu_threads, measure=False)

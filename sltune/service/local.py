@@ -69,7 +69,7 @@ def fits_this_machine(spec: TuningSpec, settings: Settings, oversubscribe: bool 
     process holds before its model, measured on this machine (once: sltune.tuning.cost.baseline)."""
     from sltune.tuning.cost.baseline import trial_baseline
     from sltune.tuning.cost.feasible import disk_room, shortfall
-    from sltune.tuning.cost.prior import Setup
+    from sltune.tuning.cost.setup import Setup
     from sltune.tuning.cost.shape import shape_of
     from sltune.tuning.search.trials import ranks_fit
     from sltune.tuning.space import SearchSpace

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import optuna
 
@@ -19,8 +19,13 @@ from sltune.config import param_offload_refusal
 from sltune.tuning.knobs import knob_values
 
 if TYPE_CHECKING:
-    from sltune.tuning.cost.shape import ModelShape
     from sltune.tuning.spec import TuningSpec
+
+
+class Layered(Protocol):
+    """What the space reads of a model's shape (sltune.tuning.cost.shape.ModelShape, a room above): its layers."""
+
+    layers: int
 
 
 KV_ORDER = ("host", "device")     # device KV needs more device memory, and moves nothing
@@ -165,7 +170,7 @@ class SearchSpace:
     SpeedLoader-only spec's parameters are the ones above, so its stored studies resume.
     """
 
-    def __init__(self, spec: "TuningSpec", shape: "ModelShape"):
+    def __init__(self, spec: "TuningSpec", shape: Layered):
         s = spec.search
         self.b_values = knob_values(s.sub_batch_size, "sub_batch_size")
         self.k_values = sorted({min(k, shape.layers) for k in knob_values(s.num_live_blocks, "num_live_blocks")})

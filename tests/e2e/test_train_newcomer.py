@@ -159,7 +159,8 @@ def test_a_resume_with_no_steps_left_is_refused_before_the_model_loads(tmp_path,
 def test_a_device_limit_below_the_smallest_config_is_refused_before_the_step_with_the_priors_minimum():
     from sltune.sizes import format_bytes
     from sltune.training.optimizer import OptimizerConfig
-    from sltune.tuning.cost.prior import Setup, predict
+    from sltune.tuning.cost.prior import predict
+    from sltune.tuning.cost.setup import Setup
     from sltune.tuning.cost.shape import shape_of
     from sltune.tuning.space import Candidate
 

@@ -19,9 +19,9 @@ import torch
 from sltune import SpeedLoaderConfig, SpeedLoaderEngine
 from sltune.cli.main import main
 from sltune.models import build
-from sltune.runtime import direct_io
-from sltune.runtime.direct_io import DirectFiles, aligned_empty, padded
-from sltune.runtime.diskstate import read_committed
+from sltune.runtime.disk import direct_io
+from sltune.runtime.disk.direct_io import DirectFiles, aligned_empty, padded
+from sltune.runtime.disk.files import read_committed
 from tests.support.reference import adamw
 from tests.support.servers import free_port
 

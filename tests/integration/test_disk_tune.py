@@ -22,7 +22,8 @@ from sltune.service.local import tune
 from sltune.settings import Settings
 from sltune.sizes import format_bytes
 from sltune.tuning.cost.baseline import trial_baseline
-from sltune.tuning.cost.prior import Setup, predict
+from sltune.tuning.cost.prior import predict
+from sltune.tuning.cost.setup import Setup
 from sltune.tuning.report.plan_from_prior import plan_spec
 from sltune.tuning.report.result import export_yaml
 from sltune.tuning.cost.shape import shape_of

@@ -23,12 +23,13 @@ from safetensors.torch import load_file
 from sltune import SpeedLoaderConfig, SpeedLoaderEngine
 from sltune.cli.main import error_line, main
 from sltune.models import build
-from sltune.runtime.disk_layout import DEPTH, padded
-from sltune.runtime.diskstate import MANIFEST, TORN, IntegrityError, TornError, read_committed
+from sltune.runtime.disk.layout import DEPTH, padded
+from sltune.runtime.disk.files import MANIFEST, TORN, IntegrityError, TornError, read_committed
 from sltune.settings import Settings
 from sltune.training import checkpoints
 from sltune.training.loop import TrainJob, run
-from sltune.tuning.cost.prior import Setup, predict
+from sltune.tuning.cost.prior import predict
+from sltune.tuning.cost.setup import Setup
 from sltune.tuning.cost.shape import shape_of
 from sltune.tuning.report.plan_from_prior import plan_spec
 from sltune.tuning.space import Candidate

@@ -8,7 +8,7 @@ naming the file and the fix, and nothing half-written is ever loaded.
 
 Kills land two ways, both real SIGKILLs of real processes forked from this one (torch already imported: they
 start at once): a child kills itself at a named point of the runtime's writes (SLTUNE_CRASH_AT,
-sltune.runtime.durable), and a child running `sltune train` on a slowed disk (SLTUNE_DISK_WRITE_DELAY_S) is killed
+sltune.runtime.disk.durable), and a child running `sltune train` on a slowed disk (SLTUNE_DISK_WRITE_DELAY_S) is killed
 from outside mid write-behind.
 A full disk is a small tmpfs filled at a step, a read-only folder the same tmpfs remounted read-only: both in a
 mount namespace of the child's own (unshare; a user namespace too when not root), so nothing outside changes. Where
@@ -37,8 +37,8 @@ from safetensors.torch import load_file
 from sltune import SpeedLoaderConfig, SpeedLoaderEngine
 from sltune.cli.main import error_line, main
 from sltune.models import build
-from sltune.runtime.disk_layout import padded
-from sltune.runtime.diskstate import MANIFEST
+from sltune.runtime.disk.layout import padded
+from sltune.runtime.disk.files import MANIFEST
 from sltune.training import checkpoints
 from sltune.training.loop import TrainJob, run
 from tests.support.children import in_child
@@ -272,7 +272,7 @@ def test_an_external_kill_9_mid_write_behind_of_sltune_train_resumes_exactly(tmp
 def test_what_dead_engines_left_in_offload_dir_goes_whatever_moment_they_died(tmp_path):
     """A folder a kill left half-removed (no lock file any more), a hidden one a kill left before it was locked
     (older than STALE_S), and a write probe: the next engine removes them; a live engine's folder stays."""
-    from sltune.runtime import enginefolder
+    from sltune.runtime.disk import folder as enginefolder
 
     off = tmp_path / "off"
     live = SpeedLoaderEngine(build(MODEL, seed=0), SpeedLoaderConfig(**KNOBS, offload_dir=str(off)),

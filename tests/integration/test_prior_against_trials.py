@@ -5,7 +5,8 @@ import pytest
 from sltune.profiling import run_trial
 from sltune.profiling.schema import TrialSpec
 from sltune.tuning.cost.baseline import trial_baseline
-from sltune.tuning.cost.prior import Setup, predict
+from sltune.tuning.cost.prior import predict
+from sltune.tuning.cost.setup import Setup
 from sltune.tuning.cost.shape import shape_of
 from sltune.tuning.space import Candidate
 
@@ -19,7 +20,8 @@ CASES = {
     "small-bf16-mixed-adamw": dict(model="llama-small", dtype="bfloat16"),
     "small-bf16-pure-sgd": dict(model="llama-small", dtype="bfloat16", mixed_precision=False, optimizer=SGD,
                                 sub_batch_size=4, num_sub_batches=1),
-    # the optimizer and the weights on disk: the windows instead of the model (sltune.runtime.weightfiles, gradwindow)
+    # the optimizer and the weights on disk: the windows instead of the model (sltune.runtime.disk: weightfiles,
+    # gradwindow)
     "small-bf16-mixed-adamw-on-disk": dict(model="llama-small", dtype="bfloat16", optimizer_offload="disk",
                                            param_offload="disk"),
     "tiny-generate": dict(model="llama-tiny", mode="generate", prompt_len=16, new_tokens=4),

@@ -8,7 +8,7 @@ from sltune.cli.tune import describe
 from sltune.settings import Settings
 from sltune.service.local import tune
 from sltune.store import Store
-from sltune.tuning.search.probes import AUTO_STEP_S, probe_layers
+from sltune.tuning.search.state import AUTO_STEP_S
 from sltune.tuning.search.fit import MODELS, LinearFit
 from sltune.tuning.report.plan_from_fits import plan
 from sltune.tuning.report.result import export_yaml
@@ -137,15 +137,15 @@ def test_fits_recover_the_depth_dependence_from_one_depth():
 def test_auto_reduces_depth_only_when_a_full_depth_probe_would_be_slow():
     c = Candidate(1, 1, 1)
     fast, slow = _state(probe_layers="auto"), _state(probe_layers="auto")
-    assert probe_layers(fast) == 4                  # the first probe runs at the least depth, two groups of k=2
+    assert fast.probe_layers() == 4                   # the first probe runs at the least depth, two groups of k=2
     ratio = 8 / 4
     fast.history = [_done(0, c, 4, 0.5 * AUTO_STEP_S / ratio, 5e8)]
     slow.history = [_done(0, c, 4, 2.0 * AUTO_STEP_S / ratio, 5e8)]
-    assert probe_layers(fast) is None and probe_layers(slow) == 4
+    assert fast.probe_layers() is None and slow.probe_layers() == 4
     assert fast.fitted() == [] and slow.fitted() == slow.history     # a whole-model search leaves it out
     assert not fast.ran(c, None) and fast.ran(c, 4) and c not in fast.tried and fast.best() is None
     # a model whose two groups of the largest k are more than half its layers is probed whole
-    assert probe_layers(_state(probe_layers="auto", num_live_blocks=[1, 2, 3])) is None
+    assert _state(probe_layers="auto", num_live_blocks=[1, 2, 3]).probe_layers() is None
 
 
 @pytest.mark.parametrize("search, message", [

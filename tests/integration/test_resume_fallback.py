@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from sltune.cli.main import main
-from sltune.runtime import direct_io
+from sltune.runtime.disk import direct_io
 from tests.support.runtime import one_thread  # noqa: F401 - a module-wide fixture: one intra-op thread
 
 BLOCKS = "training_state/optimizer-rank0-of-1"

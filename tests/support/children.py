@@ -10,13 +10,13 @@ from typing import Any, Callable
 
 import torch
 
-from sltune.runtime import durable
+from sltune.runtime.disk import durable
 
 
 def in_child(fn: Callable[[], Any], crash: str | None = None, kill: Callable[[], None] | None = None) -> str:
     """fn() in a forked child: 'killed' (SIGKILL), 'done' (or 'done <what fn returned>' when it returns something),
     or 'error: <Type>: <the one line `sltune` would print>'. `crash`: the child's SLTUNE_CRASH_AT (a named point of
-    sltune.runtime.durable); `kill()`: installed in the child first (a hook that SIGKILLs it at some moment)."""
+    sltune.runtime.disk.durable); `kill()`: installed in the child first (a hook that SIGKILLs it at some moment)."""
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:                                         # pragma: no cover - the child

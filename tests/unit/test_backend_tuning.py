@@ -11,7 +11,8 @@ import yaml
 
 from sltune.profiling.schema import TrialSpec
 from sltune.tuning.cost.admission import load as admitted
-from sltune.tuning.cost.prior import Setup, predict
+from sltune.tuning.cost.prior import predict
+from sltune.tuning.cost.setup import Setup
 from sltune.tuning.cost.shape import shape_of
 from sltune.tuning.report.plan_from_prior import plan_spec
 from sltune.tuning.report.result import job_result

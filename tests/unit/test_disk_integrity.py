@@ -17,8 +17,8 @@ import torch
 from sltune import SpeedLoaderConfig, SpeedLoaderEngine
 from sltune.cli.main import main
 from sltune.models import build
-from sltune.runtime import diskstate
-from sltune.runtime.diskstate import MANIFEST, read_committed
+from sltune.runtime.disk import files as disk_files
+from sltune.runtime.disk.files import MANIFEST, read_committed
 from tests.support.reference import adamw
 
 SEQ = 16
@@ -120,7 +120,7 @@ def test_a_clean_checkpoint_still_adopts_and_old_manifests_without_sums_too(ckpt
     e = engine(tmp_path / "off")
     e.optimizer.load_state_dict(e.disk.adopt(ckpt))     # as sltune.training.checkpoints.restore does
     ours = manifest(e.disk.folder)
-    assert ours["checksum"] == diskstate.CHECKSUM and all(b["sums"] for b in ours["blocks"] if b["file"])
+    assert ours["checksum"] == disk_files.CHECKSUM and all(b["sums"] for b in ours["blocks"] if b["file"])
     old = manifest(ckpt)                    # as written before checksums: read unverified, then checksummed here
     for key in ("checksum", "optimizer_sum"):
         del old[key]

@@ -1,5 +1,5 @@
 """A tensor larger than a block (a vocabulary's embedding) is stepped by the disk tier slice by slice
-(sltune.runtime.disk_layout.pieces), so the window's slots are a block's size, not the largest tensor's; the result
+(sltune.runtime.disk.layout.pieces), so the window's slots are a block's size, not the largest tensor's; the result
 is the whole tensor's step to the bit. The engine runs with blocks of 4096 values (llama-tiny's embedding is 8 of
 them, its MLP weights 3); AdamW itself is checked at the real BLOCK_NUMEL."""
 
@@ -8,9 +8,9 @@ import torch
 
 from sltune import SpeedLoaderConfig, SpeedLoaderEngine
 from sltune.models import build
-from sltune.runtime import disk_layout
-from sltune.runtime.disk_layout import BLOCK_NUMEL, padded, pieces
-from sltune.runtime.diskstate import read_committed
+from sltune.runtime.disk import layout as disk_layout
+from sltune.runtime.disk.layout import BLOCK_NUMEL, padded, pieces
+from sltune.runtime.disk.files import read_committed
 from tests.support.reference import adamw
 
 SEQ = 8

@@ -12,9 +12,9 @@ from sltune.cli.main import main
 from sltune.models import build
 from sltune.models.presets import load_config
 from sltune.profiling.schema import TrialSpec
-from sltune.runtime.disk_layout import padded
-from sltune.runtime.diskstate import IntegrityError
-from sltune.runtime.gradwindow import SLOTS
+from sltune.runtime.disk.layout import padded
+from sltune.runtime.disk.files import IntegrityError
+from sltune.runtime.disk.gradwindow import SLOTS
 from tests.support.reference import adamw
 
 SEQ = 16

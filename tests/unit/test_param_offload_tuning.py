@@ -10,12 +10,13 @@ import re
 import pytest
 
 from sltune.config import SpeedLoaderConfig
-from sltune.runtime.disk_layout import padded
+from sltune.runtime.disk.layout import padded
 from sltune.settings import Settings
 from sltune.tuning.cost import feasible
 from sltune.tuning.cost.admission import load as admitted_spec
 from sltune.tuning.cost.feasible import FreeSpace, Limit
-from sltune.tuning.cost.prior import GRAD_UNITS, SPARE, STAGED, Setup, predict
+from sltune.tuning.cost.prior import GRAD_UNITS, SPARE, STAGED, predict
+from sltune.tuning.cost.setup import Setup
 from sltune.tuning.cost.shape import shape_of
 from sltune.tuning.report import plan_from_prior
 from sltune.tuning.report.plan_from_prior import plan_spec
@@ -155,7 +156,8 @@ def test_best_yaml_carries_the_weights_on_disk_and_names_no_folder(tmp_path):
 
 # -- the prior -----------------------------------------------------------------------------------------------------
 def test_the_runtime_window_constants_are_the_priors():
-    from sltune.runtime import gradwindow, weightfiles
+    from sltune.runtime.disk import gradwindow
+    from sltune.runtime.disk import weightfiles
 
     assert SPARE == weightfiles.SPARE and STAGED == 1 + weightfiles.WRITES_IN_FLIGHT
     assert GRAD_UNITS == gradwindow.SLOTS
@@ -188,7 +190,8 @@ def test_the_host_floor_of_a_7b_falls_to_the_window_with_the_weights_on_disk():
     layer = padded(shape.layer_bytes)
     assert terms["the weights' window: 2 stepped copies staged"] == 2 * layer
     assert not any("spare" in t for t in terms)                           # the window keeps no free buffer
-    # the two largest units' float32 gradient sums (sltune.runtime.gradwindow): two layers, each above the embedding
+    # the two largest units' float32 gradient sums (sltune.runtime.disk.gradwindow): two layers, each above the
+    # embedding
     assert terms["the gradients' window: the 2 largest units' (param_offload disk)"] == \
         2 * padded(shape.layer_bytes // 2 * 4)
     assert 2 * layer <= terms["the weights' window: units read ahead (param_offload disk)"] <= 4 * layer

@@ -8,7 +8,8 @@ from sltune import SpeedLoaderConfig, SpeedLoaderEngine
 from sltune.models import build
 from sltune.runtime import phases
 from sltune.tuning.cost import prior
-from sltune.tuning.cost.prior import Setup, predict
+from sltune.tuning.cost.prior import predict
+from sltune.tuning.cost.setup import Setup
 from sltune.tuning.cost.shape import shape_of
 from sltune.tuning.space import Candidate
 from tests.support.reference import adamw

@@ -4,7 +4,8 @@ correct it from there; `plan SPEC.yaml` and the refusals speak from it."""
 import pytest
 
 from sltune.cli.main import main
-from sltune.tuning.cost.prior import Setup, predict
+from sltune.tuning.cost.prior import predict
+from sltune.tuning.cost.setup import Setup
 from sltune.tuning.cost.shape import shape_of
 from sltune.tuning.space import Candidate, SearchSpace
 from sltune.tuning.search.state import FinishedTrial, SearchState

@@ -54,8 +54,8 @@ lock (`lock`), saving (`save`), verifying (`verify`), finishing or removing what
 (`recover`), and resuming (`resume`); a training job reads them from here.
 """
 
-from sltune.runtime.durable import CRASH_ENV
-from sltune.runtime.manifest import hash_file
+from sltune.runtime.disk.durable import CRASH_ENV
+from sltune.runtime.disk.manifest import hash_file
 from sltune.training.checkpoints.layout import CRASH_POINTS, LOCK, MANIFEST, TRAINER, TRAINING_STATE, WEIGHTS
 from sltune.training.checkpoints.lock import FolderBusy, FolderLock, hold
 from sltune.training.checkpoints.manifest import HASH, Incomplete, record

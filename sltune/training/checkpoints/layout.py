@@ -7,7 +7,7 @@ import re
 import shutil
 from pathlib import Path
 
-from sltune.runtime.manifest import NAME as MANIFEST  # noqa: F401 - in training_state/, as the others import it
+from sltune.runtime.disk.manifest import NAME as MANIFEST  # noqa: F401 - in training_state/, as the others import it
 
 TRAINING_STATE = "training_state"
 TRAINER = "trainer.pt"

@@ -1,18 +1,18 @@
-"""A checkpoint's manifest (sltune.runtime.manifest's file, this format's fields): every file of the checkpoint with
-its size and checksum, the step, the run and the ranks, written last and read back; and the one error a checkpoint
-that does not verify is."""
+"""A checkpoint's manifest (sltune.runtime.disk.manifest's file, this format's fields): every file of the checkpoint
+with its size and checksum, the step, the run and the ranks, written last and read back; and the one error a
+checkpoint that does not verify is."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-from sltune.runtime import checksum
-from sltune.runtime import manifest as manifest_file
-from sltune.runtime.manifest import ManifestError, hash_file
+from sltune.runtime.disk import checksum
+from sltune.runtime.disk import manifest as manifest_file
+from sltune.runtime.disk.manifest import ManifestError, hash_file
 from sltune.training.checkpoints.layout import TRAINING_STATE
 
-HASH = checksum.NAME        # what a save sums its files with (sltune.runtime.checksum, as the disk tier's blocks)
+HASH = checksum.NAME        # what a save sums its files with (sltune.runtime.disk.checksum, as the disk tier's blocks)
 
 
 class Incomplete(ManifestError):
@@ -30,7 +30,8 @@ def record(path: Path) -> dict[str, Any]:
 
 
 def write_manifest(folder: Path, manifest: dict[str, Any]) -> None:
-    """The unit's manifest, last (sltune.runtime.manifest.write), indented: a checkpoint is a folder people open."""
+    """The unit's manifest, last (sltune.runtime.disk.manifest.write), indented: a checkpoint is a folder people
+    open."""
     manifest_file.write(folder, manifest, readable=True)
 
 

@@ -7,7 +7,7 @@ import os
 import re
 from pathlib import Path
 
-from sltune.runtime.durable import crash_point, fsync_dir
+from sltune.runtime.disk.durable import crash_point, fsync_dir
 from sltune.training.checkpoints.layout import (CHECKPOINT_NAME, LEFTOVER, MANIFEST, TRAINING_STATE, candidates,
                                                 rmtree)
 from sltune.training.checkpoints.lock import FolderBusy, hold

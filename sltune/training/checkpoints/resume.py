@@ -142,7 +142,7 @@ def restore(folder: Path, trainer: dict[str, Any], engine) -> None:
 
 def _from_files(folder: Path, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """An optimizer state_dict from a disk checkpoint's files: its counters and its state tensors."""
-    from sltune.runtime.diskstate import read_committed
+    from sltune.runtime.disk.files import read_committed
 
     saved = read_committed(folder)
     params = [p for group in optimizer.param_groups for p in group["params"]]

@@ -14,7 +14,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from sltune.runtime.durable import crash_point, fsync_dir
+from sltune.runtime.disk.durable import crash_point, fsync_dir
 from sltune.training.checkpoints.layout import FORMAT, MANIFEST, TRAINER, TRAINING_STATE, WEIGHTS, rmtree
 from sltune.training.checkpoints.manifest import Incomplete, read_manifest, record, write_manifest
 from sltune.training.checkpoints.ranks import new_run_id, rank_world, together

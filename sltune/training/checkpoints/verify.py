@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from sltune.runtime.manifest import hash_file, member
+from sltune.runtime.disk.manifest import hash_file, member
 from sltune.training.checkpoints.layout import MANIFEST, TRAINER, TRAINING_STATE
 from sltune.training.checkpoints.manifest import Incomplete, read_manifest
 
@@ -88,9 +88,9 @@ def _check_linked(folder: Path, linked: list[str]) -> None:
     """The files a checkpoint hard-linked from the disk tier (listed by size only: summing them at every save would
     read the whole optimizer state back), read whole against the sums of their own folder's manifest, which the
     checkpoint's manifest sums (checked just before). A damaged block is then an Incomplete here, where --resume
-    can still pick an older checkpoint, not an error when the engine adopts it; sltune.runtime.diskstate remembers
+    can still pick an older checkpoint, not an error when the engine adopts it; sltune.runtime.disk.state remembers
     the blocks found whole, so adopting them reads none again."""
-    from sltune.runtime.diskstate import IntegrityError, check_files
+    from sltune.runtime.disk.files import IntegrityError, check_files
 
     for sub in sorted({PurePosixPath(rel).parent for rel in linked}):
         try:

@@ -114,7 +114,7 @@ def _memory_fits(spec: TuningSpec, shape: ModelShape, space: SearchSpace) -> Non
     The process a trial runs in is left out here (it is this machine's, measured where trials run: tune and
     the server add it), so what is refused here fits nowhere."""
     from sltune.tuning.cost.feasible import shortfall
-    from sltune.tuning.cost.prior import Setup
+    from sltune.tuning.cost.setup import Setup
 
     hw = spec.hardware
     if hw.host_memory_limit is None and hw.device_memory_limit is None and hw.disk_limit is None:

@@ -51,7 +51,8 @@ def trial_baseline(device: str = "cpu", world_size: int = 1, mode: str = "train"
 def _measure(device: str, world_size: int, mode: str, cpu_threads: int | None) -> int:
     from sltune.profiling import run_trial
     from sltune.profiling.schema import TrialSpec
-    from sltune.tuning.cost.prior import Setup, predict
+    from sltune.tuning.cost.prior import predict
+    from sltune.tuning.cost.setup import Setup
     from sltune.tuning.cost.shape import shape_of
     from sltune.tuning.space import Candidate
 

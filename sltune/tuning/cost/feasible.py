@@ -36,7 +36,8 @@ from typing import Iterable
 
 from sltune.sizes import format_bytes
 from sltune.training.optimizer import OptimizerConfig
-from sltune.tuning.cost.prior import Prior, Setup, at_depth, predict
+from sltune.tuning.cost.prior import Prior, at_depth, predict
+from sltune.tuning.cost.setup import Setup
 from sltune.tuning.space import Candidate
 
 RESOURCES = ("device", "host", "disk")      # the scarcest first: the closest config is over the least of it

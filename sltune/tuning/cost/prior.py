@@ -12,15 +12,15 @@ Term by term, as the runtime allocates them:
             device is host memory, the device's buffers (below) with what the pool keeps of them for reuse; and
             the process itself (python, torch and transformers, what a trial holds before its model:
             sltune.tuning.cost.baseline measures it). Under optimizer_offload disk the master and the optimizer
-            state leave host memory for files; the host holds the window instead (sltune.runtime.diskstate: the
+            state leave host memory for files; the host holds the window instead (sltune.runtime.disk.state: the
             DEPTH largest blocks' master and state, page-padded) and, from the first step, the optimizer's fresh
             state of the largest block, allocated before it is copied into its slot. Under param_offload disk
             (in training with the optimizer on disk; over W ranks each rank's shards) neither the dtype weights
             nor the gradients are whole
-            in host memory (sltune.runtime.weightfiles): the weights' window holds the units read ahead (the
+            in host memory (sltune.runtime.disk.weightfiles): the weights' window holds the units read ahead (the
             engine reads one phase ahead: the largest two neighbouring phases' units), SPARE free buffers (none) and, in
             training, STAGED stepped copies (one stepping, WRITES_IN_FLIGHT written behind), as many of the
-            largest units page-padded; the gradients' window (sltune.runtime.gradwindow) the GRAD_UNITS largest
+            largest units page-padded; the gradients' window (sltune.runtime.disk.gradwindow) the GRAD_UNITS largest
             units' gradient sums (float32 under a master, else dtype), page-padded, but under the canonical
             schedule, which sums every micro-batch's gradients on the host and keeps them whole; the device's
             buffers take no prefetched unit (its file is read ahead instead). Formulas like the rest, of what the
@@ -56,101 +56,24 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sltune.runtime import phases
-from sltune.runtime.disk_layout import DEPTH, pack, padded, pieces
+from sltune.runtime.disk.layout import DEPTH, pack, padded, pieces
 from sltune.runtime.residency import keep_order, kept_share
-from sltune.training.optimizer import OptimizerConfig
 from sltune.tuning.cost import wrapped
 from sltune.tuning.cost.footprint import Footprint, footprint
+from sltune.tuning.cost.setup import Setup
 from sltune.tuning.cost.shape import ModelShape
 from sltune.tuning.space import Candidate
 
-if TYPE_CHECKING:
-    from sltune.profiling.schema import TrialSpec
-    from sltune.tuning.spec import TuningSpec
-
-# param_offload disk's window (sltune.runtime.weightfiles, which imports torch: the prior does not): the free buffers it
-# keeps for reuse (none), the stepped copies staged at once (one being stepped, WRITES_IN_FLIGHT = 1 written behind),
-# and the units whose gradient sums host memory holds at once, its budget the largest ones' (sltune.runtime.gradwindow);
-# the tests hold them to the runtime
+# param_offload disk's window (sltune.runtime.disk.weightfiles, which imports torch: the prior does not): the free
+# buffers it keeps for reuse (none), the stepped copies staged at once (one being stepped, WRITES_IN_FLIGHT = 1 written
+# behind), and the units whose gradient sums host memory holds at once, its budget the largest ones'
+# (sltune.runtime.disk.gradwindow); the tests hold them to the runtime
 SPARE = 0
 STAGED = 2
 GRAD_UNITS = 2
-
-
-@dataclass(frozen=True)
-class Setup:
-    """What every config of a job shares: the model, how it is stepped, where it runs."""
-
-    source: Any                     # a preset's name, an inline config.json or a folder: what the footprint traces
-    shape: ModelShape
-    mode: str = "train"
-    schedule: str = "speedloader"
-    mixed_precision: bool = True
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    world_size: int = 1
-    device: str = "cpu"
-    seq_len: int = 128
-    prompt_len: int = 32
-    new_tokens: int = 16
-    baseline: int = 0               # what a trial process holds before its model (sltune.tuning.cost.baseline)
-    optimizer_offload: str = "host"  # disk: the float32 master and the optimizer state live in files (a
-                                     # candidate's optimizer_offload says so too: either makes it disk)
-    param_offload: str = "host"      # disk: the dtype weights live in files (a candidate's param_offload too)
-    clips: bool = False              # training clips the global gradient norm (trials never do; `sltune train` may)
-    disk_versions: int = 2           # versions of the disk tier's files a step keeps (SpeedLoaderConfig.disk_versions)
-
-    @classmethod
-    def of_spec(cls, spec: "TuningSpec", shape: ModelShape, baseline: int = 0) -> "Setup":
-        w, hw = spec.workload, spec.hardware
-        return cls(spec.model.source, shape, w.mode, spec.search.schedule, spec.model.mixed_precision, spec.optimizer,
-                   hw.world_size, hw.device, w.seq_len, w.prompt_len, w.new_tokens, baseline)
-
-    @classmethod
-    def of_trial(cls, trial: "TrialSpec", shape: ModelShape, baseline: int = 0) -> "Setup":
-        return cls(trial.model, shape, trial.mode, trial.schedule, trial.mixed_precision, trial.optimizer,
-                   trial.world_size, trial.device, trial.seq_len, trial.prompt_len, trial.new_tokens, baseline,
-                   getattr(trial, "optimizer_offload", "host"), getattr(trial, "param_offload", "host"),
-                   disk_versions=getattr(trial, "disk_versions", None) or 2)
-
-    @property
-    def master(self) -> bool:
-        """Training under a float32 master: mixed precision in bfloat16 or float16."""
-        return self.mode == "train" and self.mixed_precision and self.shape.dtype != "float32"
-
-    @property
-    def on_cpu(self) -> bool:
-        return self.device.split(":")[0] == "cpu"
-
-    def on_disk(self, c: Candidate) -> bool:
-        """Whether c's optimizer lives in files: training, not resident (the config refuses it there)."""
-        return self.mode == "train" and self.schedule != "resident" and \
-            "disk" in (self.optimizer_offload, c.optimizer_offload)
-
-    def weights_on_disk(self, c: Candidate) -> bool:
-        """Whether c's dtype weights live in files (param_offload disk): not resident (the config refuses it)."""
-        return self.schedule != "resident" and "disk" in (self.param_offload, c.param_offload)
-
-    @property
-    def deferred(self) -> bool:
-        """Training on disk whose step waits for every gradient before any unit steps (sltune.runtime.engine's
-        _early): float16's loss scaling (its overflow check), clipping on the global norm, or no float32 master (a
-        failure part-way could not be undone). Under param_offload disk its gradients wait in files."""
-        return self.mode == "train" and (self.clips or not self.master or self.shape.dtype == "float16")
-
-    @property
-    def grad_bytes(self) -> int:
-        """Bytes per value of a gradient sum: float32 under a master, else dtype."""
-        return 4 if self.master else self.shape.itemsize
-
-    @property
-    def disk_value_bytes(self) -> int:
-        """Bytes per stepped value in a block's file: the float32 master (under one) and the optimizer's state
-        (float32 under a master, else dtype)."""
-        step = 4 if self.master else self.shape.itemsize
-        return (4 if self.master else 0) + self.optimizer.state_bytes_per_param(step)
 
 
 @dataclass
@@ -257,7 +180,7 @@ def _wrapped(recipe: Setup, c: Candidate) -> Prior:
 
 
 def disk_blocks(shape: ModelShape, k: int, world: int = 1) -> list[list[int]]:
-    """The values of each block optimizer_offload disk packs, per rank (sltune.runtime.diskstate.add_unit): each
+    """The values of each block optimizer_offload disk packs, per rank (sltune.runtime.disk.state.add_unit): each
     unit's trainable tensors in order, at most BLOCK_NUMEL values a block (a larger tensor is a block of its own);
     over W ranks each rank steps one flat shard per unit (sltune.runtime.sharding)."""
     def tensors(numels: tuple[int, ...], nbytes: int) -> list[int]:
@@ -281,7 +204,7 @@ def disk_blocks(shape: ModelShape, k: int, world: int = 1) -> list[list[int]]:
 
 
 def _block_sizes(numels: list[int]) -> list[int]:
-    """The disk tier's blocks of these tensors, sliced and packed as sltune.runtime.diskstate lays them out."""
+    """The disk tier's blocks of these tensors, sliced and packed as sltune.runtime.disk.state lays them out."""
     return [sum(block) for block in pack([n for numel in numels for _, n in pieces(numel)], int)]
 
 
@@ -465,23 +388,30 @@ def _in_flight(n: int, per_sub_batch: int) -> int:
     return min(n, 3) * per_sub_batch
 
 
+def _play_resident(t: _Timeline, r: Setup, fp: Footprint) -> None:
+    """The resident schedule's step: the whole model's weights (and gradients, master and state) on the device, plain
+    autograd over one sub-batch at a time."""
+    shape, e = r.shape, r.shape.itemsize
+    count = shape.param_bytes // e
+    t.static = [("weights", shape.param_bytes)]
+    if r.master:
+        t.static += [("float32 master", 4 * count), ("float32 gradients", 4 * count),
+                     (f"{shape.dtype} gradients", shape.param_bytes)]
+    grads = 0 if r.master else shape.param_bytes   # autograd's own: live from the first backward to the step
+    t.moment([("compute of one sub-batch (whole model)", fp.resident)])
+    if r.master:    # each unit's dtype gradients added into its float32 sum: a float32 copy of them first
+        t.moment([], unseen=4 * max(shape.layer_bytes, shape.embed_bytes, shape.head_bytes, shape.tied_bytes) // e)
+    state = r.optimizer.state_bytes_per_param(4 if r.master else e) * count
+    t.moment([("gradients", grads), ("optimizer state", state)])
+
+
 def play_train_step(t: _Timeline, r: Setup, c: Candidate, groups: list[int], fp: Footprint) -> list[phases.Phase]:
     """The step's device buffers played into `t`; the phases played, in order (none under resident, which runs
     plain autograd): the engine's plan, with no frozen prefix."""
     shape, e = r.shape, r.shape.itemsize
     embed, tied, units, head = _units(shape, _compressed(groups))
     if r.schedule == "resident":
-        count = shape.param_bytes // e
-        t.static = [("weights", shape.param_bytes)]
-        if r.master:
-            t.static += [("float32 master", 4 * count), ("float32 gradients", 4 * count),
-                         (f"{shape.dtype} gradients", shape.param_bytes)]
-        grads = 0 if r.master else shape.param_bytes   # autograd's own: live from the first backward to the step
-        t.moment([("compute of one sub-batch (whole model)", fp.resident)])
-        if r.master:    # each unit's dtype gradients added into its float32 sum: a float32 copy of them first
-            t.moment([], unseen=4 * max(shape.layer_bytes, shape.embed_bytes, shape.head_bytes, shape.tied_bytes) // e)
-        state = r.optimizer.state_bytes_per_param(4 if r.master else e) * count
-        t.moment([("gradients", grads), ("optimizer state", state)])
+        _play_resident(t, r, fp)
         return []
     n = c.n if r.schedule == "speedloader" else 1
     offload = c.activations == "offload"

@@ -35,7 +35,7 @@ class ModelShape:
     kv_heads: int = 0       # key/value heads and head dim: what a KV cache holds per position and layer
     head_dim: int = 0
     # each unit's parameters' sizes (values) in the engine's order: how optimizer_offload disk packs its files
-    # (sltune.runtime.diskstate); empty: the unit as one tensor
+    # (sltune.runtime.disk.state); empty: the unit as one tensor
     layer_numels: tuple[int, ...] = ()
     embed_numels: tuple[int, ...] = ()
     head_numels: tuple[int, ...] = ()

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING
 from sltune.tuning.cost.footprint import footprint
 
 if TYPE_CHECKING:
-    from sltune.tuning.cost.prior import Setup
+    from sltune.tuning.cost.setup import Setup
     from sltune.tuning.space import Candidate
 
 Terms = list[tuple[str, int]]

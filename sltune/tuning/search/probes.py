@@ -17,7 +17,8 @@ fitted residual does not depend on L (it holds one or two groups of k layers wha
 constant. So probes at a single depth fix every coefficient, and a full-depth prediction is the same fit at L.
 The probe depth must leave the terms apart as at full depth: at least two groups of the largest k (G > 1 for
 every probe, and L-k > 0). Frontier and confirmation trials run the whole model; the probes' own fits are then checked
-against them (full_depth_error), which is how far to trust a reduced-depth search.
+against them (full_depth_error), which is how far to trust a reduced-depth search. The depth of the next probe is
+the search state's to say (SearchState.probe_layers), as the fits it keeps depend on it; this module reports on it.
 
 `auto` reduces depth only when a full-depth probe would be slow: the first probe runs at the least depth (when
 that is at most half the model), and if its step time scaled to full depth (times L/Lp, an upper bound) is at
@@ -30,42 +31,10 @@ from __future__ import annotations
 from statistics import median
 from typing import TYPE_CHECKING, Any
 
-from sltune.tuning.cost.depth import least_probe_layers
+from sltune.tuning.search.state import layers_of
 
 if TYPE_CHECKING:
-    from sltune.tuning.search.state import FinishedTrial, SearchState
-
-# A full-depth step at least this long makes auto probe at reduced depth: a whole-model probe's steps (a warm-up
-# that measures memory, at least two timed, the profiled one) then take several seconds, where its start-up
-# (setup_s, forking and building the model) took under a second here for a 59M-parameter model.
-AUTO_STEP_S = 0.5
-
-
-def layers_of(done: "FinishedTrial") -> int | None:
-    """The decoder layers a trial ran, as it reported them (None: not reported, the whole model)."""
-    return ((done.result or {}).get("config") or {}).get("num_layers")
-
-
-def probe_layers(state: "SearchState") -> int | None:
-    """The depth the next probe runs at (None: the whole model), from the spec and, under auto, the first probe."""
-    wanted = state.spec.search.probe_layers
-    if wanted is None or state.depth is None:
-        return None
-    if wanted != "auto":
-        return int(wanted)
-    least = least_probe_layers(state.space.k_values)
-    if 2 * least > state.shape.layers:
-        return None                             # more than half the layers: too little to save
-    first = next((d for d in state.history if d.ok and state.reduced(d)), None)
-    if first is None:
-        return least
-    return least if full_depth_step(state, first) >= AUTO_STEP_S else None
-
-
-def full_depth_step(state: "SearchState", done: "FinishedTrial") -> float:
-    """A reduced-depth probe's step time scaled to the whole model by the layer count: an upper bound, since
-    the per-step costs (the embedding, the head) do not grow with depth; it errs towards reducing."""
-    return float(done.result["step_seconds"]) * state.shape.layers / layers_of(done)
+    from sltune.tuning.search.state import SearchState
 
 
 def full_depth_error(state: "SearchState") -> dict[str, dict[str, Any]]:
@@ -97,8 +66,8 @@ def summary(state: "SearchState") -> dict[str, Any] | None:
         return None
     ran = sorted({layers_of(d) for d in state.history if state.reduced(d)})
     out = {"probe_layers": wanted, "layers": state.shape.layers, "probes_ran_at": ran,
-           "reduced": probe_layers(state) is not None, "full_depth_error": full_depth_error(state)}
+           "reduced": state.probe_layers() is not None, "full_depth_error": full_depth_error(state)}
     first = next((d for d in state.history if d.ok and state.reduced(d)), None)
     if wanted == "auto" and first is not None:      # what auto decided by
-        out["first_probe_full_depth_step_s"] = full_depth_step(state, first)
+        out["first_probe_full_depth_step_s"] = state.full_depth_step(first)
     return out

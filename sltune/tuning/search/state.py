@@ -9,13 +9,23 @@ from typing import Any
 import numpy as np
 
 from sltune.tuning.cost.depth import DepthTerms, least_probe_layers
-from sltune.tuning.cost.prior import Prior, Setup, at_depth, predict as prior_of
+from sltune.tuning.cost.prior import Prior, at_depth, predict as prior_of
+from sltune.tuning.cost.setup import Setup
 from sltune.tuning.cost.shape import ModelShape
 from sltune.tuning.search.fit import (ACROSS_DEPTHS, BACKEND_MODELS, FEATURES, MODELS, PRIOR_OFFSETS, LinearFit,
                                       fit_key, split_key, variables)
-from sltune.tuning.search.probes import layers_of, probe_layers
 from sltune.tuning.space import Candidate, SearchSpace
 from sltune.tuning.spec import TuningSpec
+
+# A full-depth step at least this long makes auto probe at reduced depth: a whole-model probe's steps (a warm-up
+# that measures memory, at least two timed, the profiled one) then take several seconds, where its start-up
+# (setup_s, forking and building the model) took under a second here for a 59M-parameter model.
+AUTO_STEP_S = 0.5
+
+
+def layers_of(done: "FinishedTrial") -> int | None:
+    """The decoder layers a trial ran, as it reported them (None: not reported, the whole model)."""
+    return ((done.result or {}).get("config") or {}).get("num_layers")
 
 
 @dataclass
@@ -151,7 +161,7 @@ class SearchState:
         """The trials the models are fitted to: every one that ran ok, at its own depth; when auto chose the
         whole model after its first probe, that one reduced-depth probe is left out."""
         ok = [d for d in self.history if d.ok]
-        if self.depth and probe_layers(self) is None:
+        if self.depth and self.probe_layers() is None:
             ok = [d for d in ok if not self.reduced(d)]
         return ok
 
@@ -168,6 +178,28 @@ class SearchState:
             fits[key] = LinearFit.fit(target, self.features[key], data, rel_sigma=sigma,
                                       offset=PRIOR_OFFSETS.get(kind))
         return fits
+
+    # -- reduced-depth probes (search.probe_layers; sltune.tuning.search.probes reports on them) ---------------
+    def probe_layers(self) -> int | None:
+        """The depth the next probe runs at (None: the whole model), from the spec and, under auto, the first
+        probe."""
+        wanted = self.spec.search.probe_layers
+        if wanted is None or self.depth is None:
+            return None
+        if wanted != "auto":
+            return int(wanted)
+        least = least_probe_layers(self.space.k_values)
+        if 2 * least > self.shape.layers:
+            return None                             # more than half the layers: too little to save
+        first = next((d for d in self.history if d.ok and self.reduced(d)), None)
+        if first is None:
+            return least
+        return least if self.full_depth_step(first) >= AUTO_STEP_S else None
+
+    def full_depth_step(self, done: FinishedTrial) -> float:
+        """A reduced-depth probe's step time scaled to the whole model by the layer count: an upper bound, since
+        the per-step costs (the embedding, the head) do not grow with depth; it errs towards reducing."""
+        return float(done.result["step_seconds"]) * self.shape.layers / layers_of(done)
 
     def reduced(self, done: FinishedTrial) -> bool:
         """Whether a trial ran fewer decoder layers than the model has (a probe at reduced depth)."""

@@ -14,7 +14,6 @@ import numpy as np
 import optuna
 
 from sltune.tuning.search.fit import FEATURES, split_key
-from sltune.tuning.search.probes import probe_layers
 from sltune.tuning.search.state import SearchState
 from sltune.tuning.space import Candidate
 
@@ -175,7 +174,7 @@ class OneShotStrategy(Strategy):
 
     def propose(self) -> Proposal | Stop:
         st = self.state
-        depth = probe_layers(st)        # search.probe_layers: probes at reduced depth, the rest at full depth
+        depth = st.probe_layers()        # search.probe_layers: probes at reduced depth, the rest at full depth
         for c in self.probes():
             if not st.ran(c, depth) and st.predict(c).fits:
                 return Proposal(c, "probe", depth)

@@ -1,6 +1,6 @@
 """An engine's folder under offload_dir: made and locked (`own_folder`), found dead and removed by the next engine
-(`remove_stale`), and removed with its engine (`close_folder`). The disk tier (sltune.runtime.diskstate), the
-weights' files (sltune.runtime.weightfiles) and the gradients' spill (sltune.runtime.gradwindow) share it.
+(`remove_stale`), and removed with its engine (`close_folder`). The disk tier (sltune.runtime.disk.state), the
+weights' files (sltune.runtime.disk.weightfiles) and the gradients' spill (sltune.runtime.disk.gradwindow) share it.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from sltune.runtime.durable import crash_point
+from sltune.runtime.disk.durable import crash_point
 
 LOCK = ".lock"
 STALE_S = 60.0                  # a hidden engine folder without a lock this old is a dead one's (own_folder)

@@ -35,13 +35,13 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from sltune.runtime import checksum
+from sltune.runtime.disk import checksum
 from sltune.runtime.counters import IOCounters
-from sltune.runtime.direct_io import DirectFiles, aligned_empty
-from sltune.runtime.disk_layout import padded
+from sltune.runtime.disk.direct_io import DirectFiles, aligned_empty
+from sltune.runtime.disk.layout import padded
 from sltune.runtime.precision import square_of, squared_norm
-from sltune.runtime.diskstate import IntegrityError
-from sltune.runtime.enginefolder import safe_name
+from sltune.runtime.disk.files import IntegrityError
+from sltune.runtime.disk.folder import safe_name
 
 SLOTS = 2       # units held at once, at least: one stepping (or spilling) while the backward offloads the next
 

@@ -1,6 +1,6 @@
 """Whole files moved between disk and page-aligned host buffers, with O_DIRECT where the filesystem takes it.
 
-The disk tier (sltune.runtime.diskstate) moves gigabytes of optimizer state per step. Through the page cache
+The disk tier (sltune.runtime.disk.state) moves gigabytes of optimizer state per step. Through the page cache
 those bytes would be copied once more and, worse, cached: the kernel would fill host memory with the very
 state the tier moved out of it, and a read right after a write would report the cache's speed, not the
 disk's. O_DIRECT moves them between the device and the buffer. It needs the buffer's address, the file offset
@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from sltune.runtime.disk_layout import PAGE, padded
-from sltune.runtime.durable import crash_point
+from sltune.runtime.disk.layout import PAGE, padded
+from sltune.runtime.disk.durable import crash_point
 
 CHUNK = 64 << 20
 
@@ -80,7 +80,7 @@ class DirectFiles:
     def write(self, path: Path, buf: torch.Tensor, nbytes: int, label: str = "file") -> int:
         """Write buf's first padded(nbytes) bytes as the file `path` (created or truncated), flushed to the device
         (fdatasync) before it returns. Returns the bytes written. `label` names the kind of file for the crash
-        points (sltune.runtime.durable): "{label}.opened" once the file exists, empty."""
+        points (sltune.runtime.disk.durable): "{label}.opened" once the file exists, empty."""
         if self.write_delay_s:
             time.sleep(self.write_delay_s)
         total = padded(nbytes)

@@ -1,4 +1,4 @@
-"""How the disk tier lays bytes out (sltune.runtime.diskstate): pages, blocks and the window's slots. Torch-free, so
+"""How the disk tier lays bytes out (sltune.runtime.disk.state): pages, blocks and the window's slots. Torch-free, so
 the tuner's cost model counts a job's disk bytes and host window as the tier will hold them without importing torch."""
 
 from __future__ import annotations

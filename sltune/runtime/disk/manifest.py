@@ -1,9 +1,9 @@
 """manifest.json, the one file that says a folder is complete, for both formats that keep one: a checkpoint's
-(sltune.training.checkpoints: every file with its size and checksum) and the disk tier's (sltune.runtime.diskstate:
+(sltune.training.checkpoints: every file with its size and checksum) and the disk tier's (sltune.runtime.disk.state:
 the blocks of the committed version and their sections' sums). Each keeps its own fields; what they share is here:
 the file's name, one writer (written last and atomically: a new one renamed over the old, flushed with its folder),
-one reader, the check that a file it names is its folder's, a file's checksum (sltune.runtime.checksum), and one error
-type that names the file."""
+one reader, the check that a file it names is its folder's, a file's checksum (sltune.runtime.disk.checksum), and
+one error type that names the file."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from sltune.runtime import checksum
-from sltune.runtime.durable import replace_durably
+from sltune.runtime.disk import checksum
+from sltune.runtime.disk.durable import replace_durably
 
 NAME = "manifest.json"
 TMP = f".{NAME}.tmp"        # the new manifest before its rename

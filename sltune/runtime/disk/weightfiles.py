@@ -4,7 +4,7 @@ Under `optimizer_offload: disk` the masters and the optimizer state already live
 device loads was the last per-parameter cost left whole in host memory (2 bytes a parameter under bfloat16). Here
 each unit's flat dtype copy is a file of its own, written once from the model's weights and again each time the
 unit steps (sltune.runtime.stepping writes the refreshed copy behind). Before the device needs a unit, its file
-is read with O_DIRECT (sltune.runtime.direct_io) on a reader thread into a page-aligned buffer of the window;
+is read with O_DIRECT (sltune.runtime.disk.direct_io) on a reader thread into a page-aligned buffer of the window;
 the device copy is made from it, and the buffer goes back to the window's free list. So host memory holds the
 units read ahead and the one being copied (the engine reads one phase ahead: O(k + prefetch depth) units), not
 the model; between loads the model's Parameters point at placeholders that hold no memory. Sharded over ranks
@@ -18,7 +18,7 @@ previous version stays (`abort`), so a rollback of the masters needs no rollback
 tier's engine folder (or, for an engine that only generates, a folder of their own with the same lock and
 cleanup), which goes with the engine: they are a cache of the weights a checkpoint saves from the masters.
 
-Integrity. Each file's payload is checksummed as it is written (sltune.runtime.checksum) and verified on every
+Integrity. Each file's payload is checksummed as it is written (sltune.runtime.disk.checksum) and verified on every
 read; a mismatch or a short file is an IntegrityError, one line naming the file, never a step of NaNs. A write that
 fails (a full disk, a folder gone read-only or removed) is one line naming the file and the fix, its *.tmp removed,
 and the step aborts with the committed copies intact. Nothing after the commit's point of no return raises: an old
@@ -26,7 +26,7 @@ version that cannot be deleted is left for the folder's removal.
 
 Crash safety. The folder is a cache of the weights, never resumed from (a resume rebuilds it from a checkpoint), so
 a kill at any moment (SLTUNE_CRASH_AT at weights.opened, weights.renamed, weights.committed, or the disk tier's
-points) only leaves a dead engine's folder, which the next engine removes (sltune.runtime.enginefolder.remove_stale).
+points) only leaves a dead engine's folder, which the next engine removes (sltune.runtime.disk.folder.remove_stale).
 Under the disk tier's disk_versions 1 a unit's committed copy is deleted as soon as its new one is renamed into
 place (DiskState.drop, SLTUNE_CRASH_AT=weights.dropped), as the disk tier's blocks are: the files hold one version
 of the weights and the one being written; a step failing after that leaves the engine torn, as the disk tier does.
@@ -44,13 +44,14 @@ from typing import Any
 
 import torch
 
-from sltune.runtime import checksum
+from sltune.runtime.disk import checksum
 from sltune.runtime.counters import IOCounters
-from sltune.runtime.direct_io import DirectFiles, aligned_empty, writable_dir
-from sltune.runtime.disk_layout import padded
-from sltune.runtime.diskstate import DELAY_ENV, DiskState, IntegrityError
-from sltune.runtime.enginefolder import close_folder, own_folder, remove_stale, safe_name, unlink_quietly
-from sltune.runtime.durable import crash_point, fsync_dir
+from sltune.runtime.disk.direct_io import DirectFiles, aligned_empty, writable_dir
+from sltune.runtime.disk.layout import padded
+from sltune.runtime.disk.files import IntegrityError
+from sltune.runtime.disk.state import DELAY_ENV, DiskState
+from sltune.runtime.disk.folder import close_folder, own_folder, remove_stale, safe_name, unlink_quietly
+from sltune.runtime.disk.durable import crash_point, fsync_dir
 
 # Measured on qwen2-1.5b (bf16, both on disk, b=1 N=4 seq 32, in one process): 2 spare buffers and 2 writes in flight
 # peaked at 5.83 GiB, none and 1 at 5.21 GiB, with step times within noise (30.0-31.4 s against 29.7-30.1 s): a fresh

@@ -63,9 +63,10 @@ class BackendKnobs(BaseModel):
     backend's: the fields a config, a trial spec and a trial's result share."""
 
     backend: BackendName = Field(
-        "speedloader", description="what trains: SpeedLoader's engine, DeepSpeed ZeRO (deepspeed.initialize) or "
-        "PyTorch FSDP2 (fully_shard per decoder layer); the b*N rows of a step as N micro-batches of b. "
-        "num_live_blocks, schedule, optimizer_offload and param_offload are SpeedLoader's")
+        "speedloader", description="what trains: SpeedLoader's engine, DeepSpeed ZeRO (deepspeed.initialize; `bash "
+        "scripts/install.sh backends` installs it) or PyTorch FSDP2 (fully_shard per decoder layer); the b*N rows of "
+        "a step as N micro-batches of b. num_live_blocks, schedule, optimizer_offload, param_offload and "
+        "disk_versions are SpeedLoader's")
     zero_stage: ZeroStage | None = Field(None, description="deepspeed: ZeRO stage 2 or 3 (default 2)")
     offload_optimizer: OffloadTarget | None = Field(None, description="deepspeed: the optimizer's state in device "
                                                     "memory (none), host memory (cpu) or files on NVMe (default none)")

@@ -8,8 +8,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from sltune.cli.common import as_flags, unused_flags
 from sltune.backend_knobs import BackendKnobs
+from sltune.cli.common import as_flags, unused_flags
 from sltune.cli.flags import add_fields, given
 from sltune.config import RuntimeKnobs
 from sltune.field_errors import one_line

@@ -72,15 +72,14 @@ def test_the_edges_counted_are_the_documented_formulas(groups):
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
 def test_the_engine_runs_the_plan(k):
     engine = engine_of(k)
-    trains, plan = engine._plan()
+    step = engine.step_plan()
+    trains, plan = list(step.trains), list(step.phases)
     assert trains == [True] * (len(engine.groups) + 1)
     assert plan == phases.plan(len(engine.groups))
     assert run_phases(engine) == kinds(plan)
-    last = engine.groups[-1]
-    turn = next(p for p in plan if p.kind == "turn")
-    assert [engine._unit(u) for u in turn.units] == [last.unit, engine.head]
-    assert list(engine.step_plan().step_order) == [last.unit, engine.head, *(g.unit for g in reversed(engine.groups[:-1])),
-                                    engine.embed, engine.tied]
+    last = engine.groups[-1]        # the turnaround's units (the last group and the head) finish their gradients first
+    assert list(step.step_order) == [last.unit, engine.head, *(g.unit for g in reversed(engine.groups[:-1])),
+                                     engine.embed, engine.tied]
 
 
 @pytest.mark.parametrize("activations", ["recompute", "offload"])
@@ -88,7 +87,8 @@ def test_the_engine_runs_the_plan(k):
                                     ["model.layers.1"]])
 def test_a_partly_frozen_engine_runs_the_plan_of_its_trained_edges(frozen, activations):
     engine = engine_of(1, frozen, activations)
-    trains, plan = engine._plan()
+    step = engine.step_plan()
+    trains, plan = list(step.trains), list(step.phases)
     expected = phases.trained_edges(not frozen[0] == "model.embed_tokens",
                                     [not any(f == f"model.layers.{g}" for f in frozen) for g in range(4)])
     assert trains == expected
@@ -107,7 +107,7 @@ def played(monkeypatch, k: int, model="llama-tiny", schedule="speedloader") -> l
 
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
 def test_the_prior_plays_the_engines_plan(monkeypatch, k):
-    assert played(monkeypatch, k) == engine_of(k)._plan()[1]
+    assert played(monkeypatch, k) == list(engine_of(k).step_plan().phases)
 
 
 def test_the_prior_plays_three_body_groups_of_a_deeper_model(monkeypatch):

@@ -142,10 +142,15 @@ def test_a_click_on_a_plotted_trial_or_its_table_row_opens_the_trials_page(serve
     page = f"{url}/dashboard/jobs/{job_id}"
     browser = Browser(binary, tmp_path / "chromium")
     try:
-        def at(selector: str) -> dict:
-            """The centre of the element, scrolled into view, in the viewport's coordinates."""
+        def at(selector: str, on_it: bool = False) -> dict:
+            """The centre of the element, scrolled into view, in the viewport's coordinates. `on_it`: a point where the
+            element itself is under the mouse (a pie's slice: the centre of its box can be in the donut's hole), the
+            first of a grid over its box, as a user aims at the slice they see."""
             return browser.evaluate(f"""(() => {{ const e = document.querySelector({selector!r});
                 e.scrollIntoView({{block: "center"}}); const r = e.getBoundingClientRect();
+                for (let i = 1; {'true' if on_it else 'false'} && i < 10; i++) for (let j = 1; j < 10; j++) {{
+                    const x = r.left + r.width * i / 10, y = r.top + r.height * j / 10;
+                    if (document.elementFromPoint(x, y) === e) return {{x, y}}; }}
                 return {{x: r.left + r.width / 2, y: r.top + r.height / 2}}; }})()""")
 
         def hovering(figure: str) -> str:
@@ -162,8 +167,7 @@ def test_a_click_on_a_plotted_trial_or_its_table_row_opens_the_trials_page(serve
         assert browser.wait_until("document.querySelectorAll('.js-plotly-plot').length") == 8
         point = "h2#history + .fig .scatterlayer path.point"
         n = browser.evaluate(f"document.querySelector({point!r}).__data__.x")
-        where = at(point)
-        browser.click(where["x"], where["y"], hovered=hovering("h2#history + .fig"))
+        browser.click(lambda: at(point), hovered=hovering("h2#history + .fig"))
         opened(n)
         # the trial's page: its steps and its pie drawn, its trace served as JSON
         assert browser.wait_until("document.querySelectorAll('.js-plotly-plot').length") == 2
@@ -180,16 +184,14 @@ def test_a_click_on_a_plotted_trial_or_its_table_row_opens_the_trials_page(serve
         pie = "h2#time-breakdown-per-trial ~ .fig g.slice path"
         n = browser.evaluate("document.querySelector('h2#time-breakdown-per-trial ~ .fig .plotly-graph-div')"
                              ".data[0].meta.trial")
-        where = at(pie)
-        browser.click(where["x"], where["y"], hovered=hovering("h2#time-breakdown-per-trial ~ .fig"))
+        browser.click(lambda: at(pie, on_it=True), hovered=hovering("h2#time-breakdown-per-trial ~ .fig"))
         opened(n)
 
         # the last row of the trials table
         browser.open(page)
         trials = httpx.get(f"{url}/jobs/{job_id}/trials").json()
         last = trials[-1]["number"]
-        where = at(f"#trials a[href='/dashboard/jobs/{job_id}/trials/{last}']")
-        browser.click(where["x"], where["y"])
+        browser.click(lambda: at(f"#trials a[href='/dashboard/jobs/{job_id}/trials/{last}']"))
         opened(last)
     finally:
         browser.close()

@@ -10,7 +10,7 @@ import select
 import subprocess
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 
 class Browser:
@@ -110,15 +110,27 @@ class Browser:
                 raise TimeoutError(f"never true: {expression}")
             time.sleep(0.2)
 
-    def click(self, x: float, y: float, hovered: str | None = None) -> None:
-        """A user's left click at the viewport point: the mouse moves there, then presses and releases. Plotly finds
-        the point under the mouse on the move, in a later frame (seconds later on a busy machine), and its click
-        event names the point hovered: `hovered`, a JavaScript expression true once it has, is waited for first."""
-        self.send("Input.dispatchMouseEvent", type="mouseMoved", x=x, y=y)
-        if hovered is not None:
-            self.wait_until(hovered, timeout=30)
-        else:
-            time.sleep(0.3)
+    def click(self, where: Callable[[], dict], hovered: str | None = None, timeout: float = 30) -> None:
+        """A user's left click on a point of the page: `where()` finds it ({"x", "y"} in the viewport), the mouse moves
+        there, then presses and releases. Plotly finds the point under the mouse on the move, in a later frame (seconds
+        later on a busy machine), and its click event names the point hovered: `hovered`, a JavaScript expression true
+        once it has, is waited for first. Until it is, the mouse moves again to where the point is now: on a busy
+        machine the page can still shift after the point was found (a plot above it drawn late)."""
+        deadline, attempt = time.monotonic() + timeout, 0
+        while True:
+            at = where()
+            x, y = at["x"] + attempt % 2, at["y"]   # a move to the same pixel may raise no event: one over, inside it
+            self.send("Input.dispatchMouseEvent", type="mouseMoved", x=x, y=y)
+            if hovered is None:
+                time.sleep(0.3)
+                break
+            attempt += 1
+            try:
+                self.wait_until(hovered, timeout=min(3 * attempt, max(deadline - time.monotonic(), 0)))
+                break
+            except TimeoutError:
+                if time.monotonic() > deadline:
+                    raise
         for kind in ("mousePressed", "mouseReleased"):
             self.send("Input.dispatchMouseEvent", type=kind, x=x, y=y, button="left", clickCount=1)
 

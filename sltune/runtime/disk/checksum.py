@@ -5,7 +5,7 @@ it is missing. Files record the name of the one they were summed with, and eithe
 from __future__ import annotations
 
 import zlib
-from typing import Any, Callable
+from typing import Any, BinaryIO, Callable
 
 try:
     import xxhash
@@ -40,3 +40,21 @@ def streaming(name: str) -> Any | None:
     if name == "xxh3_64" and xxhash is not None:
         return xxhash.xxh3_64()
     return None
+
+
+CHUNK = 8 << 20     # bytes read at once while a file is summed in pieces: a 192 MiB block takes 8 MiB of memory
+
+
+def feed(h: Any, f: BinaryIO, start: int = 0, end: int | None = None) -> None:
+    """Stream the open file's bytes from `start` to `end` (None: its end) through the hasher `h`, CHUNK at a time (a
+    file shorter than `end` feeds what it has)."""
+    view = memoryview(bytearray(CHUNK))
+    f.seek(start)
+    left = None if end is None else end - start
+    while left is None or left > 0:
+        n = f.readinto(view if left is None else view[:min(left, CHUNK)])
+        if not n:
+            break
+        h.update(view[:n])
+        if left is not None:
+            left -= n

@@ -14,6 +14,7 @@ import torch
 
 from sltune.runtime.disk import checksum
 from sltune.runtime.disk import manifest as manifest_file
+from sltune.runtime.disk.checksum import feed
 from sltune.runtime.disk.checksum import streaming as checksum_streaming
 from sltune.runtime.disk.durable import replace_durably
 from sltune.runtime.disk.layout import padded
@@ -104,9 +105,6 @@ def mismatch(path: Path, section: str, checksum: str, got: int, want: int) -> In
 FOUND_WHOLE: set[tuple[Any, ...]] = set()
 
 
-_CHUNK = 8 << 20
-
-
 def check_files(folder: str | Path) -> set[str]:
     """Every file a disk checkpoint's manifest names, read whole and checked against its checksums: each block
     section by section, each unit's frozen masters, the optimizer's counters; an IntegrityError naming the first
@@ -150,18 +148,9 @@ def _check_sections(path: Path, sections: Sequence[tuple[str, int, int]], sums: 
             key = (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size, checksum, tuple(sections), tuple(sums))
             if key in FOUND_WHOLE:
                 return
-            buf = bytearray(_CHUNK)
-            view = memoryview(buf)
             for (name, a, b), want in zip(sections, sums):
                 h = checksum_streaming(checksum)
-                f.seek(a)
-                left = b - a
-                while left > 0:
-                    n = f.readinto(view[:min(left, _CHUNK)])
-                    if not n:
-                        break
-                    h.update(view[:n])
-                    left -= n
+                feed(h, f, a, b)
                 got = int(h.hexdigest(), 16)
                 if got != want:
                     raise mismatch(path, name, checksum, got, want)

@@ -17,7 +17,6 @@ from sltune.runtime.disk.durable import replace_durably
 
 NAME = "manifest.json"
 TMP = f".{NAME}.tmp"        # the new manifest before its rename
-_CHUNK = 8 << 20
 
 
 class ManifestError(ValueError):
@@ -70,11 +69,8 @@ def hash_file(path: Path, algo: str, sync: bool = False) -> str | None:
     h = checksum.streaming(algo)
     if h is None:
         return None
-    buf = bytearray(_CHUNK)
-    view = memoryview(buf)
     with open(path, "rb") as f:
-        while n := f.readinto(buf):
-            h.update(view[:n])
+        checksum.feed(h, f)
         if sync:
             os.fsync(f.fileno())
     return h.hexdigest()

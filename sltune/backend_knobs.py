@@ -10,6 +10,7 @@ and sltune.backends.knobs re-exports them for the backends and the specs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -47,12 +48,15 @@ class Knob:
     (how the trial ran, not a config of the search: the device, the dtype, a folder)"""
 
 
+@functools.cache
 def knobs_of(model: type[BaseModel]) -> dict[str, Knob]:
-    """A model's fields that are knobs, each with what its declaration says of it."""
+    """A model's fields that are knobs, each with what its declaration says of it (once per model: every config and
+    trial spec validated asks)."""
     return {name: next(m for m in field.metadata if isinstance(m, Knob))
             for name, field in model.model_fields.items() if any(isinstance(m, Knob) for m in field.metadata)}
 
 
+@functools.cache
 def speedloader_only(model: type[BaseModel]) -> dict[str, Any]:
     """What only SpeedLoader's engine has among a model's fields, with the default another backend runs."""
     return {name: model.model_fields[name].default for name, knob in knobs_of(model).items() if knob.speedloader}

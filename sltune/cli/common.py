@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Iterable
 from typing import Any
-
-from pydantic import BaseModel
 
 from sltune.cli.flags import add_fields, given, reword
 from sltune.config import RuntimeKnobs, SpeedLoaderConfig
@@ -35,10 +32,10 @@ def add_knobs(parser: argparse.ArgumentParser) -> None:
     add_fields(parser, SpeedLoaderConfig, KNOBS, default="the --config file's, else {}")
 
 
-def as_flags(text: str, model: type[BaseModel] = SpeedLoaderConfig, names: Iterable[str] = KNOBS) -> str:
-    """A refusal worded with the config's fields, worded with this command's flags instead: 'param_offload disk'
-    reads '--param-offload disk' (sltune.cli.flags.reword)."""
-    return reword(text, model, names)
+def as_flags(text: str) -> str:
+    """A refusal worded with the config's fields, worded with `train`'s flags instead: 'param_offload disk' reads
+    '--param-offload disk' (sltune.cli.flags.reword)."""
+    return reword(text, SpeedLoaderConfig, KNOBS)
 
 
 def unused_flags(given: dict[str, Any], values: dict[str, Any]) -> None:

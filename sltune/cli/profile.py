@@ -9,8 +9,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from sltune.backend_knobs import BackendKnobs
-from sltune.cli.common import as_flags, unused_flags
-from sltune.cli.flags import add_fields, given
+from sltune.cli.common import unused_flags
+from sltune.cli.flags import add_fields, given, reword
 from sltune.config import RuntimeKnobs
 from sltune.field_errors import one_line
 from sltune.profiling import forks, run_trial
@@ -83,7 +83,7 @@ def _spec(**fields: Any) -> TrialSpec:
     try:
         return TrialSpec(**fields)
     except ValidationError as err:
-        raise ValueError(as_flags(one_line(err), TrialSpec, KNOBS)) from None
+        raise ValueError(reword(one_line(err), TrialSpec, KNOBS)) from None
 
 
 def _fits_host(spec: TrialSpec) -> None:

@@ -21,14 +21,6 @@ ZeroStage = Literal[2, 3]
 OffloadTarget = Literal["none", "cpu", "nvme"]
 
 BACKENDS: tuple[str, ...] = ("speedloader", "deepspeed", "fsdp")
-KNOBS: dict[str, tuple[str, ...]] = {
-    "speedloader": (),
-    "deepspeed": ("zero_stage", "offload_optimizer", "offload_param"),
-    "fsdp": ("cpu_offload", "reshard_after_forward"),
-}
-ALL_KNOBS: tuple[str, ...] = tuple(k for names in KNOBS.values() for k in names)
-DEFAULTS: dict[str, Any] = {"zero_stage": 2, "offload_optimizer": "none", "offload_param": "none",
-                            "cpu_offload": False, "reshard_after_forward": True}
 
 
 @dataclass(frozen=True)
@@ -46,6 +38,9 @@ class Knob:
     recorded: Literal["always", "changed", "never"] = "always"
     """in a trial's result: always, only away from its default (as results recorded before the knob read), never
     (how the trial ran, not a config of the search: the device, the dtype, a folder)"""
+    searched: bool = False
+    """a job's search sweeps it (sltune.tuning.spec.Search), so that configs of one job differ in it: comparing jobs
+    (sltune.tuning.report.compare) keys a config on the knobs searched, then the backend's"""
 
 
 @functools.cache
@@ -62,6 +57,26 @@ def speedloader_only(model: type[BaseModel]) -> dict[str, Any]:
     return {name: model.model_fields[name].default for name, knob in knobs_of(model).items() if knob.speedloader}
 
 
+@dataclass(frozen=True)
+class BackendKnob:
+    """A wrapped backend's knob, declared once as a field of BackendKnobs (backend_knob): whose it is, what it runs
+    when left out, what a search sweeps when its section leaves it out, and its doc. The backends' knob lists and
+    defaults, and the spec's search sections (sltune.tuning.spec), are derived from it."""
+
+    backend: str
+    default: Any
+    search: tuple[Any, ...]
+    doc: str
+
+
+def backend_knob(backend: str, default: Any, *, search: tuple[Any, ...], doc: str) -> Any:
+    """A field of BackendKnobs: None where another backend's, its doc saying whose it is and its default."""
+    shown = str(default).lower() if isinstance(default, bool) else default
+    info = Field(None, description=f"{backend}: {doc}; default {shown}")
+    info.metadata.append(BackendKnob(backend, default, search, doc))
+    return info
+
+
 class BackendKnobs(BaseModel):
     """What trains (SpeedLoader's engine or a wrapped backend) and every backend's knobs, None where another
     backend's: the fields a config, a trial spec and a trial's result share."""
@@ -71,15 +86,29 @@ class BackendKnobs(BaseModel):
         "scripts/install.sh backends` installs it) or PyTorch FSDP2 (fully_shard per decoder layer); the b*N rows of "
         "a step as N micro-batches of b. num_live_blocks, schedule, optimizer_offload, param_offload and "
         "disk_versions are SpeedLoader's")
-    zero_stage: ZeroStage | None = Field(None, description="deepspeed: ZeRO stage 2 or 3 (default 2)")
-    offload_optimizer: OffloadTarget | None = Field(None, description="deepspeed: the optimizer's state in device "
-                                                    "memory (none), host memory (cpu) or files on NVMe (default none)")
-    offload_param: OffloadTarget | None = Field(None, description="deepspeed, zero_stage 3: the parameter partitions "
-                                                "on the device (none), in host memory (cpu) or on NVMe (default none)")
-    cpu_offload: bool | None = Field(None, description="fsdp: CPUOffloadPolicy, the sharded parameters, gradients "
-                                     "and optimizer state in host memory (default false)")
-    reshard_after_forward: bool | None = Field(None, description="fsdp: free each layer's gathered parameters after "
-                                               "its forward and gather them again for its backward (default true)")
+    zero_stage: ZeroStage | None = backend_knob(
+        "deepspeed", 2, search=(2, 3), doc="ZeRO stage 2 (the optimizer state and gradients partitioned) or 3 (the "
+        "parameters too)")
+    offload_optimizer: OffloadTarget | None = backend_knob(
+        "deepspeed", "none", search=("none", "cpu"), doc="the optimizer's state in device memory (none), host memory "
+        "(cpu) or files on NVMe (nvme)")
+    offload_param: OffloadTarget | None = backend_knob(
+        "deepspeed", "none", search=("none", "cpu"), doc="ZeRO-3's parameter partitions on the device (none), in host "
+        "memory (cpu) or on NVMe (nvme); at zero_stage 2 only none runs")
+    cpu_offload: bool | None = backend_knob(
+        "fsdp", False, search=(False, True), doc="CPUOffloadPolicy: the sharded parameters, gradients and optimizer "
+        "state in host memory")
+    reshard_after_forward: bool | None = backend_knob(
+        "fsdp", True, search=(True,), doc="free each layer's gathered parameters after its forward and gather them "
+        "again for its backward (true), or keep them for its backward (false: more device memory, no second gather)")
+
+
+# what follows from the declarations above: each backend's knobs in order, and what each runs when left out
+BACKEND_KNOB: dict[str, BackendKnob] = {name: next(m for m in field.metadata if isinstance(m, BackendKnob))
+                                        for name, field in BackendKnobs.model_fields.items() if name != "backend"}
+KNOBS: dict[str, tuple[str, ...]] = {b: tuple(n for n, k in BACKEND_KNOB.items() if k.backend == b) for b in BACKENDS}
+ALL_KNOBS: tuple[str, ...] = tuple(BACKEND_KNOB)
+DEFAULTS: dict[str, Any] = {name: knob.default for name, knob in BACKEND_KNOB.items()}
 
 
 class CheckedBackendKnobs(BackendKnobs):

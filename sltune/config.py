@@ -53,16 +53,16 @@ class RuntimeKnobs(BaseModel):
     (docs/hooks/reference.py) are derived from these fields, and the rules between them are checked here, once, in
     one wording."""
 
-    sub_batch_size: Annotated[int, Knob()] = Field(1, ge=1, description="rows per sub-batch (b)")
-    num_sub_batches: Annotated[int, Knob()] = Field(
+    sub_batch_size: Annotated[int, Knob(searched=True)] = Field(1, ge=1, description="rows per sub-batch (b)")
+    num_sub_batches: Annotated[int, Knob(searched=True)] = Field(
         1, ge=1, description="sub-batches per optimizer step (N); effective batch b*N")
-    num_live_blocks: Annotated[int, Knob(speedloader=True)] = Field(
+    num_live_blocks: Annotated[int, Knob(speedloader=True, searched=True)] = Field(
         1, ge=1, description="decoder layers loaded on the device at once (k)")
     schedule: Annotated[Schedule, Knob(speedloader=True)] = Field(
         "speedloader", description="'speedloader' runs every sub-batch through a group of k layers before the next "
         "group; 'canonical' runs each sub-batch through the whole model (the weights loaded N times); 'resident' "
         "keeps the whole model on the device (no weight traffic: the baseline that fits only small models)")
-    activations: Annotated[Activations, Knob()] = Field(
+    activations: Annotated[Activations, Knob(searched=True)] = Field(
         "recompute", description="how a group's backward gets its forward's intermediates: 'recompute' runs the "
         "forward again from the stored group input (device memory: one group, one sub-batch); 'offload' keeps "
         "autograd's saved tensors of every sub-batch in host memory (no recompute; more host memory and traffic). "
@@ -80,19 +80,19 @@ class RuntimeKnobs(BaseModel):
         "sets no limit")
     world_size: Annotated[int | None, Knob()] = Field(
         None, ge=1, description="ranks the config was tuned for; None: any")
-    kv_cache: Annotated[KVCache, Knob(mode="generate")] = Field(
+    kv_cache: Annotated[KVCache, Knob(mode="generate", searched=True)] = Field(
         "host", description="generation: KV caches in host memory (attention over the past where it lives) or on "
         "the device (no KV traffic, device memory instead); the resident schedule keeps them on the device")
-    weights_on_device: Annotated[float, Knob(mode="generate")] = Field(
+    weights_on_device: Annotated[float, Knob(mode="generate", searched=True)] = Field(
         0.0, ge=0.0, le=1.0, description="generation: the share of the parameter bytes kept on the device for a "
         "whole generate call once loaded, in whole units (tied weights, embedding, head, then groups in order, "
         "each that still fits the share); the rest is copied in at every step. Device memory instead of "
         "parameter traffic; training ignores it, and the resident schedule keeps every weight there")
-    optimizer_offload: Annotated[OptimizerOffload, Knob(speedloader=True, mode="train")] = Field(
+    optimizer_offload: Annotated[OptimizerOffload, Knob(speedloader=True, mode="train", searched=True)] = Field(
         "host", description="training: where the float32 master weights (mixed precision) and the optimizer state "
         "live: 'host' memory, or files under offload_dir ('disk'), a bounded window of units in host memory, the "
         "optimizer stepping unit by unit as gradients arrive (sltune.runtime.disk.state)")
-    param_offload: Annotated[ParamOffload, Knob(speedloader=True, recorded="changed")] = Field(
+    param_offload: Annotated[ParamOffload, Knob(speedloader=True, recorded="changed", searched=True)] = Field(
         "host", description="where the dtype copy of the weights the device loads lives between loads: 'host' "
         "memory, or a file per unit under offload_dir ('disk'), read ahead with O_DIRECT into a bounded window of "
         "host buffers just before the device needs it (sltune.runtime.disk.weightfiles). Training needs "

@@ -5,10 +5,10 @@ backends' runtime imports: defined here, config and backends would import each o
 read them from here.
 """
 
-from sltune.backend_knobs import (ALL_KNOBS, BACKENDS, DEFAULTS, KNOBS, BackendChoice, BackendKnobs, BackendName,
-                                  CheckedBackendKnobs, Knob, OffloadTarget, ZeroStage, knobs_of, libaio_found, owner,
-                                  refusals, speedloader_only)
+from sltune.backend_knobs import (ALL_KNOBS, BACKEND_KNOB, BACKENDS, DEFAULTS, KNOBS, BackendChoice, BackendKnob,
+                                  BackendKnobs, BackendName, CheckedBackendKnobs, Knob, OffloadTarget, ZeroStage,
+                                  knobs_of, libaio_found, owner, refusals, speedloader_only)
 
-__all__ = ["ALL_KNOBS", "BACKENDS", "DEFAULTS", "KNOBS", "BackendChoice", "BackendKnobs", "BackendName",
-           "CheckedBackendKnobs", "Knob", "OffloadTarget", "ZeroStage", "knobs_of", "libaio_found", "owner", "refusals",
-           "speedloader_only"]
+__all__ = ["ALL_KNOBS", "BACKEND_KNOB", "BACKENDS", "DEFAULTS", "KNOBS", "BackendChoice", "BackendKnob", "BackendKnobs",
+           "BackendName", "CheckedBackendKnobs", "Knob", "OffloadTarget", "ZeroStage", "knobs_of", "libaio_found",
+           "owner", "refusals", "speedloader_only"]

@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, WithJsonSchema,
-                      field_validator, model_validator)
+                      create_model, field_validator, model_validator)
 
-from sltune.backends.knobs import BACKENDS, KNOBS, BackendName, OffloadTarget, ZeroStage
+from sltune.backends.knobs import BACKEND_KNOB, BACKENDS, KNOBS, BackendKnobs, BackendName
 from sltune.config import Activations, DType, KVCache, OptimizerOffload, ParamOffload, Schedule
 from sltune.field_errors import one_line
 from sltune.models.presets import hf_config_schema
@@ -298,38 +298,42 @@ def _choices(allowed: tuple[Any, ...], example: str) -> Any:
     return BeforeValidator(check)
 
 
-_OFFLOAD = _choices(("none", "cpu", "nvme"), "none, cpu, nvme or a list such as [none, cpu]")
+def _search_section(backend: str, name: str, doc: str) -> type[BaseModel]:
+    """search.<backend>: each of the backend's knobs as BackendKnobs declares it, a value or a list of them to sweep,
+    by default the declaration's search values."""
+    fields: dict[str, Any] = {}
+    for knob in KNOBS[backend]:
+        declared = BACKEND_KNOB[knob]
+        allowed = _values_of(BackendKnobs.model_fields[knob].annotation)
+        example = f"{_listed(allowed)} or a list such as [{_listed(allowed[:2])}]"
+        fields[knob] = (Annotated[list[Literal[allowed]], _choices(allowed, example)],  # type: ignore[valid-type]
+                        Field(default_factory=lambda values=declared.search: list(values),
+                              description=f"{declared.doc}; a value or a list, default [{_listed(declared.search)}]"))
+    return create_model(name, __config__=ConfigDict(extra="forbid"), __doc__=doc, __module__=__name__, **fields)
 
 
-class DeepSpeedSearch(BaseModel):
-    """search.deepspeed: the ZeRO knobs a job sweeps under backend deepspeed (a value or a list each). A combination
-    that makes no run (offload_param beyond none at ZeRO-2) is no candidate. nvme swaps to files in the trial's
-    offload folder, the runner's, and needs libaio (checked when the job is admitted)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    zero_stage: Annotated[list[ZeroStage], _choices((2, 3), "2, 3 or [2, 3]")] = Field(
-        default_factory=lambda: [2, 3], description="ZeRO stage 2 (optimizer state and gradients partitioned) or 3 "
-        "(the parameters too); a value or a list, default [2, 3]")
-    offload_optimizer: Annotated[list[OffloadTarget], _OFFLOAD] = Field(
-        default_factory=lambda: ["none", "cpu"], description="the optimizer's state on the device (none), in host "
-        "memory (cpu) or in files (nvme); default [none, cpu]")
-    offload_param: Annotated[list[OffloadTarget], _OFFLOAD] = Field(
-        default_factory=lambda: ["none", "cpu"], description="ZeRO-3's parameter partitions on the device (none), in "
-        "host memory (cpu) or in files (nvme); at zero_stage 2 only none runs; default [none, cpu]")
+def _listed(values: tuple[Any, ...]) -> str:
+    """Values as a spec writes them, unquoted: none, cpu; false, true; 2, 3."""
+    return ", ".join(v if isinstance(v, str) else json.dumps(v) for v in values)
 
 
-class FSDPSearch(BaseModel):
-    """search.fsdp: the FSDP2 knobs a job sweeps under backend fsdp (a boolean or a list each)."""
+def _values_of(annotation: Any) -> tuple[Any, ...]:
+    """The values a backend knob's type admits: a Literal's, or a boolean's two."""
+    (kind,) = (a for a in get_args(annotation) if a is not type(None))
+    return (False, True) if kind is bool else get_args(kind)
 
-    model_config = ConfigDict(extra="forbid")
 
-    cpu_offload: Annotated[list[bool], _choices((False, True), "false, true or [false, true]")] = Field(
-        default_factory=lambda: [False, True], description="CPUOffloadPolicy: the sharded parameters, gradients and "
-        "optimizer state in host memory; a boolean or a list, default [false, true]")
-    reshard_after_forward: Annotated[list[bool], _choices((False, True), "true, false or [false, true]")] = Field(
-        default_factory=lambda: [True], description="free each layer's gathered parameters after its forward (true), "
-        "or keep them for its backward (false: more device memory, no second gather); default [true]")
+DeepSpeedSearch = _search_section("deepspeed", "DeepSpeedSearch", """search.deepspeed: the ZeRO knobs a job sweeps
+    under backend deepspeed (a value or a list each). A combination that makes no run (offload_param beyond none at
+    ZeRO-2) is no candidate. nvme swaps to files in the trial's offload folder, the runner's, and needs libaio
+    (checked when the job is admitted).""")
+FSDPSearch = _search_section("fsdp", "FSDPSearch", """search.fsdp: the FSDP2 knobs a job sweeps under backend fsdp
+    (a boolean or a list each).""")
+
+
+def _sweeps(backend: str) -> str:
+    """What a backend's search section sweeps when it is left out, as its doc says it."""
+    return ", ".join(f"{knob} [{_listed(BACKEND_KNOB[knob].search)}]" for knob in KNOBS[backend])
 
 
 BACKEND_SECTIONS: dict[str, type[BaseModel]] = {"deepspeed": DeepSpeedSearch, "fsdp": FSDPSearch}
@@ -349,11 +353,10 @@ class Search(_Strict):
             "FSDP2), or a list: the job profiles each on this machine over the same batch knobs and picks the "
             "fastest (its result's best_by_backend holds each one's best). num_live_blocks, schedule, "
             "optimizer_offload and param_offload are SpeedLoader's"))
-    deepspeed: DeepSpeedSearch | None = Field(None, description=(
-        "backend deepspeed: the ZeRO knobs to sweep; default zero_stage [2, 3], offload_optimizer [none, cpu], "
-        "offload_param [none, cpu]"))
-    fsdp: FSDPSearch | None = Field(None, description=(
-        "backend fsdp: the FSDP2 knobs to sweep; default cpu_offload [false, true], reshard_after_forward [true]"))
+    deepspeed: DeepSpeedSearch | None = Field(None, description=(  # type: ignore[valid-type]
+        f"backend deepspeed: the ZeRO knobs to sweep; default {_sweeps('deepspeed')}"))
+    fsdp: FSDPSearch | None = Field(None, description=(  # type: ignore[valid-type]
+        f"backend fsdp: the FSDP2 knobs to sweep; default {_sweeps('fsdp')}"))
     sub_batch_size: Knob = Field(default_factory=lambda: Range(min=1, max=16))
     num_sub_batches: Knob | None = None
     effective_batch_size: Knob | None = None

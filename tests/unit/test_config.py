@@ -67,6 +67,9 @@ ADDED = '''
         "plain", description="a knob of SpeedLoader's engine alone, added by a test")
 
 '''
+ADDED_BACKEND = '''    test_fsdp_knob: bool | None = backend_knob(
+        "fsdp", False, search=(False, True), doc="a knob of the fsdp backend a test adds")
+'''
 ONE_PLACE = '''
 import importlib.util, json, sys
 import sltune
@@ -76,6 +79,7 @@ from sltune.cli.flags import given
 from sltune.cli.main import parser
 from sltune.config import SpeedLoaderConfig
 from sltune.profiling.schema import SPEEDLOADER_ONLY, TrialConfig, TrialSpec
+from sltune.tuning.spec import TuningSpec
 
 found = {}
 top = parser()
@@ -97,22 +101,36 @@ try:
     common.config_from_args(top.parse_args(["train", "--test-knob", "0"]))
 except ValueError as err:
     found["a bad value names the flag"] = str(err)
+fsdp = TrialSpec(**given(top.parse_args(["profile", "--backend", "fsdp", "--test-fsdp-knob"]), profile.KNOBS))
+found["backend knob: flag -> trial spec -> result"] = [fsdp.test_fsdp_knob, TrialConfig.model_validate(
+    fsdp.knobs()).test_fsdp_knob, TrialSpec(backend="fsdp").test_fsdp_knob]
+try:
+    TrialSpec(backend="deepspeed", test_fsdp_knob=True)
+except ValueError as err:
+    found["another backend refuses it"] = "test_fsdp_knob: an fsdp knob; add backend fsdp" in str(err)
+search = TuningSpec.model_validate({"model": {"preset": "llama-tiny"}, "search": {"backend": "fsdp"}}).search
+found["a search sweeps it"] = [len(search.backend_variants("fsdp")), TuningSpec.model_validate(
+    {"model": {"preset": "llama-tiny"}, "search": {"backend": "fsdp", "fsdp": {"test_fsdp_knob": True}}}
+).search.fsdp.test_fsdp_knob]
 hook_spec = importlib.util.spec_from_file_location("reference_hook", sys.argv[2])
 hook = importlib.util.module_from_spec(hook_spec)
 hook_spec.loader.exec_module(hook)
 found["docs"] = ["| `test_knob` |" in hook.config(), "| `test_knob` |" in hook.trial_result(),
                  "`--test-knob` | a knob a test adds, in this one place (default: 3)" in hook.cli(),
                  "`--test-knob` | a knob a test adds, in this one place (default: the --config file's, else 3)"
-                 in hook.cli()]
+                 in hook.cli(), "a knob of the fsdp backend a test adds; a value or a list, default [false, true]"
+                 in hook.spec()]
 print(json.dumps(found))
 '''
 
 
 def test_a_knob_declared_in_one_place_is_a_flag_a_trial_field_a_result_field_and_documented(tmp_path):
-    """The house's rule for knobs: declared once, in RuntimeKnobs, everything else derived. A copy of the package gets
-    two knobs added there and nowhere else; `profile` and `train` take them as flags, a trial's spec runs them and its
-    result records them (None for SpeedLoader's own under another backend, which refuses another value), best.yaml
-    writes and reads them, and the reference pages document them."""
+    """The house's rule for knobs: declared once, in RuntimeKnobs (a backend's, in BackendKnobs), everything else
+    derived. A copy of the package gets two knobs added to RuntimeKnobs and one to BackendKnobs, and nowhere else;
+    `profile` and `train` take them as flags, a trial's spec runs them and its result records them (None for
+    SpeedLoader's own under another backend, which refuses another value; the backend's knob its default when left
+    out, refused under another backend), best.yaml writes and reads them, a job's search sweeps the backend's knob
+    over its declared values, and the reference pages document them."""
     root = Path(sltune.__file__).parents[1]
     shutil.copytree(root / "sltune", tmp_path / "sltune", ignore=shutil.ignore_patterns("__pycache__"))
     config = tmp_path / "sltune" / "config.py"
@@ -120,6 +138,11 @@ def test_a_knob_declared_in_one_place_is_a_flag_a_trial_field_a_result_field_and
     anchor = '    @field_validator("device")\n'
     assert text.count(anchor) == 1, "RuntimeKnobs' first validator moved: add the knobs before another line"
     config.write_text(text.replace(anchor, ADDED + anchor))
+    knobs = tmp_path / "sltune" / "backend_knobs.py"
+    text = knobs.read_text()
+    anchor = "\n\n# what follows from the declarations above"
+    assert text.count(anchor) == 1, "BackendKnobs' last field moved: add the backend knob after another line"
+    knobs.write_text(text.replace(anchor, "\n" + ADDED_BACKEND.rstrip("\n") + anchor))
     run = subprocess.run([sys.executable, "-c", ONE_PLACE, str(tmp_path), str(root / "docs" / "hooks" / "reference.py")],
                          capture_output=True, text=True, cwd=tmp_path, timeout=120,
                          env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin", "COLUMNS": "100"})
@@ -133,5 +156,8 @@ def test_a_knob_declared_in_one_place_is_a_flag_a_trial_field_a_result_field_and
         "train flag -> best.yaml": True,
         "best.yaml -> config": 8,
         "a bad value names the flag": "--test-knob: Input should be greater than or equal to 1",
-        "docs": [True, True, True, True],
+        "backend knob: flag -> trial spec -> result": [True, True, False],
+        "another backend refuses it": True,
+        "a search sweeps it": [4, [True]],
+        "docs": [True, True, True, True, True],
     }

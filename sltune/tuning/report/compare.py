@@ -28,9 +28,10 @@ from pathlib import Path
 from statistics import median
 from typing import Any, Callable
 
-from sltune.backends.knobs import ALL_KNOBS, BACKENDS
+from sltune.backends.knobs import ALL_KNOBS, BACKENDS, knobs_of
 from sltune.backends.knobs import DEFAULTS as BACKEND_DEFAULTS
 from sltune.backends.knobs import KNOBS as BACKEND_KNOBS
+from sltune.config import RuntimeKnobs
 from sltune.profiling.schema import SPEEDLOADER_ONLY
 from sltune.profiling.stats import paired_ratio_ci, ratio_ci
 from sltune.profiling.timing import step_tokens_per_s, timing_of
@@ -38,9 +39,9 @@ from sltune.tuning.report.throughput import median_of
 
 Key = tuple
 CONFOUNDING_CORES = 0.5     # a difference in other processes' busy cores that makes two measurements incomparable
-# every backend's own knobs (deepspeed's zero_stage, ...; fsdp's cpu_offload, ...), in the backends' order
-KNOBS = ("sub_batch_size", "num_sub_batches", "num_live_blocks", "activations", "kv_cache", "weights_on_device",
-         "optimizer_offload", "param_offload", "backend", *ALL_KNOBS)
+# what a config is keyed on: the knobs a search sweeps (b, N, k, activations, ...), then the backend and every
+# backend's own knobs (deepspeed's zero_stage, ...; fsdp's cpu_offload, ...), in the backends' order
+KNOBS = (*(name for name, knob in knobs_of(RuntimeKnobs).items() if knob.searched), "backend", *ALL_KNOBS)
 # what trials stored before a knob existed ran: recompute, no weights kept on the device, the optimizer in host
 # memory (a host config's knobs leave optimizer_offload out), SpeedLoader (before there were backends)
 BEFORE_KNOB = {"activations": "recompute", "weights_on_device": 0.0, "optimizer_offload": "host",

@@ -23,9 +23,11 @@ def field_error(error: dict[str, Any], *, within: str = "", unknown: str = UNKNO
                 name: Callable[[str], str] | None = None) -> tuple[str, str]:
     """(field, reason) of one pydantic error. `within`: the section the fields sit in ('optimizer'); `name`: how
     the user wrote a field (a flag, an environment variable); `unknown`: the fix for a field that is not one. The
-    reason never echoes the input (it may not encode), nor the field its validator already named."""
+    reason never echoes the input (it may not encode), nor the field its validator already named (by its path
+    or its own name)."""
     where = ".".join(str(p) for p in error["loc"] if not str(p).startswith(UNION_MEMBERS))
-    reason = error["msg"].removeprefix("Value error, ").removeprefix(f"{where}: ")
+    reason = error["msg"].removeprefix("Value error, ").removeprefix(f"{where}: ").removeprefix(
+        f"{where.rpartition('.')[2]}: ")
     if error["type"] == "extra_forbidden":
         reason = unknown
     elif error["type"] == "missing":

@@ -18,7 +18,6 @@ _PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 SIZE_VALUE_SCHEMA = {"anyOf": [{"type": "number", "minimum": 1},
                                {"type": "string",
                                 "pattern": r"^\s*[0-9]*\.?[0-9]+\s*([bB]|[kKmMgGtT]([bB]|[iI][bB])?)?\s*$"}]}
-SIZE_SCHEMA = {"anyOf": [*SIZE_VALUE_SCHEMA["anyOf"], {"type": "null"}]}
 
 
 def parse_bytes(value: int | float | str, field: str = "size") -> int:

@@ -238,8 +238,8 @@ def accelerate_yaml(config: Mapping[str, Any], knobs: Mapping[str, Any], device:
     b, n = knobs["sub_batch_size"], knobs["num_sub_batches"]
     lines = ["# sltune: an fsdp pick, for `accelerate launch --config_file FILE train.py` (accelerate with FSDP2)",
              (f"# a micro-batch of {b} row{'s' if b != 1 else ''} a process (sub_batch_size), gradients accumulated "
-              f"over {n} (num_sub_batches): give them to your script, e.g. Accelerator(gradient_accumulation_steps={n}) "
-              f"and a DataLoader of batch_size={b}")]
+              f"over {n} (num_sub_batches): give them to your script, e.g. "
+              f"Accelerator(gradient_accumulation_steps={n}) and a DataLoader of batch_size={b}")]
     if knobs.get("activations") == "offload":
         lines.append("# the trial kept autograd's saved tensors in host memory (torch.autograd.graph.save_on_cpu) "
                      "instead of recomputing them: wrap your forward and backward in it")

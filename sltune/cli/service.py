@@ -70,8 +70,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     m = sub.add_parser("compare", help="the two jobs' bests compared with 95%% intervals; exit 1 on a regression",
                        description="Flags a regression only when the 95% interval of new/old best tokens/s lies "
                                    "wholly below 1 - max-regression. Exit codes: 0 no regression (including "
-                                   "'within noise', and 'inconclusive' when the two bests were measured under different "
-                                   "interference), 1 regression, 2 error.")
+                                   "'within noise', and 'inconclusive' when the two bests were measured under "
+                                   "different interference), 1 regression, 2 error.")
     m.add_argument("job_a", help="the baseline job")
     m.add_argument("job_b", help="the newer job")
     where = m.add_mutually_exclusive_group(required=True)

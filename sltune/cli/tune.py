@@ -196,7 +196,8 @@ def _pct(x: float | None) -> str:
 
 
 def _loo(m: dict) -> str:
-    """'leave-one-out error 3.1% typical, 7.9% max', or why the fit has none (sltune.tuning.search.fit.no_loo_reason)."""
+    """'leave-one-out error 3.1% typical, 7.9% max', or why the fit has none
+    (sltune.tuning.search.fit.no_loo_reason)."""
     from sltune.tuning.search.fit import no_loo_reason
 
     why = no_loo_reason(m)

@@ -4,8 +4,8 @@ On CUDA the caching allocator enforces a limit (per-process memory fraction) on 
 and the peak is read on that same figure (max_memory_reserved). On the CPU the "device" is host memory,
 so the runtime measures what a step allocates itself: a TorchDispatchMode sees every ATen op, counts
 the storages each op freshly allocates (outputs the op's schema does not mark as aliases of its inputs)
-until they are freed, and adds the runtime's own device buffers explicitly. Host-side work (host buffers, the optimizer on host
-parameters) runs paused, so the figure is "what a step allocates above its host-resident buffers".
+until they are freed, and adds the runtime's own device buffers explicitly. Host-side work (host buffers, the
+optimizer on host parameters) runs paused, so the figure is "what a step allocates above its host-resident buffers".
 The tracker costs about 25 us per op, so by default it runs on the first step of each batch shape:
 the peak is a function of the shapes and the config.
 """

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
-from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, WithJsonSchema,
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationError,
                       create_model, field_validator, model_validator)
 
 from sltune.backends.knobs import BACKEND_KNOB, BACKENDS, KNOBS, BackendKnobs, BackendName
@@ -21,7 +21,7 @@ from sltune.config import Activations, DType, KVCache, OptimizerOffload, ParamOf
 from sltune.field_errors import one_line
 from sltune.models.presets import hf_config_schema
 from sltune.profiling.schema import SPEEDLOADER_ONLY
-from sltune.sizes import SIZE_SCHEMA, parse_bytes
+from sltune.sizes import Bytes
 from sltune.training.optimizer import OptimizerConfig
 from sltune.tuning.knobs import MAX_KNOB_VALUES, Range, knob_values
 from sltune.yamlfile import read_yaml
@@ -164,22 +164,17 @@ MAX_WORLD_SIZE = 1024
 
 class Hardware(_Strict):
     device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d{1,2})?)$", description="cpu, cuda or cuda:N")
-    device_memory_limit: Annotated[int | None, WithJsonSchema(SIZE_SCHEMA)] = None
-    host_memory_limit: Annotated[int | None, WithJsonSchema(SIZE_SCHEMA)] = None
+    device_memory_limit: Bytes | None = None
+    host_memory_limit: Bytes | None = None
     world_size: int = Field(1, ge=1, le=MAX_WORLD_SIZE, description=(
         "ranks each trial runs, all on one machine (a process each: one GPU each on cuda, sharing the cores on "
         "the cpu); a server allows at most its SLTUNE_MAX_WORLD_SIZE, by default its cores"))
     cpu_threads: int | None = Field(None, ge=1, description="torch intra-op threads per trial; default all cores")
-    disk_limit: Annotated[int | None, WithJsonSchema(SIZE_SCHEMA)] = Field(None, description=(
+    disk_limit: Bytes | None = Field(None, description=(
         "search.optimizer_offload or search.param_offload disk: the room a trial's files may take (the master and "
         "optimizer state, and under param_offload disk the weights, twice while a step writes its new version; the "
         "gradients once when a step waits for all of them); default: the free space where trials offload to, and "
         "never more than it"))
-
-    @field_validator("device_memory_limit", "host_memory_limit", "disk_limit", mode="before")
-    @classmethod
-    def _size(cls, value: Any, info) -> int | None:
-        return None if value is None else parse_bytes(value, f"hardware.{info.field_name}")
 
     @property
     def device_kind(self) -> str:

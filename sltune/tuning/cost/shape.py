@@ -158,5 +158,6 @@ def _build(model: Any, dtype: str) -> ModelShape:
         max_positions=getattr(config, "max_position_embeddings", None), dtype=dtype,
         kv_heads=kv_dims(config)[0], head_dim=kv_dims(config)[1],
         layer_numels=numels(largest), embed_numels=numels(p for p in prologue if id(p) not in tied),
-        head_numels=numels(p for p in head if id(p) not in tied), tied_numels=numels(p for p in prologue if id(p) in tied),
+        head_numels=numels(p for p in head if id(p) not in tied),
+        tied_numels=numels(p for p in prologue if id(p) in tied),
     )

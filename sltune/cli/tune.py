@@ -91,15 +91,15 @@ def run_tune(args: argparse.Namespace) -> int:
     if args.strategy:
         spec = TuningSpec.model_validate({**spec.model_dump(), "search": {**spec.search.model_dump(),
                                                                           "strategy": args.strategy}})
-    spec = admitted(spec, args.spec)         # its model's shape against its limits: a refusal is one line
+    ok = admitted(spec, args.spec)           # its model's shape against its limits: a refusal is one line
     # a database it cannot open is one line before the fork server starts; a refused spec stored nothing
     open_store(Settings(db=args.db) if args.db else Settings())
     # the trials' fork server imports torch and transformers beside this process from here: a spec the schema
     # refused (its limits below what its least config needs included) answered without it
     forks.start()
-    fits_this_machine(spec, Settings(), args.oversubscribe)     # a refusal is one line, before the bar starts
+    fits_this_machine(ok, Settings(), args.oversubscribe)       # a refusal is one line, before the bar starts
     bar = JobBar(f"tune {spec.name} ({spec.search.strategy})", spec.search.max_trials, disable=args.json)
-    result = tune(spec, args.db, job_id=args.job_id, progress=bar.show, oversubscribe=args.oversubscribe)
+    result = tune(ok, args.db, job_id=args.job_id, progress=bar.show, oversubscribe=args.oversubscribe)
     bar.close()
     if args.out and result["best"]:
         export_yaml(spec, result, args.out)

@@ -8,14 +8,13 @@ server's. Either way the job records, per limit, what was asked, what applies an
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from sltune.settings import Settings
 from sltune.sizes import format_bytes
-from sltune.tuning.cost.admission import admit
+from sltune.tuning.cost.admission import Admitted, admit
 from sltune.tuning.search.trials import machine_cores
-from sltune.tuning.cost.shape import ModelShape, shape_of
-from sltune.tuning.space import Candidate, SearchSpace
 from sltune.tuning.spec import MAX_FINALISTS, TuningSpec
 
 
@@ -27,14 +26,13 @@ class Refused(ValueError):
         super().__init__("; ".join(f"{f}: {m}" for f, m in errors))
 
 
-def within_ceilings(spec: TuningSpec, settings: Settings) -> tuple[TuningSpec, dict[str, Any]]:
-    """The spec as the server will run it, and the record of which limit applies to each resource;
-    Refused if it asks for more than the server allows."""
-    spec, limits = _memory(spec, settings, _counts(spec, settings))
+def within_ceilings(ok: Admitted, settings: Settings) -> tuple[TuningSpec, dict[str, Any]]:
+    """The admitted spec as the server will run it, and the record of which limit applies to each resource;
+    Refused if it asks for more than the server allows. Lowered limits and counts leave its space as it was."""
+    spec, limits = _memory(ok.spec, settings, _counts(ok.spec, settings))
     hw = spec.hardware
-    shape = shape_of(spec.model.source, spec.model.dtype)
-    candidates = SearchSpace(spec, shape).candidates
-    _fits(spec, shape, candidates, limits)
+    candidates = ok.space.candidates
+    _fits(replace(ok, spec=spec), limits)
     biggest = max(c.batch for c in candidates)
     tokens = biggest * spec.workload.tokens_per_row * hw.world_size      # every rank runs its own batch
     if tokens > settings.max_tokens_per_step:
@@ -56,17 +54,15 @@ def within_ceilings(spec: TuningSpec, settings: Settings) -> tuple[TuningSpec, d
     return spec, limits
 
 
-def _fits(spec: TuningSpec, shape: ModelShape, candidates: list[Candidate], limits: dict[str, Any]) -> None:
+def _fits(ok: Admitted, limits: dict[str, Any]) -> None:
     """Refused when the smallest config is predicted over the limits that apply (the server's ceiling where the
     request named none or more), the process a trial runs in counted (sltune.tuning.cost.baseline)."""
     from sltune.tuning.cost.baseline import trial_baseline
     from sltune.tuning.cost.feasible import shortfall
-    from sltune.tuning.cost.setup import Setup
 
-    hw = spec.hardware
-    baseline = trial_baseline(hw.device, hw.world_size, spec.workload.mode, hw.cpu_threads, measure=False)
-    recipe = Setup.of_spec(spec, shape, baseline)
-    short = shortfall(recipe, candidates, hw.host_memory_limit, hw.device_memory_limit,
+    hw = ok.spec.hardware
+    baseline = trial_baseline(hw.device, hw.world_size, ok.spec.workload.mode, hw.cpu_threads, measure=False)
+    short = shortfall(ok.with_baseline(baseline), ok.space.candidates, hw.host_memory_limit, hw.device_memory_limit,
                       disk_limit=hw.disk_limit)
     if short:
         field = next((f for f in ("hardware.host_memory_limit", "hardware.disk_limit") if short.startswith(f)),

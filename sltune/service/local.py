@@ -11,32 +11,37 @@ from typing import Any
 from sltune.service.worker import Worker
 from sltune.settings import Settings
 from sltune.store import Store
-from sltune.tuning.cost.admission import admitted
+from sltune.tuning.cost.admission import Admitted, admitted
 from sltune.tuning.runner import ProgressFn, requirements
 from sltune.tuning.spec import TuningSpec
 
 
-def tune(spec: TuningSpec | dict[str, Any] | str | Path, db: str | None = None, *, strategy: str | None = None,
+def tune(spec: Admitted | TuningSpec | dict[str, Any] | str | Path, db: str | None = None, *,
+         strategy: str | None = None,
          job_id: str | None = None, progress: ProgressFn | None = None, settings: Settings | None = None,
          oversubscribe: bool = False) -> dict[str, Any]:
     """A whole tuning job in this process: create it (or resume the unfinished one with the same spec).
 
     The process holds the job as a worker would: claimed atomically, with a lease its heartbeat renews, so
     a server worker on the same database never runs it at the same time, and takes it over if this
-    process dies. `oversubscribe` runs more ranks than this machine has cores (refused otherwise)."""
+    process dies. `oversubscribe` runs more ranks than this machine has cores (refused otherwise). A spec
+    already admitted (sltune.tuning.cost.admission) runs as it is: its caller has checked it against this machine
+    (fits_this_machine), as `sltune tune` does before its progress bar starts."""
     settings = settings or Settings()
-    source = str(spec) if isinstance(spec, (str, Path)) else "spec"
-    if isinstance(spec, (str, Path)):
-        spec = TuningSpec.load(spec)
-    elif isinstance(spec, dict):
-        spec = TuningSpec.parse(spec)
-    if strategy is not None:
-        spec = TuningSpec.model_validate({**spec.model_dump(), "search": {**spec.search.model_dump(),
-                                                                          "strategy": strategy}})
-    admitted(spec, source)
     if db:
         settings = settings.model_copy(update={"db": db})
-    fits_this_machine(spec, settings, oversubscribe)
+    if not isinstance(spec, Admitted):
+        source = str(spec) if isinstance(spec, (str, Path)) else "spec"
+        if isinstance(spec, (str, Path)):
+            spec = TuningSpec.load(spec)
+        elif isinstance(spec, dict):
+            spec = TuningSpec.parse(spec)
+        if strategy is not None:
+            spec = TuningSpec.model_validate({**spec.model_dump(), "search": {**spec.search.model_dump(),
+                                                                              "strategy": strategy}})
+        fits_this_machine(admitted(spec, source), settings, oversubscribe)
+    else:
+        spec = spec.spec
     store = Store(settings.db_url())
     job = store.job(job_id) if job_id else store.resumable(spec.digest())
     if job is None:
@@ -61,7 +66,7 @@ def tune(spec: TuningSpec | dict[str, Any] | str | Path, db: str | None = None, 
         raise
 
 
-def fits_this_machine(spec: TuningSpec, settings: Settings, oversubscribe: bool = False) -> None:
+def fits_this_machine(ok: Admitted, settings: Settings, oversubscribe: bool = False) -> None:
     """Refuse, before any trial, ranks beyond this machine's cores (the server's ceiling on hardware.world_size,
     unless `oversubscribe`), and a spec whose least config is predicted over a limit (sltune.tuning.cost.feasible):
     the spec's host limit, or without one this machine's trial ceiling (a 70B spec's trials would each grow to it and
@@ -69,18 +74,14 @@ def fits_this_machine(spec: TuningSpec, settings: Settings, oversubscribe: bool 
     process holds before its model, measured on this machine (once: sltune.tuning.cost.baseline)."""
     from sltune.tuning.cost.baseline import trial_baseline
     from sltune.tuning.cost.feasible import disk_room, shortfall
-    from sltune.tuning.cost.setup import Setup
-    from sltune.tuning.cost.shape import shape_of
     from sltune.tuning.search.trials import ranks_fit
-    from sltune.tuning.space import SearchSpace
 
+    spec, space = ok.spec, ok.space
     hw = spec.hardware
     if not oversubscribe:
         ranks_fit(hw.world_size, settings.world_size_ceiling, "hardware.world_size", "--oversubscribe")
-    shape = shape_of(spec.model.source, spec.model.dtype)
-    recipe = Setup.of_spec(spec, shape, trial_baseline(hw.device, hw.world_size, spec.workload.mode, hw.cpu_threads))
+    recipe = ok.with_baseline(trial_baseline(hw.device, hw.world_size, spec.workload.mode, hw.cpu_threads))
     unset = hw.host_memory_limit is None
-    space = SearchSpace(spec, shape)
     # the files go in the data directory: no more than it has free, for the spec's disk configs and for those a
     # refusal names as what would fit
     disk_limit, disk_name = disk_room(hw.disk_limit, settings.offload_root())

@@ -94,8 +94,8 @@ def _check(data: dict[str, Any], settings: Settings) -> Verdict:
     try:
         with confined.within(confinement and confinement["models_dir"]):   # the folder as it is read, not as it was
             spec = TuningSpec.model_validate(data)
-            admission.admit(spec)               # its model's shape against its limits, then the server's ceilings
-            spec, limits = within_ceilings(spec, settings)
+            ok = admission.admit(spec)          # its model's shape against its limits, then the server's ceilings
+            spec, limits = within_ceilings(ok, settings)
     except ValidationError as err:
         return Verdict(errors=field_errors(err, unknown=UNKNOWN_SPEC_FIELD))
     except Refused as err:

@@ -131,7 +131,7 @@ def test_ranks_beyond_the_cores_are_refused_before_any_trial_unless_oversubscrib
     best.yaml said world_size 8. `--oversubscribe` measures it on purpose."""
     from sltune.service.local import fits_this_machine
     from sltune.settings import Settings
-    from sltune.tuning.spec import TuningSpec
+    from sltune.tuning.cost.admission import load
 
     monkeypatch.setenv("SLTUNE_MAX_WORLD_SIZE", "1")        # this machine's ceiling, whatever its cores
     r = sltune("profile", "--world-size", "2", "--steps", "1", "--no-profile", "--json")
@@ -151,4 +151,4 @@ def test_ranks_beyond_the_cores_are_refused_before_any_trial_unless_oversubscrib
     assert r.returncode == 2 and r.stderr.startswith("sltune tune: error: hardware.world_size 2 is more ranks than "
                                                      "this machine's 1 (SLTUNE_MAX_WORLD_SIZE, else its cores)")
     assert r.stderr.count("\n") == 1 and "--oversubscribe" in r.stderr
-    fits_this_machine(TuningSpec.load(spec), Settings(), oversubscribe=True)       # allowed on purpose
+    fits_this_machine(load(spec), Settings(), oversubscribe=True)       # allowed on purpose

@@ -11,7 +11,7 @@ import pytest
 from sltune.cli.main import main
 from sltune.store import Store
 from sltune.tuning.report.compare import JobData, compare
-from sltune.tuning.cost.admission import load as admitted_spec
+from tests.support.specs import admitted_spec
 from tests.support.cli import sltune
 
 SPEC = admitted_spec({"name": "cmp", "model": {"preset": "llama-tiny"}, "workload": {"seq_len": 32},

@@ -11,10 +11,9 @@ import pytest
 from fastapi.testclient import TestClient
 
 from sltune.settings import Settings
-from sltune.tuning.cost.admission import load as admitted_spec
 from sltune.tuning.spec import TuningSpec
 from tests.support.dashboard_data import backend_trials, measured_job, realistic_models, realistic_trials
-from tests.support.specs import tiny_spec
+from tests.support.specs import admitted_spec, tiny_spec
 
 
 # -- pages, in-process --------------------------------------------------------------------------------

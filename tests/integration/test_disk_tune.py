@@ -28,7 +28,7 @@ from sltune.tuning.report.plan_from_prior import plan_spec
 from sltune.tuning.report.result import export_yaml
 from sltune.tuning.cost.shape import shape_of
 from sltune.tuning.space import Candidate, SearchSpace
-from sltune.tuning.cost.admission import load as admitted_spec
+from tests.support.specs import admitted_spec
 
 # many small layers: AdamW's 8 bytes per parameter (260 MB) leave host memory under disk, the window only 3 layers'
 MANY_LAYERS = {"model_type": "llama", "vocab_size": 512, "hidden_size": 256, "intermediate_size": 704,

@@ -13,7 +13,7 @@ from sltune.models import build
 from sltune.profiling import run_trial
 from sltune.settings import Settings
 from sltune.service.local import tune
-from sltune.tuning.cost.admission import load as admitted_spec
+from tests.support.specs import admitted_spec
 from tests.support.dist_script import MAX_GRAD_NORM, MIXED_RUNS, PARTLY_FROZEN, RUNS, batch, freeze_all_but
 from tests.support.distributed import torchrun
 from tests.support.reference import LR, assert_same_updates, mixed_training, plain_training, snapshot

@@ -17,7 +17,7 @@ from sltune.tuning.cost.shape import shape_of
 from sltune.tuning.space import Candidate, SearchSpace
 from sltune.tuning.search.state import FinishedTrial, SearchState
 from sltune.tuning.search.study import study_name
-from sltune.tuning.cost.admission import load as admitted_spec
+from tests.support.specs import admitted_spec
 
 # llama-tiny's layout at 8 layers and hidden 256: the parameters' host bytes (~15 MiB a layer with AdamW) are a
 # visible share of a trial's resident memory, so a fit blind to depth would miss the full-depth host peak

@@ -24,7 +24,7 @@ from sltune.tuning.cost.shape import shape_of
 from sltune.tuning.space import Candidate, SearchSpace
 from sltune.tuning.search.state import SearchState
 from sltune.tuning.search.fit import LinearFit
-from sltune.tuning.cost.admission import load as admitted_spec
+from tests.support.specs import admitted_spec
 from tests.support.cli import sltune
 
 LIMIT = 4 * 2**20

@@ -9,3 +9,10 @@ def tiny_spec(name: str = "job", trials: int = 3, **search) -> dict:
             "search": {"sub_batch_size": [1, 2, 4], "num_sub_batches": [1, 2], "num_live_blocks": [1, 2],
                        "max_trials": trials, "trial_steps": 1, "trial_min_time_s": 0, "confirm_rounds": 0,
                        "profile": False, **search}}
+
+
+def admitted_spec(data):
+    """A spec (its data or file) parsed and admitted, as tune, plan and POST /tune admit it: the TuningSpec."""
+    from sltune.tuning.cost.admission import load
+
+    return load(data).spec

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from sltune.profiling.schema import TrialSpec
-from sltune.tuning.cost.admission import load as admitted
+from tests.support.specs import admitted_spec as admitted
 from sltune.tuning.cost.prior import predict
 from sltune.tuning.cost.setup import Setup
 from sltune.tuning.cost.shape import shape_of

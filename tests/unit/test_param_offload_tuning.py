@@ -13,7 +13,7 @@ from sltune.config import SpeedLoaderConfig
 from sltune.runtime.disk.layout import padded
 from sltune.settings import Settings
 from sltune.tuning.cost import feasible
-from sltune.tuning.cost.admission import load as admitted_spec
+from tests.support.specs import admitted_spec
 from sltune.tuning.cost.feasible import FreeSpace, Limit
 from sltune.tuning.cost.prior import GRAD_UNITS, SPARE, STAGED, predict
 from sltune.tuning.cost.setup import Setup

@@ -18,7 +18,7 @@ from sltune.service.validation import check
 from sltune.settings import Settings
 from sltune.tuning.cost.feasible import free_bytes
 from sltune.tuning.report.plan_from_prior import plan_spec
-from sltune.tuning.cost.admission import load as admitted_spec
+from tests.support.specs import admitted_spec
 from tests.support.cli import sltune
 
 # llama-2-7b in bfloat16 with AdamW: about 118 GiB of host memory with the optimizer in host memory; about 47 GiB

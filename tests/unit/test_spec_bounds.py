@@ -8,7 +8,7 @@ import time
 import pytest
 import yaml
 
-from sltune.tuning.cost.admission import load as admitted_spec
+from tests.support.specs import admitted_spec
 from tests.support.specs import tiny_spec
 
 SEARCH = {k: v for k, v in tiny_spec().items() if k != "model"}

@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from sltune.tuning.cost.admission import load as admitted_spec
+from tests.support.specs import admitted_spec
 from sltune.tuning.search.fit import MODELS, variables
 from sltune.tuning.cost.shape import shape_of
 from sltune.tuning.space import Candidate, SearchSpace

@@ -3,7 +3,7 @@
 from sltune.tuning.cost.shape import shape_of
 from sltune.tuning.space import Candidate, SearchSpace
 from sltune.tuning.search.state import FinishedTrial, SearchState
-from sltune.tuning.cost.admission import load as admitted_spec
+from tests.support.specs import admitted_spec
 
 
 def state(**search):

@@ -10,33 +10,55 @@ never admitted again when it is read (a worker resuming it, `export`, GET /jobs/
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from sltune.sizes import format_bytes
+from sltune.tuning.cost.setup import Setup
 from sltune.tuning.cost.shape import ModelShape, shape_of
 from sltune.tuning.space import SearchSpace
 from sltune.tuning.spec import TuningSpec
 
 
-def load(source: str | Path | dict[str, Any], name: str | None = None) -> TuningSpec:
+@dataclass(frozen=True)
+class Admitted:
+    """A spec admission found runnable, with what it built on the way: its model's shape, its search space and the
+    prior's recipe. Who goes on to check it against this machine (sltune.service.local.fits_this_machine), against
+    a server's ceilings (sltune.service.ceilings) or to plan it takes them from here instead of building them again."""
+
+    spec: TuningSpec
+    shape: ModelShape
+    space: SearchSpace
+
+    @property
+    def setup(self) -> Setup:
+        """The memory prior's recipe, without the process a trial runs in (this machine's: with_baseline)."""
+        return Setup.of_spec(self.spec, self.shape)
+
+    def with_baseline(self, baseline: int) -> Setup:
+        """The recipe with what a trial process holds before its model (sltune.tuning.cost.baseline)."""
+        return replace(self.setup, baseline=baseline)
+
+
+def load(source: str | Path | dict[str, Any], name: str | None = None) -> Admitted:
     """A spec file (or its data) parsed and admitted; errors begin with `name` (default: the file)."""
     if isinstance(source, dict):
         return admitted(TuningSpec.parse(source, source=name or "spec"), name or "spec")
     return admitted(TuningSpec.load(source), name or str(source))
 
 
-def admitted(spec: TuningSpec, source: str = "spec") -> TuningSpec:
-    """`spec`, once admit(spec) finds nothing; else ValueError '{source}: {why}'."""
+def admitted(spec: TuningSpec, source: str = "spec") -> Admitted:
+    """admit(spec), its ValueError as '{source}: {why}'."""
     try:
-        admit(spec)
+        return admit(spec)
     except ValueError as err:
         raise ValueError(f"{source}: {err}") from None
-    return spec
 
 
-def admit(spec: TuningSpec) -> None:
-    """ValueError saying why no config of the spec can run (the first reason), or None."""
+def admit(spec: TuningSpec) -> Admitted:
+    """The spec with its shape and space when some config of it can run; else ValueError saying why not (the
+    first reason)."""
     try:
         shape = shape_of(spec.model.source, spec.model.dtype)
     except ValueError:
@@ -52,9 +74,11 @@ def admit(spec: TuningSpec) -> None:
     if not space.candidates:
         raise ValueError("the search space is empty: no sub_batch_size divides any effective_batch_size; "
                          "widen search.sub_batch_size or search.effective_batch_size")
+    ok = Admitted(spec, shape, space)
     _weights_fit(spec, shape, space)
-    _memory_fits(spec, shape, space)
+    _memory_fits(ok)
     _probe_depth(spec, shape, space)
+    return ok
 
 
 def _backends_run(spec: TuningSpec) -> None:
@@ -108,18 +132,17 @@ def _probe_depth(spec: TuningSpec, shape: ModelShape, space: SearchSpace) -> Non
                          "lower search.num_live_blocks")
 
 
-def _memory_fits(spec: TuningSpec, shape: ModelShape, space: SearchSpace) -> None:
+def _memory_fits(ok: Admitted) -> None:
     """Refuse limits below what the smallest config is predicted to need (sltune.tuning.cost.prior), term by term
     with what would fit: the device limit per rank, the host limit for all ranks together (trials hold it so).
     The process a trial runs in is left out here (it is this machine's, measured where trials run: tune and
     the server add it), so what is refused here fits nowhere."""
     from sltune.tuning.cost.feasible import shortfall
-    from sltune.tuning.cost.setup import Setup
 
-    hw = spec.hardware
+    hw = ok.spec.hardware
     if hw.host_memory_limit is None and hw.device_memory_limit is None and hw.disk_limit is None:
         return
-    short = shortfall(Setup.of_spec(spec, shape), space.candidates, hw.host_memory_limit, hw.device_memory_limit,
+    short = shortfall(ok.setup, ok.space.candidates, hw.host_memory_limit, hw.device_memory_limit,
                       disk_limit=hw.disk_limit)
     if short:
         raise ValueError(short)

@@ -11,10 +11,8 @@ from typing import Any
 
 from sltune.backends.knobs import KNOBS
 from sltune.tuning.cost.admission import load
-from sltune.tuning.cost.shape import shape_of
 from sltune.tuning.search.fit import LinearFit, split_key
 from sltune.tuning.search.state import SearchState
-from sltune.tuning.space import SearchSpace
 from sltune.yamlfile import read_yaml
 
 
@@ -36,13 +34,13 @@ def plan(path: str | Path, device_memory_limit: int | str | None = None,
         space_desc = {"weights_on_device": [0.0], **space_desc}
     search = {"schedule": data.get("schedule", "speedloader"), "margin": limits.get("margins", {}).get("device", 0.05),
               **{k: v for k, v in space_desc.items()}}
-    spec = load({"name": f"plan from {prov.get('job_id')}", "model": prov["model"],
+    ok = load({"name": f"plan from {prov.get('job_id')}", "model": prov["model"],
                              "workload": {k: v for k, v in work.items() if k != "world_size"},
                              "hardware": hardware, "search": search,
                              **({"optimizer": data["optimizer"]} if data.get("optimizer") else {})}, str(path))
-    shape = shape_of(spec.model.source, spec.model.dtype)
+    spec = ok.spec
     # a file's host model corrects the prior, whose process term is the job's machine's (0 before it was recorded)
-    state = SearchState(spec, shape, SearchSpace(spec, shape), baseline=prov.get("trial_baseline_bytes") or 0)
+    state = SearchState(spec, ok.shape, ok.space, baseline=prov.get("trial_baseline_bytes") or 0)
     state.fits = {k: LinearFit.from_dict(v) for k, v in data["resource_models"].items()}
     state.margins.update(limits.get("margins", {}))
     preds = {c: state.predict(c) for c in state.space.candidates}

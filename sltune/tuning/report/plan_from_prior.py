@@ -24,9 +24,7 @@ from sltune.tuning.cost.admission import load
 from sltune.tuning.cost.baseline import trial_baseline
 from sltune.tuning.cost import feasible
 from sltune.tuning.cost.feasible import PLAN, FreeSpace, disk_room, shortfall
-from sltune.tuning.cost.shape import shape_of
 from sltune.tuning.search.state import SearchState
-from sltune.tuning.space import SearchSpace
 from sltune.tuning.spec import DISK_LIMIT_WITHOUT_DISK
 
 LIMITS = ("device_memory_limit", "host_memory_limit", "disk_limit")
@@ -53,7 +51,8 @@ def plan_spec(data: dict[str, Any], source: str | Path, device_memory_limit: int
         if value is not None:
             asked[name] = value
     disk_from = disk_flag if disk_limit is not None else "hardware.disk_limit"
-    spec = load({**data, "hardware": hardware}, str(source))
+    ok = load({**data, "hardware": hardware}, str(source))
+    spec, shape, space = ok.spec, ok.shape, ok.space
     device_limit = None if asked["device_memory_limit"] is None else parse_bytes(
         asked["device_memory_limit"], "hardware.device_memory_limit")
     host_limit = None if asked["host_memory_limit"] is None else parse_bytes(
@@ -62,8 +61,6 @@ def plan_spec(data: dict[str, Any], source: str | Path, device_memory_limit: int
     host_name = "hardware.host_memory_limit" if host_limit is not None else settings.trial_host_limit_source()
     ceiling = settings.trial_host_limit() if host_limit is None else None
     hw = spec.hardware
-    shape = shape_of(spec.model.source, spec.model.dtype)
-    space = SearchSpace(spec, shape)
     baseline = trial_baseline(hw.device, hw.world_size, spec.workload.mode, hw.cpu_threads, measure=False)
     limited = spec.model_copy(update={"hardware": hw.model_copy(update={"device_memory_limit": device_limit,
                                                                          "host_memory_limit": host_limit,

@@ -7,7 +7,8 @@ that group's backward, phases later. Two things would otherwise pin device memor
   to back in one slab per dtype reused from step to step, and loaded back, one copy per slab into a
   pooled device buffer, for the sub-batch about to run its backward (one sub-batch ahead). Parameters
   are not saved at all: a saved tensor that lives in a live unit's device buffer is packed as (unit, offset,
-  shape, stride) and re-bound to the unit's buffer of the backward phase, which holds the same values (the optimizer steps only after the whole pass);
+  shape, stride) and re-bound to the unit's buffer of the backward phase, which holds the same values (the optimizer
+  steps only after the whole pass);
 - the group's input and output: `KeptGraph` wraps them in two small autograd functions, so the graph
   runs from a zero-size root and hands back the input's gradient without holding either tensor.
 

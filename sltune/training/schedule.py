@@ -21,8 +21,8 @@ def lr_scheduler(optimizer: torch.optim.Optimizer, schedule: LRSchedule, warmup_
                  min_lr: float = 0.0, done: int = 0) -> LambdaLR:
     """The schedule over `total_steps`, positioned after `done` steps (a resumed run: the optimizer's state,
     already loaded, holds the peak as initial_lr). constant: transformers' get_constant_schedule_with_warmup;
-    linear: get_linear_schedule_with_warmup, or with a floor get_polynomial_decay_schedule_with_warmup(power=1); cosine: get_cosine_with_min_lr_schedule_with_warmup
-    (min_lr 0 is get_cosine_schedule_with_warmup)."""
+    linear: get_linear_schedule_with_warmup, or with a floor get_polynomial_decay_schedule_with_warmup(power=1);
+    cosine: get_cosine_with_min_lr_schedule_with_warmup (min_lr 0 is get_cosine_schedule_with_warmup)."""
     from transformers import optimization as hf
 
     group = optimizer.param_groups[0]

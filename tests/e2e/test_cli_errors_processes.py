@@ -145,7 +145,8 @@ def test_ranks_beyond_the_cores_are_refused_before_any_trial_unless_oversubscrib
     assert json.loads(r.stdout)["config"]["world_size"] == 2
 
     spec = tmp_path / "spec.yaml"
-    spec.write_text((Path(__file__).resolve().parents[2] / "examples" / "tiny-llama-cpu.yaml").read_text().replace("world_size: 1", "world_size: 2"))
+    spec.write_text((Path(__file__).resolve().parents[2] / "examples" / "tiny-llama-cpu.yaml").read_text()
+                    .replace("world_size: 1", "world_size: 2"))
     r = sltune("tune", str(spec), "--db", f"sqlite:///{tmp_path / 'jobs.db'}", process=True,
                env={"SLTUNE_MAX_WORLD_SIZE": "1", "SLTUNE_DATA_DIR": str(tmp_path)})
     assert r.returncode == 2 and r.stderr.startswith("sltune tune: error: hardware.world_size 2 is more ranks than "

@@ -63,7 +63,8 @@ def test_one_job_profiles_speedloader_and_fsdp_and_names_each_one_s_best(tmp_pat
     p = plan(path)
     assert p["measured_best"]["config"]["backend"] == "fsdp" and "num_live_blocks" not in p["measured_best"]["config"]
     # every config, ranked or (its throughput fit not positive there, as noise can make it) listed as unpredictable
-    rows = {(c["config"].get("backend", "speedloader"), c["config"]["sub_batch_size"], c["config"]["num_sub_batches"]): c
+    rows = {(c["config"].get("backend", "speedloader"), c["config"]["sub_batch_size"],
+             c["config"]["num_sub_batches"]): c
             for c in p["configs"] + p["unpredictable"]}
     fsdp_ran = {(t["config"]["sub_batch_size"], t["config"]["num_sub_batches"]) for t in r["trials"]
                 if t["status"] == "ok" and t["config"]["backend"] == "fsdp" and t["role"] != "confirm"}

@@ -97,7 +97,8 @@ def test_the_reach_in_check_finds_both_kinds():
     assert private_reach_ins("from sltune.runtime.engine import _detached, SpeedLoaderEngine\n"
                              "from sltune.training import checkpoints\n"
                              "import sltune.cli.main\n"
-                             "checkpoints._record(1); SpeedLoaderEngine._plan; self._x; obj._y; checkpoints.__doc__\n") \
+                             "checkpoints._record(1); SpeedLoaderEngine._plan; self._x; obj._y; "
+                             "checkpoints.__doc__\n") \
         == ["line 1: from sltune.runtime.engine import _detached", "line 4: SpeedLoaderEngine._plan",
             "line 4: checkpoints._record"]
 

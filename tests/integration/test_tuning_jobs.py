@@ -170,7 +170,8 @@ def test_exported_yaml_round_trips_and_trains(job, tmp_path):
     assert cfg.device_memory_limit == LIMIT
     doc = yaml.safe_load(out.read_text())
     assert doc["measured"]["tokens_per_s"] == job["result"]["best"]["tokens_per_s"]
-    assert doc["provenance"]["job_id"] == job["result"]["job_id"] and doc["binding_limit"] == job["result"]["binding_limit"]
+    assert doc["provenance"]["job_id"] == job["result"]["job_id"] and \
+        doc["binding_limit"] == job["result"]["binding_limit"]
     assert doc["confidence"] == job["result"]["confidence"] and "the runner-up" in doc["confidence"]
     assert set(doc["resource_models"]) == {"device", "host", "throughput"}
     assert SpeedLoaderConfig.from_yaml(out).to_yaml() == cfg.to_yaml()
@@ -238,9 +239,9 @@ def test_plan_lists_what_it_cannot_predict_and_prints_its_errors(job, tmp_path):
 
 
 def test_a_killed_job_resumes_without_rerunning_finished_trials(tmp_path):
-    spec = {**SPEC, "name": "resume", "search": {**SPEC["search"], "strategy": "grid", "max_trials": 50, "confirm_rounds": 0,
-                                                 "sub_batch_size": [1, 2], "num_sub_batches": [1, 2],
-                                                 "num_live_blocks": [1, 4]}}
+    spec = {**SPEC, "name": "resume", "search": {**SPEC["search"], "strategy": "grid", "max_trials": 50,
+                                                 "confirm_rounds": 0, "sub_batch_size": [1, 2],
+                                                 "num_sub_batches": [1, 2], "num_live_blocks": [1, 4]}}
     path = tmp_path / "spec.yaml"
     path.write_text(yaml.safe_dump(spec))
     db = f"sqlite:///{tmp_path / 'jobs.db'}"
@@ -290,7 +291,8 @@ def test_baselines_run_through_optuna_in_the_job_database(strategy, tmp_path):
     ran = [t for t in study.trials if t.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL)]
     assert len(ran) == 4
     assert {tuple(sorted(t.params.items())) for t in ran} == {
-        tuple(sorted({"sub_batch_size": t["config"]["sub_batch_size"], "num_sub_batches": t["config"]["num_sub_batches"],
+        tuple(sorted({"sub_batch_size": t["config"]["sub_batch_size"],
+                      "num_sub_batches": t["config"]["num_sub_batches"],
                       "num_live_blocks": t["config"]["num_live_blocks"]}.items())) for t in result["trials"]}
 
 

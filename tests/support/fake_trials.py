@@ -18,7 +18,8 @@ QUIET = {"wall_s": 1.0, "process_cpu_s": 1.0, "threads": 1, "cores": 2, "process
 class FakeTrials:
     """Config b measures speed[b] tokens/s at its first trial and `later[r]` times that at its r-th later one
     (the machine got faster mid-job: the confirmation round re-measures the pick at other figures than its
-    search trial; a dict gives each b its own, 1.0 for a b it lacks), 20 steps with 2% lognormal noise, seeded; each trial takes wall[b] seconds (default 0).
+    search trial; a dict gives each b its own, 1.0 for a b it lacks), 20 steps with 2% lognormal noise, seeded; each
+    trial takes wall[b] seconds (default 0).
     Monkeypatch it over sltune.tuning.runner.run_trial."""
 
     def __init__(self, speed: dict[int, float], later: tuple[float, ...] | dict[int, tuple[float, ...]] = (1.0,),

@@ -143,7 +143,8 @@ def test_a_knob_declared_in_one_place_is_a_flag_a_trial_field_a_result_field_and
     anchor = "\n\n# what follows from the declarations above"
     assert text.count(anchor) == 1, "BackendKnobs' last field moved: add the backend knob after another line"
     knobs.write_text(text.replace(anchor, "\n" + ADDED_BACKEND.rstrip("\n") + anchor))
-    run = subprocess.run([sys.executable, "-c", ONE_PLACE, str(tmp_path), str(root / "docs" / "hooks" / "reference.py")],
+    run = subprocess.run([sys.executable, "-c", ONE_PLACE, str(tmp_path),
+                          str(root / "docs" / "hooks" / "reference.py")],
                          capture_output=True, text=True, cwd=tmp_path, timeout=120,
                          env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin", "COLUMNS": "100"})
     assert run.returncode == 0, run.stderr

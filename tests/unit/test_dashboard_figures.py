@@ -281,7 +281,8 @@ def test_partial_and_missing_data_give_no_figure_instead_of_an_error():
 
 
 def test_every_template_ships_as_package_data():
-    """pip install . (not editable) carries sltune/dashboards/templates/ only where pyproject's package data names it."""
+    """pip install . (not editable) carries sltune/dashboards/templates/ only where pyproject's package data
+    names it."""
     import fnmatch
     import tomllib
 

@@ -101,7 +101,8 @@ def test_the_reference_pages_are_committed_as_the_code_generates_them():
 def test_no_page_cites_an_issue():
     """A page says what is, not which issue brought it or what comes next."""
     cites = re.compile(r"\b[Ii]ssue #?\d+|#\d+'s\b|next steps")
-    found = [f"{page.relative_to(ROOT)}: {m.group(0)}" for page in [README, *PAGES] for m in cites.finditer(page.read_text())]
+    found = [f"{page.relative_to(ROOT)}: {m.group(0)}" for page in [README, *PAGES]
+             for m in cites.finditer(page.read_text())]
     assert not found
 
 

@@ -90,4 +90,5 @@ def test_model_holds_updated_weights_between_steps():
     ids = batch(2, 8, seed=5)
     with torch.no_grad():
         assert model(input_ids=ids, labels=ids).loss.item() == fresh(input_ids=ids, labels=ids).loss.item()
-        assert model(input_ids=ids, labels=ids).loss.item() != build("llama-tiny")(input_ids=ids, labels=ids).loss.item()
+        assert model(input_ids=ids, labels=ids).loss.item() != \
+            build("llama-tiny")(input_ids=ids, labels=ids).loss.item()

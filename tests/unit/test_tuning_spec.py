@@ -86,7 +86,8 @@ def test_weights_on_device_is_swept_in_generation_only_none_half_and_all_by_defa
     # keeping more weights needs at least as much device memory; a config without the knob keeps none
     assert Candidate(2, 2, 1, weights_on_device=1.0).dominates(Candidate(2, 2, 1, weights_on_device=0.5))
     assert not Candidate(2, 2, 1, weights_on_device=0.5).dominates(Candidate(2, 2, 1, weights_on_device=1.0))
-    assert Candidate(2, 2, 1, weights_on_device=0.5).dominates(Candidate(2, 2, 1)) and not Candidate(2, 2, 1).dominates(half)
+    assert Candidate(2, 2, 1, weights_on_device=0.5).dominates(Candidate(2, 2, 1)) and \
+        not Candidate(2, 2, 1).dominates(half)
     listed = parse(workload=gen["workload"], search={**gen["search"], "weights_on_device": [1, 0.5, 1, 0.5]})
     assert listed.search.weights_on_device == [0.5, 1.0]            # without repeats, in numeric order
     assert parse(workload=gen["workload"], search={**gen["search"], "weights_on_device": 0.25}
@@ -302,7 +303,8 @@ def test_a_checkpoint_folder_is_a_model_source_and_its_saved_config_json_is_acce
         parse(model={"preset": "llama-tiny", "hf_config": saved})
     refused = hf_config_schema()["propertyNames"]["not"]["anyOf"]     # the OpenAPI document says the same
     assert "transformers_version" not in refused[0]["enum"] and "auto_map" in refused[0]["enum"]
-    assert refused[1] == {"allOf": [{"pattern": "^_"}, {"not": {"enum": ["_name_or_path", "_remove_final_layer_norm"]}}]}
+    assert refused[1] == {"allOf": [{"pattern": "^_"},
+                                    {"not": {"enum": ["_name_or_path", "_remove_final_layer_norm"]}}]}
 
 
 def test_the_optimizer_and_mixed_precision_reach_the_trials_and_best_yaml():

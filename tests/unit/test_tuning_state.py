@@ -157,7 +157,8 @@ def test_oneshot_measures_a_frontier_config_its_throughput_model_cannot_predict_
                                     "peak_device_bytes": 1e6 + 1e4 * b * k + 5e5 * w,
                                     "peak_host_bytes": 1e6 + c.batch,
                                     "timing": {"steps_s": [t] * 5, "tokens_per_s_ci95": [tps * 0.99, tps * 1.01]}}))
-    st.add(FinishedTrial(5, Candidate(16, 1, 1, "recompute", "device", 0.5), "probe", {"status": "failed", "error": "x"}))
+    st.add(FinishedTrial(5, Candidate(16, 1, 1, "recompute", "device", 0.5), "probe",
+                         {"status": "failed", "error": "x"}))
     assert all(c in st.tried for c in OneShotStrategy(st, 0).probes())
     blind = [c for c in st.space.candidates if c not in st.tried and st.predict(c).tokens_per_s is None]
     assert Candidate(16, 1, 4, "recompute", "device", 0.5) in blind

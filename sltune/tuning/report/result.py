@@ -117,7 +117,7 @@ def best_config(spec: TuningSpec, result: dict[str, Any], offload_dir: str | Non
         raise ValueError(f"job {result.get('job_id')} has no best config (status: no successful trial)")
     entry = pick(result, backend)
     c = entry["config"]
-    if backend_of(entry) != "speedloader":      # its knobs; SpeedLoader's own (live blocks, schedule) at their only value
+    if backend_of(entry) != "speedloader":    # its knobs; SpeedLoader's own (live blocks, schedule) at their only value
         knobs = {k: c[k] for k in KNOBS[backend_of(entry)] if c.get(k) is not None}
         nvme = {k: v for k, v in knobs.items() if v == "nvme"}     # DeepSpeed's swap folder: as disk's, the job's own
         cfg = SpeedLoaderConfig(backend=backend_of(entry), sub_batch_size=c["sub_batch_size"],

@@ -162,7 +162,8 @@ def verdict(state: SearchState, picks: list[Candidate]) -> dict[str, Any] | None
                    how="")
 
 
-def _series(rounds: list[dict[Candidate, FinishedTrial]], picks: list[Candidate]) -> dict[Candidate, list[list[float] | None]]:
+def _series(rounds: list[dict[Candidate, FinishedTrial]],
+            picks: list[Candidate]) -> dict[Candidate, list[list[float] | None]]:
     """Each finalist's step tokens/s per round (None: not measured in that round, or its trial failed)."""
     return {c: [step_tokens_per_s(r[c].result) if c in r else None for r in rounds] for c in picks}
 
@@ -183,7 +184,8 @@ def _leader(series: dict[Candidate, list[list[float] | None]], racing: list[Cand
     return max(racing, key=ratio)
 
 
-def _survivors(rounds: list[dict[Candidate, FinishedTrial]], racing: list[Candidate], ref: Candidate) -> list[Candidate]:
+def _survivors(rounds: list[dict[Candidate, FinishedTrial]], racing: list[Candidate],
+               ref: Candidate) -> list[Candidate]:
     """After a whole round: the finalists the leader did not beat decisively. The search's best always stays.
     One round decides only where neither trial ran under interference; two rounds decide either way."""
     series = _series(rounds, racing)

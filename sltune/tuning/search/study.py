@@ -94,8 +94,8 @@ def tell(study: optuna.Study, trial: optuna.Trial, result: dict[str, Any], role:
 
 def add_confirms(study: optuna.Study, params: Callable[[Any], dict[str, Any]],
                  distributions: dict[str, optuna.distributions.BaseDistribution], confirms: list) -> None:
-    """The confirmation trials (sltune.tuning.search.state.FinishedTrial, role "confirm") the study lacks, added as finished
-    trials: the sampler never proposed them, but Optuna's tools should see every measurement the pick rests
+    """The confirmation trials (sltune.tuning.search.state.FinishedTrial, role "confirm") the study lacks, added as
+    finished trials: the sampler never proposed them, but Optuna's tools should see every measurement the pick rests
     on. Ones already there (by their sltune_trial attribute) are skipped, so a resumed job adds only what a
     killed one had not. Each has the distributions of its own parameters (a backend's, in a space of several)."""
     have = {t.user_attrs.get("sltune_trial") for t in study.get_trials(deepcopy=False)}

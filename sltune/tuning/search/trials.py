@@ -80,8 +80,8 @@ def trial_spec(spec: TuningSpec, c: Candidate, trace: Path | None, default_host_
                      device_memory_limit=hw.device_memory_limit,
                      host_memory_limit=min((x for x in (hw.host_memory_limit, default_host_limit) if x),
                                            default=None),
-                     steps=steps, min_time_s=min_time, max_steps=max_steps, remeasure=remeasure,
-                     cpu_threads=threads, profile=s.profile and not confirming, trace_path=str(trace) if trace else None,
+                     steps=steps, min_time_s=min_time, max_steps=max_steps, remeasure=remeasure, cpu_threads=threads,
+                     profile=s.profile and not confirming, trace_path=str(trace) if trace else None,
                      timeout_s=s.trial_timeout_s, seed=s.seed, num_layers=layers,
                      models_dir=str(models_dir) if models_dir is not None else None, **files)
 

@@ -193,7 +193,7 @@ class SpeedLoaderEngine:
             self.optimizer = self._build_optimizer(optimizer)
         overlap = self.disk is not None if overlap_optimizer is None else overlap_optimizer
         # per-unit stepping: always under disk (early when it can roll back), under host when asked to overlap
-        self._stepper = UnitStepper(self.optimizer, self.params.stepped, self.disk,
+        self.stepper = UnitStepper(self.optimizer, self.params.stepped, self.disk,
                                     master_in_memory=self.params.master and self.disk is None,
                                     rollback=self.params.master_on_disk, weights=self.weights,
                                     grads=self.params.grads) \
@@ -313,7 +313,7 @@ class SpeedLoaderEngine:
         self._rng = RngStash(self.device, enabled=self.model.training)
         self._scale_used = self.scaler.scale if self.scaler is not None else None
         self.saved.start_step()
-        stepper = self._stepper
+        stepper = self.stepper
         step = self.step_plan()
         if stepper is not None and (step.early or self.disk is not None):
             stepper.begin(step.step_order, step.early, need_norm=self.track_grad_norm)
@@ -459,12 +459,12 @@ class SpeedLoaderEngine:
             for unit in units:
                 if backward:
                     copied = store.offload_grads(unit, accumulate)
-                    if final and self._stepper is not None:
-                        self._stepper.ready(unit, copied)
+                    if final and self.stepper is not None:
+                        self.stepper.ready(unit, copied)
                 store.release(unit)
         copied = store.offload_grads(self.tied, accumulate)
-        if final and self._stepper is not None:
-            self._stepper.ready(self.tied, copied)
+        if final and self.stepper is not None:
+            self.stepper.ready(self.tied, copied)
         store.release(self.tied)
         self.saved.clear()
         return torch.stack(losses).sum()
@@ -592,7 +592,7 @@ class SpeedLoaderEngine:
         """Whether a unit steps as soon as its gradients are final: not when the step needs all of them first
         (clipping, loss scaling), nor when a failure part-way could not be undone (the master in host memory, or
         none: the model's own Parameters are stepped, which the backward still uses)."""
-        stepper = self._stepper
+        stepper = self.stepper
         return stepper is not None and self._overlap and self.scaler is None and self.max_grad_norm is None \
             and (stepper.rollback or self.disk is None)
 
@@ -620,8 +620,8 @@ class SpeedLoaderEngine:
     def _recover(self) -> None:
         """After a failed step (out of memory, interrupt): parameters back on the host copy, unchanged (stepping
         per unit: undone where the master is on disk, sltune.runtime.stepping)."""
-        if self._stepper is not None:
-            self._stepper.abort()
+        if self.stepper is not None:
+            self.stepper.abort()
         self.params.reset()
         self.acts.clear()
         self.saved.clear()

@@ -123,6 +123,17 @@ class UnitStepper:
             return self.disk.blocks_of(unit)
         return [self.stepped[id(unit)]]
 
+    @property
+    def pending_blocks(self) -> list[Block]:
+        """Blocks this step has stepped on disk that are neither committed nor rolled back: [] between steps."""
+        return list(self._done_blocks)
+
+    def wait_stepped(self, count: int = 1) -> None:
+        """Until the first `count` units handed over this step have stepped (or failed): what a step failed part-way
+        on purpose waits for, so that there is something to roll back."""
+        for fut in self._futures[:count]:
+            fut.result()
+
     # -- the engine's calls ----------------------------------------------------------------------------
     def begin(self, order: Sequence[Any], early: bool, need_norm: bool = False) -> None:
         """A step starts: `order` is the units whose gradients will become final, in that order; `need_norm`: an

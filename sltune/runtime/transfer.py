@@ -56,6 +56,11 @@ class Copier:
         self.host = HostMemory(pinner)
         self._staging: dict[tuple[tuple[int, ...], torch.dtype], torch.Tensor] = {}
 
+    @property
+    def staging(self) -> list[torch.Tensor]:
+        """The host buffers copies are staged through, one per shape and dtype: host memory the copier holds."""
+        return list(self._staging.values())
+
     def host_empty(self, numel_or_shape, dtype: torch.dtype) -> torch.Tensor:
         """A host buffer: pinned (at its own size) when a device copies from and to it asynchronously."""
         return self.host.empty(numel_or_shape, dtype)

@@ -123,20 +123,20 @@ def test_a_step_that_fails_mid_backward_is_rolled_back(tmp_path):
     engine, _ = train("disk", tmp_path, steps=1)
     before = {k: v.clone() for k, v in engine.state_dict().items()}
     copies = [p.data.clone() for p in engine.model.parameters()]
-    real = engine._embed_backward
 
-    def fail(*args):
-        engine._stepper._futures[0].result()              # a unit has stepped
+    def fail(module, grad_output):                        # the input embedding's backward, the step's last
+        engine.stepper.wait_stepped()
+        assert engine.stepper.pending_blocks, "no unit had stepped: nothing to roll back"
         raise RuntimeError("injected")
-    engine._embed_backward = fail
+    hook = engine.model.get_input_embeddings().register_full_backward_pre_hook(fail)
     x = torch.randint(3, 512, (4, SEQ), generator=torch.Generator().manual_seed(1))
     with pytest.raises(RuntimeError, match="injected"):
         engine.train_step(x)
-    assert engine._stepper._done_blocks == [] and engine.disk.version == 1
+    assert engine.stepper.pending_blocks == [] and engine.disk.version == 1
     assert all(torch.equal(v, before[k]) for k, v in engine.state_dict().items())
     assert all(torch.equal(p.data, c) for p, c in zip(engine.model.parameters(), copies))
     assert sorted(p.name for p in engine.disk.folder.glob("*.bin")) == sorted(b.file for b in engine.disk.blocks)
-    engine._embed_backward = real
+    hook.remove()
     engine.train_step(x)
     host, _ = train("host", steps=2)
     assert all(torch.equal(v, host.state_dict()[k]) for k, v in engine.state_dict().items())

@@ -86,7 +86,7 @@ def test_one_version_trains_as_two_bit_for_bit(tmp_path, case):
     assert not (one.disk.folder / TORN).exists()
     if case.get("param_offload") == "disk":
         assert sorted(p.name for p in one.disk.folder.glob("w*.bin*")) == \
-            sorted(name for name, _, _ in one.weights._current.values())
+            sorted(name for name, _, _ in one.weights.committed)
     assert b[-1].io == a[-1].io                         # the same traffic: only when the old files go differs
 
 
@@ -140,7 +140,7 @@ def test_the_folders_peak_is_one_version_and_the_window_instead_of_two_versions(
         disk = engine.disk
         version = sum(padded(disk.nbytes(b, True)) for b in disk.blocks)       # master and AdamW's moments
         window = sum(sorted((padded(disk.nbytes(b, True)) for b in disk.blocks), reverse=True)[:DEPTH])
-        units = [padded(n) for _, n, _ in engine.weights._current.values()] if engine.weights else [0]
+        units = [padded(n) for _, n, _ in engine.weights.committed] if engine.weights else [0]
         weights, largest_unit = sum(units), max(units)
         rest = sum(p.stat().st_size for p in disk.folder.iterdir()) - version - weights   # manifest, counters
         rest += 4096            # ... which grow by a few bytes as the step counts and sums they hold change
@@ -196,7 +196,7 @@ def straight(tmp_path: Path, param_offload: str = "host") -> dict[str, Any]:
         report = run(job(tmp_path / "straight-off", tmp_path / "straight", versions=2, param_offload=param_offload))
         _straight[param_offload] = {
             "losses": [s["loss"] for s in report.steps], "blocks": len(report.engine.disk.blocks),
-            "units": len(report.engine.weights._current) if report.engine.weights else 0,
+            "units": len(report.engine.weights.committed) if report.engine.weights else 0,
             "weights": load_file(tmp_path / "straight" / "model.safetensors")}
     return _straight[param_offload]
 
@@ -242,9 +242,9 @@ def after_a_drop(engine, n: int) -> bool:
     if engine.disk.version != 2 or n != 2:
         return False
     deadline = time.monotonic() + 30
-    while not engine.disk._dropped and time.monotonic() < deadline:
+    while not engine.disk.dropped and time.monotonic() < deadline:
         time.sleep(0.001)
-    assert engine.disk._dropped
+    assert engine.disk.dropped
     return True
 
 

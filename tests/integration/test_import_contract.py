@@ -84,6 +84,28 @@ def private_reach_ins(source: str) -> list[str]:
     return sorted(found)
 
 
+def private_members(source: str) -> set[str]:
+    """The private attributes and methods a module's classes give their objects (`self._x = ...`, `def _x`)."""
+    out = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and isinstance(node.value, ast.Name) \
+                and node.value.id in ("self", "cls") and _private(node.attr):
+            out.add(node.attr)
+        elif isinstance(node, ast.ClassDef):
+            out |= {f.name for f in node.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                    and _private(f.name)}
+    return out
+
+
+def member_reach_ins(source: str, members: set[str]) -> list[str]:
+    """`obj._x` on an object of the project's (an engine, its stepper, a folder of files), `x` one of `members`:
+    what a test or a benchmark reads or replaces in there instead of a public name. An object's own (self, cls)
+    are not reach-ins."""
+    return sorted(f"line {node.lineno}: {ast.unparse(node)}" for node in ast.walk(ast.parse(source))
+                  if isinstance(node, ast.Attribute) and node.attr in members
+                  and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")))
+
+
 def test_no_module_reaches_into_another_s_private_names():
     """The reach-ins there were (engine._detached, checkpoints._record, cli.main._one_line, ...) are public names now,
     and none comes back: every .py of the package (its API and pages too), bench/ and tests/."""
@@ -91,6 +113,18 @@ def test_no_module_reaches_into_another_s_private_names():
     assert len(files) > 200
     found = [f"{p.relative_to(ROOT)} {hit}" for p in files for hit in private_reach_ins(p.read_text())]
     assert not found, "\n".join(found)
+
+
+def test_no_test_or_benchmark_reaches_into_the_project_s_objects():
+    """Fault injection and counters read through public names (an engine's stepper, a folder's committed files, a
+    backward hook on the model's own module), not an object's private attributes."""
+    members = set().union(*(private_members(p.read_text()) for p in (ROOT / "sltune").rglob("*.py")))
+    assert {"_stepper", "_current", "_dropped"} & members == {"_current", "_dropped"}    # still private there
+    files = [p for folder in ("bench", "tests") for p in (ROOT / folder).rglob("*.py")]
+    found = [f"{p.relative_to(ROOT)} {hit}" for p in files for hit in member_reach_ins(p.read_text(), members)]
+    assert not found, "\n".join(found)
+    assert member_reach_ins("engine.disk._dropped; self._dropped; x.stepper.done", members) \
+        == ["line 1: engine.disk._dropped"]
 
 
 def test_the_reach_in_check_finds_both_kinds():

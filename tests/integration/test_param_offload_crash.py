@@ -71,9 +71,9 @@ def straight(tmp_path_factory):
     (tmp / "config.json").write_text(json.dumps(MODEL))
     out = {"losses": [s["loss"] for s in report.steps], "weights": load_file(tmp / "save" / "model.safetensors"),
            "flags": ["--model", str(tmp / "config.json"), *FLAGS],
-           "blocks": len(report.engine.disk.blocks), "units": len(report.engine.weights._current),
+           "blocks": len(report.engine.disk.blocks), "units": len(report.engine.weights.committed),
            "step_bytes": sum(padded(report.engine.disk.nbytes(b, True)) for b in report.engine.disk.blocks)
-           + sum(padded(n) for _, n, _ in report.engine.weights._current.values())}
+           + sum(padded(n) for _, n, _ in report.engine.weights.committed)}
     assert len(set(out["losses"])) == STEPS
     return out
 

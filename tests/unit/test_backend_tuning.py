@@ -336,7 +336,7 @@ def test_oneshot_probes_every_backend():
     assert all(c in st.space for c in probes)
     first = [c for c in probes if c.backend == "deepspeed"][0]
     assert first.backend_knobs() == {"zero_stage": 2, "offload_optimizer": "none", "offload_param": "none"}
-    assert [c for c in OneShotStrategy(state_of(), 0).probes()] == OneShotStrategy(state_of(), 0)._probes(
+    assert [c for c in OneShotStrategy(state_of(), 0).probes()] == OneShotStrategy(state_of(), 0).speedloader_probes(
         state_of().space.candidates)      # SpeedLoader alone: its probes as before
 
 

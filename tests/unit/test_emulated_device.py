@@ -169,7 +169,7 @@ def test_host_buffers_are_pinned_at_their_own_size(emulated):
     eng.train_step(batch(2, 8))
     host = eng.copier.host
     buffers = [t for u in eng.units for t in (u.host, u.host_grad) if t is not None]
-    buffers += list(eng.copier._staging.values())
+    buffers += eng.copier.staging
     large = [t.numel() * t.element_size() for t in buffers if t.numel() * t.element_size() >= IN_PLACE_FROM]
     assert len(large) >= 5
     exact = sum(-(-n // PAGE) * PAGE for n in large)

@@ -184,7 +184,7 @@ def test_a_failed_step_leaves_the_weights_files_as_they_were(tmp_path, dtype, cl
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
 def test_a_damaged_weights_file_is_one_line_naming_it(tmp_path, damage):
     engine, _ = train("disk", tmp_path, steps=1)
-    path = engine.weights._path(engine.groups[1].unit)
+    path = engine.weights.path_of(engine.groups[1].unit)
     data = bytearray(path.read_bytes())
     if damage == "flip":
         data[100] ^= 0xFF

@@ -204,6 +204,11 @@ class DiskState:
     def direct(self) -> bool:
         return self.files.direct
 
+    @property
+    def dropped(self) -> bool:
+        """This step has dropped a file of the committed version (disk_versions 1: it can no longer roll back)."""
+        return self._dropped
+
     # -- layout ----------------------------------------------------------------------------------
     def add_unit(self, unit, stepped: Sequence[Stepped], master: torch.Tensor | None,
                  frozen: Sequence[tuple[int, int]]) -> None:

@@ -133,8 +133,14 @@ class WeightFiles:
         name = f"w{index:04d}-{safe_name(unit.name)}-v0.bin"
         self._current[id(unit)] = (name, nbytes, self._write(name, buf, nbytes, count=False))
 
-    def _path(self, unit: Any) -> Path:
+    def path_of(self, unit: Any) -> Path:
+        """The committed version's file of a unit's weights."""
         return self.folder / self._current[id(unit)][0]
+
+    @property
+    def committed(self) -> list[tuple[str, int, int]]:
+        """The committed version's files, a unit's each: (file name, payload bytes, checksum)."""
+        return list(self._current.values())
 
     # -- reading -----------------------------------------------------------------------------------------
     def request(self, unit: Any) -> None:

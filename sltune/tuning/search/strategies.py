@@ -116,10 +116,10 @@ class OneShotStrategy(Strategy):
         plan: list[Candidate | None] = []
         for backend in space.backends:
             cands = space.of_backend(backend)
-            plan += self._probes(cands) if backend == "speedloader" else self._wrapped_probes(cands)
+            plan += self.speedloader_probes(cands) if backend == "speedloader" else self.wrapped_probes(cands)
         return [c for c in dict.fromkeys(plan) if c is not None]
 
-    def _wrapped_probes(self, cands: list[Candidate]) -> list[Candidate | None]:
+    def wrapped_probes(self, cands: list[Candidate]) -> list[Candidate | None]:
         """A wrapped backend's: its first knob combination (the spec's first values) at the corners of b and at a
         larger N, and each other combination once at the least b; the fits' rank probes add what they still lack."""
         bs = sorted({c.b for c in cands})
@@ -136,7 +136,7 @@ class OneShotStrategy(Strategy):
             plan.append(cheapest(b_lo, variants[0], at_least=ns[len(ns) // 2]))
         return plan + [cheapest(b_lo, v) for v in variants[1:]]
 
-    def _probes(self, cands: list[Candidate]) -> list[Candidate | None]:
+    def speedloader_probes(self, cands: list[Candidate]) -> list[Candidate | None]:
         """SpeedLoader's: cheap configs at the corners of (b, k), and at a larger N: enough to pin every model
         down."""
         bs, ks = sorted({c.b for c in cands}), sorted({c.k for c in cands})

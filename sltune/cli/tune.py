@@ -8,8 +8,10 @@ from pathlib import Path
 
 from sltune.backends.export import FORMATS
 from sltune.backends.knobs import BACKENDS
+from sltune.cli import flags
 from sltune.cli.common import DB_HELP, JOB_ID_HELP, SERVER_HELP, open_store
 from sltune.cli.progress import JobBar, describe_config
+from sltune.config import RuntimeKnobs
 from sltune.profiling import forks
 from sltune.settings import Settings
 from sltune.sizes import format_bytes, parse_bytes
@@ -70,12 +72,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     pl.add_argument("--host-memory-limit", help="bytes or e.g. 64GiB (default: the file's limit; a spec without "
                                                 "one: this machine's trial ceiling)")
     pl.add_argument("--disk-limit", help="a spec that sweeps search.optimizer_offload or search.param_offload disk: "
-                                         "bytes or e.g. 200GiB; no more than is free where trials offload to applies "
-                                         "(default: the spec's hardware.disk_limit, else the free space where trials "
-                                         "offload to)")
-    pl.add_argument("--disk-versions", type=int, choices=(1, 2), default=2,
-                    help="a spec: the versions of the disk tier's files a step keeps, as `sltune train "
-                         "--disk-versions` sets it (1: one version and the blocks in flight) (default: 2)")
+                                         "bytes or e.g. 200GiB, a what-if that stands whatever this machine has free "
+                                         "(its free space is said beside it) (default: the spec's "
+                                         "hardware.disk_limit, else the free space where trials offload to)")
+    flags.add_fields(pl, RuntimeKnobs, ["disk_versions"], notes={
+        "disk_versions": ". A spec: the files as `sltune train --disk-versions` keeps them (the tuner does not search "
+                         "it)"})
     pl.add_argument("--json", action="store_true", help="print the prediction as JSON")
     pl.set_defaults(run=run_plan)
 
@@ -236,7 +238,8 @@ def run_plan(args: argparse.Namespace) -> int:
     data = read_yaml(source)
     if is_spec(data):
         disk = None if args.disk_limit is None else parse_bytes(args.disk_limit, "--disk-limit")
-        return _plan_spec(data, source, limits, args.json, disk, args.disk_versions)
+        return _plan_spec(data, source, limits, args.json, disk,
+                          args.disk_versions or RuntimeKnobs.model_fields["disk_versions"].default)
     if args.disk_limit is not None:
         raise ValueError(f"--disk-limit: {source} is a best.yaml, whose plan predicts from its fitted models without "
                          "disk; give the tuning spec (sltune plan SPEC.yaml --disk-limit ...)")

@@ -17,9 +17,8 @@ from sltune.tuning.spec import TuningSpec
 
 
 def tune(spec: Admitted | TuningSpec | dict[str, Any] | str | Path, db: str | None = None, *,
-         strategy: str | None = None,
-         job_id: str | None = None, progress: ProgressFn | None = None, settings: Settings | None = None,
-         oversubscribe: bool = False) -> dict[str, Any]:
+         strategy: str | None = None, job_id: str | None = None, progress: ProgressFn | None = None,
+         settings: Settings | None = None, oversubscribe: bool = False) -> dict[str, Any]:
     """A whole tuning job in this process: create it (or resume the unfinished one with the same spec).
 
     The process holds the job as a worker would: claimed atomically, with a lease its heartbeat renews, so

@@ -43,12 +43,16 @@ class Knob:
     (sltune.tuning.report.compare) keys a config on the knobs searched, then the backend's"""
 
 
+def marked(model: type[BaseModel], kind: type) -> dict[str, Any]:
+    """A model's fields whose declaration carries a `kind` marker (Knob, BackendKnob), each with its marker."""
+    return {name: m for name, field in model.model_fields.items() for m in field.metadata if isinstance(m, kind)}
+
+
 @functools.cache
 def knobs_of(model: type[BaseModel]) -> dict[str, Knob]:
     """A model's fields that are knobs, each with what its declaration says of it (once per model: every config and
     trial spec validated asks)."""
-    return {name: next(m for m in field.metadata if isinstance(m, Knob))
-            for name, field in model.model_fields.items() if any(isinstance(m, Knob) for m in field.metadata)}
+    return marked(model, Knob)
 
 
 @functools.cache
@@ -104,8 +108,7 @@ class BackendKnobs(BaseModel):
 
 
 # what follows from the declarations above: each backend's knobs in order, and what each runs when left out
-BACKEND_KNOB: dict[str, BackendKnob] = {name: next(m for m in field.metadata if isinstance(m, BackendKnob))
-                                        for name, field in BackendKnobs.model_fields.items() if name != "backend"}
+BACKEND_KNOB: dict[str, BackendKnob] = marked(BackendKnobs, BackendKnob)
 KNOBS: dict[str, tuple[str, ...]] = {b: tuple(n for n, k in BACKEND_KNOB.items() if k.backend == b) for b in BACKENDS}
 ALL_KNOBS: tuple[str, ...] = tuple(BACKEND_KNOB)
 DEFAULTS: dict[str, Any] = {name: knob.default for name, knob in BACKEND_KNOB.items()}

@@ -35,9 +35,9 @@ def plan(path: str | Path, device_memory_limit: int | str | None = None,
     search = {"schedule": data.get("schedule", "speedloader"), "margin": limits.get("margins", {}).get("device", 0.05),
               **{k: v for k, v in space_desc.items()}}
     ok = load({"name": f"plan from {prov.get('job_id')}", "model": prov["model"],
-                             "workload": {k: v for k, v in work.items() if k != "world_size"},
-                             "hardware": hardware, "search": search,
-                             **({"optimizer": data["optimizer"]} if data.get("optimizer") else {})}, str(path))
+               "workload": {k: v for k, v in work.items() if k != "world_size"},
+               "hardware": hardware, "search": search,
+               **({"optimizer": data["optimizer"]} if data.get("optimizer") else {})}, str(path))
     spec = ok.spec
     # a file's host model corrects the prior, whose process term is the job's machine's (0 before it was recorded)
     state = SearchState(spec, ok.shape, ok.space, baseline=prov.get("trial_baseline_bytes") or 0)

@@ -238,11 +238,11 @@ def run_plan(args: argparse.Namespace) -> int:
     data = read_yaml(source)
     if is_spec(data):
         disk = None if args.disk_limit is None else parse_bytes(args.disk_limit, "--disk-limit")
-        return _plan_spec(data, source, limits, args.json, disk,
-                          args.disk_versions or RuntimeKnobs.model_fields["disk_versions"].default)
-    if args.disk_limit is not None:
-        raise ValueError(f"--disk-limit: {source} is a best.yaml, whose plan predicts from its fitted models without "
-                         "disk; give the tuning spec (sltune plan SPEC.yaml --disk-limit ...)")
+        return _plan_spec(data, source, limits, args.json, disk, args.disk_versions)
+    for flag, value in (("--disk-limit", args.disk_limit), ("--disk-versions", args.disk_versions)):
+        if value is not None:
+            raise ValueError(f"{flag}: {source} is a best.yaml, whose plan predicts from its fitted models without "
+                             f"disk; give the tuning spec (sltune plan SPEC.yaml {flag} ...)")
     r = plan(source, *limits)
     if args.json:
         print(json.dumps(r))
@@ -274,7 +274,7 @@ def run_plan(args: argparse.Namespace) -> int:
 
 
 def _plan_spec(data: dict, source: str, limits: list, as_json: bool, disk_limit: int | None = None,
-               disk_versions: int = 2) -> int:
+               disk_versions: int | None = None) -> int:
     """Every config of a spec with its predicted peaks; the refusal when none fits (exit code 1)."""
     from sltune.tuning.report.plan_from_prior import plan_spec
 

@@ -139,3 +139,14 @@ def test_the_readme_first_command_trains_from_best_yaml_alone():
     first = readme.split("```bash\n", 1)[1].split("```", 1)[0].strip()
     assert first.endswith("sltune tune examples/tiny-llama-cpu.yaml --out best.yaml && "
                           "sltune train --config best.yaml --steps 20")
+
+
+def test_plan_s_disk_flags_on_a_best_yaml_are_refused_naming_the_flag(tmp_path, capsys):
+    """A best.yaml's plan predicts from its fitted models without disk: --disk-limit and --disk-versions would change
+    nothing, so each is refused in one line naming it and the spec to give instead."""
+    best = str(tuned_file(tmp_path / "best.yaml"))
+    for flag, value in (("--disk-limit", "1TiB"), ("--disk-versions", "1")):
+        assert main(["plan", best, flag, value]) == 2
+        err = capsys.readouterr().err
+        assert err == (f"sltune plan: error: {flag}: {best} is a best.yaml, whose plan predicts from its fitted models "
+                       f"without disk; give the tuning spec (sltune plan SPEC.yaml {flag} ...)\n"), err

@@ -38,11 +38,11 @@ def is_spec(data: Any) -> bool:
 def plan_spec(data: dict[str, Any], source: str | Path, device_memory_limit: int | str | None = None,
               host_memory_limit: int | str | None = None, settings: Settings | None = None,
               disk_limit: int | str | None = None, disk_flag: str = "hardware.disk_limit",
-              disk_versions: int = 2) -> dict[str, Any]:
+              disk_versions: int | None = None) -> dict[str, Any]:
     """Every config's predicted peaks under the spec's limits (or these), which fit, which limit binds the
     largest, and the refusal when none fits. `disk_flag` names where a `disk_limit` given here came from (plan's
     --disk-limit); `disk_versions`: the disk tier's files as `sltune train --disk-versions` keeps them (plan's
-    --disk-versions; not a knob the tuner searches)."""
+    --disk-versions; not a knob the tuner searches; None: as SpeedLoaderConfig keeps them by default)."""
     settings = settings or Settings()
     hardware = dict(data.get("hardware") or {})
     asked = {name: hardware.pop(name, None) for name in LIMITS}     # held to below, not refused by the schema
@@ -81,7 +81,7 @@ def plan_spec(data: dict[str, Any], source: str | Path, device_memory_limit: int
         disk_limit, disk_name = disk_room(disk_asked, settings.offload_root(), disk_from)
     state = SearchState(limited, shape, space, baseline=baseline, host_ceiling=ceiling,
                         disk_ceiling=disk_limit if on_disk else None)
-    if disk_versions != state.recipe.disk_versions:
+    if disk_versions is not None:
         state.recipe = dataclasses.replace(state.recipe, disk_versions=disk_versions)
     preds = {c: state.predict(c) for c in space.candidates}
     fitting = [c for c, p in preds.items() if p.fits]
@@ -93,7 +93,7 @@ def plan_spec(data: dict[str, Any], source: str | Path, device_memory_limit: int
                    "disk_limit_from": str(disk_name) if on_disk else None,
                    "disk_limit_note": what_if if on_disk and what_if else (disk_name.overrides() or None)
                    if on_disk and isinstance(disk_name, FreeSpace) else None},
-        "margin": spec.search.margin, "trial_baseline_bytes": baseline, "disk_versions": disk_versions,
+        "margin": spec.search.margin, "trial_baseline_bytes": baseline, "disk_versions": state.recipe.disk_versions,
         "candidates": len(preds), "fitting": len(fitting),
         "configs": [{"config": c.knobs(), "peak_device_bytes": p.device, "peak_host_bytes": p.host,
                      "peak_disk_bytes": p.disk, "fits": p.fits, "over": p.over} for c, p in sorted(preds.items())],

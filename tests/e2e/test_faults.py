@@ -3,8 +3,8 @@
 never be stored and read back; a storm of large POSTs beside /healthz.
 
 One `sltune serve` with its embedded worker serves most of these, its data directory (the SQLite store and
-the traces) on a 20 MB tmpfs; its last test kills it. A `sltune worker` on PostgreSQL rides out restarts of
-the real server, restarted from inside the test."""
+the traces) on a 20 MB tmpfs; its last test kills it. A `sltune worker` on PostgreSQL rides out restarts of a
+real server, a private one the test starts and restarts (the shared one serves the other PostgreSQL tests)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ import psutil
 import pytest
 import yaml
 
+from tests.support.postgres import private_postgres
 from tests.support.servers import FAST_LEASES, Proc, Services, TOKEN, wait_for
 from tests.support.specs import tiny_spec
 
@@ -352,25 +353,15 @@ def test_serve_restarts_its_embedded_worker_then_exits_non_zero_when_it_keeps_dy
 
 
 # -- a PostgreSQL restart (1) ----------------------------------------------------------------------------------
-def restart_postgres(down_s: float = 1.5) -> float:
-    """Stop the cluster, keep it down for down_s (a bare restart is down for a quarter of a second on an idle
-    machine, which a pre-pinged pool can miss entirely), start it; the seconds until it accepts connections."""
-    if not Path("/etc/postgresql/15/main").is_dir() or shutil.which("pg_ctlcluster") is None:
-        pytest.skip("no local PostgreSQL 15 cluster to restart (/etc/postgresql/15/main, pg_ctlcluster)")
-    t0 = time.monotonic()
-    ctl = ["pg_ctlcluster", "--skip-systemctl-redirect", "--mode", "fast", "15", "main"]
-    try:
-        subprocess.run([*ctl, "stop"], check=True, capture_output=True, timeout=60)
-        time.sleep(down_s)
-    finally:
-        subprocess.run([*ctl, "start"], check=True, capture_output=True, timeout=60)
-    while subprocess.run(["pg_isready", "-q", "-h", "127.0.0.1", "-p", "5432"]).returncode != 0:
-        assert time.monotonic() - t0 < 60, "PostgreSQL did not come back"
-        time.sleep(0.1)
-    return time.monotonic() - t0
+@pytest.fixture
+def private_pg(pg_server_url):
+    """A PostgreSQL server of the test's own to restart (a PostgreSQL test: it runs where CI sets
+    SLTUNE_TEST_PG_URL); restarting the shared one broke the PostgreSQL tests running beside it."""
+    with private_postgres() as server:
+        yield server
 
 
-def test_a_worker_rides_out_postgresql_restarts_mid_job(pg_url, tmp_path):
+def test_a_worker_rides_out_postgresql_restarts_mid_job(private_pg, tmp_path):
     from sltune.service.validation import check
     from sltune.settings import Settings
     from sltune.store import Store
@@ -396,6 +387,7 @@ def test_a_worker_rides_out_postgresql_restarts_mid_job(pg_url, tmp_path):
                         time.sleep(0.2)
             return call
 
+    pg_url = private_pg.url
     store = Patient(pg_url)
     verdict = check(tiny_spec("restarts", trials=4, strategy="grid", trial_min_time_s=1.0), Settings())
     job_id = store.create_job(**verdict.job).id
@@ -412,7 +404,7 @@ def test_a_worker_rides_out_postgresql_restarts_mid_job(pg_url, tmp_path):
             while not any(t.number >= number and t.status == "running" for t in store.trials(job_id)):
                 assert time.monotonic() < deadline and worker.p.poll() is None, worker.output()[-3000:]
                 time.sleep(0.1)
-            outages.append(restart_postgres())
+            outages.append(private_pg.restart(down_s=1.5))
         deadline = time.monotonic() + 120
         while (job := store.job(job_id)).status in ("queued", "running"):
             assert time.monotonic() < deadline and worker.p.poll() is None, worker.output()[-3000:]

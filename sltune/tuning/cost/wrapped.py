@@ -50,14 +50,15 @@ Terms = list[tuple[str, int]]
 
 
 def terms(recipe: "Setup", c: "Candidate") -> tuple[Terms, Terms]:
-    """(device terms of one rank at its fuller moment, host terms of every rank together, without the device's on the
-    CPU) of a deepspeed or fsdp config. The device is taken at two moments of the step, and its peak is the larger:
-    the backward (what is held all step, what is gathered and one micro-batch's activations) and the optimizer step
-    (what is held, the gradients DeepSpeed's partitions collect, the state a torch optimizer makes at its first
-    step); the activations are gone by the step."""
-    held, backward, step, host = _states(recipe, c)
-    backward += _activations(recipe, c, host)
-    device = max(([*held, *backward], [*held, *step]), key=lambda ts: sum(n for _, n in ts))
+    """(device terms of one rank at its fullest moment, host terms of every rank together, without the device's on the
+    CPU) of a deepspeed or fsdp config. The device is taken at each moment of the step where the trials' allocations
+    peaked (bench/wrapped_anatomy.py names them), and its peak is the largest: the backward (what is held all step,
+    what is gathered and one micro-batch's activations), the backward's end where a backend holds one parameter's
+    gradient whole (the activations gone by then), and the optimizer step (what is held, the gradients, the state a
+    torch optimizer makes at its first step)."""
+    held, moments, host = _states(recipe, c)
+    moments[0] = [*moments[0], *_activations(recipe, c, host)]
+    device = max(([*held, *moment] for moment in moments), key=lambda ts: sum(n for _, n in ts))
     if not recipe.on_cpu:
         host.append(("the model in float32 every rank builds before the wrapper takes it",
                      recipe.world_size * 4 * recipe.shape.param_bytes // recipe.shape.itemsize))
@@ -65,10 +66,9 @@ def terms(recipe: "Setup", c: "Candidate") -> tuple[Terms, Terms]:
 
 
 def model_states(recipe: "Setup", c: "Candidate") -> tuple[Terms, Terms]:
-    """The model states alone, every one at once (one rank's device, every rank's host): what DeepSpeed's estimators
-    count, their gpu_mem and cpu_mem."""
-    held, backward, step, host = _states(recipe, c)
-    return [*held, *backward, *step], host
+    """The model states alone, every one at once (one rank's device, every rank's host)."""
+    held, moments, host = _states(recipe, c)
+    return [*held, *(t for moment in moments for t in moment)], host
 
 
 def nvme_files(recipe: "Setup", c: "Candidate") -> Terms:
@@ -87,16 +87,23 @@ def nvme_files(recipe: "Setup", c: "Candidate") -> Terms:
     return files
 
 
-def _states(recipe: "Setup", c: "Candidate") -> tuple[Terms, Terms, Terms, Terms]:
+def _states(recipe: "Setup", c: "Candidate") -> tuple[Terms, list[Terms], Terms]:
+    """(held all step, the moments' own terms (the backward's first), the host's)."""
     return (_deepspeed if c.backend == "deepspeed" else _fsdp)(recipe, c)
 
 
-def _deepspeed(recipe: "Setup", c: "Candidate") -> tuple[Terms, Terms, Terms, Terms]:
-    """(held all step, the backward's, the optimizer step's, the host's) terms of a DeepSpeed config: its estimators'
-    model states. DeepSpeed makes its master partitions and the optimizer's state when it starts, so they are held
-    all step; the gradients fill their partitions (in dtype, and a float32 copy under bfloat16 or float16) as the
-    backward reduces them, which trials on llama-tiny measured beside the activations as the larger of the two
-    (ZeRO-2 without offload: equal at b=1, 1% below at b=4)."""
+NORM_CHUNK = 250_000_000    # ZeRO-3 takes a gradient's norm in chunks of this many values (_constant_buffered_norm2)
+
+
+def _deepspeed(recipe: "Setup", c: "Candidate") -> tuple[Terms, list[Terms], Terms]:
+    """A DeepSpeed config's terms, as its trials allocate them (bench/wrapped_anatomy.py, a qwen2 shape in bfloat16):
+    the weights in dtype (every rank's at ZeRO-2, a 1/W shard at ZeRO-3), and sharded over the W ranks the float32
+    master and the optimizer's state, held all step; the gradient partitions in dtype at the backward's end, and in
+    float32 at the step (ZeRO-2 copies them to float32 there, ZeRO-3 reduces into float32 at once). With the optimizer
+    offloaded, master, state and float32 gradients are in host memory, and the device's fullest moment is the
+    backward's end: DeepSpeed takes each gradient's norm in float64 (its get_norm_dtype) before offloading it, so the
+    largest parameter's gradient (a tied embedding's, summed from both its uses) is held whole in dtype beside a
+    float64 copy of its partition. ZeRO-3 gathers module by module: the largest module's weights and gradients."""
     shape, world = recipe.shape, max(1, recipe.world_size)
     count, e = shape.param_bytes // shape.itemsize, shape.itemsize
     state = recipe.optimizer.state_bytes_per_param(4)       # DeepSpeed steps float32 partitions
@@ -105,15 +112,11 @@ def _deepspeed(recipe: "Setup", c: "Candidate") -> tuple[Terms, Terms, Terms, Te
     backward: Terms = []
     step: Terms = []
     host: Terms = []
+    largest = max((*shape.layer_numels, *shape.embed_numels, *shape.head_numels, *shape.tied_numels),
+                  default=shape.layer_bytes // e)
     partitions = [("float32 master partitions", 4 * count), (f"{recipe.optimizer.name} state (float32)", state * count)]
-    # ZeRO-2 reduces into partitions in dtype and copies them to float32 for the step; ZeRO-3 into float32 at once
-    grads = ([(f"{shape.dtype} gradient partitions", e * count)] if e != 4 and c.zero_stage != 3 else []) + \
-        [("float32 gradient partitions", 4 * count)]
+    grads = [(f"{shape.dtype} gradient partitions", e * count)] if e != 4 and c.zero_stage != 3 else []
     if c.zero_stage == 3:
-        # ZeRO-3 gathers module by module: the largest one's weights and gradients (their 4 x largest_layer_params,
-        # the most values one module holds: a parameter tensor here, as a transformers model has no biases to add)
-        largest = max((*shape.layer_numels, *shape.embed_numels, *shape.head_numels, *shape.tied_numels),
-                      default=shape.layer_bytes // e)
         backward.append(("the largest module gathered, weights and gradients", 2 * e * largest))
         if c.offload_param == "none":
             held.append((f"{weights} (ZeRO-3 shards)", -(-e * count // world)))
@@ -121,34 +124,56 @@ def _deepspeed(recipe: "Setup", c: "Candidate") -> tuple[Terms, Terms, Terms, Te
             host.append((f"{weights} (ZeRO-3 shards, offloaded)", e * count))
     else:
         held.append((f"{weights} (every rank a copy)", e * count))
+    moments = [backward]
     if c.offload_optimizer == "cpu":        # every rank's partitions and float32 gradients (16 bytes with Adam)
-        host += [(f"{what} (offloaded)", n) for what, n in partitions + grads[-1:]]     # (nvme's: files)
-    elif c.offload_optimizer == "none":
+        host += [(f"{what} (offloaded)", n) for what, n in [*partitions, ("float32 gradient partitions", 4 * count)]]
+    if c.offload_optimizer != "none":       # (nvme's: files)
+        part = -(-largest // world)
+        part = min(part, NORM_CHUNK) if c.zero_stage == 3 else part
+        moments.append([("the largest parameter's gradient", e * largest),
+                        ("its partition in float64 for the gradient norm", 8 * part)])
+    else:       # the dtype partitions fill as the backward frees its activations: full at its end
         held += [(f"{what} (ZeRO shards)", -(-n // world)) for what, n in partitions]
-        step += [(f"{what} (ZeRO shards)", -(-n // world)) for what, n in grads]
-    return held, backward, step, host
+        if grads:
+            moments.append([(f"{what} (ZeRO shards)", -(-n // world)) for what, n in grads])
+        step.append(("float32 gradient partitions (ZeRO shards)", -(-4 * count // world)))
+        moments.append(step)
+    return held, moments, host
 
 
-def _fsdp(recipe: "Setup", c: "Candidate") -> tuple[Terms, Terms, Terms, Terms]:
-    """(held all step, the backward's, the optimizer step's, the host's) terms of an FSDP2 config: float32 shards, and
-    the gathered weights in the compute dtype."""
+def _fsdp(recipe: "Setup", c: "Candidate") -> tuple[Terms, list[Terms], Terms]:
+    """An FSDP2 config's terms, as its trials allocate them (bench/wrapped_anatomy.py): float32 shards of the weights,
+    gradients and optimizer state (in host memory under cpu_offload), the root's weights (embedding, head) gathered
+    in the compute dtype for the whole step, the decoder layers' gathered while they compute (two, the next one
+    prefetched; every one from its forward to its backward when reshard_after_forward is false), and at the
+    backward's end under cpu_offload the largest group's reduce-scatter output in float32 before its copy to the host. FSDP2 frees
+    a gathered weight by resizing its storage to nothing, which only CUDA's allocator sees: on the CPU the layers'
+    gathered weights count all step. Under cpu_offload on the CPU the float32 gradient shards it copies to the host
+    each step are allocations of the step, so the device counts them (CUDA's pinned host memory would not)."""
     shape, world = recipe.shape, max(1, recipe.world_size)
     count, e = shape.param_bytes // shape.itemsize, shape.itemsize
     compute = 2 if shape.dtype == "bfloat16" else 4          # MixedPrecisionPolicy(bfloat16), else float32
     state = (f"{recipe.optimizer.name} state (float32 shards)", recipe.optimizer.state_bytes_per_param(4) * count)
     shards = [("float32 weight shards", 4 * count), ("float32 gradient shards", 4 * count)]
-    root = (shape.embed_bytes + shape.head_bytes + shape.tied_bytes) // e * compute
+    root_numel = (shape.embed_bytes + shape.head_bytes + shape.tied_bytes) // e
     layer = shape.layer_bytes // e
     gathered = 2 * layer * compute if c.reshard_after_forward is not False else shape.layers * layer * compute
     kept = "" if c.reshard_after_forward is not False else ", every one from its forward to its backward"
-    backward: Terms = [("the root's weights gathered (embedding, head)", root),
-                       (f"decoder layers' weights gathered{kept}", gathered),
-                       ("one layer's unsharded float32 gradients", 4 * layer)]
-    if c.cpu_offload:
-        return [], backward, [], [(f"{what} (cpu_offload)", n) for what, n in [*shards, state]]
+    held: Terms = [("the root's weights gathered (embedding, head)", root_numel * compute)]
+    layers = (f"decoder layers' weights gathered{kept}", gathered)
+    backward: Terms = [] if recipe.on_cpu else [layers]
+    held += [layers] if recipe.on_cpu else []
     (weights, w), (grads, g) = shards
-    return [(weights, -(-w // world))], [*backward, (grads, -(-g // world))], \
-        [(grads, -(-g // world)), (state[0], -(-state[1] // world))], []
+    if c.cpu_offload:
+        end: Terms = [("the largest group's reduce-scatter output (float32)", 4 * -(-max(layer, root_numel) // world))]
+        host = [(f"{what} (cpu_offload)", n) for what, n in [*shards, state]]
+        if recipe.on_cpu:       # copied to the host during the step: the device's allocations on the CPU
+            host = [t for t in host if not t[0].startswith(grads)]
+            end.append((f"{grads} (cpu_offload, copied in the step)", g))
+        return held, [backward, end], host
+    held.append((weights, -(-w // world)))
+    step = [(grads, -(-g // world)), (state[0], -(-state[1] // world))]
+    return held, [backward, step], []
 
 
 def _activations(recipe: "Setup", c: "Candidate", host: Terms) -> Terms:

@@ -8,6 +8,10 @@ The model: qwen2-0.5b's widths (hidden 896, 14 heads, 2 KV heads, MLP 4864, voca
 --layers decoder layers, bfloat16 with float32 masters and AdamW, one rank: its tied embedding holds 82% of the
 parameters at 2 layers, as it holds 28% of the whole model's, so a term proportional to the largest parameter shows.
 Figures are bytes per parameter; the prior's is sltune's own (sltune.tuning.cost.wrapped), from the shape alone.
+Known gap: FSDP2 without cpu_offload fails here ("Attempted to access the data pointer on an invalid python storage",
+in AdamW's first zeros_like) while the same config's trial runs; its rows print "failed". The bench's weak references
+to the storages it names are the suspect; its figures (17.98 B/param, 4 resident) came from an earlier version of
+this script that read the tracker's own table of live storages.
 """
 
 from __future__ import annotations

@@ -1,20 +1,13 @@
 """The prior of a wrapped backend's config (DeepSpeed ZeRO, PyTorch FSDP2): its peaks from the model's shape before
 any trial, term by term, as sltune.tuning.cost.prior gives SpeedLoader's.
 
-DeepSpeed's model states are its own estimators' formulas (deepspeed.runtime.zero.stage_1_and_2.
-estimate_zero2_model_states_mem_needs and stage3.estimate_zero3_model_states_mem_needs, which the *_all_live
-functions call with the model's parameter count), written out here so that admitting a spec needs neither
-DeepSpeed nor a model: per parameter, the weights in dtype (every rank's copy at ZeRO-2, a 1/W shard at ZeRO-3),
-and sharded over the W ranks the gradients (in dtype, at ZeRO-2, and their float32 partition), the float32 master
-partition and the optimizer's state. With float16 and AdamW that is their 2 + 18/W bytes (ZeRO-2) and 4 x the
-largest module + 18/W (ZeRO-3, the gathered module's weights and gradients); offload_optimizer moves the master,
-float32 gradients and state (their 16 bytes) to host memory, offload_param ZeRO-3's weight shards (18). Their
-`additional_buffer_factor` (1.5 on the host) is a safety factor, not a term: left out. Under float32 there is no
-separate dtype gradient: the float32 partition is it. FSDP2's are the same kinds of bytes, from its design: float32
-shards of the weights, gradients and optimizer state (on the host under cpu_offload), the root's weights (embedding,
-head) gathered for the whole step, and each decoder layer's gathered while it computes (two with the next one
-prefetched; every layer from its forward to its backward when reshard_after_forward is false) with its unsharded
-float32 gradients in its backward.
+The terms are what the backends' trials allocate, found by bench/wrapped_anatomy.py (the allocations alive at each
+trial's measured peak, by the line that made them), not DeepSpeed's estimators, which count the model states all at
+once and miss the largest term under optimizer offload. The device is taken at each moment where a trial's
+allocations peaked, and its peak is the fullest moment's: the backward (what is held all step, what is gathered and
+one micro-batch's activations), the backward's end (the gradients, the activations gone) and the optimizer step.
+_deepspeed and _fsdp say which bytes each holds at each moment; written out here so that admitting a spec needs
+neither DeepSpeed nor a model.
 
 Activations, one micro-batch of b rows (sltune.tuning.cost.footprint, traced as for SpeedLoader's groups of one
 layer): activation checkpointing keeps every decoder layer's input, and the backward holds the larger of one layer's
@@ -22,18 +15,15 @@ recompute and backward and the head and loss (the logits in dtype, their float32
 activations offload (save_on_cpu) puts every layer's saved tensors in host memory instead. The host holds the trial
 process, and the model in float32 that every rank builds before the wrapper takes it (on the CPU that is the
 device's memory, counted there). On the CPU the device is host memory: its peak, every rank's, is on the host too.
-
-Left out, so a trial measures more than this (the fits correct for it): the wrappers' buffers (DeepSpeed's reduce
-bucket of hidden^2 values and ZeRO-3's prefetch bucket, FSDP2's all-gather and reduce-scatter staging, a second
-module or layer gathered ahead), allocator slack, nvme's pinned swap buffers in host memory, and the CUDA context.
 nvme's files are disk (nvme_files, held to hardware.disk_limit as SpeedLoader's disk tier is): every rank's float32
 master, optimizer state and gradient partitions under offload_optimizer nvme, the weight shards in dtype under
-offload_param nvme. On llama-tiny on the CPU (b 1 and 4, N 2) FSDP's and ZeRO-2 with
-offload_optimizer's trials measured 4-98% above these device figures (the most: FSDP2's cpu_offload at b=1), ZeRO-2
-without offload within 1%; ZeRO-3's measured 16 bytes per parameter whatever b, the CPU device's tracker seeing
-neither its gradient partitions nor its activations, so there the prior is the higher (7-54%): a refusal on the
-CPU's device limit under ZeRO-3 can be of a config that would have run. The host's process term is a SpeedLoader
-trial's (sltune.tuning.cost.baseline): DeepSpeed's trial processes held some 80 MiB more, its import.
+offload_param nvme.
+
+Measured on a qwen2 shape (2 layers, bfloat16 with float32 masters, seq 128, b 1 and 4) on the CPU: the device prior
+is within 4% of 14 of its 16 wrapped trials. Over them are ZeRO-3 without optimizer offload at b=4 (22-25%): a trial
+measures its first step, before AdamW's state exists, and the prior's backward holds that state beside the
+activations, as every later step does. The host prior is 8-22% under those trials (DeepSpeed's process holds more than
+a SpeedLoader trial's, and the float32 model every rank builds is not counted on the CPU): the fits correct it.
 """
 
 from __future__ import annotations
@@ -143,13 +133,13 @@ def _deepspeed(recipe: "Setup", c: "Candidate") -> tuple[Terms, list[Terms], Ter
 
 def _fsdp(recipe: "Setup", c: "Candidate") -> tuple[Terms, list[Terms], Terms]:
     """An FSDP2 config's terms, as its trials allocate them (bench/wrapped_anatomy.py): float32 shards of the weights,
-    gradients and optimizer state (in host memory under cpu_offload), the root's weights (embedding, head) gathered
-    in the compute dtype for the whole step, the decoder layers' gathered while they compute (two, the next one
-    prefetched; every one from its forward to its backward when reshard_after_forward is false), and at the
-    backward's end under cpu_offload the largest group's reduce-scatter output in float32 before its copy to the host. FSDP2 frees
-    a gathered weight by resizing its storage to nothing, which only CUDA's allocator sees: on the CPU the layers'
-    gathered weights count all step. Under cpu_offload on the CPU the float32 gradient shards it copies to the host
-    each step are allocations of the step, so the device counts them (CUDA's pinned host memory would not)."""
+    gradients and optimizer state (in host memory under cpu_offload), the root's weights (embedding, head) gathered in
+    the compute dtype for the whole step, the decoder layers' gathered while they compute (two, the next one prefetched;
+    every one from its forward to its backward when reshard_after_forward is false), and at the backward's end under
+    cpu_offload the largest group's reduce-scatter output in float32 before its copy to the host. FSDP2 frees a gathered
+    weight by resizing its storage to nothing, which only CUDA's allocator sees: on the CPU the layers' gathered weights
+    count all step. Under cpu_offload on the CPU the float32 gradient shards it copies to the host each step are
+    allocations of the step, so the device counts them (CUDA's pinned host memory would not)."""
     shape, world = recipe.shape, max(1, recipe.world_size)
     count, e = shape.param_bytes // shape.itemsize, shape.itemsize
     compute = 2 if shape.dtype == "bfloat16" else 4          # MixedPrecisionPolicy(bfloat16), else float32

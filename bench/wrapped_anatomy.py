@@ -2,16 +2,20 @@
 config, on the trial's own CPU allocation tracker, with the allocations alive at its peak grouped by the op and the
 line that made them; beside each, the prior's device peak for the same config.
 
-    DS_ACCELERATOR=cpu python bench/wrapped_anatomy.py [--layers 2] [--seq-len 128] [--sub-batch-sizes 1,4]
+    DS_ACCELERATOR=cpu python bench/wrapped_anatomy.py [--model qwen2|PRESET] [--layers 2] [--dtype bfloat16]
+                                                      [--seq-len 128] [--sub-batch-sizes 1,4]
 
-The model: qwen2-0.5b's widths (hidden 896, 14 heads, 2 KV heads, MLP 4864, vocab 151936, tied embeddings) at
---layers decoder layers, bfloat16 with float32 masters and AdamW, one rank: its tied embedding holds 82% of the
-parameters at 2 layers, as it holds 28% of the whole model's, so a term proportional to the largest parameter shows.
-Figures are bytes per parameter; the prior's is sltune's own (sltune.tuning.cost.wrapped), from the shape alone.
+The default model: qwen2-0.5b's widths (hidden 896, 14 heads, 2 KV heads, MLP 4864, vocab 151936, tied embeddings) at
+--layers decoder layers, in --dtype with float32 masters and AdamW, one rank, one micro-batch of b rows: its tied
+embedding holds 82% of the parameters at 2 layers (28% of the whole model's), so a term proportional to the largest
+parameter shows. --model llama-tiny (or another preset) runs that model instead. Figures are bytes per parameter; the
+prior's is sltune's own (sltune.tuning.cost.wrapped), from the shape alone. The step measured is the first, as a
+trial measures it: before AdamW's state exists.
+
 Known gap: FSDP2 without cpu_offload fails here ("Attempted to access the data pointer on an invalid python storage",
-in AdamW's first zeros_like) while the same config's trial runs; its rows print "failed". The bench's weak references
-to the storages it names are the suspect; its figures (17.98 B/param, 4 resident) came from an earlier version of
-this script that read the tracker's own table of live storages.
+in AdamW's first zeros_like) while the same config's trial runs; its rows print "failed". The bench's own calls to
+untyped_storage() on the ops' outputs are the suspect; its figures (17.98 B/param, 4 resident on the default model)
+came from an earlier version of this script that read the tracker's own table of live storages.
 """
 
 from __future__ import annotations
@@ -70,13 +74,13 @@ class Anatomy(CpuAllocationTracker):
         return out
 
 
-def prior_device(backend: str, b: int, knobs: dict, hf: dict, seq_len: int) -> int:
+def prior_device(backend: str, b: int, knobs: dict, model: str | dict, dtype: str, seq_len: int) -> int:
     from sltune.tuning.cost.admission import load
     from sltune.tuning.cost.prior import predict
 
-    search = {"backend": backend, "sub_batch_size": b, "num_sub_batches": 1,
-              backend: {k: v for k, v in knobs.items()}}
-    spec = {"name": "anatomy", "model": {"hf_config": hf, "dtype": "bfloat16", "mixed_precision": True},
+    search = {"backend": backend, "sub_batch_size": b, "num_sub_batches": 1, backend: dict(knobs)}
+    source = {"hf_config": model} if isinstance(model, dict) else {"preset": model}
+    spec = {"name": "anatomy", "model": {**source, "dtype": dtype, "mixed_precision": True},
             "workload": {"seq_len": seq_len}, "search": search}
     admit = load(spec)
     full = {"offload_optimizer": "none", "offload_param": "none"} if backend == "deepspeed" else {}
@@ -85,22 +89,26 @@ def prior_device(backend: str, b: int, knobs: dict, hf: dict, seq_len: int) -> i
     return predict(admit.setup, candidate).device
 
 
-def one(backend: str, knobs: dict, b: int, layers: int, seq_len: int) -> None:
+def qwen_shape(layers: int) -> dict:
+    """qwen2-0.5b's widths at `layers` decoder layers: an inline config."""
+    return {"model_type": "qwen2", "hidden_size": 896, "intermediate_size": 4864, "num_attention_heads": 14,
+            "num_key_value_heads": 2, "num_hidden_layers": layers, "vocab_size": 151936,
+            "tie_word_embeddings": True, "max_position_embeddings": 512}
+
+
+def one(backend: str, knobs: dict, b: int, model: str | dict, dtype: str, seq_len: int) -> None:
     """One config's step and its anatomy, printed (a process of its own: DeepSpeed keeps its process group)."""
-    hf = {"model_type": "qwen2", "hidden_size": 896, "intermediate_size": 4864, "num_attention_heads": 14,
-          "num_key_value_heads": 2, "num_hidden_layers": layers, "vocab_size": 151936,
-          "tie_word_embeddings": True, "max_position_embeddings": 512}
     base.device_monitor = lambda device, limit: Anatomy(limit, str(device))
-    spec = TrialSpec(model=hf, dtype="bfloat16", mixed_precision=True, seq_len=seq_len,
+    spec = TrialSpec(model=model, dtype=dtype, mixed_precision=True, seq_len=seq_len,
                      sub_batch_size=b, num_sub_batches=1, backend=backend, **knobs)
     trial = build(backend, TrainingSpec.of(spec))
     resident = trial.device_resident_bytes()
-    result = trial.step(torch.randint(0, 1000, (b, seq_len)))
+    result = trial.step(torch.randint(0, 64, (b, seq_len)))
     count = sum(getattr(p, "ds_numel", p.numel()) for p in trial.model.parameters())
     groups: collections.Counter[str] = collections.Counter()
     for what, n in trial.memory.at_peak:
         groups[what] += n
-    prior = prior_device(backend, b, knobs, hf, seq_len)
+    prior = prior_device(backend, b, knobs, model, dtype, seq_len)
     print(f"{backend} b={b} {knobs}: measured {result.peak_device_bytes / count:.2f} B/param "
           f"(resident {resident / count:.2f}), prior {prior / count:.2f} "
           f"({100 * (prior / result.peak_device_bytes - 1):+.1f}%)", flush=True)
@@ -112,19 +120,24 @@ def one(backend: str, knobs: dict, b: int, layers: int, seq_len: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="qwen2", help="qwen2 (its widths at --layers) or a preset, e.g. llama-tiny")
     ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--sub-batch-sizes", default="1,4")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    model = qwen_shape(args.layers) if args.model == "qwen2" else args.model
     if args.one:
         backend, knobs, b = json.loads(args.one)
-        return one(backend, knobs, b, args.layers, args.seq_len)
+        return one(backend, knobs, b, model, args.dtype, args.seq_len)
+    print(f"model {args.model} ({args.layers} layers)" if args.model == "qwen2" else f"model {args.model}",
+          f"{args.dtype}, seq {args.seq_len}; bytes per parameter", flush=True)
     for backend, knobs in CONFIGS:
         for b in (int(x) for x in args.sub_batch_sizes.split(",")):
-            run = subprocess.run([sys.executable, __file__, "--layers", str(args.layers), "--seq-len",
-                                  str(args.seq_len), "--one", json.dumps([backend, knobs, b])],
-                                 capture_output=True, text=True)
+            run = subprocess.run([sys.executable, __file__, "--model", args.model, "--layers", str(args.layers),
+                                  "--dtype", args.dtype, "--seq-len", str(args.seq_len),
+                                  "--one", json.dumps([backend, knobs, b])], capture_output=True, text=True)
             lines = [x for x in run.stdout.splitlines() if x.startswith((backend, "    "))]
             print("\n".join(lines) if run.returncode == 0 else f"{backend} b={b} {knobs}: failed\n"
                   + run.stderr[-2000:], flush=True)

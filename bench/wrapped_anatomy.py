@@ -3,14 +3,14 @@ config, on the trial's own CPU allocation tracker, with the allocations alive at
 line that made them; beside each, the prior's device peak for the same config.
 
     DS_ACCELERATOR=cpu python bench/wrapped_anatomy.py [--model qwen2|PRESET] [--layers 2] [--dtype bfloat16]
-                                                      [--seq-len 128] [--sub-batch-sizes 1,4]
+                                                      [--seq-len 128] [--sub-batch-sizes 1,4] [--num-sub-batches 1]
 
 The default model: qwen2-0.5b's widths (hidden 896, 14 heads, 2 KV heads, MLP 4864, vocab 151936, tied embeddings) at
---layers decoder layers, in --dtype with float32 masters and AdamW, one rank, one micro-batch of b rows: its tied
+--layers decoder layers, in --dtype with float32 masters and AdamW, one rank, N micro-batches of b rows: its tied
 embedding holds 82% of the parameters at 2 layers (28% of the whole model's), so a term proportional to the largest
 parameter shows. --model llama-tiny (or another preset) runs that model instead. Figures are bytes per parameter; the
-prior's is sltune's own (sltune.tuning.cost.wrapped), from the shape alone. The step measured is the first, as a
-trial measures it: before AdamW's state exists.
+prior's is sltune's own (sltune.tuning.cost.wrapped), from the shape alone. Each step a trial measures is shown: the
+first makes AdamW's state, the second holds it; the trial's figure is the larger.
 
 Known gap: FSDP2 without cpu_offload fails here ("Attempted to access the data pointer on an invalid python storage",
 in AdamW's first zeros_like) while the same config's trial runs; its rows print "failed". The bench's own calls to
@@ -74,11 +74,11 @@ class Anatomy(CpuAllocationTracker):
         return out
 
 
-def prior_device(backend: str, b: int, knobs: dict, model: str | dict, dtype: str, seq_len: int) -> int:
+def prior_device(backend: str, b: int, n: int, knobs: dict, model: str | dict, dtype: str, seq_len: int) -> int:
     from sltune.tuning.cost.admission import load
     from sltune.tuning.cost.prior import predict
 
-    search = {"backend": backend, "sub_batch_size": b, "num_sub_batches": 1, backend: dict(knobs)}
+    search = {"backend": backend, "sub_batch_size": b, "num_sub_batches": n, backend: dict(knobs)}
     source = {"hf_config": model} if isinstance(model, dict) else {"preset": model}
     spec = {"name": "anatomy", "model": {**source, "dtype": dtype, "mixed_precision": True},
             "workload": {"seq_len": seq_len}, "search": search}
@@ -96,25 +96,26 @@ def qwen_shape(layers: int) -> dict:
             "tie_word_embeddings": True, "max_position_embeddings": 512}
 
 
-def one(backend: str, knobs: dict, b: int, model: str | dict, dtype: str, seq_len: int) -> None:
+def one(backend: str, knobs: dict, b: int, n: int, model: str | dict, dtype: str, seq_len: int) -> None:
     """One config's step and its anatomy, printed (a process of its own: DeepSpeed keeps its process group)."""
     base.device_monitor = lambda device, limit: Anatomy(limit, str(device))
     spec = TrialSpec(model=model, dtype=dtype, mixed_precision=True, seq_len=seq_len,
-                     sub_batch_size=b, num_sub_batches=1, backend=backend, **knobs)
+                     sub_batch_size=b, num_sub_batches=n, backend=backend, **knobs)
     trial = build(backend, TrainingSpec.of(spec))
-    resident = trial.device_resident_bytes()
-    result = trial.step(torch.randint(0, 64, (b, seq_len)))
-    count = sum(getattr(p, "ds_numel", p.numel()) for p in trial.model.parameters())
-    groups: collections.Counter[str] = collections.Counter()
-    for what, n in trial.memory.at_peak:
-        groups[what] += n
-    prior = prior_device(backend, b, knobs, model, dtype, seq_len)
-    print(f"{backend} b={b} {knobs}: measured {result.peak_device_bytes / count:.2f} B/param "
-          f"(resident {resident / count:.2f}), prior {prior / count:.2f} "
-          f"({100 * (prior / result.peak_device_bytes - 1):+.1f}%)", flush=True)
-    for what, n in groups.most_common(6):
-        if n > 0.02 * count:
-            print(f"    {n / count:6.2f}  {what}", flush=True)
+    prior = prior_device(backend, b, n, knobs, model, dtype, seq_len)
+    for step in range(1, trial.measured_steps + 1):     # the first makes AdamW's state; the second holds it
+        resident = trial.device_resident_bytes()
+        result = trial.step(torch.randint(0, 64, (b * n, seq_len)))
+        count = sum(getattr(p, "ds_numel", p.numel()) for p in trial.model.parameters())
+        groups: collections.Counter[str] = collections.Counter()
+        for what, nbytes in trial.memory.at_peak:
+            groups[what] += nbytes
+        print(f"{backend} b={b} N={n} {knobs} step {step}: measured {result.peak_device_bytes / count:.2f} B/param "
+              f"(resident {resident / count:.2f}), prior {prior / count:.2f} "
+              f"({100 * (prior / result.peak_device_bytes - 1):+.1f}%)", flush=True)
+        for what, nbytes in groups.most_common(6):
+            if nbytes > 0.02 * count:
+                print(f"    {nbytes / count:6.2f}  {what}", flush=True)
     trial.close()
 
 
@@ -125,18 +126,20 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--sub-batch-sizes", default="1,4")
+    ap.add_argument("--num-sub-batches", type=int, default=1)
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
     model = qwen_shape(args.layers) if args.model == "qwen2" else args.model
     if args.one:
         backend, knobs, b = json.loads(args.one)
-        return one(backend, knobs, b, model, args.dtype, args.seq_len)
+        return one(backend, knobs, b, args.num_sub_batches, model, args.dtype, args.seq_len)
     print(f"model {args.model} ({args.layers} layers)" if args.model == "qwen2" else f"model {args.model}",
           f"{args.dtype}, seq {args.seq_len}; bytes per parameter", flush=True)
     for backend, knobs in CONFIGS:
         for b in (int(x) for x in args.sub_batch_sizes.split(",")):
             run = subprocess.run([sys.executable, __file__, "--model", args.model, "--layers", str(args.layers),
-                                  "--dtype", args.dtype, "--seq-len", str(args.seq_len),
+                                  "--dtype", args.dtype, "--seq-len", str(args.seq_len), "--num-sub-batches",
+                                  str(args.num_sub_batches),
                                   "--one", json.dumps([backend, knobs, b])], capture_output=True, text=True)
             lines = [x for x in run.stdout.splitlines() if x.startswith((backend, "    "))]
             print("\n".join(lines) if run.returncode == 0 else f"{backend} b={b} {knobs}: failed\n"

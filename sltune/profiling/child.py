@@ -164,7 +164,7 @@ def _run_train(spec: TrialSpec, backend, rank: int, setup: dict[str, Any]) -> tu
 
     peak_device = None
     step_one = None
-    for _ in range(spec.warmup_steps):
+    for _ in range(max(spec.warmup_steps, backend.measured_steps)):      # the steps that measure device memory
         res = backend.step(next(data))
         step_one = res.loss if step_one is None else step_one
         peak_device = res.peak_device_bytes if peak_device is None else max(peak_device, res.peak_device_bytes or 0)

@@ -40,7 +40,8 @@ class TrialSpec(RuntimeKnobs, CheckedBackendKnobs):
     max_steps: int = Field(100, ge=1, description="timed steps at most while calibrating to min_time_s")
     remeasure: int = Field(1, ge=0, description="more rounds allowed when a round is unstable")
     cpu_threads: int | None = Field(None, ge=1, description="torch intra-op threads; None: all cores")
-    warmup_steps: int = Field(1, ge=1, description="untimed steps first; the first measures device memory")
+    warmup_steps: int = Field(1, ge=1, description="untimed steps first; the first measures device memory (a "
+                              "wrapped backend's first two: its optimizer makes its state at the first)")
     profile: bool = True
     trace_path: str | None = None
     timeout_s: float = Field(600.0, gt=0)

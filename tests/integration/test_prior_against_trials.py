@@ -1,5 +1,7 @@
 """The prior, which sees no trial, within 10% of what one real trial per case measures."""
 
+import importlib.util
+
 import pytest
 
 from sltune.profiling import run_trial
@@ -46,5 +48,33 @@ def test_the_prior_is_within_ten_percent_of_what_a_trial_measures(case, tmp_path
     result = run_trial(spec)
     assert result.status == "ok", result.error
     assert prior.host == pytest.approx(result.peak_host_bytes, rel=0.10), (prior.host_terms, result.peak_host_bytes)
+    assert prior.device == pytest.approx(result.peak_device_bytes, rel=0.10), (prior.device_terms,
+                                                                             result.peak_device_bytes)
+
+
+# the wrapped backends on llama-small in bfloat16 with float32 masters, as a user tunes them: each issue #49 saw run
+# out of memory at full scale (ZeRO-2 and FSDP2 with their optimizers offloaded), the ZeRO-3 that ran, and the two
+# without offload
+WRAPPED = {
+    "zero2-offload-optimizer": dict(backend="deepspeed", zero_stage=2, offload_optimizer="cpu"),
+    "zero3": dict(backend="deepspeed", zero_stage=3),
+    "zero3-offload-both": dict(backend="deepspeed", zero_stage=3, offload_optimizer="cpu", offload_param="cpu"),
+    "fsdp": dict(backend="fsdp"),
+    "fsdp-cpu-offload": dict(backend="fsdp", cpu_offload=True),
+}
+
+
+@pytest.mark.parametrize("case", list(WRAPPED))
+def test_a_wrapped_backend_s_device_prior_is_within_ten_percent_of_its_trial(case):
+    """The device peak a DeepSpeed or FSDP2 trial measures (its first two steps: the second holds the optimizer's
+    state), within 10% of the prior's terms. Their host peaks are not held here: the prior is 16-28% under them
+    (the processes' imports and what the allocator keeps of their setup), which the fits correct."""
+    if WRAPPED[case]["backend"] == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("DeepSpeed is not installed (bash scripts/install.sh backends)")
+    spec = TrialSpec(model="llama-small", dtype="bfloat16", sub_batch_size=2, num_sub_batches=2, seq_len=32, steps=1,
+                     min_time_s=0.0, max_steps=1, remeasure=0, profile=False, **WRAPPED[case])
+    prior = predict(Setup.of_trial(spec, shape_of(spec.model, spec.dtype)), Candidate.from_knobs(spec.knobs()))
+    result = run_trial(spec)
+    assert result.status == "ok", result.error
     assert prior.device == pytest.approx(result.peak_device_bytes, rel=0.10), (prior.device_terms,
                                                                              result.peak_device_bytes)

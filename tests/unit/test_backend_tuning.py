@@ -222,10 +222,11 @@ def test_a_speedloader_only_spec_s_optuna_parameters_are_unchanged(search):
                                                (3, "cpu", "none"), (3, "cpu", "cpu")])
 def test_the_deepspeed_prior_holds_what_its_trials_allocate(stage, opt, param):
     """float16 with AdamW over 2 ranks: the terms bench/wrapped_anatomy.py found in DeepSpeed's trials. Held all step:
-    the weights in dtype (a copy each at ZeRO-2, a 1/W shard at ZeRO-3) and, unless offloaded, the float32 master
-    and Adam's state (12 bytes, 1/W); the dtype gradient partitions at the backward's end (ZeRO-2) and the float32
-    ones at the step. With the optimizer offloaded, the backward's end holds the largest parameter's gradient whole
-    in dtype and a float64 copy of its partition (the gradient norm DeepSpeed takes before offloading it)."""
+    the weights in dtype (a copy each at ZeRO-2, a 1/W shard at ZeRO-3) and, unless offloaded, the float32 master and
+    Adam's state (12 bytes, 1/W); at the step the float32 gradient partitions, the dtype ones flattened for that copy
+    and ZeRO-2's averaged dtype ones. With the optimizer offloaded, the backward's end holds the largest parameter's
+    gradient whole in dtype and a float64 copy of its partition (the gradient norm DeepSpeed takes before offloading
+    it)."""
     from sltune.tuning.cost.wrapped import model_states
 
     spec = parse({"backend": "deepspeed"}, model={"preset": "llama-tiny", "dtype": "float16"},
@@ -245,6 +246,7 @@ def test_the_deepspeed_prior_holds_what_its_trials_allocate(stage, opt, param):
         assert got["float32 master partitions (ZeRO shards)"] == 4 * count // world
         assert got["float32 gradient partitions (ZeRO shards)"] == 4 * count // world
         assert ("float16 gradient partitions (ZeRO shards)" in got) == (stage == 2)
+        assert got["float16 gradient partitions flattened for that copy"] == 2 * count // world
     assert got.get("the weights in float16 (ZeRO-3 shards)" if stage == 3 else
                    "the weights in float16 (every rank a copy)", 0) == (0 if param == "cpu" else weights)
     # the prior's device peak is one moment's: what is held, and the fullest of the backward, its end and the step

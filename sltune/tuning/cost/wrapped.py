@@ -19,11 +19,13 @@ nvme's files are disk (nvme_files, held to hardware.disk_limit as SpeedLoader's 
 master, optimizer state and gradient partitions under offload_optimizer nvme, the weight shards in dtype under
 offload_param nvme.
 
-Measured on a qwen2 shape (2 layers, bfloat16 with float32 masters, seq 128, b 1 and 4) on the CPU: the device prior
-is within 4% of 14 of its 16 wrapped trials. Over them are ZeRO-3 without optimizer offload at b=4 (22-25%): a trial
-measures its first step, before AdamW's state exists, and the prior's backward holds that state beside the
-activations, as every later step does. The host prior is 8-22% under those trials (DeepSpeed's process holds more than
-a SpeedLoader trial's, and the float32 model every rank builds is not counted on the CPU): the fits correct it.
+Measured (bench/wrapped_anatomy.py, and a grid of trials against `sltune plan`), a trial's device peak being the
+larger of its first two steps (the second holds AdamW's state, made at the first): on a qwen2 shape (2 layers,
+bfloat16 with float32 masters, seq 128, b 1 and 4, N 1) the device prior is within 8% of all 16 wrapped trials, and
+on llama-small (b 2, N 2) within 5% of the five tests/integration/test_prior_against_trials.py holds to 10%. In
+float32 on llama-tiny, whose activations and buffers outweigh its weights, it is up to 36% off. The host prior is
+up to 28% under these trials (DeepSpeed's process holds more than a SpeedLoader trial's, and what the allocator
+keeps of the setup and of freed gradients is not a term): the fits correct it.
 """
 
 from __future__ import annotations
@@ -88,12 +90,14 @@ NORM_CHUNK = 250_000_000    # ZeRO-3 takes a gradient's norm in chunks of this m
 def _deepspeed(recipe: "Setup", c: "Candidate") -> tuple[Terms, list[Terms], Terms]:
     """A DeepSpeed config's terms, as its trials allocate them (bench/wrapped_anatomy.py, a qwen2 shape in bfloat16):
     the weights in dtype (every rank's at ZeRO-2, a 1/W shard at ZeRO-3), and sharded over the W ranks the float32
-    master and the optimizer's state, held all step; the gradient partitions in dtype at the backward's end, and in
-    float32 at the step (ZeRO-2 copies them to float32 there, ZeRO-3 reduces into float32 at once). With the optimizer
-    offloaded, master, state and float32 gradients are in host memory, and the device's fullest moment is the
-    backward's end: DeepSpeed takes each gradient's norm in float64 (its get_norm_dtype) before offloading it, so the
-    largest parameter's gradient (a tied embedding's, summed from both its uses) is held whole in dtype beside a
-    float64 copy of its partition. ZeRO-3 gathers module by module: the largest module's weights and gradients."""
+    master and the optimizer's state, held all step; at the step, the float32 gradient partitions beside the dtype ones
+    flattened for that copy (and ZeRO-2's averaged dtype partitions). With the optimizer offloaded, master, state and
+    float32 gradients are in host memory, and the device's fullest moment is the backward's end: DeepSpeed takes each
+    gradient's norm in float64 (its get_norm_dtype) before offloading it, so the largest parameter's gradient (a tied
+    embedding's, summed from both its uses) is held whole in dtype beside a float64 copy of its partition. ZeRO-3
+    gathers module by module: the largest module's weights and gradients. Accumulating over micro-batches (N > 1),
+    ZeRO-2 under offload also holds a copy of every gradient larger than its reduce bucket until the step, and on the
+    CPU the device counts the host buffers it accumulates into."""
     shape, world = recipe.shape, max(1, recipe.world_size)
     count, e = shape.param_bytes // shape.itemsize, shape.itemsize
     state = recipe.optimizer.state_bytes_per_param(4)       # DeepSpeed steps float32 partitions
@@ -122,11 +126,25 @@ def _deepspeed(recipe: "Setup", c: "Candidate") -> tuple[Terms, list[Terms], Ter
         part = min(part, NORM_CHUNK) if c.zero_stage == 3 else part
         moments.append([("the largest parameter's gradient", e * largest),
                         ("its partition in float64 for the gradient norm", 8 * part)])
-    else:       # the dtype partitions fill as the backward frees its activations: full at its end
+        if c.zero_stage != 3 and c.n > 1:
+            # accumulating over micro-batches, ZeRO-2 holds a copy of every gradient larger than its reduce bucket
+            # (hidden^2 values, sltune.backends.export) until the step, and accumulates this rank's partition in
+            # buffers of host memory made at the first step: the CPU's device counts them, CUDA's does not
+            bucket = shape.hidden * shape.hidden
+            sizes = [*shape.layer_numels * shape.layers, *shape.embed_numels, *shape.head_numels,
+                     *shape.tied_numels]
+            held_over = [(f"the gradients larger than the reduce bucket, copied in {shape.dtype}",
+                          e * sum(n for n in sizes if n > bucket))]
+            if recipe.on_cpu:
+                held_over.append((f"the accumulation buffers of the partition's gradients ({shape.dtype}, host)",
+                                  -(-e * count // world)))
+            moments.append(held_over)
+    else:
         held += [(f"{what} (ZeRO shards)", -(-n // world)) for what, n in partitions]
-        if grads:
-            moments.append([(f"{what} (ZeRO shards)", -(-n // world)) for what, n in grads])
         step.append(("float32 gradient partitions (ZeRO shards)", -(-4 * count // world)))
+        if e != 4:      # the step copies flattened dtype partitions to float32 (ZeRO-2 keeps its averaged ones too)
+            step += [(f"{what} (ZeRO shards)", -(-n // world)) for what, n in grads]
+            step.append((f"{shape.dtype} gradient partitions flattened for that copy", -(-e * count // world)))
         moments.append(step)
     return held, moments, host
 
@@ -137,9 +155,10 @@ def _fsdp(recipe: "Setup", c: "Candidate") -> tuple[Terms, list[Terms], Terms]:
     the compute dtype for the whole step, the decoder layers' gathered while they compute (two, the next one prefetched;
     every one from its forward to its backward when reshard_after_forward is false), and at the backward's end under
     cpu_offload the largest group's reduce-scatter output in float32 before its copy to the host. FSDP2 frees a gathered
-    weight by resizing its storage to nothing, which only CUDA's allocator sees: on the CPU the layers' gathered weights
-    count all step. Under cpu_offload on the CPU the float32 gradient shards it copies to the host each step are
-    allocations of the step, so the device counts them (CUDA's pinned host memory would not)."""
+    weight by resizing its storage to nothing, which only CUDA's allocator sees: on the CPU every layer's gathered
+    weights count from their first use (a trial's first step). Under cpu_offload on the CPU the float32 gradient shards
+    it copies to the host each step are allocations of the step, so the device counts them (CUDA's pinned host memory
+    would not)."""
     shape, world = recipe.shape, max(1, recipe.world_size)
     count, e = shape.param_bytes // shape.itemsize, shape.itemsize
     compute = 2 if shape.dtype == "bfloat16" else 4          # MixedPrecisionPolicy(bfloat16), else float32
@@ -150,9 +169,10 @@ def _fsdp(recipe: "Setup", c: "Candidate") -> tuple[Terms, list[Terms], Terms]:
     gathered = 2 * layer * compute if c.reshard_after_forward is not False else shape.layers * layer * compute
     kept = "" if c.reshard_after_forward is not False else ", every one from its forward to its backward"
     held: Terms = [("the root's weights gathered (embedding, head)", root_numel * compute)]
-    layers = (f"decoder layers' weights gathered{kept}", gathered)
-    backward: Terms = [] if recipe.on_cpu else [layers]
-    held += [layers] if recipe.on_cpu else []
+    if recipe.on_cpu:       # each layer's gathered storage, freed by resize_(0), stays counted from its first use
+        held.append(("every decoder layer's weights gathered (the CPU's tracker sees no resize_(0))",
+                     shape.layers * layer * compute))
+    backward: Terms = [] if recipe.on_cpu else [(f"decoder layers' weights gathered{kept}", gathered)]
     (weights, w), (grads, g) = shards
     if c.cpu_offload:
         end: Terms = [("the largest group's reduce-scatter output (float32)", 4 * -(-max(layer, root_numel) // world))]

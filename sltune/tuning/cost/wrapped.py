@@ -9,15 +9,15 @@ one micro-batch's activations), the backward's end (the gradients, the activatio
 _deepspeed and _fsdp say which bytes each holds at each moment; written out here so that admitting a spec needs
 neither DeepSpeed nor a model.
 
-Activations, one micro-batch of b rows (sltune.tuning.cost.footprint, traced as for SpeedLoader's groups of one
-layer): activation checkpointing keeps every decoder layer's input, and the backward holds the larger of one layer's
-recompute and backward and the head and loss (the logits in dtype, their float32 upcast and its gradient);
-activations offload (save_on_cpu) puts every layer's saved tensors in host memory instead. The host holds the trial
-process, and the model in float32 that every rank builds before the wrapper takes it (on the CPU that is the
-device's memory, counted there). On the CPU the device is host memory: its peak, every rank's, is on the host too.
-nvme's files are disk (nvme_files, held to hardware.disk_limit as SpeedLoader's disk tier is): every rank's float32
-master, optimizer state and gradient partitions under offload_optimizer nvme, the weight shards in dtype under
-offload_param nvme.
+Activations, one micro-batch of b rows (sltune.tuning.cost.footprint, traced as for SpeedLoader's groups of one layer):
+activation checkpointing keeps every decoder layer's input, and the backward holds the larger of one layer's recompute
+and backward and the head and loss (the logits in dtype, their float32 upcast and its gradient); activations offload
+(save_on_cpu) puts every layer's saved tensors in host memory instead (on the CPU it copies nothing: unpinned, it keeps
+a CPU tensor as it is, so they stay the device's). The host holds the trial process, and the model in float32 that every
+rank builds before the wrapper takes it (on the CPU that is the device's memory, counted there). On the CPU the device
+is host memory: its peak, every rank's, is on the host too. nvme's files are disk (nvme_files, held to
+hardware.disk_limit as SpeedLoader's disk tier is): every rank's float32 master, optimizer state and gradient partitions
+under offload_optimizer nvme, the weight shards in dtype under offload_param nvme.
 
 Measured (bench/wrapped_anatomy.py, and a grid of trials against `sltune plan`), a trial's device peak being the
 larger of its first two steps (the second holds AdamW's state, made at the first): on a qwen2 shape (2 layers,
@@ -197,7 +197,9 @@ def _activations(recipe: "Setup", c: "Candidate", host: Terms) -> Terms:
     head = c.b * recipe.seq_len * shape.vocab * (shape.itemsize + 4 + 4)
     work = ("one layer's recompute and backward, or the head and loss", max(fp.backward, head))
     if c.activations == "offload":
-        host.append(("saved tensors of one micro-batch (activations offload)",
-                     recipe.world_size * (shape.layers * fp.saved + fp.saved_embed)))
+        saved = shape.layers * fp.saved + fp.saved_embed
+        if recipe.on_cpu:       # save_on_cpu moves nothing off the CPU: the saved tensors stay the device's
+            return [("saved tensors of one micro-batch (activations offload, already on the CPU)", saved), work]
+        host.append(("saved tensors of one micro-batch (activations offload)", recipe.world_size * saved))
         return [work]
     return [("every layer's checkpointed input", shape.layers * fp.hidden), work]

@@ -278,14 +278,14 @@ class WrappedBackend(Backend):
     def step(self, ids: torch.Tensor) -> StepResult:
         start = time.perf_counter()
         ids = ids.to(self.device)
-        first = self._shapes[tuple(ids.shape)] < self.measured_steps      # a step whose device peak is measured
+        measured = self._shapes[tuple(ids.shape)] < self.measured_steps   # a step whose device peak is measured
         self._shapes[tuple(ids.shape)] += 1
-        if first and self.device.type == "cpu":     # counted afresh: what an earlier step left is in the resident
+        if measured and self.device.type == "cpu":     # counted afresh: what an earlier step left is in the resident
             self.memory = device_monitor(self.device, self.spec.device_memory_limit)
-        resident = self.device_resident_bytes() if first and self.device.type == "cpu" else 0
+        resident = self.device_resident_bytes() if measured and self.device.type == "cpu" else 0
         self.memory.alloc(resident)
         try:
-            with step_region(), self.memory.tracking(first):
+            with step_region(), self.memory.tracking(measured):
                 losses = []
                 for i in range(self.n):
                     mb = ids[i * self.b:(i + 1) * self.b]
@@ -307,6 +307,6 @@ class WrappedBackend(Backend):
                 loss_value = float(total)
         finally:
             self.memory.free(resident)
-        peak = self.memory.peak if first else None
+        peak = self.memory.peak if measured else None
         return StepResult(loss=loss_value, tokens=ids.numel(), seconds=time.perf_counter() - start,
                           io=IOCounters(), peak_device_bytes=peak)

@@ -18,8 +18,8 @@ and `sltune plan` gives them with it.
 
 A job sweeping several backends (search.backend) is refused when any one of them has no config within every limit:
 the user asked to profile each, so a backend that could not run a single trial is said before any, named, with
-its answer (raising its limits, or dropping it from search.backend). A wrapped backend's prior is its estimators'
-(sltune.tuning.cost.wrapped), which says what it leaves out and how far trials measured from it.
+its answer (raising its limits, or dropping it from search.backend). A wrapped backend's prior is what its trials
+allocate (sltune.tuning.cost.wrapped), which says how far trials measured from it.
 
 Disk is the third resource: a host limit only disk configs meet is no refusal, they are the job's configs. The
 disk limit is hardware.disk_limit, or the free space where trials offload to when that is less or none was asked

@@ -280,9 +280,10 @@ class WrappedBackend(Backend):
         ids = ids.to(self.device)
         measured = self._shapes[tuple(ids.shape)] < self.measured_steps   # a step whose device peak is measured
         self._shapes[tuple(ids.shape)] += 1
+        resident = 0
         if measured and self.device.type == "cpu":     # counted afresh: what an earlier step left is in the resident
             self.memory = device_monitor(self.device, self.spec.device_memory_limit)
-        resident = self.device_resident_bytes() if measured and self.device.type == "cpu" else 0
+            resident = self.device_resident_bytes()
         self.memory.alloc(resident)
         try:
             with step_region(), self.memory.tracking(measured):

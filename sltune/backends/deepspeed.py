@@ -133,9 +133,9 @@ class DeepSpeedBackend(WrappedBackend):
         if not self.offload_param:
             for p in self.model.parameters():
                 params.append(p.ds_tensor if hasattr(p, "ds_tensor") else p)
-        state = [] if self.offload_optimizer else list(optimizer_tensors(self.basic_optimizer))
-        if not self.offload_optimizer:      # ZeRO-3's float32 master partitions, which its basic optimizer does not hold
-            state += list(getattr(self.engine.optimizer, "fp32_partitioned_groups_flat", []))
+        # the optimizer's tensors, and ZeRO-3's float32 master partitions, which its basic optimizer does not hold
+        state = [] if self.offload_optimizer else [*optimizer_tensors(self.basic_optimizer),
+                                                   *getattr(self.engine.optimizer, "fp32_partitioned_groups_flat", [])]
         return storage_bytes(params + state)
 
     def detail(self) -> dict[str, str]:

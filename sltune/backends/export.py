@@ -127,13 +127,19 @@ def model_facts(model: Any) -> ModelFacts:
 
 
 # -- DeepSpeed ----------------------------------------------------------------------------------------------------
+def reduce_bucket(hidden: int) -> int:
+    """DeepSpeed's reduce bucket in values, what transformers' integration fills in for "auto" (the wrapped prior
+    counts the gradients larger than it, which ZeRO-2 copies: sltune.tuning.cost.wrapped)."""
+    return hidden * hidden
+
+
 def ds_config(spec: TrainingSpec | Any, world: int, hidden: int) -> dict[str, Any]:
     """The DeepSpeed config for the spec's knobs, as a trial runs it (deepspeed_config adds what an exported file
     needs). Bucket sizes are what transformers' DeepSpeed integration fills in for "auto", from the hidden size:
     DeepSpeed's own defaults (5e8 elements) would allocate gigabytes for any model. A spec with `max_grad_norm` (a
     training job's) clips to it."""
     stage = spec.zero_stage or 2
-    zero: dict[str, Any] = {"stage": stage, "reduce_bucket_size": hidden * hidden}
+    zero: dict[str, Any] = {"stage": stage, "reduce_bucket_size": reduce_bucket(hidden)}
     if stage == 3:
         zero.update(stage3_prefetch_bucket_size=int(0.9 * hidden * hidden),
                     stage3_param_persistence_threshold=10 * hidden)

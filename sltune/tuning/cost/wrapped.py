@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from sltune.backends.export import reduce_bucket
 from sltune.tuning.cost.footprint import footprint
 
 if TYPE_CHECKING:
@@ -104,12 +105,10 @@ def _deepspeed(recipe: "Setup", c: "Candidate") -> tuple[Terms, list[Terms], Ter
     weights = f"the weights in {shape.dtype}"
     held: Terms = []
     backward: Terms = []
-    step: Terms = []
     host: Terms = []
-    largest = max((*shape.layer_numels, *shape.embed_numels, *shape.head_numels, *shape.tied_numels),
-                  default=shape.layer_bytes // e)
+    sizes = [*shape.layer_numels * shape.layers, *shape.embed_numels, *shape.head_numels, *shape.tied_numels]
+    largest = max(sizes, default=shape.layer_bytes // e)     # values of the largest parameter
     partitions = [("float32 master partitions", 4 * count), (f"{recipe.optimizer.name} state (float32)", state * count)]
-    grads = [(f"{shape.dtype} gradient partitions", e * count)] if e != 4 and c.zero_stage != 3 else []
     if c.zero_stage == 3:
         backward.append(("the largest module gathered, weights and gradients", 2 * e * largest))
         if c.offload_param == "none":
@@ -128,11 +127,9 @@ def _deepspeed(recipe: "Setup", c: "Candidate") -> tuple[Terms, list[Terms], Ter
                         ("its partition in float64 for the gradient norm", 8 * part)])
         if c.zero_stage != 3 and c.n > 1:
             # accumulating over micro-batches, ZeRO-2 holds a copy of every gradient larger than its reduce bucket
-            # (hidden^2 values, sltune.backends.export) until the step, and accumulates this rank's partition in
+            # (sltune.backends.export.reduce_bucket) until the step, and accumulates this rank's partition in
             # buffers of host memory made at the first step: the CPU's device counts them, CUDA's does not
-            bucket = shape.hidden * shape.hidden
-            sizes = [*shape.layer_numels * shape.layers, *shape.embed_numels, *shape.head_numels,
-                     *shape.tied_numels]
+            bucket = reduce_bucket(shape.hidden)
             held_over = [(f"the gradients larger than the reduce bucket, copied in {shape.dtype}",
                           e * sum(n for n in sizes if n > bucket))]
             if recipe.on_cpu:
@@ -141,10 +138,12 @@ def _deepspeed(recipe: "Setup", c: "Candidate") -> tuple[Terms, list[Terms], Ter
             moments.append(held_over)
     else:
         held += [(f"{what} (ZeRO shards)", -(-n // world)) for what, n in partitions]
-        step.append(("float32 gradient partitions (ZeRO shards)", -(-4 * count // world)))
+        step = [("float32 gradient partitions (ZeRO shards)", -(-4 * count // world))]
         if e != 4:      # the step copies flattened dtype partitions to float32 (ZeRO-2 keeps its averaged ones too)
-            step += [(f"{what} (ZeRO shards)", -(-n // world)) for what, n in grads]
-            step.append((f"{shape.dtype} gradient partitions flattened for that copy", -(-e * count // world)))
+            dtype_partitions = -(-e * count // world)
+            if c.zero_stage != 3:
+                step.append((f"{shape.dtype} gradient partitions (ZeRO shards)", dtype_partitions))
+            step.append((f"{shape.dtype} gradient partitions flattened for that copy", dtype_partitions))
         moments.append(step)
     return held, moments, host
 
@@ -166,21 +165,24 @@ def _fsdp(recipe: "Setup", c: "Candidate") -> tuple[Terms, list[Terms], Terms]:
     shards = [("float32 weight shards", 4 * count), ("float32 gradient shards", 4 * count)]
     root_numel = (shape.embed_bytes + shape.head_bytes + shape.tied_bytes) // e
     layer = shape.layer_bytes // e
-    gathered = 2 * layer * compute if c.reshard_after_forward is not False else shape.layers * layer * compute
-    kept = "" if c.reshard_after_forward is not False else ", every one from its forward to its backward"
     held: Terms = [("the root's weights gathered (embedding, head)", root_numel * compute)]
+    backward: Terms = []
     if recipe.on_cpu:       # each layer's gathered storage, freed by resize_(0), stays counted from its first use
         held.append(("every decoder layer's weights gathered (the CPU's tracker sees no resize_(0))",
                      shape.layers * layer * compute))
-    backward: Terms = [] if recipe.on_cpu else [(f"decoder layers' weights gathered{kept}", gathered)]
+    elif c.reshard_after_forward is not False:
+        backward.append(("decoder layers' weights gathered", 2 * layer * compute))
+    else:
+        backward.append(("decoder layers' weights gathered, every one from its forward to its backward",
+                         shape.layers * layer * compute))
     (weights, w), (grads, g) = shards
     if c.cpu_offload:
         end: Terms = [("the largest group's reduce-scatter output (float32)", 4 * -(-max(layer, root_numel) // world))]
-        host = [(f"{what} (cpu_offload)", n) for what, n in [*shards, state]]
+        offloaded = [*shards, state]
         if recipe.on_cpu:       # copied to the host during the step: the device's allocations on the CPU
-            host = [t for t in host if not t[0].startswith(grads)]
             end.append((f"{grads} (cpu_offload, copied in the step)", g))
-        return held, [backward, end], host
+            offloaded = [(weights, w), state]
+        return held, [backward, end], [(f"{what} (cpu_offload)", n) for what, n in offloaded]
     held.append((weights, -(-w // world)))
     step = [(grads, -(-g // world)), (state[0], -(-state[1] // world))]
     return held, [backward, step], []

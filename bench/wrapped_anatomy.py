@@ -35,6 +35,7 @@ import torch  # noqa: E402
 
 from sltune.backends import base, build  # noqa: E402
 from sltune.backends.base import TrainingSpec  # noqa: E402
+from sltune.models.presets import PRESETS  # noqa: E402
 from sltune.profiling.schema import TrialSpec  # noqa: E402
 from sltune.runtime.memory import CpuAllocationTracker  # noqa: E402
 
@@ -90,10 +91,9 @@ def prior_device(backend: str, b: int, n: int, knobs: dict, model: str | dict, d
 
 
 def qwen_shape(layers: int) -> dict:
-    """qwen2-0.5b's widths at `layers` decoder layers: an inline config."""
-    return {"model_type": "qwen2", "hidden_size": 896, "intermediate_size": 4864, "num_attention_heads": 14,
-            "num_key_value_heads": 2, "num_hidden_layers": layers, "vocab_size": 151936,
-            "tie_word_embeddings": True, "max_position_embeddings": 512}
+    """qwen2-0.5b's widths (its preset's) at `layers` decoder layers: an inline config."""
+    preset = PRESETS["qwen2-0.5b"]
+    return {"model_type": preset.family, **preset.kwargs, "num_hidden_layers": layers}
 
 
 def one(backend: str, knobs: dict, b: int, n: int, model: str | dict, dtype: str, seq_len: int) -> None:
@@ -103,10 +103,10 @@ def one(backend: str, knobs: dict, b: int, n: int, model: str | dict, dtype: str
                      sub_batch_size=b, num_sub_batches=n, backend=backend, **knobs)
     trial = build(backend, TrainingSpec.of(spec))
     prior = prior_device(backend, b, n, knobs, model, dtype, seq_len)
+    count = sum(getattr(p, "ds_numel", p.numel()) for p in trial.model.parameters())
     for step in range(1, trial.measured_steps + 1):     # the first makes AdamW's state; the second holds it
         resident = trial.device_resident_bytes()
         result = trial.step(torch.randint(0, 64, (b * n, seq_len)))
-        count = sum(getattr(p, "ds_numel", p.numel()) for p in trial.model.parameters())
         groups: collections.Counter[str] = collections.Counter()
         for what, nbytes in trial.memory.at_peak:
             groups[what] += nbytes

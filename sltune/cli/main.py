@@ -10,11 +10,11 @@ from typing import NoReturn, Sequence
 
 from pydantic import ValidationError
 
-from sltune.cli import profile, service, train, tune
+from sltune.cli import calibrate, profile, service, train, tune
 from sltune.field_errors import one_line
 from sltune.service.client import ServiceError
 
-COMMANDS = [train, profile, tune, service]
+COMMANDS = [train, profile, tune, calibrate, service]
 DEBUG_HELP = "show the full traceback of an error instead of one line"
 
 

@@ -10,7 +10,7 @@ from sqlalchemy import and_, delete, func, or_, select, update
 
 from sltune.store.db import is_postgres, sessions
 from sltune.store.faults import durable
-from sltune.store.schema import Artifact, Fit, Job, Trial, Worker, now
+from sltune.store.schema import Artifact, Fit, Job, MachineRates, Trial, Worker, now
 
 ACTIVE = ("queued", "running")
 FINISHED = ("succeeded", "failed", "cancelled")
@@ -260,6 +260,17 @@ class Store:
         newest = select(func.max(Fit.id)).where(Fit.job_id == job_id).group_by(Fit.kind)
         with self.Session() as s:
             return {f.kind: f.payload for f in s.scalars(select(Fit).where(Fit.id.in_(newest)))}
+
+    def save_rates(self, machine: str, workload: str, rates: dict[str, Any]) -> None:
+        with self.Session.begin() as s:
+            s.add(MachineRates(machine=machine, workload=workload, rates=rates))
+
+    def latest_rates(self, machine: str, workload: str) -> MachineRates | None:
+        """The newest rates calibrated on this machine for this workload, if any."""
+        with self.Session() as s:
+            return s.scalars(select(MachineRates).where(MachineRates.machine == machine,
+                                                        MachineRates.workload == workload)
+                             .order_by(MachineRates.id.desc()).limit(1)).first()
 
     def add_artifact(self, job_id: str, trial_number: int | None, kind: str, path: str, nbytes: int) -> None:
         with self.Session.begin() as s:

@@ -123,6 +123,19 @@ class Worker(Base):
     last_seen: Mapped[datetime] = mapped_column(UTCDateTime(), default=now)
 
 
+class MachineRates(Base):
+    """A machine's rates as `sltune calibrate` measured them (sltune.machine.MachineRates), per machine (its
+    fingerprint's key) and workload (the shapes measured at): the history is kept, the newest is used."""
+
+    __tablename__ = "sltune_machine_rates"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    machine: Mapped[str] = mapped_column(String(64), index=True)
+    workload: Mapped[str] = mapped_column(String(64))
+    rates: Mapped[dict[str, Any]] = mapped_column(JSON)
+    measured_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=now)
+
+
 class Artifact(Base):
     """A file under the data directory (a trace, say), referenced by a relative path."""
 

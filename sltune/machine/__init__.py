@@ -1,0 +1,14 @@
+"""This machine's rates, measured once: what a step costs here, op by op and byte by byte.
+
+`calibrate` times the work a training step is made of (matmuls at a model's own shapes and dtype, attention,
+the elementwise and norm work per token, the optimizer's step per element, host-device copies, disk reads and
+writes through the engine's own O_DIRECT files, and the fixed cost of an op), each a median with its spread.
+`MachineRates` is what it returns and what `sltune calibrate` stores per machine (`Fingerprint`) and writes as
+JSON: the step-time prior replays the phase plan over these rates.
+"""
+
+from sltune.machine.calibrate import Workload, calibrate
+from sltune.machine.fingerprint import Fingerprint
+from sltune.machine.rates import AttentionRate, MachineRates, MatmulRate, Rate
+
+__all__ = ["AttentionRate", "Fingerprint", "MachineRates", "MatmulRate", "Rate", "Workload", "calibrate"]

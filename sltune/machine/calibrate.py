@@ -1,0 +1,181 @@
+"""The probes, and `calibrate`: each probe times one kind of work a step is made of, at the shapes it has in the
+model to be tuned, within its share of a time budget (60 s by default: the issue's bound for a qwen2-0.5b shape)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from sltune.machine.fingerprint import Fingerprint
+from sltune.machine.rates import AttentionRate, MachineRates, MatmulRate, Rate
+from sltune.machine.timing import first_call_s, per_call_s
+from sltune.runtime.disk.direct_io import DirectFiles, aligned_empty
+
+COPY_BYTES = 64 << 20       # a copy or a file this large: past the caches, like a layer's weights
+OPTIMIZER_ELEMENTS = 1 << 22
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What to measure at: a model's matmuls (k, n) in its dtype, its attention geometry, and the row counts its
+    tuning space spans (sub_batch_size x seq_len). The default is llama-small's shape at seq_len 128."""
+
+    matmuls: tuple[tuple[int, int], ...] = ((512, 512), (512, 1408), (1408, 512), (512, 8192))
+    rows: tuple[int, ...] = (128, 1024)
+    hidden: int = 512
+    heads: int = 8
+    head_dim: int = 64
+    seq_len: int = 128
+    dtype: str = "float32"
+    param_numels: tuple[int, ...] = field(default=())
+    """one decoder layer's parameter sizes: the optimizer is timed on tensors of these sizes (default: one of 4M)"""
+
+    @property
+    def key(self) -> str:
+        """Names the workload in the job store: rates are kept per machine and workload."""
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def calibrate(workload: Workload = Workload(), device: str = "cpu", budget_s: float = 60.0,
+              offload_dir: str | Path | None = None, progress: Callable[[str], None] = lambda _: None) -> MachineRates:
+    """This machine's rates for `workload` on `device`, within about `budget_s` seconds. `offload_dir`: where the
+    disk is timed (a temporary folder in it; default the system's temporary folder). `progress` is told each
+    probe's name as it starts."""
+    start = time.perf_counter()
+    dev = torch.device(device)
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    dtype = getattr(torch, workload.dtype)
+    shapes = sorted({(rows, k, n) for k, n in workload.matmuls for rows in workload.rows})
+    left = [len(shapes) + len(workload.rows) + 6]       # probes still to run: each gets its share of what is left
+
+    def share() -> float:
+        left[0] -= 1
+        return max(0.0, budget_s - (time.perf_counter() - start)) / (left[0] + 1)
+
+    progress("matmuls")
+    matmul = _deduplicated([_matmul(rows, k, n, dtype, dev, sync, share()) for rows, k, n in shapes])
+    progress("attention")
+    attention = [_attention(max(1, rows // workload.seq_len), workload, dtype, dev, sync, share())
+                 for rows in workload.rows]
+    progress("elementwise and norm")
+    rows = max(workload.rows)
+    elementwise = {workload.dtype: _elementwise(rows, workload.hidden, dtype, dev, sync, share())}
+    norm = {workload.dtype: _norm(rows, workload.hidden, dtype, dev, sync, share())}
+    progress("optimizer")
+    optimizer = {"torch.adamw": _adamw(workload.param_numels or (OPTIMIZER_ELEMENTS,), share())}
+    progress("copies")
+    copies = _copies(dev, sync, share())
+    progress("disk")
+    disk, direct = _disk(Path(offload_dir or tempfile.gettempdir()), share())
+    progress("op overhead")
+    overhead = _op_overhead(dev, sync, share())
+    return MachineRates(fingerprint=Fingerprint.here(), measured_at=datetime.now(timezone.utc),
+                        seconds=time.perf_counter() - start, device=str(dev), threads=torch.get_num_threads(),
+                        matmul=matmul, attention=attention, elementwise=elementwise, norm=norm, optimizer=optimizer,
+                        copies=copies, disk=disk, disk_direct=direct, op_overhead=overhead)
+
+
+def _rate(fn: Callable[[], object], work: float, unit: str, sync: Callable[[], None], budget_s: float,
+          warm_s: float | None = None) -> Rate:
+    warm_s = first_call_s(fn, sync) if warm_s is None else warm_s
+    return Rate.of([work / s for s in per_call_s(fn, budget_s, sync, warm_s)], unit)
+
+
+def _matmul(rows: int, k: int, n: int, dtype: torch.dtype, dev: torch.device, sync, budget_s: float) -> MatmulRate:
+    """rows x k @ k x n. Rows double from 8 up to `rows` while a call stays within a fifth of the budget: where the
+    whole would not (a vocabulary-wide head in a dtype the CPU has no instructions for), fewer rows are timed, and
+    the entry says how many."""
+    b = torch.randn(k, n, dtype=dtype, device=dev)
+    measured = min(rows, 8)
+    while True:
+        a = torch.randn(measured, k, dtype=dtype, device=dev)
+        warm_s = first_call_s(lambda: a @ b, sync)
+        if measured >= rows or 2 * warm_s > budget_s / 5:
+            break
+        measured = min(rows, 2 * measured)
+    flops = _rate(lambda: a @ b, 2.0 * measured * k * n, "FLOP", sync, budget_s, warm_s)
+    return MatmulRate(rows=measured, k=k, n=n, dtype=str(dtype).removeprefix("torch."), flops=flops)
+
+
+def _deduplicated(rates: list[MatmulRate]) -> list[MatmulRate]:
+    """One entry per shape measured: row counts cut to the same size were measured more than once; the first
+    stays."""
+    seen: dict[tuple[int, int, int], MatmulRate] = {}
+    for r in rates:
+        seen.setdefault((r.rows, r.k, r.n), r)
+    return list(seen.values())
+
+
+def _attention(batch: int, w: Workload, dtype: torch.dtype, dev: torch.device, sync, budget_s: float) -> AttentionRate:
+    q, k, v = (torch.randn(batch, w.heads, w.seq_len, w.head_dim, dtype=dtype, device=dev) for _ in range(3))
+    fn = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+    flops = _rate(fn, 4.0 * batch * w.heads * w.seq_len ** 2 * w.head_dim, "FLOP", sync, budget_s)
+    return AttentionRate(batch=batch, heads=w.heads, seq=w.seq_len, head_dim=w.head_dim,
+                         dtype=str(dtype).removeprefix("torch."), flops=flops)
+
+
+def _elementwise(rows: int, hidden: int, dtype, dev, sync, budget_s: float) -> Rate:
+    a, b, out = (torch.randn(rows, hidden, dtype=dtype, device=dev) for _ in range(3))
+    return _rate(lambda: torch.add(a, b, out=out), float(rows * hidden), "elements", sync, budget_s)
+
+
+def _norm(rows: int, hidden: int, dtype, dev, sync, budget_s: float) -> Rate:
+    x = torch.randn(rows, hidden, dtype=dtype, device=dev)
+    weight = torch.ones(hidden, dtype=dtype, device=dev)
+    return _rate(lambda: torch.nn.functional.rms_norm(x, (hidden,), weight, 1e-6), float(rows * hidden), "elements",
+                 sync, budget_s)
+
+
+def _adamw(numels: tuple[int, ...], budget_s: float) -> Rate:
+    """torch's AdamW on float32 host tensors of a layer's sizes, as the runtime steps them (the host optimizer)."""
+    params = [torch.nn.Parameter(torch.randn(n)) for n in numels]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    return _rate(opt.step, float(sum(numels)), "elements", lambda: None, budget_s)
+
+
+def _copies(dev: torch.device, sync, budget_s: float) -> dict[str, Rate]:
+    """Host<->device bytes per second, each direction from pinned and pageable host memory; on the CPU one memcpy
+    between host tensors (the CPU device's and the emulated device's copy)."""
+    host = torch.empty(COPY_BYTES, dtype=torch.uint8)
+    if dev.type != "cuda":
+        other = torch.empty_like(host)
+        return {"host": _rate(lambda: other.copy_(host), float(COPY_BYTES), "bytes", sync, budget_s / 2)}
+    on_device = torch.empty(COPY_BYTES, dtype=torch.uint8, device=dev)
+    pinned = host.pin_memory()
+    out = {}
+    for kind, buf in (("pinned", pinned), ("pageable", host)):
+        out[f"h2d.{kind}"] = _rate(lambda: on_device.copy_(buf, non_blocking=True), float(COPY_BYTES), "bytes", sync,
+                                   budget_s / 4)
+        out[f"d2h.{kind}"] = _rate(lambda: buf.copy_(on_device, non_blocking=True), float(COPY_BYTES), "bytes", sync,
+                                   budget_s / 4)
+    return out
+
+
+def _disk(folder: Path, budget_s: float) -> tuple[dict[str, Rate], bool]:
+    """Flushed writes and reads of one file through the engine's DirectFiles (O_DIRECT where the folder's
+    filesystem allows it, as the disk tier runs), in a temporary folder removed afterwards."""
+    with tempfile.TemporaryDirectory(prefix="sltune-calibrate-", dir=folder) as tmp:
+        files = DirectFiles(Path(tmp))
+        buf = aligned_empty(COPY_BYTES).random_(0, 255)
+        path = Path(tmp) / "probe.bin"
+        write = _rate(lambda: files.write(path, buf, COPY_BYTES, "calibrate"), float(COPY_BYTES), "bytes",
+                      lambda: None, budget_s / 2)
+        read = _rate(lambda: files.read(path, buf, COPY_BYTES), float(COPY_BYTES), "bytes", lambda: None,
+                     budget_s / 2)
+        return {"write": write, "read": read}, files.direct
+
+
+def _op_overhead(dev: torch.device, sync, budget_s: float) -> Rate:
+    """Ops per second of an add on one element: what each op costs besides its work (dispatch, a kernel launch)."""
+    x = torch.zeros(1, device=dev)
+    return _rate(lambda: x.add_(1), 1.0, "ops", sync, budget_s)

@@ -1,0 +1,106 @@
+"""A machine's measured rates, as calibrate returns them and as they are stored: each a median with the slowest and
+fastest sample beside it, so what is predicted from them carries an interval."""
+
+from __future__ import annotations
+
+import statistics
+from datetime import datetime
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from sltune.machine.fingerprint import Fingerprint
+
+
+class Rate(BaseModel):
+    """Work per second over repeated timings: the median, and the lowest and highest sample."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    median: float = Field(gt=0)
+    low: float = Field(gt=0)
+    high: float = Field(gt=0)
+    samples: int = Field(ge=1)
+    unit: str
+    """what is counted per second: FLOP, elements, bytes, ops"""
+
+    @classmethod
+    def of(cls, values: list[float], unit: str) -> "Rate":
+        return cls(median=statistics.median(values), low=min(values), high=max(values), samples=len(values),
+                   unit=unit)
+
+    @property
+    def spread(self) -> float:
+        """(high - low) / median: how far apart this machine's samples were."""
+        return (self.high - self.low) / self.median
+
+
+class MatmulRate(BaseModel):
+    """A (rows x k) @ (k x n) matmul in dtype: a decoder layer's projection or the head, at a row count the
+    tuning space spans (sub_batch_size x seq_len)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    rows: int
+    k: int
+    n: int
+    dtype: str
+    flops: Rate
+
+
+class AttentionRate(BaseModel):
+    """scaled_dot_product_attention, causal, over (batch, heads, seq, head_dim) in dtype: 4 x b x h x s^2 x d FLOP
+    forward (counted in full; the causal half is the kernel's business)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    batch: int
+    heads: int
+    seq: int
+    head_dim: int
+    dtype: str
+    flops: Rate
+
+
+class MachineRates(BaseModel):
+    """Everything `sltune calibrate` measured on one machine, with the threads and device it measured on."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    fingerprint: Fingerprint
+    measured_at: datetime
+    seconds: float
+    """how long the calibration took"""
+    device: str
+    """where the compute ran: cpu, or cuda:N"""
+    threads: int
+    """torch's intra-op threads during the calibration"""
+    matmul: list[MatmulRate] = []
+    attention: list[AttentionRate] = []
+    elementwise: dict[str, Rate] = {}
+    """per dtype: a fused multiply-add over a layer's activations, elements per second"""
+    norm: dict[str, Rate] = {}
+    """per dtype: RMSNorm over rows of `hidden`, elements per second"""
+    optimizer: dict[str, Rate] = {}
+    """per optimizer ("torch.adamw" in float32 on the host): parameters stepped per second"""
+    copies: dict[str, Rate] = {}
+    """host<->device copies, bytes per second: "h2d.pinned", "d2h.pageable", ...; on the CPU "host" (memcpy between
+    host tensors, what the CPU device and the emulated one do)"""
+    disk: dict[str, Rate] = {}
+    """"write" (flushed) and "read" through the engine's own files (O_DIRECT where the folder allows), bytes per
+    second"""
+    disk_direct: bool | None = None
+    """whether the disk rates went through O_DIRECT (None: not measured)"""
+    op_overhead: Rate | None = None
+    """the fixed cost of one small op, ops per second (1 / seconds per op)"""
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.model_dump_json(indent=1) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "MachineRates":
+        """Rates from a file calibrate wrote; an unreadable one names the file and how to make it."""
+        try:
+            return cls.model_validate_json(Path(path).read_text())
+        except OSError as err:
+            raise ValueError(f"{path}: {err.strerror}: write it with `sltune calibrate --out {path}`") from None

@@ -26,6 +26,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--db", help=DB_HELP)
     p.add_argument("--offload-dir", help="time the disk in this folder, where trials and training offload to "
                                          "(default: the system's temporary folder)")
+    p.add_argument("--ranks", type=int, nargs="+", metavar="N",
+                   help="time all-gather and reduce-scatter over N ranks on this machine (default: the spec's "
+                        "hardware.world_size when above 1, else none)")
     p.add_argument("--again", action="store_true", help="measure even if the store holds fresh rates")
     p.add_argument("--budget", type=float, default=60.0, help="seconds the measurements may take at most")
     p.add_argument("--out", help="also write the rates here as JSON (what `sltune plan --machine FILE` reads)")
@@ -42,23 +45,33 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--budget must be positive seconds, got {args.budget:g}")
     settings = Settings(db=args.db) if args.db else Settings()
     open_store(settings)
-    workload, device = Workload(), "cpu"
+    workload, device, ranks, optimizers = Workload(), "cpu", args.ranks or [], {}
     if args.spec:
         from sltune.tuning.cost.workload import workload_of
         from sltune.tuning.spec import TuningSpec
 
         spec = TuningSpec.load(args.spec)
         workload, device = workload_of(spec), spec.hardware.device
+        ranks = args.ranks or ([spec.hardware.world_size] if spec.hardware.world_size > 1 else [])
+        if "deepspeed" in spec.search.backend:
+            optimizers = _deepspeed_adam(device)
+    if any(n < 2 for n in ranks):
+        raise ValueError(f"--ranks: collectives need 2 ranks or more, got {min(ranks)}")
     store = Store(settings.db_url())
     machine = Fingerprint.here()
-    stored = None if args.again else store.latest_rates(machine.key, workload.key)
+    key = workload.key + "".join(f"-{n}" for n in sorted(set(ranks)))     # rates with collectives are others
+    stored = None if args.again else store.latest_rates(machine.key, key)
     if stored is not None and datetime.now(timezone.utc) - stored.measured_at < STALE_AFTER:
         rates = MachineRates.model_validate(stored.rates)
         note = f"stored {rates.measured_at:%Y-%m-%d %H:%M} UTC (--again measures again)"
     else:
+        from sltune.profiling import forks
+
         rates = calibrate(workload, device, args.budget, args.offload_dir,
-                          progress=lambda what: print(f"calibrate: {what}...", file=sys.stderr, flush=True))
-        store.save_rates(machine.key, workload.key, rates.model_dump(mode="json"))
+                          progress=lambda what: print(f"calibrate: {what}...", file=sys.stderr, flush=True),
+                          optimizers=optimizers, world_sizes=tuple(sorted(set(ranks))),
+                          processes=forks.context() if ranks else None)
+        store.save_rates(machine.key, key, rates.model_dump(mode="json"))
         note = f"measured in {rates.seconds:.1f}s, stored for machine {machine.key}"
     if args.out:
         rates.save(args.out)
@@ -66,31 +79,28 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _deepspeed_adam(device: str) -> dict:
+    """DeepSpeedCPUAdam, timed beside torch's AdamW where DeepSpeed's install built it (never compiled here: that is
+    minutes, sltune.backends.deepspeed_ops); none where it is missing."""
+    from sltune.backends.deepspeed_ops import accelerator_of, missing
+
+    accelerator = accelerator_of(device)
+    if missing(["cpu_adam"], accelerator):
+        print("calibrate: DeepSpeedCPUAdam is not built here: not timed (bash scripts/install.sh backends builds it)",
+              file=sys.stderr)
+        return {}
+    from sltune.backends.deepspeed import import_deepspeed
+
+    adam = import_deepspeed(device).ops.adam.DeepSpeedCPUAdam
+    return {"deepspeed.cpu_adam": lambda params: adam(params, lr=1e-3)}
+
+
 def describe(r, note: str) -> str:
     """The rates as a table: each median with its [slowest, fastest] sample."""
-    def span(rate, scale: float, unit: str) -> str:
-        return f"{rate.median / scale:,.2f} [{rate.low / scale:,.2f}, {rate.high / scale:,.2f}] {unit}"
-
     fp = r.fingerprint
     lines = [f"{fp.cpu}, {fp.cores} cores, {format_bytes(fp.memory_bytes)}"
              + (f", {', '.join(fp.gpus)}" if fp.gpus else "") + f", torch {fp.torch}; {r.device}, {r.threads} threads",
              f"  {note}"]
-    for m in r.matmul:
-        lines.append(f"  matmul {m.rows}x{m.k} @ {m.k}x{m.n} {m.dtype}: {span(m.flops, 1e9, 'GFLOP/s')}")
-    for a in r.attention:
-        lines.append(f"  attention b={a.batch} h={a.heads} s={a.seq} d={a.head_dim} {a.dtype}: "
-                     f"{span(a.flops, 1e9, 'GFLOP/s')}")
-    for dtype, rate in r.elementwise.items():
-        lines.append(f"  elementwise {dtype}: {span(rate, 1e9, 'G elements/s')}")
-    for dtype, rate in r.norm.items():
-        lines.append(f"  rms_norm {dtype}: {span(rate, 1e9, 'G elements/s')}")
-    for name, rate in r.optimizer.items():
-        lines.append(f"  optimizer {name}: {span(rate, 1e6, 'M parameters/s')}")
-    for name, rate in r.copies.items():
-        lines.append(f"  copy {name}: {span(rate, 2**30, 'GiB/s')}")
-    for name, rate in r.disk.items():
-        lines.append(f"  disk {name}{' (O_DIRECT)' if r.disk_direct else ''}: {span(rate, 2**30, 'GiB/s')}")
-    if r.op_overhead:
-        lines.append(f"  one op: {1e6 / r.op_overhead.median:.1f} us [{1e6 / r.op_overhead.high:.1f}, "
-                     f"{1e6 / r.op_overhead.low:.1f}]")
+    lines += [f"  {what}: {rate.median / scale:,.2f} [{rate.low / scale:,.2f}, {rate.high / scale:,.2f}] {unit}"
+              for what, rate, scale, unit in r.shown()]
     return "\n".join(lines)

@@ -499,6 +499,26 @@ def _interval(ci) -> str:
     return f"[{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "-"
 
 
+@router.get("/dashboard/machines", response_class=HTMLResponse)
+def machines(request: Request) -> HTMLResponse:
+    """The rates `sltune calibrate` stored, newest first: each machine's fingerprint, when, and every rate with its
+    spread."""
+    from sltune.machine import MachineRates
+
+    shown = []
+    for row in request.app.state.store.all_rates():
+        r = MachineRates.model_validate(row.rates)
+        fp = r.fingerprint
+        shown.append({"machine": row.machine, "workload": row.workload, "measured": _ts(row.measured_at),
+                      "seconds": f"{r.seconds:.1f}",
+                      "where": f"{fp.cpu}, {fp.cores} cores, {format_bytes(fp.memory_bytes)}"
+                               + (f", {', '.join(fp.gpus)}" if fp.gpus else "")
+                               + f", torch {fp.torch}; {r.device}, {r.threads} threads",
+                      "rates": [(what, f"{rate.median / scale:,.2f}", f"{rate.low / scale:,.2f}",
+                                 f"{rate.high / scale:,.2f}", unit, rate.samples) for what, rate, scale, unit in r.shown()]})
+    return _page("machines.html", "machines", calibrations=shown)
+
+
 @router.get("/dashboard/compare", response_class=HTMLResponse)
 def compare_page(request: Request, a: str | None = None, b: str | None = None,
                  max_regression: str = "5%") -> HTMLResponse:

@@ -10,10 +10,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
+from sltune.machine.collectives import collectives
 from sltune.machine.fingerprint import Fingerprint
 from sltune.machine.rates import AttentionRate, MachineRates, MatmulRate, Rate
 from sltune.machine.timing import first_call_s, per_call_s
@@ -45,16 +46,20 @@ class Workload:
 
 
 def calibrate(workload: Workload = Workload(), device: str = "cpu", budget_s: float = 60.0,
-              offload_dir: str | Path | None = None, progress: Callable[[str], None] = lambda _: None) -> MachineRates:
+              offload_dir: str | Path | None = None, progress: Callable[[str], None] = lambda _: None,
+              optimizers: dict[str, Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]] | None = None,
+              world_sizes: tuple[int, ...] = (), processes: Any = None) -> MachineRates:
     """This machine's rates for `workload` on `device`, within about `budget_s` seconds. `offload_dir`: where the
     disk is timed (a temporary folder in it; default the system's temporary folder). `progress` is told each
-    probe's name as it starts."""
+    probe's name as it starts. `optimizers`: more optimizers to time beside torch's AdamW, by name (DeepSpeedCPUAdam
+    where it is built). `world_sizes`: the collectives' rank counts, the ranks started from `processes` (a
+    multiprocessing context)."""
     start = time.perf_counter()
     dev = torch.device(device)
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     dtype = getattr(torch, workload.dtype)
     shapes = sorted({(rows, k, n) for k, n in workload.matmuls for rows in workload.rows})
-    left = [len(shapes) + len(workload.rows) + 6]       # probes still to run: each gets its share of what is left
+    left = [len(shapes) + len(workload.rows) + 6 + len(optimizers or {}) + len(world_sizes)]       # probes still to run: each gets its share of what is left
 
     def share() -> float:
         left[0] -= 1
@@ -70,17 +75,25 @@ def calibrate(workload: Workload = Workload(), device: str = "cpu", budget_s: fl
     elementwise = {workload.dtype: _elementwise(rows, workload.hidden, dtype, dev, sync, share())}
     norm = {workload.dtype: _norm(rows, workload.hidden, dtype, dev, sync, share())}
     progress("optimizer")
-    optimizer = {"torch.adamw": _adamw(workload.param_numels or (OPTIMIZER_ELEMENTS,), share())}
+    numels = workload.param_numels or (OPTIMIZER_ELEMENTS,)
+    makers = {"torch.adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3), **(optimizers or {})}
+    optimizer = {name: _optimizer(make, numels, share()) for name, make in makers.items()}
     progress("copies")
     copies = _copies(dev, sync, share())
     progress("disk")
     disk, direct = _disk(Path(offload_dir or tempfile.gettempdir()), share())
     progress("op overhead")
     overhead = _op_overhead(dev, sync, share())
+    collective: dict[str, Rate] = {}
+    for world in world_sizes:
+        progress(f"collectives on {world} ranks")
+        collective.update(collectives(world, device, share(), processes))
     return MachineRates(fingerprint=Fingerprint.here(), measured_at=datetime.now(timezone.utc),
                         seconds=time.perf_counter() - start, device=str(dev), threads=torch.get_num_threads(),
                         matmul=matmul, attention=attention, elementwise=elementwise, norm=norm, optimizer=optimizer,
-                        copies=copies, disk=disk, disk_direct=direct, op_overhead=overhead)
+                        copies=copies, disk=disk, disk_direct=direct, op_overhead=overhead,
+                        collectives=collective,
+                        collective_backend=("nccl" if dev.type == "cuda" else "gloo") if world_sizes else None)
 
 
 def _rate(fn: Callable[[], object], work: float, unit: str, sync: Callable[[], None], budget_s: float,
@@ -134,13 +147,13 @@ def _norm(rows: int, hidden: int, dtype, dev, sync, budget_s: float) -> Rate:
                  sync, budget_s)
 
 
-def _adamw(numels: tuple[int, ...], budget_s: float) -> Rate:
-    """torch's AdamW on float32 host tensors of a layer's sizes, as the runtime steps them (the host optimizer)."""
+def _optimizer(make: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer], numels: tuple[int, ...],
+               budget_s: float) -> Rate:
+    """An optimizer's step on float32 host tensors of a layer's sizes, as the runtime steps them on the host."""
     params = [torch.nn.Parameter(torch.randn(n)) for n in numels]
     for p in params:
         p.grad = torch.randn_like(p)
-    opt = torch.optim.AdamW(params, lr=1e-3)
-    return _rate(opt.step, float(sum(numels)), "elements", lambda: None, budget_s)
+    return _rate(make(params).step, float(sum(numels)), "elements", lambda: None, budget_s)
 
 
 def _copies(dev: torch.device, sync, budget_s: float) -> dict[str, Rate]:

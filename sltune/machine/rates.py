@@ -82,7 +82,8 @@ class MachineRates(BaseModel):
     norm: dict[str, Rate] = {}
     """per dtype: RMSNorm over rows of `hidden`, elements per second"""
     optimizer: dict[str, Rate] = {}
-    """per optimizer ("torch.adamw" in float32 on the host): parameters stepped per second"""
+    """per optimizer ("torch.adamw"; "deepspeed.cpu_adam" where it is built), float32 on the host: parameters
+    stepped per second"""
     copies: dict[str, Rate] = {}
     """host<->device copies, bytes per second: "h2d.pinned", "d2h.pageable", ...; on the CPU "host" (memcpy between
     host tensors, what the CPU device and the emulated one do)"""
@@ -93,6 +94,28 @@ class MachineRates(BaseModel):
     """whether the disk rates went through O_DIRECT (None: not measured)"""
     op_overhead: Rate | None = None
     """the fixed cost of one small op, ops per second (1 / seconds per op)"""
+    collectives: dict[str, Rate] = {}
+    """"all_gather.W" and "reduce_scatter.W" over W ranks: the whole gathered tensor's bytes per second"""
+    collective_backend: str | None = None
+    """the process group they ran over: gloo on the CPU, nccl on GPUs"""
+
+    def shown(self) -> list[tuple[str, Rate, float, str]]:
+        """Every rate as people read it: (what, the rate, the scale it is shown in, that scale's unit)."""
+        rows = [(f"matmul {m.rows}x{m.k} @ {m.k}x{m.n} {m.dtype}", m.flops, 1e9, "GFLOP/s") for m in self.matmul]
+        rows += [(f"attention b={a.batch} h={a.heads} s={a.seq} d={a.head_dim} {a.dtype}", a.flops, 1e9, "GFLOP/s")
+                 for a in self.attention]
+        rows += [(f"elementwise {d}", r, 1e9, "G elements/s") for d, r in self.elementwise.items()]
+        rows += [(f"rms_norm {d}", r, 1e9, "G elements/s") for d, r in self.norm.items()]
+        rows += [(f"optimizer {n}", r, 1e6, "M parameters/s") for n, r in self.optimizer.items()]
+        rows += [(f"copy {n}", r, 2**30, "GiB/s") for n, r in self.copies.items()]
+        direct = " (O_DIRECT)" if self.disk_direct else ""
+        rows += [(f"disk {n}{direct}", r, 2**30, "GiB/s") for n, r in self.disk.items()]
+        for name, rate in self.collectives.items():
+            op, world = name.rsplit(".", 1)
+            rows.append((f"{op} over {world} ranks ({self.collective_backend})", rate, 2**30, "GiB/s"))
+        if self.op_overhead:
+            rows.append(("one op", self.op_overhead, 1e6, "M ops/s"))
+        return rows
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.model_dump_json(indent=1) + "\n")

@@ -43,9 +43,10 @@ from sltune.runtime.regions import region
 from sltune.runtime.transfer import Copier, Pending
 from sltune.runtime.disk.weightfiles import WeightFiles, placeholder
 
-# torch 2.13 renamed the tensor collectives (*_single); older releases have only the old names
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# the tensor collectives the engine runs (sltune.machine times the same): torch 2.13 renamed them (*_single); older
+# releases have only the old names
+all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class ShardedParamStore(ParamStore):
@@ -165,7 +166,7 @@ class ShardedParamStore(ParamStore):
         copied = self.copier.to_device(src, "param_load_bytes", out=mine)
         self.copier.counters.allgather_bytes += full.numel() * full.element_size()
         with region("all_gather", unit.name):   # asynchronous: activate() waits on the work handle
-            pending = self.copier.gather_after(copied, lambda shard: _all_gather(full, shard, async_op=True), full)
+            pending = self.copier.gather_after(copied, lambda shard: all_gather(full, shard, async_op=True), full)
         if self.weights is not None and copied.event is not None:   # src is a window buffer, reused after
             copied.event.synchronize()
         return pending
@@ -188,7 +189,7 @@ class ShardedParamStore(ParamStore):
         mine = torch.empty(unit.shard, dtype=src.dtype, device=src.device)
         self.copier.counters.reduce_scatter_bytes += src.numel() * src.element_size()
         with region("reduce_scatter", unit.name):
-            _reduce_scatter(mine, src)
+            reduce_scatter(mine, src)
         if self.grads is not None and id(unit) in self.stepped:
             with self.pool.memory.paused():     # host memory, not the device's
                 out = self.grads.acquire(unit)  # even an empty share: the stepping takes it back
@@ -221,7 +222,7 @@ class ShardedParamStore(ParamStore):
             values = self.master_values(unit)
             mine = (values if values is not None else self.weight_values(unit)).to(self.copier.device)
             full = torch.empty(unit.padded, dtype=mine.dtype, device=mine.device)
-            _all_gather(full, mine)
+            all_gather(full, mine)
             full = full.cpu()
             for p, view in zip(unit.params, unit.views(full, unit.offsets)):
                 out[id(p)] = view

@@ -272,6 +272,11 @@ class Store:
                                                         MachineRates.workload == workload)
                              .order_by(MachineRates.id.desc()).limit(1)).first()
 
+    def all_rates(self, limit: int = 100) -> list[MachineRates]:
+        """The stored calibrations, newest first."""
+        with self.Session() as s:
+            return list(s.scalars(select(MachineRates).order_by(MachineRates.id.desc()).limit(limit)))
+
     def add_artifact(self, job_id: str, trial_number: int | None, kind: str, path: str, nbytes: int) -> None:
         with self.Session.begin() as s:
             s.add(Artifact(job_id=job_id, trial_number=trial_number, kind=kind, path=path, bytes=nbytes))

@@ -4,6 +4,7 @@ job's best figure the same on every surface."""
 from __future__ import annotations
 
 import contextlib
+import html
 from pathlib import Path
 
 import plotly
@@ -603,3 +604,22 @@ def test_get_trials_names_every_trials_backend(site):
         ["speedloader"] * 9 + ["deepspeed"] * 3 + ["fsdp"] * 2
     schema = client.get("/openapi.json").json()["components"]["schemas"]["TrialOut"]
     assert "backend" in schema["required"] and schema["properties"]["backend"]["type"] == "string"
+
+
+def test_the_machines_page_shows_each_stored_calibration_with_every_rate_and_its_spread(site):
+    from sltune.machine import MachineRates, Workload, calibrate
+
+    client, _ = site
+    assert "No rates yet" in client.get("/dashboard/machines").text
+    rates = calibrate(Workload(matmuls=((64, 96),), rows=(16,), hidden=64, heads=2, head_dim=32, seq_len=16),
+                      budget_s=1)
+    store = client.app.state.store
+    store.save_rates(rates.fingerprint.key, "w1", rates.model_dump(mode="json"))
+    page = client.get("/dashboard/machines")
+    assert page.status_code == 200 and "No rates yet" not in page.text
+    assert html.escape(rates.fingerprint.cpu) in page.text and rates.fingerprint.key in page.text
+    for what, rate, scale, unit in rates.shown():
+        assert html.escape(what) in page.text and f"{rate.low / scale:,.2f}" in page.text
+    assert page.text.count("<tr>") == len(rates.shown()) + 1
+    assert MachineRates.model_validate(store.all_rates()[0].rates) == rates
+    assert "/dashboard/machines" in client.get("/dashboard").text                  # in the nav of every page

@@ -13,7 +13,6 @@ import collections
 import contextlib
 import datetime
 import os
-import socket
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
@@ -25,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from sltune.backend_knobs import BackendChoice
+from sltune.loopback import free_port
 from sltune.runtime.counters import IOCounters
 from sltune.runtime.engine import StepResult
 from sltune.runtime.memory import CpuAllocationTracker, DeviceMemory, monitor_for
@@ -205,9 +205,7 @@ class _OwnGroup:
             os.environ.setdefault("LOCAL_RANK", str(dist.get_rank()))
             os.environ.setdefault("LOCAL_WORLD_SIZE", str(dist.get_world_size()))
             return
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
                           LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
         kind = "nccl" if device.startswith("cuda") else "gloo"

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import sys
 import time
 from typing import Any, Callable
@@ -20,6 +19,7 @@ from typing import Any, Callable
 import psutil
 
 from sltune.backends import deepspeed_ops
+from sltune.loopback import free_port
 from sltune.profiling import forks
 from sltune.profiling.schema import TrialResult, TrialSpec
 from sltune.sizes import format_bytes
@@ -40,7 +40,7 @@ def run_trial(spec: TrialSpec | dict[str, Any], stop: StopFn | None = None) -> T
                                            "wall_seconds": 0.0})
     ctx = forks.context()
     world = spec.world_size
-    port = _free_port() if world > 1 else None
+    port = free_port() if world > 1 else None
     ranks = []
     start = time.monotonic()
     for rank in range(world):
@@ -209,12 +209,6 @@ def _stop(proc) -> None:
     if proc.is_alive():
         os.kill(proc.pid, signal.SIGKILL)
     proc.join(5)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class _Together:

@@ -4,11 +4,17 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
+import math
 import sys
 from datetime import datetime, timedelta, timezone
+from typing import TYPE_CHECKING, Any, Callable
 
 from sltune.cli.common import DB_HELP, open_store
-from sltune.sizes import format_bytes
+
+if TYPE_CHECKING:
+    from sltune.machine import MachineRates
 
 STALE_AFTER = timedelta(days=30)     # a driver, BIOS or kernel update moves rates without changing the fingerprint
 
@@ -25,41 +31,56 @@ def register(sub: argparse._SubParsersAction) -> None:
                                            "sub-batch rows")
     p.add_argument("--db", help=DB_HELP)
     p.add_argument("--offload-dir", help="time the disk in this folder, where trials and training offload to "
-                                         "(default: the system's temporary folder)")
+                                         "(default: where `tune` offloads: the data directory's offload/)")
     p.add_argument("--ranks", type=int, nargs="+", metavar="N",
                    help="time all-gather and reduce-scatter over N ranks on this machine (default: the spec's "
                         "hardware.world_size when above 1, else none)")
     p.add_argument("--again", action="store_true", help="measure even if the store holds fresh rates")
-    p.add_argument("--budget", type=float, default=60.0, help="seconds the measurements may take at most")
-    p.add_argument("--out", help="also write the rates here as JSON (what `sltune plan --machine FILE` reads)")
+    p.add_argument("--budget", type=float, default=60.0,
+                   help="about how many seconds the measurements take (each probe runs a warm-up and 3 samples at "
+                        "least)")
+    p.add_argument("--out", help="also write the rates here as JSON")
     p.add_argument("--json", action="store_true", help="print the rates as JSON")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from sltune.machine import Fingerprint, MachineRates, Workload, calibrate
+    from sltune.runtime.disk.direct_io import writable_dir
     from sltune.settings import Settings
     from sltune.store import Store
+    from sltune.tuning.spec import MAX_WORLD_SIZE
 
-    if args.budget <= 0:
-        raise ValueError(f"--budget must be positive seconds, got {args.budget:g}")
+    if not (math.isfinite(args.budget) and args.budget > 0):
+        raise ValueError(f"--budget must be a positive number of seconds, got {args.budget:g}")
     settings = Settings(db=args.db) if args.db else Settings()
     open_store(settings)
-    workload, device, ranks, optimizers = Workload(), "cpu", args.ranks or [], {}
+    workload, device, threads, ranks, optimizers = Workload(), "cpu", None, args.ranks or [], {}
     if args.spec:
         from sltune.tuning.cost.workload import workload_of
         from sltune.tuning.spec import TuningSpec
 
         spec = TuningSpec.load(args.spec)
-        workload, device = workload_of(spec), spec.hardware.device
+        workload, device, threads = workload_of(spec), spec.hardware.device, spec.hardware.cpu_threads
         ranks = args.ranks or ([spec.hardware.world_size] if spec.hardware.world_size > 1 else [])
         if "deepspeed" in spec.search.backend:
             optimizers = _deepspeed_adam(device)
-    if any(n < 2 for n in ranks):
-        raise ValueError(f"--ranks: collectives need 2 ranks or more, got {min(ranks)}")
+    ranks = sorted(set(ranks))
+    if ranks and not 2 <= ranks[0] <= ranks[-1] <= MAX_WORLD_SIZE:
+        raise ValueError(f"--ranks: collectives need 2 to {MAX_WORLD_SIZE} ranks, got {' '.join(map(str, ranks))}")
+    folder = writable_dir(args.offload_dir or settings.offload_root(), "--offload-dir")
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)          # as the spec's trials run
+    if device.startswith("cuda") and ranks and ranks[-1] > torch.cuda.device_count():
+        raise ValueError(f"--ranks {ranks[-1]}: the collectives take a GPU per rank on {device}, and this machine "
+                         f"has {torch.cuda.device_count()}; give --ranks at most that")
     store = Store(settings.db_url())
     machine = Fingerprint.here()
-    key = workload.key + "".join(f"-{n}" for n in sorted(set(ranks)))     # rates with collectives are others
+    # what decides the rates besides the machine: the same key, the same measurement
+    key = hashlib.sha256(json.dumps([workload.key, device, torch.get_num_threads(), str(folder), sorted(optimizers),
+                                     ranks]).encode()).hexdigest()[:16]
     stored = None if args.again else store.latest_rates(machine.key, key)
     if stored is not None and datetime.now(timezone.utc) - stored.measured_at < STALE_AFTER:
         rates = MachineRates.model_validate(stored.rates)
@@ -67,9 +88,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         from sltune.profiling import forks
 
-        rates = calibrate(workload, device, args.budget, args.offload_dir,
+        rates = calibrate(workload, device, args.budget, folder,
                           progress=lambda what: print(f"calibrate: {what}...", file=sys.stderr, flush=True),
-                          optimizers=optimizers, world_sizes=tuple(sorted(set(ranks))),
+                          optimizers=optimizers, world_sizes=tuple(ranks),
                           processes=forks.context() if ranks else None)
         store.save_rates(machine.key, key, rates.model_dump(mode="json"))
         note = f"measured in {rates.seconds:.1f}s, stored for machine {machine.key}"
@@ -79,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _deepspeed_adam(device: str) -> dict:
+def _deepspeed_adam(device: str) -> dict[str, Callable[[list[Any]], Any]]:
     """DeepSpeedCPUAdam, timed beside torch's AdamW where DeepSpeed's install built it (never compiled here: that is
     minutes, sltune.backends.deepspeed_ops); none where it is missing."""
     from sltune.backends.deepspeed_ops import accelerator_of, missing
@@ -95,12 +116,9 @@ def _deepspeed_adam(device: str) -> dict:
     return {"deepspeed.cpu_adam": lambda params: adam(params, lr=1e-3)}
 
 
-def describe(r, note: str) -> str:
+def describe(r: MachineRates, note: str) -> str:
     """The rates as a table: each median with its [slowest, fastest] sample."""
-    fp = r.fingerprint
-    lines = [f"{fp.cpu}, {fp.cores} cores, {format_bytes(fp.memory_bytes)}"
-             + (f", {', '.join(fp.gpus)}" if fp.gpus else "") + f", torch {fp.torch}; {r.device}, {r.threads} threads",
-             f"  {note}"]
+    lines = [f"{r.fingerprint.describe()}; {r.device}, {r.threads} threads", f"  {note}"]
     lines += [f"  {what}: {rate.median / scale:,.2f} [{rate.low / scale:,.2f}, {rate.high / scale:,.2f}] {unit}"
               for what, rate, scale, unit in r.shown()]
     return "\n".join(lines)

@@ -508,12 +508,9 @@ def machines(request: Request) -> HTMLResponse:
     shown = []
     for row in request.app.state.store.all_rates():
         r = MachineRates.model_validate(row.rates)
-        fp = r.fingerprint
         shown.append({"machine": row.machine, "workload": row.workload, "measured": _ts(row.measured_at),
-                      "seconds": f"{r.seconds:.1f}",
-                      "where": f"{fp.cpu}, {fp.cores} cores, {format_bytes(fp.memory_bytes)}"
-                               + (f", {', '.join(fp.gpus)}" if fp.gpus else "")
-                               + f", torch {fp.torch}; {r.device}, {r.threads} threads",
+                      "seconds": f"{r.seconds:.1f}", "where": f"{r.fingerprint.describe()}; {r.device}, {r.threads} "
+                                                              "threads",
                       "rates": [(what, f"{rate.median / scale:,.2f}", f"{rate.low / scale:,.2f}",
                                  f"{rate.high / scale:,.2f}", unit, rate.samples) for what, rate, scale, unit in r.shown()]})
     return _page("machines.html", "machines", calibrations=shown)

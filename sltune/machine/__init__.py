@@ -4,7 +4,7 @@
 the elementwise and norm work per token, the optimizer's step per element, host-device copies, disk reads and
 writes through the engine's own O_DIRECT files, and the fixed cost of an op), each a median with its spread.
 `MachineRates` is what it returns and what `sltune calibrate` stores per machine (`Fingerprint`) and writes as
-JSON: the step-time prior replays the phase plan over these rates.
+JSON.
 """
 
 from sltune.machine.calibrate import Workload, calibrate

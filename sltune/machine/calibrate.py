@@ -1,5 +1,6 @@
 """The probes, and `calibrate`: each probe times one kind of work a step is made of, at the shapes it has in the
-model to be tuned, within its share of a time budget (60 s by default: the issue's bound for a qwen2-0.5b shape)."""
+model to be tuned, within its share of a time budget (60 s by default: a qwen2-0.5b shape in bfloat16 takes about 40
+s on 2 cores)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from sltune.machine.rates import AttentionRate, MachineRates, MatmulRate, Rate
 from sltune.machine.timing import first_call_s, per_call_s
 from sltune.runtime.disk.direct_io import DirectFiles, aligned_empty
 
+Sync = Callable[[], None]       # waits for the device's queued work (nothing on the CPU)
 COPY_BYTES = 64 << 20       # a copy or a file this large: past the caches, like a layer's weights
 OPTIMIZER_ELEMENTS = 1 << 22
 
@@ -49,7 +51,8 @@ def calibrate(workload: Workload = Workload(), device: str = "cpu", budget_s: fl
               offload_dir: str | Path | None = None, progress: Callable[[str], None] = lambda _: None,
               optimizers: dict[str, Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]] | None = None,
               world_sizes: tuple[int, ...] = (), processes: Any = None) -> MachineRates:
-    """This machine's rates for `workload` on `device`, within about `budget_s` seconds. `offload_dir`: where the
+    """This machine's rates for `workload` on `device`, in about `budget_s` seconds (each probe's warm-up and 3
+    samples at least: a tiny budget still measures everything once). `offload_dir`: where the
     disk is timed (a temporary folder in it; default the system's temporary folder). `progress` is told each
     probe's name as it starts. `optimizers`: more optimizers to time beside torch's AdamW, by name (DeepSpeedCPUAdam
     where it is built). `world_sizes`: the collectives' rank counts, the ranks started from `processes` (a
@@ -66,10 +69,16 @@ def calibrate(workload: Workload = Workload(), device: str = "cpu", budget_s: fl
         return max(0.0, budget_s - (time.perf_counter() - start)) / (left[0] + 1)
 
     progress("matmuls")
-    matmul = _deduplicated([_matmul(rows, k, n, dtype, dev, sync, share()) for rows, k, n in shapes])
+    matmul: list[MatmulRate] = []
+    for rows, k, n in shapes:
+        if (m := _matmul(rows, k, n, dtype, dev, sync, share(), {(m.rows, m.k, m.n) for m in matmul})) is not None:
+            matmul.append(m)
     progress("attention")
-    attention = [_attention(max(1, rows // workload.seq_len), workload, dtype, dev, sync, share())
-                 for rows in workload.rows]
+    attention: list[AttentionRate] = []
+    for rows in workload.rows:
+        a = _attention(max(1, rows // workload.seq_len), workload, dtype, dev, sync, share(),
+                       {a.batch for a in attention})
+        attention += [a] if a is not None else []
     progress("elementwise and norm")
     rows = max(workload.rows)
     elementwise = {workload.dtype: _elementwise(rows, workload.hidden, dtype, dev, sync, share())}
@@ -96,51 +105,65 @@ def calibrate(workload: Workload = Workload(), device: str = "cpu", budget_s: fl
                         collective_backend=("nccl" if dev.type == "cuda" else "gloo") if world_sizes else None)
 
 
-def _rate(fn: Callable[[], object], work: float, unit: str, sync: Callable[[], None], budget_s: float,
+def _rate(fn: Callable[[], object], work: float, unit: str, sync: Sync, budget_s: float,
           warm_s: float | None = None) -> Rate:
     warm_s = first_call_s(fn, sync) if warm_s is None else warm_s
     return Rate.of([work / s for s in per_call_s(fn, budget_s, sync, warm_s)], unit)
 
 
-def _matmul(rows: int, k: int, n: int, dtype: torch.dtype, dev: torch.device, sync, budget_s: float) -> MatmulRate:
-    """rows x k @ k x n. Rows double from 8 up to `rows` while a call stays within a fifth of the budget: where the
-    whole would not (a vocabulary-wide head in a dtype the CPU has no instructions for), fewer rows are timed, and
-    the entry says how many."""
-    b = torch.randn(k, n, dtype=dtype, device=dev)
-    measured = min(rows, 8)
+def _largest_within(size: int, start: int, call_for: Callable[[int], Callable[[], object]], sync: Sync,
+                    budget_s: float) -> tuple[int, Callable[[], object], float]:
+    """The largest of start, 2 x start, ... up to `size` whose one call takes at most a fifth of `budget_s` (`start`
+    at least): that size, its call and the call's time. A vocabulary-wide head in a dtype the CPU has no
+    instructions for cannot be timed whole at every row count within a minute."""
+    n = min(size, start)
     while True:
-        a = torch.randn(measured, k, dtype=dtype, device=dev)
-        warm_s = first_call_s(lambda: a @ b, sync)
-        if measured >= rows or 2 * warm_s > budget_s / 5:
-            break
-        measured = min(rows, 2 * measured)
-    flops = _rate(lambda: a @ b, 2.0 * measured * k * n, "FLOP", sync, budget_s, warm_s)
+        fn = call_for(n)
+        warm_s = first_call_s(fn, sync)
+        if n >= size or 2 * warm_s > budget_s / 5:
+            return n, fn, warm_s
+        n = min(size, 2 * n)
+
+
+def _matmul(rows: int, k: int, n: int, dtype: torch.dtype, dev: torch.device, sync: Sync, budget_s: float,
+            done: set[tuple[int, int, int]]) -> MatmulRate | None:
+    """rows x k @ k x n, on fewer rows where the whole would not fit the budget (the entry says how many); None when
+    that cut lands on a size already measured."""
+    b = torch.randn(k, n, dtype=dtype, device=dev)
+
+    def call_for(r: int) -> Callable[[], object]:
+        a = torch.randn(r, k, dtype=dtype, device=dev)
+        return lambda: a @ b
+
+    measured, fn, warm_s = _largest_within(rows, 8, call_for, sync, budget_s)
+    if (measured, k, n) in done:
+        return None
+    flops = _rate(fn, 2.0 * measured * k * n, "FLOP", sync, budget_s, warm_s)
     return MatmulRate(rows=measured, k=k, n=n, dtype=str(dtype).removeprefix("torch."), flops=flops)
 
 
-def _deduplicated(rates: list[MatmulRate]) -> list[MatmulRate]:
-    """One entry per shape measured: row counts cut to the same size were measured more than once; the first
-    stays."""
-    seen: dict[tuple[int, int, int], MatmulRate] = {}
-    for r in rates:
-        seen.setdefault((r.rows, r.k, r.n), r)
-    return list(seen.values())
+def _attention(batch: int, w: Workload, dtype: torch.dtype, dev: torch.device, sync: Sync, budget_s: float,
+               done: set[int]) -> AttentionRate | None:
+    """Causal attention over `batch` rows, on fewer where the whole would not fit the budget (the entry says how
+    many); None when that cut lands on a batch already measured."""
+    def call_for(b: int) -> Callable[[], object]:
+        q, k, v = (torch.randn(b, w.heads, w.seq_len, w.head_dim, dtype=dtype, device=dev) for _ in range(3))
+        return lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
 
-
-def _attention(batch: int, w: Workload, dtype: torch.dtype, dev: torch.device, sync, budget_s: float) -> AttentionRate:
-    q, k, v = (torch.randn(batch, w.heads, w.seq_len, w.head_dim, dtype=dtype, device=dev) for _ in range(3))
-    fn = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
-    flops = _rate(fn, 4.0 * batch * w.heads * w.seq_len ** 2 * w.head_dim, "FLOP", sync, budget_s)
-    return AttentionRate(batch=batch, heads=w.heads, seq=w.seq_len, head_dim=w.head_dim,
+    measured, fn, warm_s = _largest_within(batch, 1, call_for, sync, budget_s)
+    if measured in done:
+        return None
+    flops = _rate(fn, 4.0 * measured * w.heads * w.seq_len ** 2 * w.head_dim, "FLOP", sync, budget_s, warm_s)
+    return AttentionRate(batch=measured, heads=w.heads, seq=w.seq_len, head_dim=w.head_dim,
                          dtype=str(dtype).removeprefix("torch."), flops=flops)
 
 
-def _elementwise(rows: int, hidden: int, dtype, dev, sync, budget_s: float) -> Rate:
+def _elementwise(rows: int, hidden: int, dtype: torch.dtype, dev: torch.device, sync: Sync, budget_s: float) -> Rate:
     a, b, out = (torch.randn(rows, hidden, dtype=dtype, device=dev) for _ in range(3))
     return _rate(lambda: torch.add(a, b, out=out), float(rows * hidden), "elements", sync, budget_s)
 
 
-def _norm(rows: int, hidden: int, dtype, dev, sync, budget_s: float) -> Rate:
+def _norm(rows: int, hidden: int, dtype: torch.dtype, dev: torch.device, sync: Sync, budget_s: float) -> Rate:
     x = torch.randn(rows, hidden, dtype=dtype, device=dev)
     weight = torch.ones(hidden, dtype=dtype, device=dev)
     return _rate(lambda: torch.nn.functional.rms_norm(x, (hidden,), weight, 1e-6), float(rows * hidden), "elements",
@@ -156,7 +179,7 @@ def _optimizer(make: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
     return _rate(make(params).step, float(sum(numels)), "elements", lambda: None, budget_s)
 
 
-def _copies(dev: torch.device, sync, budget_s: float) -> dict[str, Rate]:
+def _copies(dev: torch.device, sync: Sync, budget_s: float) -> dict[str, Rate]:
     """Host<->device bytes per second, each direction from pinned and pageable host memory; on the CPU one memcpy
     between host tensors (the CPU device's and the emulated device's copy)."""
     host = torch.empty(COPY_BYTES, dtype=torch.uint8)
@@ -188,7 +211,7 @@ def _disk(folder: Path, budget_s: float) -> tuple[dict[str, Rate], bool]:
         return {"write": write, "read": read}, files.direct
 
 
-def _op_overhead(dev: torch.device, sync, budget_s: float) -> Rate:
+def _op_overhead(dev: torch.device, sync: Sync, budget_s: float) -> Rate:
     """Ops per second of an add on one element: what each op costs besides its work (dispatch, a kernel launch)."""
     x = torch.zeros(1, device=dev)
     return _rate(lambda: x.add_(1), 1.0, "ops", sync, budget_s)

@@ -31,6 +31,12 @@ class Fingerprint(BaseModel):
     def key(self) -> str:
         return hashlib.sha256(self.model_dump_json().encode()).hexdigest()[:16]
 
+    def describe(self) -> str:
+        from sltune.sizes import format_bytes
+
+        gpus = f", {', '.join(self.gpus)}" if self.gpus else ""
+        return f"{self.cpu}, {self.cores} cores, {format_bytes(self.memory_bytes)}{gpus}, torch {self.torch}"
+
     @classmethod
     def here(cls) -> "Fingerprint":
         import torch

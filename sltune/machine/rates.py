@@ -78,7 +78,7 @@ class MachineRates(BaseModel):
     matmul: list[MatmulRate] = []
     attention: list[AttentionRate] = []
     elementwise: dict[str, Rate] = {}
-    """per dtype: a fused multiply-add over a layer's activations, elements per second"""
+    """per dtype: an add of two of a layer's activations (rows x hidden), elements per second"""
     norm: dict[str, Rate] = {}
     """per dtype: RMSNorm over rows of `hidden`, elements per second"""
     optimizer: dict[str, Rate] = {}

@@ -10,7 +10,7 @@ from sqlalchemy import and_, delete, func, or_, select, update
 
 from sltune.store.db import is_postgres, sessions
 from sltune.store.faults import durable
-from sltune.store.schema import Artifact, Fit, Job, MachineRates, Trial, Worker, now
+from sltune.store.schema import Artifact, Calibration, Fit, Job, Trial, Worker, now
 
 ACTIVE = ("queued", "running")
 FINISHED = ("succeeded", "failed", "cancelled")
@@ -263,19 +263,18 @@ class Store:
 
     def save_rates(self, machine: str, workload: str, rates: dict[str, Any]) -> None:
         with self.Session.begin() as s:
-            s.add(MachineRates(machine=machine, workload=workload, rates=rates))
+            s.add(Calibration(machine=machine, workload=workload, rates=rates))
 
-    def latest_rates(self, machine: str, workload: str) -> MachineRates | None:
+    def latest_rates(self, machine: str, workload: str) -> Calibration | None:
         """The newest rates calibrated on this machine for this workload, if any."""
         with self.Session() as s:
-            return s.scalars(select(MachineRates).where(MachineRates.machine == machine,
-                                                        MachineRates.workload == workload)
-                             .order_by(MachineRates.id.desc()).limit(1)).first()
+            return s.scalars(select(Calibration).where(Calibration.machine == machine, Calibration.workload == workload)
+                             .order_by(Calibration.id.desc()).limit(1)).first()
 
-    def all_rates(self, limit: int = 100) -> list[MachineRates]:
+    def all_rates(self, limit: int = 100) -> list[Calibration]:
         """The stored calibrations, newest first."""
         with self.Session() as s:
-            return list(s.scalars(select(MachineRates).order_by(MachineRates.id.desc()).limit(limit)))
+            return list(s.scalars(select(Calibration).order_by(Calibration.id.desc()).limit(limit)))
 
     def add_artifact(self, job_id: str, trial_number: int | None, kind: str, path: str, nbytes: int) -> None:
         with self.Session.begin() as s:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from datetime import datetime, timezone
 from typing import Any
 
-from sqlalchemy import (JSON, BigInteger, Boolean, DateTime, Float, ForeignKey, Integer, String, Text,
+from sqlalchemy import (JSON, BigInteger, Boolean, DateTime, Float, ForeignKey, Index, Integer, String, Text,
                         TypeDecorator, UniqueConstraint)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
@@ -123,14 +123,16 @@ class Worker(Base):
     last_seen: Mapped[datetime] = mapped_column(UTCDateTime(), default=now)
 
 
-class MachineRates(Base):
+class Calibration(Base):
     """A machine's rates as `sltune calibrate` measured them (sltune.machine.MachineRates), per machine (its
-    fingerprint's key) and workload (the shapes measured at): the history is kept, the newest is used."""
+    fingerprint's key) and what was measured (shapes, dtype, device, threads, disk folder, optimizers, ranks: one
+    key): the history is kept, the newest is used."""
 
     __tablename__ = "sltune_machine_rates"
+    __table_args__ = (Index("ix_sltune_machine_rates_machine_workload", "machine", "workload"),)
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
-    machine: Mapped[str] = mapped_column(String(64), index=True)
+    machine: Mapped[str] = mapped_column(String(64))
     workload: Mapped[str] = mapped_column(String(64))
     rates: Mapped[dict[str, Any]] = mapped_column(JSON)
     measured_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=now)

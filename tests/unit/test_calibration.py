@@ -2,7 +2,6 @@
 the job store per machine and workload and read back from it."""
 
 import json
-import time
 
 import pytest
 import torch
@@ -31,13 +30,13 @@ def test_every_rate_is_a_median_between_its_slowest_and_fastest_sample(tmp_path)
 
 def test_a_matmul_too_slow_for_its_share_of_the_budget_is_timed_on_fewer_rows_and_says_so():
     """4096 x 2048 @ 2048 x 2048 is 34 GFLOP, a third of a second or more on any CPU: a 0.1 s budget cannot hold it,
-    so fewer rows are timed and the entry names them; the whole stays near its budget."""
-    start = time.perf_counter()
-    rates = calibrate(Workload(matmuls=((2048, 2048),), rows=(4096,), hidden=256, heads=2, head_dim=128,
+    so fewer rows are timed and the entry names them, and a second row count cut to the same size is not timed
+    twice. The whole takes a warm-up and 3 samples per probe: a second or two, not the full matmul's."""
+    rates = calibrate(Workload(matmuls=((2048, 2048),), rows=(2048, 4096), hidden=256, heads=2, head_dim=128,
                                seq_len=64, param_numels=(4096,)), budget_s=0.1)
     (m,) = rates.matmul
-    assert 8 <= m.rows < 4096 and (m.k, m.n) == (2048, 2048)
-    assert time.perf_counter() - start < 30
+    assert 8 <= m.rows < 2048 and (m.k, m.n) == (2048, 2048)
+    assert rates.seconds < 10
 
 
 def test_the_rates_are_the_dtype_s_own():
@@ -61,13 +60,15 @@ def test_calibrate_stores_the_rates_and_shows_them_from_the_store_until_asked_ag
     assert first.returncode == 0, first.stderr
     assert "measured in" in first.stdout and "GFLOP/s" in first.stdout and "calibrate: disk" in first.stderr
     written = MachineRates.load(tmp_path / "rates.json")
-    again = sltune("calibrate", "--db", db, "--json")
+    again = sltune("calibrate", "--db", db, "--json", "--offload-dir", str(tmp_path))
     assert again.returncode == 0 and "calibrate:" not in again.stderr          # nothing measured: from the store
+    elsewhere = sltune("calibrate", "--db", db, "--json", "--budget", "1", "--offload-dir", str(tmp_path / "other"))
+    assert "calibrate: disk" in elsewhere.stderr                               # another disk folder: measured
     assert MachineRates.model_validate(json.loads(again.stdout)) == written
     fresh = sltune("calibrate", "--db", db, "--json", "--again", "--budget", "1", "--offload-dir", str(tmp_path))
+    assert "calibrate: disk" in fresh.stderr
     assert MachineRates.model_validate(json.loads(fresh.stdout)).measured_at > written.measured_at
-    stored = Store(db).latest_rates(written.fingerprint.key, Workload().key)
-    assert MachineRates.model_validate(stored.rates).measured_at > written.measured_at
+    assert len(Store(db).all_rates()) == 3
 
 
 def test_calibrate_with_a_spec_measures_its_model_s_shapes_in_its_dtype(tmp_path):
@@ -79,13 +80,20 @@ def test_calibrate_with_a_spec_measures_its_model_s_shapes_in_its_dtype(tmp_path
     assert out.returncode == 0, out.stderr
     rates = MachineRates.model_validate(json.loads(out.stdout))
     config = __import__("sltune.models", fromlist=["build"]).build("llama-tiny").config
-    assert {m.k for m in rates.matmul} == {config.hidden_size}
-    assert (config.hidden_size, config.vocab_size) in {(m.k, m.n) for m in rates.matmul}
-    assert (config.hidden_size, config.intermediate_size) in {(m.k, m.n) for m in rates.matmul}
+    shapes = {(m.k, m.n) for m in rates.matmul}
+    assert {config.hidden_size} == {k for k, n in shapes} - {config.intermediate_size}
+    assert {(config.hidden_size, config.vocab_size), (config.hidden_size, config.intermediate_size),
+            (config.intermediate_size, config.hidden_size)} <= shapes             # the MLP's up and down
     assert {m.dtype for m in rates.matmul} == {"bfloat16"}
     assert {m.rows for m in rates.matmul} <= {16, 32, 64}                      # b in 1..4 rows of 16 tokens
 
 
-def test_a_bad_budget_is_one_line_naming_the_flag(tmp_path):
-    out = sltune("calibrate", "--db", f"sqlite:///{tmp_path / 'jobs.db'}", "--budget", "0")
-    assert out.returncode == 2 and "--budget must be positive" in out.stderr, out.stderr
+@pytest.mark.parametrize("flags, says", [
+    (["--budget", "0"], "--budget must be a positive number of seconds, got 0"),
+    (["--budget", "inf"], "--budget must be a positive number of seconds, got inf"),
+    (["--ranks", "1"], "--ranks: collectives need 2 to 1024 ranks, got 1"),
+    (["--offload-dir", "/proc/nope"], "--offload-dir /proc/nope: not writable"),
+])
+def test_a_bad_flag_is_one_line_naming_it_before_anything_is_measured(tmp_path, flags, says):
+    out = sltune("calibrate", "--db", f"sqlite:///{tmp_path / 'jobs.db'}", *flags)
+    assert out.returncode == 2 and says in out.stderr and "calibrate: matmuls" not in out.stderr, out.stderr

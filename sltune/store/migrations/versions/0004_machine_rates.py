@@ -23,4 +23,4 @@ def upgrade() -> None:
         sa.Column("rates", sa.JSON, nullable=False),
         sa.Column("measured_at", sa.DateTime(timezone=True), nullable=False),
     )
-    op.create_index("ix_sltune_machine_rates_machine", "sltune_machine_rates", ["machine"])
+    op.create_index("ix_sltune_machine_rates_machine_workload", "sltune_machine_rates", ["machine", "workload"])

@@ -55,16 +55,21 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--budget must be a positive number of seconds, got {args.budget:g}")
     settings = Settings(db=args.db) if args.db else Settings()
     open_store(settings)
-    workload, device, threads, ranks, optimizers = Workload(), "cpu", None, args.ranks or [], {}
+    from sltune.training.optimizer import OptimizerConfig
+
+    workload, device, threads, ranks, host_optimizer = Workload(), "cpu", None, args.ranks or [], OptimizerConfig()
+    optimizers: dict[str, Callable[[list[Any]], Any]] = {}
     if args.spec:
         from sltune.tuning.cost.workload import workload_of
         from sltune.tuning.spec import TuningSpec
 
         spec = TuningSpec.load(args.spec)
         workload, device, threads = workload_of(spec), spec.hardware.device, spec.hardware.cpu_threads
+        host_optimizer = spec.optimizer
         ranks = args.ranks or ([spec.hardware.world_size] if spec.hardware.world_size > 1 else [])
         if "deepspeed" in spec.search.backend:
             optimizers = _deepspeed_adam(device)
+    optimizers = {f"torch.{host_optimizer.name}": host_optimizer.build, **optimizers}   # the runtime's host step
     ranks = sorted(set(ranks))
     if ranks and not 2 <= ranks[0] <= ranks[-1] <= MAX_WORLD_SIZE:
         raise ValueError(f"--ranks: collectives need 2 to {MAX_WORLD_SIZE} ranks, got {' '.join(map(str, ranks))}")
@@ -80,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     machine = Fingerprint.here()
     # what decides the rates besides the machine: the same key, the same measurement
     key = hashlib.sha256(json.dumps([workload.key, device, torch.get_num_threads(), str(folder), sorted(optimizers),
-                                     ranks]).encode()).hexdigest()[:16]
+                                     host_optimizer.model_dump(mode="json"), ranks]).encode()).hexdigest()[:16]
     stored = None if args.again else store.latest_rates(machine.key, key)
     if stored is not None and datetime.now(timezone.utc) - stored.measured_at < STALE_AFTER:
         rates = MachineRates.model_validate(stored.rates)

@@ -20,6 +20,7 @@ from sltune.machine.fingerprint import Fingerprint
 from sltune.machine.rates import AttentionRate, MachineRates, MatmulRate, Rate
 from sltune.machine.timing import first_call_s, per_call_s
 from sltune.runtime.disk.direct_io import DirectFiles, aligned_empty
+from sltune.training.optimizer import OptimizerConfig
 
 Sync = Callable[[], None]       # waits for the device's queued work (nothing on the CPU)
 COPY_BYTES = 64 << 20       # a copy or a file this large: past the caches, like a layer's weights
@@ -54,15 +55,15 @@ def calibrate(workload: Workload = Workload(), device: str = "cpu", budget_s: fl
     """This machine's rates for `workload` on `device`, in about `budget_s` seconds (each probe's warm-up and 3
     samples at least: a tiny budget still measures everything once). `offload_dir`: where the
     disk is timed (a temporary folder in it; default the system's temporary folder). `progress` is told each
-    probe's name as it starts. `optimizers`: more optimizers to time beside torch's AdamW, by name (DeepSpeedCPUAdam
-    where it is built). `world_sizes`: the collectives' rank counts, the ranks started from `processes` (a
+    probe's name as it starts. `optimizers`: the optimizers to time, by name (default: the runtime's host AdamW,
+    fused, as sltune.training.optimizer builds it). `world_sizes`: the collectives' rank counts, the ranks started from `processes` (a
     multiprocessing context)."""
     start = time.perf_counter()
     dev = torch.device(device)
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     dtype = getattr(torch, workload.dtype)
     shapes = sorted({(rows, k, n) for k, n in workload.matmuls for rows in workload.rows})
-    left = [len(shapes) + len(workload.rows) + 6 + len(optimizers or {}) + len(world_sizes)]       # probes still to run: each gets its share of what is left
+    left = [len(shapes) + len(workload.rows) + 5 + len(optimizers or [None]) + len(world_sizes)]       # probes still to run: each gets its share of what is left
 
     def share() -> float:
         left[0] -= 1
@@ -85,7 +86,7 @@ def calibrate(workload: Workload = Workload(), device: str = "cpu", budget_s: fl
     norm = {workload.dtype: _norm(rows, workload.hidden, dtype, dev, sync, share())}
     progress("optimizer")
     numels = workload.param_numels or (OPTIMIZER_ELEMENTS,)
-    makers = {"torch.adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3), **(optimizers or {})}
+    makers = optimizers or {"torch.adamw": OptimizerConfig().build}
     optimizer = {name: _optimizer(make, numels, share()) for name, make in makers.items()}
     progress("copies")
     copies = _copies(dev, sync, share())
@@ -172,7 +173,8 @@ def _norm(rows: int, hidden: int, dtype: torch.dtype, dev: torch.device, sync: S
 
 def _optimizer(make: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer], numels: tuple[int, ...],
                budget_s: float) -> Rate:
-    """An optimizer's step on float32 host tensors of a layer's sizes, as the runtime steps them on the host."""
+    """An optimizer's step on float32 host tensors of a layer's sizes, as the runtime steps them on the host (the
+    parameters are stepped as one list, where the runtime steps a unit's at a time: a layer is a unit)."""
     params = [torch.nn.Parameter(torch.randn(n)) for n in numels]
     for p in params:
         p.grad = torch.randn_like(p)

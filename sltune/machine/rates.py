@@ -82,8 +82,8 @@ class MachineRates(BaseModel):
     norm: dict[str, Rate] = {}
     """per dtype: RMSNorm over rows of `hidden`, elements per second"""
     optimizer: dict[str, Rate] = {}
-    """per optimizer ("torch.adamw"; "deepspeed.cpu_adam" where it is built), float32 on the host: parameters
-    stepped per second"""
+    """per optimizer ("torch.adamw" or "torch.sgd" as the runtime builds the spec's, fused; "deepspeed.cpu_adam"
+    where it is built), float32 on the host: parameters stepped per second"""
     copies: dict[str, Rate] = {}
     """host<->device copies, bytes per second: "h2d.pinned", "d2h.pageable", ...; on the CPU "host" (memcpy between
     host tensors, what the CPU device and the emulated one do)"""

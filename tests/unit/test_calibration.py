@@ -74,7 +74,7 @@ def test_calibrate_stores_the_rates_and_shows_them_from_the_store_until_asked_ag
 def test_calibrate_with_a_spec_measures_its_model_s_shapes_in_its_dtype(tmp_path):
     spec = tmp_path / "spec.yaml"
     spec.write_text("model: {preset: llama-tiny, dtype: bfloat16}\nworkload: {seq_len: 16}\n"
-                    "search: {sub_batch_size: {min: 1, max: 4}}\n")
+                    "optimizer: {name: sgd, momentum: 0.9}\nsearch: {sub_batch_size: {min: 1, max: 4}}\n")
     out = sltune("calibrate", str(spec), "--db", f"sqlite:///{tmp_path / 'jobs.db'}", "--json", "--budget", "3",
                  "--offload-dir", str(tmp_path))
     assert out.returncode == 0, out.stderr
@@ -85,7 +85,8 @@ def test_calibrate_with_a_spec_measures_its_model_s_shapes_in_its_dtype(tmp_path
     assert {(config.hidden_size, config.vocab_size), (config.hidden_size, config.intermediate_size),
             (config.intermediate_size, config.hidden_size)} <= shapes             # the MLP's up and down
     assert {m.dtype for m in rates.matmul} == {"bfloat16"}
-    assert {m.rows for m in rates.matmul} <= {16, 32, 64}                      # b in 1..4 rows of 16 tokens
+    assert {m.rows for m in rates.matmul} <= {16, 32, 64}
+    assert set(rates.optimizer) == {"torch.sgd"}                                # the spec's, as the runtime steps it                      # b in 1..4 rows of 16 tokens
 
 
 @pytest.mark.parametrize("flags, says", [

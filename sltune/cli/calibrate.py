@@ -49,27 +49,23 @@ def run(args: argparse.Namespace) -> int:
     from sltune.runtime.disk.direct_io import writable_dir
     from sltune.settings import Settings
     from sltune.store import Store
+    from sltune.training.optimizer import OptimizerConfig
     from sltune.tuning.spec import MAX_WORLD_SIZE
 
     if not (math.isfinite(args.budget) and args.budget > 0):
         raise ValueError(f"--budget must be a positive number of seconds, got {args.budget:g}")
     settings = Settings(db=args.db) if args.db else Settings()
     open_store(settings)
-    from sltune.training.optimizer import OptimizerConfig
-
     workload, device, threads, ranks, host_optimizer = Workload(), "cpu", None, args.ranks or [], OptimizerConfig()
-    optimizers: dict[str, Callable[[list[Any]], Any]] = {}
+    deepspeed = False
     if args.spec:
         from sltune.tuning.cost.workload import workload_of
         from sltune.tuning.spec import TuningSpec
 
         spec = TuningSpec.load(args.spec)
         workload, device, threads = workload_of(spec), spec.hardware.device, spec.hardware.cpu_threads
-        host_optimizer = spec.optimizer
+        host_optimizer, deepspeed = spec.optimizer, "deepspeed" in spec.search.backend
         ranks = args.ranks or ([spec.hardware.world_size] if spec.hardware.world_size > 1 else [])
-        if "deepspeed" in spec.search.backend:
-            optimizers = _deepspeed_adam(device)
-    optimizers = {f"torch.{host_optimizer.name}": host_optimizer.build, **optimizers}   # the runtime's host step
     ranks = sorted(set(ranks))
     if ranks and not 2 <= ranks[0] <= ranks[-1] <= MAX_WORLD_SIZE:
         raise ValueError(f"--ranks: collectives need 2 to {MAX_WORLD_SIZE} ranks, got {' '.join(map(str, ranks))}")
@@ -81,6 +77,8 @@ def run(args: argparse.Namespace) -> int:
     if device.startswith("cuda") and ranks and ranks[-1] > torch.cuda.device_count():
         raise ValueError(f"--ranks {ranks[-1]}: the collectives take a GPU per rank on {device}, and this machine "
                          f"has {torch.cuda.device_count()}; give --ranks at most that")
+    optimizers = {f"torch.{host_optimizer.name}": host_optimizer.build,         # the runtime's host step
+                  **(_deepspeed_adam(device) if deepspeed else {})}
     store = Store(settings.db_url())
     machine = Fingerprint.here()
     # what decides the rates besides the machine: the same key, the same measurement

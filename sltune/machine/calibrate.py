@@ -53,17 +53,19 @@ def calibrate(workload: Workload = Workload(), device: str = "cpu", budget_s: fl
               optimizers: dict[str, Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]] | None = None,
               world_sizes: tuple[int, ...] = (), processes: Any = None) -> MachineRates:
     """This machine's rates for `workload` on `device`, in about `budget_s` seconds (each probe's warm-up and 3
-    samples at least: a tiny budget still measures everything once). `offload_dir`: where the
-    disk is timed (a temporary folder in it; default the system's temporary folder). `progress` is told each
-    probe's name as it starts. `optimizers`: the optimizers to time, by name (default: the runtime's host AdamW,
-    fused, as sltune.training.optimizer builds it). `world_sizes`: the collectives' rank counts, the ranks started from `processes` (a
-    multiprocessing context)."""
+    samples at least: a tiny budget still measures everything once).
+
+    `offload_dir`: where the disk is timed (a temporary folder in it; default the system's temporary folder).
+    `progress` is told each probe's name as it starts. `optimizers`: the optimizers to time, by name (default: the
+    runtime's host AdamW, fused, as sltune.training.optimizer builds it). `world_sizes`: the collectives' rank
+    counts, the ranks started from `processes` (a multiprocessing context)."""
     start = time.perf_counter()
     dev = torch.device(device)
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     dtype = getattr(torch, workload.dtype)
     shapes = sorted({(rows, k, n) for k, n in workload.matmuls for rows in workload.rows})
-    left = [len(shapes) + len(workload.rows) + 5 + len(optimizers or [None]) + len(world_sizes)]       # probes still to run: each gets its share of what is left
+    # the probes still to run: each gets its share of the budget that is left
+    left = [len(shapes) + len(workload.rows) + 5 + len(optimizers or [None]) + len(world_sizes)]
 
     def share() -> float:
         left[0] -= 1
@@ -101,8 +103,7 @@ def calibrate(workload: Workload = Workload(), device: str = "cpu", budget_s: fl
     return MachineRates(fingerprint=Fingerprint.here(), measured_at=datetime.now(timezone.utc),
                         seconds=time.perf_counter() - start, device=str(dev), threads=torch.get_num_threads(),
                         matmul=matmul, attention=attention, elementwise=elementwise, norm=norm, optimizer=optimizer,
-                        copies=copies, disk=disk, disk_direct=direct, op_overhead=overhead,
-                        collectives=collective,
+                        copies=copies, disk=disk, disk_direct=direct, op_overhead=overhead, collectives=collective,
                         collective_backend=("nccl" if dev.type == "cuda" else "gloo") if world_sizes else None)
 
 

@@ -85,8 +85,8 @@ def test_calibrate_with_a_spec_measures_its_model_s_shapes_in_its_dtype(tmp_path
     assert {(config.hidden_size, config.vocab_size), (config.hidden_size, config.intermediate_size),
             (config.intermediate_size, config.hidden_size)} <= shapes             # the MLP's up and down
     assert {m.dtype for m in rates.matmul} == {"bfloat16"}
-    assert {m.rows for m in rates.matmul} <= {16, 32, 64}
-    assert set(rates.optimizer) == {"torch.sgd"}                                # the spec's, as the runtime steps it                      # b in 1..4 rows of 16 tokens
+    assert {m.rows for m in rates.matmul} <= {16, 32, 64}                      # b in 1..4 rows of 16 tokens
+    assert set(rates.optimizer) == {"torch.sgd"}                                # the spec's, as the runtime steps it
 
 
 @pytest.mark.parametrize("flags, says", [

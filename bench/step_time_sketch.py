@@ -19,10 +19,11 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from sltune.machine import Workload, calibrate
+from sltune.machine import calibrate
 from sltune.profiling import run_trial
 from sltune.profiling.schema import TrialSpec
 from sltune.tuning.cost.shape import shape_of
+from sltune.tuning.cost.workload import layer_widths, workload_for
 
 CONFIGS = [(1, 1, 1), (2, 2, 1), (4, 2, 2), (8, 1, 1), (1, 8, 4), (4, 4, 8), (2, 4, 2), (8, 2, 4)]   # (b, N, k)
 OPS_PER_LAYER_PASS = 60
@@ -50,12 +51,9 @@ def main() -> None:
     seq, dtype = args.seq_len, "float32"
     shape = shape_of(args.model, dtype)
     h, layers, vocab = shape.hidden, shape.layers, shape.vocab
-    widths = sorted({n // h for n in shape.layer_numels if n % h == 0 and n // h > 1})
-    head_dim = shape.head_dim or 64
-    workload = Workload(matmuls=tuple(sorted({(h, w) for w in widths} | {(w, h) for w in widths if w > h}
-                                             | {(h, vocab)})),
-                        rows=tuple(sorted({b * seq for b, _, _ in CONFIGS})), hidden=h, heads=h // head_dim,
-                        head_dim=head_dim, seq_len=seq, dtype=dtype, param_numels=shape.layer_numels)
+    widths = layer_widths(shape)
+    workload = workload_for(shape, seq, (b * seq for b, _, _ in CONFIGS))
+    head_dim = workload.head_dim
     rates = calibrate(workload)
     print(f"calibrated in {rates.seconds:.1f}s: {rates.fingerprint.describe()}")
     matmul = {(m.rows, m.k, m.n): m.flops.median for m in rates.matmul}
@@ -71,9 +69,9 @@ def main() -> None:
     predicted, parts = {}, {}
     for b, n, k in CONFIGS:
         rows = b * seq
-        layer = sum(matmul_s(rows, h, numel // h) for numel in shape.layer_numels if numel % h == 0 and numel // h > 1)
-        layer += 4.0 * b * (h // head_dim) * seq ** 2 * head_dim / attention[min(attention, key=lambda x: abs(x - b))]
-        layer += (12 * rows * h + 3 * rows * widths[-1]) / elementwise + 2 * rows * h / norm
+        layer = sum(matmul_s(rows, h, w) for w in widths)
+        layer += 4.0 * b * workload.heads * seq ** 2 * head_dim / attention[min(attention, key=lambda x: abs(x - b))]
+        layer += (12 * rows * h + 3 * rows * max(widths)) / elementwise + 2 * rows * h / norm
         head = matmul_s(rows, h, vocab) + 3 * rows * vocab / elementwise
         compute = n * (layers * layer * 4 + head * 3)          # forward, recomputed, backward (twice the forward)
         parts[(b, n, k)] = {"compute": compute, "optimizer": shape.param_bytes / shape.itemsize / adamw,

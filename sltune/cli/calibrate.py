@@ -121,7 +121,5 @@ def _deepspeed_adam(device: str) -> dict[str, Callable[[list[Any]], Any]]:
 
 def describe(r: MachineRates, note: str) -> str:
     """The rates as a table: each median with its [slowest, fastest] sample."""
-    lines = [f"{r.fingerprint.describe()}; {r.device}, {r.threads} threads", f"  {note}"]
-    lines += [f"  {what}: {rate.median / scale:,.2f} [{rate.low / scale:,.2f}, {rate.high / scale:,.2f}] {unit}"
-              for what, rate, scale, unit in r.shown()]
-    return "\n".join(lines)
+    return "\n".join([r.where(), f"  {note}", *(f"  {what}: {median} [{low}, {high}] {unit}"
+                                                 for what, median, low, high, unit, _ in r.shown())])

@@ -509,10 +509,7 @@ def machines(request: Request) -> HTMLResponse:
     for row in request.app.state.store.all_rates():
         r = MachineRates.model_validate(row.rates)
         shown.append({"machine": row.machine, "workload": row.workload, "measured": _ts(row.measured_at),
-                      "seconds": f"{r.seconds:.1f}", "where": f"{r.fingerprint.describe()}; {r.device}, {r.threads} "
-                                                              "threads",
-                      "rates": [(what, f"{rate.median / scale:,.2f}", f"{rate.low / scale:,.2f}",
-                                 f"{rate.high / scale:,.2f}", unit, rate.samples) for what, rate, scale, unit in r.shown()]})
+                      "seconds": f"{r.seconds:.1f}", "where": r.where(), "rates": r.shown()})
     return _page("machines.html", "machines", calibrations=shown)
 
 

@@ -99,8 +99,12 @@ class MachineRates(BaseModel):
     collective_backend: str | None = None
     """the process group they ran over: gloo on the CPU, nccl on GPUs"""
 
-    def shown(self) -> list[tuple[str, Rate, float, str]]:
-        """Every rate as people read it: (what, the rate, the scale it is shown in, that scale's unit)."""
+    def where(self) -> str:
+        """The machine, device and threads measured on, as one line."""
+        return f"{self.fingerprint.describe()}; {self.device}, {self.threads} threads"
+
+    def shown(self) -> list[tuple[str, str, str, str, str, int]]:
+        """Every rate as people read it: (what, median, slowest, fastest, unit, samples), scaled to the unit."""
         rows = [(f"matmul {m.rows}x{m.k} @ {m.k}x{m.n} {m.dtype}", m.flops, 1e9, "GFLOP/s") for m in self.matmul]
         rows += [(f"attention b={a.batch} h={a.heads} s={a.seq} d={a.head_dim} {a.dtype}", a.flops, 1e9, "GFLOP/s")
                  for a in self.attention]
@@ -115,7 +119,8 @@ class MachineRates(BaseModel):
             rows.append((f"{op} over {world} ranks ({self.collective_backend})", rate, 2**30, "GiB/s"))
         if self.op_overhead:
             rows.append(("one op", self.op_overhead, 1e6, "M ops/s"))
-        return rows
+        return [(what, f"{r.median / scale:,.2f}", f"{r.low / scale:,.2f}", f"{r.high / scale:,.2f}", unit, r.samples)
+                for what, r, scale, unit in rows]
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.model_dump_json(indent=1) + "\n")

@@ -4,7 +4,7 @@ made up `preset: "string"` and `sub_batch_size: 0`).
 
 In a checkout (an editable install, the tests) it is read from `examples/`. An installed wheel (the Docker image)
 has no `examples/` folder: there it is read from the package data `tiny-llama-cpu.yaml` beside this module, a copy
-tests/unit/test_docs.py holds byte for byte equal to the one in `examples/`."""
+tests/unit/api/test_examples.py holds byte for byte equal to the one in `examples/`."""
 
 from __future__ import annotations
 

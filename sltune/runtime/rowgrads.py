@@ -6,9 +6,9 @@ for a few hundred rows, 19% of a b=1 step on the CPU (bench/backends.py, docs/be
 the engine's own embedding forward the module is switched to nn.Embedding's `sparse=True` (the user's model is
 left as it was), so its backward hands over the touched rows; `add_rows` sums each row's repeats in the order
 the dense backward does and adds every row once, so the result equals the dense path's bit for bit on the CPU
-(tests/unit/test_rowgrads.py; CUDA's dense backward sums repeats in an order of its own, so there the two agree to
-rounding). The tuner's prior still counts the dense gradient (sltune.tuning.cost.footprint: the meta device cannot
-run the sparse backward of an embedding with a padding_idx), which over-predicts by at most that gradient.
+(tests/unit/runtime/test_rowgrads.py; CUDA's dense backward sums repeats in an order of its own, so there the two
+agree to rounding). The tuner's prior still counts the dense gradient (sltune.tuning.cost.footprint: the meta device
+cannot run the sparse backward of an embedding with a padding_idx), which over-predicts by at most that gradient.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Trials and fitted models as a real job of examples/tiny-llama-cpu.yaml measured them: the figures, the pages
-and the browser test draw the same data."""
+and the browser test draw the same data; and the limits the figures draw beside it."""
 
 from __future__ import annotations
 
@@ -128,3 +128,7 @@ def measured_job() -> dict:
     for t in data["trials"]:
         t["started_at"], t["finished_at"] = (datetime.fromisoformat(t[k]) for k in ("started_at", "finished_at"))
     return data
+
+
+MIB = 1024 * 1024
+DEVICE_LIMIT, HOST_LIMIT = 6 * MIB, 8 * 1024 * MIB

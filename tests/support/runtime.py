@@ -1,11 +1,16 @@
 """One engine run held to plain PyTorch: the batches, the run and the check the runtime's exactness tests share
-(equivalence, activations, the emulated device), and the pad id generation uses."""
+(equivalence, activations, the emulated device), and the pad id generation uses; an engine of llama-tiny, the
+batches of the precision tests, a Copier on the emulated device and the `emulated` fixture that turns the device on."""
 
 import pytest
 import torch
 
 from sltune import SpeedLoaderConfig, SpeedLoaderEngine
 from sltune.models import build
+from sltune.runtime.counters import IOCounters
+from sltune.runtime.emulated import EmulatedStreams
+from sltune.runtime.streams import ENV
+from sltune.runtime.transfer import Copier
 from tests.support.reference import adamw, assert_same_updates, plain_training, snapshot
 
 
@@ -47,3 +52,20 @@ def batch(rows, seq, vocab=512, seed=1):
 
 
 PAD = 0                       # gpt2-tiny has no pad token; transformers needs one for finished rows
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    monkeypatch.setenv(ENV, "lazy")
+
+
+def copier() -> Copier:
+    return Copier(torch.device("cpu"), IOCounters(), EmulatedStreams())
+
+
+def batches(steps=2, rows=8, seq=16):
+    return [torch.randint(3, 512, (rows, seq), generator=torch.Generator().manual_seed(s + 1)) for s in range(steps)]
+
+
+def engine(**knobs):
+    return SpeedLoaderEngine(build("llama-tiny"), SpeedLoaderConfig(**knobs), optimizer=adamw)

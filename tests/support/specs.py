@@ -1,4 +1,5 @@
-"""The smallest tuning spec, which a job runs in seconds: one source for every test that tunes or submits one."""
+"""The smallest tuning spec, which a job runs in seconds: one source for every test that tunes or submits one;
+and `parse`, a spec of llama-tiny with the given sections, parsed and admitted as tune, plan and POST /tune admit it."""
 
 from __future__ import annotations
 
@@ -16,3 +17,11 @@ def admitted_spec(data):
     from sltune.tuning.cost.admission import load
 
     return load(data).spec
+
+
+BASE = {"name": "t", "model": {"preset": "llama-tiny"}, "workload": {"seq_len": 32}}
+
+
+def parse(**overrides):
+    data = {**BASE, **overrides}
+    return admitted_spec(data)

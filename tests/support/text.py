@@ -1,9 +1,11 @@
 """A tiny byte-level BPE tokenizer trained here (nothing is downloaded) and the documents it is trained on,
-shared by the text-data tests."""
+shared by the text-data tests, and `tok_dir`, a module's fixture holding it."""
 
 from __future__ import annotations
 
 from pathlib import Path
+
+import pytest
 
 DOCS = ["the quick brown fox jumps over the lazy dog", "héllo wörld,\n\nsecond paragraph of the same document",
         "", "  leading spaces and trailing ones  ", "the end"]
@@ -22,3 +24,8 @@ def save_tokenizer(folder: Path, eos: str | None = "<eos>") -> Path:
     kwargs = {"eos_token": eos} if eos else {}
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", **kwargs).save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory) -> Path:
+    return save_tokenizer(tmp_path_factory.mktemp("tok"))

@@ -1,4 +1,5 @@
-"""SpeedLoaderConfig: validation messages and the YAML a tuning job exports."""
+"""SpeedLoaderConfig (sltune.config): validation messages, the YAML a tuning job exports, and each knob declared in
+one place."""
 
 import json
 import shutil
@@ -10,7 +11,11 @@ import pytest
 import yaml
 
 import sltune
-from sltune import SpeedLoaderConfig
+from sltune import SpeedLoaderConfig, SpeedLoaderEngine
+from sltune.cli.main import main
+from sltune.models import build
+from sltune.profiling.schema import TrialSpec
+from tests.support.reference import adamw
 
 
 def test_yaml_round_trip_with_report_sections(tmp_path):
@@ -52,12 +57,6 @@ def test_to_yaml_rejects_unknown_sections():
 def test_sizes_must_be_whole_positive_bytes(value):
     with pytest.raises(ValueError, match="device_memory_limit"):
         SpeedLoaderConfig(device_memory_limit=value)
-
-
-def test_an_empty_api_token_is_no_token():
-    from sltune.settings import Settings
-
-    assert Settings(api_token="").api_token is None
 
 
 # -- each knob declared once ----------------------------------------------------------------------------------------
@@ -162,3 +161,55 @@ def test_a_knob_declared_in_one_place_is_a_flag_a_trial_field_a_result_field_and
         "a search sweeps it": [4, [True]],
         "docs": [True, True, True, True, True],
     }
+
+
+def test_bad_knobs_are_one_line_naming_the_fix(tmp_path, capsys):
+    for knobs, fix in [({}, "offload_dir: param_offload disk keeps the weights' files there; give a directory"),
+                       ({"offload_dir": "x", "schedule": "resident"},
+                        "param_offload disk: the resident schedule keeps every weight on the device; use param_offload "
+                        "host")]:
+        with pytest.raises(ValueError) as err:
+            SpeedLoaderConfig.from_dict({"param_offload": "disk", **knobs})
+        assert "\n" not in str(err.value) and fix in str(err.value)
+    cfg = SpeedLoaderConfig(param_offload="disk", offload_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="add optimizer_offload disk"):
+        SpeedLoaderEngine(build("llama-tiny", seed=0), cfg, optimizer=adamw)
+    with pytest.raises(ValueError, match="add optimizer_offload disk"):
+        TrialSpec(model="llama-tiny", param_offload="disk", offload_dir=str(tmp_path))
+    TrialSpec(model="llama-tiny", mode="generate", param_offload="disk", offload_dir=str(tmp_path))   # fine alone
+    knobs = ["--steps", "1", "--seq-len", "8"]
+    assert main(["train", *knobs, "--param-offload", "disk", "--offload-dir", str(tmp_path)]) == 2
+    assert main(["profile", "--param-offload", "disk", "--offload-dir", str(tmp_path)]) == 2
+    assert main(["profile", "--param-offload", "disk", "--optimizer-offload", "disk"]) == 2
+    assert main(["profile", "--param-offload", "disk", "--optimizer-offload", "disk", "--offload-dir", str(tmp_path),
+                 "--schedule", "resident"]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert err == [
+        "sltune train: error: --param-offload disk: training steps each unit's weights file with its optimizer "
+        "block; add --optimizer-offload disk",
+        "sltune profile: error: --param-offload disk: training steps each unit's weights file with its optimizer "
+        "block; add --optimizer-offload disk",
+        "sltune profile: error: --offload-dir: --optimizer-offload disk keeps the optimizer's files there; give a "
+        "directory on a local disk (--offload-dir DIR)",
+        "sltune profile: error: --optimizer-offload disk: the resident schedule steps its optimizer on the device; "
+        "use --optimizer-offload host, or --schedule speedloader or canonical; --param-offload disk: the resident "
+        "schedule keeps every weight on the device; use --param-offload host, or --schedule speedloader or canonical",
+    ]
+
+
+@pytest.mark.parametrize("field", ["sub_batch_size", "num_sub_batches", "num_live_blocks"])
+def test_knobs_below_one_name_the_field(field):
+    with pytest.raises(ValueError, match=field):
+        SpeedLoaderConfig(**{field: 0})
+
+
+def test_unknown_dtype_and_device():
+    with pytest.raises(ValueError, match="dtype"):
+        SpeedLoaderConfig(dtype="float8")
+    with pytest.raises(ValueError, match="not a torch device"):
+        SpeedLoaderConfig(device="gpu0")
+
+
+def test_limit_accepts_human_sizes():
+    assert SpeedLoaderConfig(device_memory_limit="2GiB").device_memory_limit == 2 * 1024**3
+    assert SpeedLoaderConfig(device_memory_limit="1.5 GB").device_memory_limit == 1_500_000_000

@@ -1,13 +1,22 @@
 """The README stays short and starts with the two commands; the docs' links resolve; the spec examples have one
-source, examples/*.yaml, which the README, the docs, the API's example and the tests all read. In-process and cheap:
-CI builds the site itself (`mkdocs build --strict` in .ci/run), so nothing here runs mkdocs."""
+source, examples/*.yaml, which the README, the docs, the API's example and the tests all read; what the README shows
+is what the code does. In-process and cheap: CI builds the site itself (`mkdocs build --strict` in .ci/run), so
+nothing here runs mkdocs."""
 
+from __future__ import annotations
+
+import dataclasses
 import importlib.util
 import re
-import tomllib
 from pathlib import Path
 
 import yaml
+
+from sltune.tuning.cost.prior import predict
+from sltune.tuning.cost.setup import Setup
+from sltune.tuning.cost.shape import shape_of
+from sltune.tuning.space import Candidate
+from tests.support.offload_specs import GiB
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
@@ -61,18 +70,6 @@ def test_the_readme_spec_is_the_example_file_and_the_docs_include_it_rather_than
             assert (ROOT / path).is_file(), f"{page.relative_to(ROOT)} includes {path}, which does not exist"
             included.add(path)
     assert {"examples/tiny-llama-cpu.yaml", "examples/own-model.yaml"} <= included
-    # that the server accepts it as it is: tests/integration/test_dashboard_pages.py posts the API's example
-
-
-def test_the_openapi_example_is_the_example_file_in_a_checkout_and_in_a_wheel():
-    from sltune.api import examples
-
-    source = ROOT / "examples" / "tiny-llama-cpu.yaml"
-    assert examples.SOURCE == source and examples.TUNE_EXAMPLE == yaml.safe_load(source.read_text())
-    # a wheel (the Docker image) has no examples/ folder: it reads the packaged copy, held equal byte for byte
-    assert examples.PACKAGED.read_bytes() == source.read_bytes()
-    package_data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
-    assert any(examples.PACKAGED.match(pattern) for pattern in package_data["sltune.api"])
 
 
 def test_the_reference_pages_are_committed_as_the_code_generates_them():
@@ -129,3 +126,29 @@ def test_ci_installs_what_the_readme_s_test_command_installs():
     assert not any(line.startswith(("pip ", "python -m pip")) or " pip install" in line for line in ci)
     script = (ROOT / "scripts" / "install.sh").read_text()
     assert 'test) extras="[test,docs]" ; backends=1 ;;' in script and "DS_BUILD_CPU_ADAM=1" in script
+
+
+def test_the_readme_first_command_trains_from_best_yaml_alone():
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    first = readme.split("```bash\n", 1)[1].split("```", 1)[0].strip()
+    assert first.endswith("sltune tune examples/tiny-llama-cpu.yaml --out best.yaml && "
+                          "sltune train --config best.yaml --steps 20")
+
+
+def test_the_readme_table_is_what_plan_predicts():
+    """The README's 7B/13B/70B rows are the prior's figures, not typed in: a change to the prior shows here."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    places = [Candidate(1, 4, 1), Candidate(1, 4, 1, optimizer_offload="disk"),
+              Candidate(1, 4, 1, optimizer_offload="disk", param_offload="disk")]
+    for model, name in [("llama-2-7b", "Llama-2-7B"), ("llama-2-13b", "Llama-2-13B"), ("llama-2-70b", "Llama-2-70B")]:
+        recipe = Setup(model, shape_of(model, "bfloat16"), seq_len=2048, device="cuda")
+        host, optimizer, weights = (predict(recipe, c) for c in places)
+        once = dataclasses.replace(recipe, disk_versions=1)
+        optimizer1, weights1 = (predict(once, c) for c in places[1:])
+        row = (f"| {name} | {host.host / GiB:.1f} GiB | {optimizer.host / GiB:.1f} GiB | "
+               f"{weights.host / GiB:.1f} GiB | "
+               f"{optimizer.disk / GiB:.0f} / {weights.disk / GiB:.0f} GiB | "
+               f"{optimizer1.disk / GiB:.0f} / {weights1.disk / GiB:.0f} GiB | {weights.device / GiB:.1f} GiB |")
+        assert row in readme, row

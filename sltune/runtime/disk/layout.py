@@ -21,7 +21,7 @@ def pieces(numel: int) -> list[tuple[int, int]]:
     stepped slice by slice, so the window's slots are a block's size, not the largest tensor's (a vocabulary's
     embedding: 233M values in qwen2-1.5b, 2.8 GB of master and AdamW state). Slices start at multiples of
     BLOCK_NUMEL, so an element-wise optimizer's vectorised loops see each value in the same lane as whole: the
-    same bits (tests/unit/test_disk_slices.py)."""
+    same bits (tests/unit/runtime/disk/test_layout.py)."""
     return [(a, min(BLOCK_NUMEL, numel - a)) for a in range(0, numel, BLOCK_NUMEL)] or [(0, 0)]
 
 

@@ -1,0 +1,41 @@
+"""The probes and `calibrate` (sltune.machine.calibrate): this machine's rates at a model's own shapes, each a median
+with its spread, within a time budget, in the workload's dtype."""
+
+from sltune.machine import MachineRates, Workload, calibrate
+
+SMALL = Workload(matmuls=((64, 96), (64, 256)), rows=(16, 64), hidden=64, heads=2, head_dim=32, seq_len=16,
+                 param_numels=(4096, 64))
+
+
+def test_every_rate_is_a_median_between_its_slowest_and_fastest_sample(tmp_path):
+    rates = calibrate(SMALL, budget_s=2, offload_dir=tmp_path)
+    every = ([m.flops for m in rates.matmul] + [a.flops for a in rates.attention] + list(rates.elementwise.values())
+             + list(rates.norm.values()) + list(rates.optimizer.values()) + list(rates.copies.values())
+             + list(rates.disk.values()) + [rates.op_overhead])
+    assert len(every) == 4 + 2 + 1 + 1 + 1 + 1 + 2 + 1
+    assert all(r.low <= r.median <= r.high and r.samples >= 3 for r in every)
+    assert {(m.rows, m.k, m.n) for m in rates.matmul} == {(16, 64, 96), (64, 64, 96), (16, 64, 256), (64, 64, 256)}
+    assert [a.batch for a in rates.attention] == [1, 4]                  # rows / seq_len
+    assert set(rates.disk) == {"write", "read"} and set(rates.copies) == {"host"}
+    assert not list(tmp_path.iterdir())                                  # the disk probe's folder is gone
+    assert MachineRates.model_validate_json(rates.model_dump_json()) == rates
+
+
+def test_a_matmul_too_slow_for_its_share_of_the_budget_is_timed_on_fewer_rows_and_says_so():
+    """4096 x 2048 @ 2048 x 2048 is 34 GFLOP, a third of a second or more on any CPU: a 0.1 s budget cannot hold it,
+    so fewer rows are timed and the entry names them, and a second row count cut to the same size is not timed
+    twice. The whole takes a warm-up and 3 samples per probe: a second or two, not the full matmul's."""
+    rates = calibrate(Workload(matmuls=((2048, 2048),), rows=(2048, 4096), hidden=256, heads=2, head_dim=128,
+                               seq_len=64, param_numels=(4096,)), budget_s=0.1)
+    (m,) = rates.matmul
+    assert 8 <= m.rows < 2048 and (m.k, m.n) == (2048, 2048)
+    assert rates.seconds < 10
+
+
+def test_the_rates_are_the_dtype_s_own():
+    """A bfloat16 matmul is not a float32 one (on a CPU without bf16 instructions a hundredth of its rate): the
+    workload's dtype is what is timed, and it keys the stored rates apart."""
+    bf16 = Workload(matmuls=((64, 64),), rows=(16,), hidden=64, heads=2, head_dim=32, seq_len=16, dtype="bfloat16")
+    rates = calibrate(bf16, budget_s=1)
+    assert {m.dtype for m in rates.matmul} == {"bfloat16"} and set(rates.norm) == {"bfloat16"}
+    assert bf16.key != Workload(**{**bf16.__dict__, "dtype": "float32"}).key

@@ -208,7 +208,7 @@ def entries_of(grids: list[dict[str, Any]], tuned: list[dict[str, Any]],
                regime_ns: list[int]) -> tuple[dict[str, dict], int]:
     """What the re-measurement compares: name -> config; and the smallest sub_batch_size."""
     configs = pooled(grids)
-    b_min = min(k.b for k in configs) if configs else 1
+    b_min = min(k.sub_batch_size for k in configs) if configs else 1
     out: dict[str, dict[str, Any]] = {}
     for rep, (g, t) in enumerate(zip(grids, tuned)):
         if g["best"]:
@@ -225,7 +225,7 @@ def entries_of(grids: list[dict[str, Any]], tuned: list[dict[str, Any]],
             out[f"{backend} best"] = next(g["best_by_backend"][backend]["config"] for g in grids
                                           if key(g["best_by_backend"][backend]["config"]) == winner)
     for system in SYSTEMS:
-        c = best_of(configs, lambda k: k.b == b_min and regime_system(k) == system)
+        c = best_of(configs, lambda k: k.sub_batch_size == b_min and regime_system(k) == system)
         if c is not None:
             out[f"{system} best at b={b_min}"] = c
     sl_min = out.get(f"speedloader best at b={b_min}")
@@ -235,7 +235,7 @@ def entries_of(grids: list[dict[str, Any]], tuned: list[dict[str, Any]],
         # taken from the re-measurement itself
         for k, e in configs.items():
             system = regime_system(k)
-            if k.b == b_min and system:
+            if k.sub_batch_size == b_min and system:
                 c = {**e["config"], "num_sub_batches": n}
                 out[f"{system} at b={b_min} N={n}: {label(c)}"] = c
         if sl_min is not None:

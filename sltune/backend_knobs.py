@@ -2,9 +2,10 @@
 (light: no torch).
 
 The config, the trial spec and a trial's result declare the backend and its knobs with BackendKnobs, and the first
-two validate them with CheckedBackendKnobs: one wording everywhere. They live below sltune.config, which validates a
-best.yaml's backend with them (sltune.config sits below sltune.backends: the runtime the backends drive reads it),
-and sltune.backends.knobs re-exports them for the backends and the specs.
+two validate them with CheckedBackendKnobs: one wording everywhere. This module sits beside sltune.backends, not in
+it, because sltune.config is built on it (a best.yaml names its backend and knobs) while the backends drive the
+runtime, which reads sltune.config: inside sltune.backends it would tie config and backends in a circle, which the
+import contract forbids. Everything imports it from here.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@
     backend.close()
 
 Each lives in a module of its own, imported only when chosen (DeepSpeed is an optional extra:
-`bash scripts/install.sh backends`). This package and `knobs` load without torch.
+`bash scripts/install.sh backends`). This package loads without torch; the backends' names and knobs are sltune.backend_knobs'.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib.util
 from typing import TYPE_CHECKING
 
-from sltune.backends.knobs import BACKENDS
+from sltune.backend_knobs import BACKENDS
 
 if TYPE_CHECKING:
     from sltune.backends.base import Backend, TrainingSpec

@@ -197,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _how(cfg: SpeedLoaderConfig) -> str:
     """'speedloader b=2 N=4 k=1', 'fsdp cpu_offload=True reshard_after_forward=True b=2 N=4': what trains."""
-    from sltune.backends.knobs import KNOBS
+    from sltune.backend_knobs import KNOBS
 
     if cfg.backend == "speedloader":
         return f"{cfg.schedule} b={cfg.sub_batch_size} N={cfg.num_sub_batches} k={cfg.num_live_blocks}"
@@ -300,7 +300,7 @@ def _over_the_limit(err: DeviceMemoryExceeded, job: TrainJob, inputs: Inputs, ar
     needs = {c: predict(recipe, c).device for c in _lower_configs(cfg)}
     fitting = [c for c, need in needs.items() if c != this and need <= err.limit_bytes]
     if fitting:
-        best = max(fitting, key=lambda c: (c.b, c.k, c.activations == cfg.activations))
+        best = max(fitting, key=lambda c: (c.sub_batch_size, c.num_live_blocks, c.activations == cfg.activations))
         fix = f"{best} is predicted to need {format_bytes(needs[best])}: pass {_flags(best, cfg)}"
     else:
         least, need = min(needs.items(), key=lambda cn: (cn[1], cn[0]))
@@ -337,7 +337,7 @@ def _smallest(cfg: SpeedLoaderConfig) -> list[Candidate]:
     setting or recompute."""
     import dataclasses
 
-    one = dataclasses.replace(_candidate(cfg), b=1, n=1, k=1)
+    one = dataclasses.replace(_candidate(cfg), sub_batch_size=1, num_sub_batches=1, num_live_blocks=1)
     return [one] + ([dataclasses.replace(one, activations="recompute")] if one.activations != "recompute" else [])
 
 
@@ -350,7 +350,8 @@ def _lower_configs(cfg: SpeedLoaderConfig) -> list[Candidate]:
     while k >= 1:
         ks.append(k)
         k //= 2
-    return [dataclasses.replace(_candidate(cfg), b=b, n=batch // b, k=k, activations=a)
+    return [dataclasses.replace(_candidate(cfg), sub_batch_size=b, num_sub_batches=batch // b,
+                                num_live_blocks=k, activations=a)
             for b in range(1, cfg.sub_batch_size + 1) if batch % b == 0 for k in ks
             for a in sorted({cfg.activations, "recompute"})]
 
@@ -358,10 +359,11 @@ def _lower_configs(cfg: SpeedLoaderConfig) -> list[Candidate]:
 def _flags(c: Candidate, cfg: SpeedLoaderConfig) -> str:
     """The flags that turn cfg into c: '--sub-batch-size 1 --num-sub-batches 4 --num-live-blocks 1'."""
     flags = []
-    if c.b != cfg.sub_batch_size:
-        flags.append(f"--sub-batch-size {c.b} --num-sub-batches {c.n} (the same {c.b * c.n} rows a step)")
-    if c.k != cfg.num_live_blocks:
-        flags.append(f"--num-live-blocks {c.k}")
+    if c.sub_batch_size != cfg.sub_batch_size:
+        flags.append(f"--sub-batch-size {c.sub_batch_size} --num-sub-batches {c.num_sub_batches} (the same "
+                     f"{c.batch} rows a step)")
+    if c.num_live_blocks != cfg.num_live_blocks:
+        flags.append(f"--num-live-blocks {c.num_live_blocks}")
     if c.activations != cfg.activations:
         flags.append(f"--activations {c.activations}")
     return " ".join(flags)

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from sltune.backends.export import FORMATS
-from sltune.backends.knobs import BACKENDS
+from sltune.backend_knobs import BACKENDS
 from sltune.cli import flags
 from sltune.cli.common import DB_HELP, JOB_ID_HELP, SERVER_HELP, open_store
 from sltune.cli.progress import JobBar, describe_config

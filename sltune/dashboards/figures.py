@@ -21,8 +21,8 @@ from typing import Any, Iterable
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from sltune.backends.knobs import BACKENDS
-from sltune.backends.knobs import KNOBS as BACKEND_KNOBS
+from sltune.backend_knobs import BACKENDS
+from sltune.backend_knobs import KNOBS as BACKEND_KNOBS
 from sltune.tuning.report.compare import backend_name, config_name, knob_value, normalized, trial_config
 
 # the TrialResult breakdown keys, in drawing order, with their labels and fixed colours

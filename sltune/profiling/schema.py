@@ -6,7 +6,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, model_serializer, model_validator
 
-from sltune.backends.knobs import (ALL_KNOBS, KNOBS, BackendKnobs, CheckedBackendKnobs, Knob, knobs_of,
+from sltune.backend_knobs import (ALL_KNOBS, KNOBS, BackendKnobs, CheckedBackendKnobs, Knob, knobs_of,
                                    speedloader_only)
 from sltune.config import RuntimeKnobs, param_offload_refusal
 from sltune.runtime.counters import IOCounters

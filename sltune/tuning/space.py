@@ -4,7 +4,7 @@ memory or files on disk), where the dtype copy of the weights lives (param_offlo
 into a window; in training only beside the optimizer on disk), and for generation where the KV caches live and the share
 of the weights kept on the device (w). A job sweeping several backends (search.backend) searches the union of their
 spaces: b, N (or B) and activations are every backend's (a wrapped backend's micro-batch and accumulation steps), the
-rest SpeedLoader's; DeepSpeed and FSDP2 candidates carry their own knobs instead (sltune.backends.knobs)."""
+rest SpeedLoader's; DeepSpeed and FSDP2 candidates carry their own knobs instead (sltune.backend_knobs)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import optuna
 
-from sltune.backends.knobs import ALL_KNOBS, DEFAULTS, KNOBS, BackendChoice
+from sltune.backend_knobs import ALL_KNOBS, DEFAULTS, KNOBS, BackendChoice
 from sltune.config import param_offload_refusal
 from sltune.tuning.knobs import knob_values
 
@@ -32,18 +32,24 @@ KV_ORDER = ("host", "device")     # device KV needs more device memory, and move
 OFFLOAD_ORDER = ("disk", "host")  # host holds the master and optimizer state in memory: more host, no disk traffic
                                   # (the weights' place, param_offload, is ordered alike)
 
-
+# what a candidate of a wrapped backend carries of SpeedLoader's knobs (its micro-batch, its accumulation steps and
+# its activations), and what a trial's config records even at its default (the rest only away from it, as results
+# recorded before the knob read)
+WRAPPED_FIELDS = ("sub_batch_size", "num_sub_batches", "activations")
+ALWAYS_RECORDED = (*WRAPPED_FIELDS, "num_live_blocks")
 
 
 @functools.total_ordering
 @dataclass(frozen=True)
 class Candidate(BackendChoice):
-    """One config of the search: b, N and k, the other knobs; what trains it and that backend's knobs (BackendChoice,
-    keyword-only; k None under another backend)."""
+    """One config of the search, its fields named as the knobs they set (sltune.config.RuntimeKnobs), so that a
+    trial's config, Optuna's parameters and best.yaml read them without translation; then what trains it and that
+    backend's knobs (BackendChoice, keyword-only; num_live_blocks None under another backend). The paper's b, N and
+    k are only how it prints (str)."""
 
-    b: int
-    n: int
-    k: int | None                   # SpeedLoader's live blocks; None under another backend
+    sub_batch_size: int
+    num_sub_batches: int
+    num_live_blocks: int | None     # SpeedLoader's live blocks; None under another backend
     activations: str = "recompute"
     kv_cache: str | None = None     # generation only: "host" | "device"
     weights_on_device: float | None = None  # generation only: the share of the weights kept there
@@ -53,15 +59,16 @@ class Candidate(BackendChoice):
     @classmethod
     def from_knobs(cls, knobs: dict[str, Any]) -> "Candidate":
         """A candidate from its knobs, a stored trial's config or a result's: a config of another backend names it
-        and has its knobs (num_live_blocks None); one without a backend is SpeedLoader's."""
+        and has its knobs (num_live_blocks None); one without a backend is SpeedLoader's. A knob the config leaves
+        out takes the field's default (results recorded before the knob existed)."""
         backend = knobs.get("backend") or "speedloader"
+        own = {f.name: knobs[f.name] for f in fields(cls) if knobs.get(f.name) is not None and f.name not in ALL_KNOBS
+               and f.name != "backend"}
         if backend != "speedloader":
-            own = {knob: knobs.get(knob, DEFAULTS[knob]) for knob in KNOBS[backend]}
-            return cls(knobs["sub_batch_size"], knobs["num_sub_batches"], None, knobs.get("activations", "recompute"),
-                       backend=backend, **own)
-        return cls(knobs["sub_batch_size"], knobs["num_sub_batches"], knobs["num_live_blocks"],
-                   knobs.get("activations", "recompute"), knobs.get("kv_cache"), knobs.get("weights_on_device"),
-                   knobs.get("optimizer_offload") or "host", knobs.get("param_offload") or "host")
+            own = {name: own[name] for name in WRAPPED_FIELDS if name in own}
+            return cls(**own, num_live_blocks=None, backend=backend,
+                       **{knob: knobs.get(knob, DEFAULTS[knob]) for knob in KNOBS[backend]})
+        return cls(**own)
 
     def _order(self) -> tuple:
         """Field by field, None first: a backend's candidates have None where another's have values, and sorting
@@ -75,28 +82,21 @@ class Candidate(BackendChoice):
 
     @property
     def batch(self) -> int:
-        return self.b * self.n
+        return self.sub_batch_size * self.num_sub_batches
 
     @property
     def kv_on_device(self) -> bool:
         return self.kv_cache == "device"
 
     def knobs(self, named: bool = False) -> dict[str, Any]:
-        """As a trial's config names them: SpeedLoader's as before there were backends (`named`: with its backend
-        too, as in a job of several); another backend's with its name and knobs, and num_live_blocks None (as
-        TrialResult.config has it)."""
-        out: dict[str, Any] = {"sub_batch_size": self.b, "num_sub_batches": self.n, "num_live_blocks": self.k,
-                               "activations": self.activations}
+        """As a trial's config names them: SpeedLoader's as before there were backends, a knob left out at its
+        default (`named`: with its backend too, as in a job of several); another backend's with its name and knobs,
+        and num_live_blocks None (as TrialResult.config has it)."""
         if self.backend != "speedloader":
-            return {**out, "backend": self.backend, **self.backend_knobs()}
-        if self.kv_cache is not None:
-            out["kv_cache"] = self.kv_cache
-        if self.weights_on_device is not None:
-            out["weights_on_device"] = self.weights_on_device
-        if self.optimizer_offload != "host":     # trials and configs from before the knob are host's
-            out["optimizer_offload"] = self.optimizer_offload
-        if self.param_offload != "host":         # as a TrialResult's config has it: only when on disk
-            out["param_offload"] = self.param_offload
+            return {**{name: getattr(self, name) for name in (*WRAPPED_FIELDS, "num_live_blocks")},
+                    "backend": self.backend, **self.backend_knobs()}
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ALL_KNOBS and f.name != "backend"
+               and (f.name in ALWAYS_RECORDED or getattr(self, f.name) != f.default)}
         return {**out, "backend": self.backend} if named else out
 
     @property
@@ -133,21 +133,21 @@ class Candidate(BackendChoice):
         against each other), no config dominates another."""
         if self.backend != other.backend or self.backend_knobs() != other.backend_knobs():
             return False
+        larger = self.sub_batch_size >= other.sub_batch_size and self.batch >= other.batch \
+            and self.activations == other.activations and self != other
         if self.backend != "speedloader":
-            return self.b >= other.b and self.batch >= other.batch and self.activations == other.activations \
-                and self != other
-        return self.b >= other.b and self.batch >= other.batch and self.k >= other.k \
-            and self.activations == other.activations and self.kv_on_device >= other.kv_on_device \
+            return larger
+        return larger and self.num_live_blocks >= other.num_live_blocks and self.kv_on_device >= other.kv_on_device \
             and (self.weights_on_device or 0.0) >= (other.weights_on_device or 0.0) \
-            and self.on_disk <= other.on_disk and self.weights_on_disk <= other.weights_on_disk and self != other
+            and self.on_disk <= other.on_disk and self.weights_on_disk <= other.weights_on_disk
 
     def __str__(self) -> str:
         if self.backend != "speedloader":
-            return " ".join([self.backend, f"b={self.b} N={self.n}",
+            return " ".join([self.backend, f"b={self.sub_batch_size} N={self.num_sub_batches}",
                              *([self.activations] if self.activations != "recompute" else []),
                              *(f"{knob}={str(v).lower() if isinstance(v, bool) else v}"
                                for knob, v in self.backend_knobs().items())])
-        return (f"b={self.b} N={self.n} k={self.k}"
+        return (f"b={self.sub_batch_size} N={self.num_sub_batches} k={self.num_live_blocks}"
                 + ("" if self.activations == "recompute" else f" {self.activations}")
                 + (f" kv_cache={self.kv_cache}" if self.kv_cache else "")
                 + (f" w={self.weights_on_device:g}" if self.weights_on_device is not None else "")
@@ -263,10 +263,7 @@ class SearchSpace:
         return self.candidate(params)
 
     def params(self, c: Candidate) -> dict[str, Any]:
-        values = {"backend": c.backend, "sub_batch_size": c.b, "num_sub_batches": c.n, "effective_batch_size": c.batch,
-                  "num_live_blocks": c.k, "activations": c.activations, "kv_cache": c.kv_cache,
-                  "weights_on_device": c.weights_on_device, "optimizer_offload": c.optimizer_offload,
-                  "param_offload": c.param_offload, **c.backend_knobs()}
+        values = {**{f.name: getattr(c, f.name) for f in fields(c)}, "effective_batch_size": c.batch}
         return {name: values[name] for name in self.distributions(c.backend)}
 
     def candidate(self, params: dict[str, Any]) -> Candidate | None:

@@ -16,8 +16,8 @@ from typing import Annotated, Any, Literal, get_args
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationError,
                       create_model, field_validator, model_validator)
 
-from sltune.backends.knobs import BACKEND_KNOB, BACKENDS, KNOBS, BackendKnobs, BackendName
-from sltune.config import Activations, DType, KVCache, OptimizerOffload, ParamOffload, Schedule
+from sltune.backend_knobs import BACKEND_KNOB, BACKENDS, KNOBS, BackendKnobs, BackendName
+from sltune.config import Activations, DType, KVCache, OptimizerOffload, ParamOffload, RuntimeKnobs, Schedule
 from sltune.field_errors import one_line
 from sltune.models.presets import hf_config_schema
 from sltune.profiling.schema import SPEEDLOADER_ONLY
@@ -334,6 +334,16 @@ def _sweeps(backend: str) -> str:
 BACKEND_SECTIONS: dict[str, type[BaseModel]] = {"deepspeed": DeepSpeedSearch, "fsdp": FSDPSearch}
 
 
+def _swept(knob: str, default: Range | None, how: str = "") -> Any:
+    """search.<knob>, a batch knob of the runtime the search sweeps: its doc is the knob's own (RuntimeKnobs), what
+    a spec may give, and its default, so that the reference pages say it once."""
+    shown = f"{{min: {default.min}, max: {default.max}}}" if default else "none"
+    made = {"default_factory": default.model_copy} if default else {"default": None}
+    return Field(**made, description=(
+        f"{RuntimeKnobs.model_fields[knob].description}. The values to try: a number, a list, or {{min, max}} (the "
+        f"powers of two between them, and both ends); default {shown}{how}"))
+
+
 Share = Annotated[float, Field(ge=0.0, le=1.0)]
 Shares = Annotated[Share | Annotated[list[Share], Field(min_length=1, max_length=MAX_KNOB_VALUES)],
                    BeforeValidator(_shares)]
@@ -352,10 +362,14 @@ class Search(_Strict):
         f"backend deepspeed: the ZeRO knobs to sweep; default {_sweeps('deepspeed')}"))
     fsdp: FSDPSearch | None = Field(None, description=(  # type: ignore[valid-type]
         f"backend fsdp: the FSDP2 knobs to sweep; default {_sweeps('fsdp')}"))
-    sub_batch_size: Knob = Field(default_factory=lambda: Range(min=1, max=16))
-    num_sub_batches: Knob | None = None
-    effective_batch_size: Knob | None = None
-    num_live_blocks: Knob = Field(default_factory=lambda: Range(min=1, max=4))
+    sub_batch_size: Knob = _swept("sub_batch_size", Range(min=1, max=16))
+    num_sub_batches: Knob | None = _swept("num_sub_batches", None, (
+        ", which tries {min: 1, max: 16} unless effective_batch_size is given"))
+    effective_batch_size: Knob | None = Field(None, description=(
+        "rows per optimizer step (B = b*N), instead of num_sub_batches: each sub_batch_size that divides a value runs "
+        "B/b sub-batches. The values to try: a number, a list, or {min, max}"))
+    num_live_blocks: Knob = _swept("num_live_blocks", Range(min=1, max=4), " (a value past the model's layers is "
+                                   "its layers)")
     activations: Annotated[list[Activations], BeforeValidator(lambda v: [v] if isinstance(v, str) else v)] = Field(
         default_factory=lambda: ["recompute"], min_length=1,
         description="recompute | offload, or a list of both to sweep (host memory and traffic against FLOPs)")

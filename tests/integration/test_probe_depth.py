@@ -102,9 +102,10 @@ def _state(**search) -> SearchState:
 
 
 def _done(number: int, c: Candidate, layers: int, step: float, host: float, role: str = "probe") -> FinishedTrial:
+    device = 1e6 * c.num_live_blocks + 1e3 * c.sub_batch_size
     return FinishedTrial(number, c, role, {"status": "ok", "config": {"num_layers": layers}, "step_seconds": step,
-                                  "tokens_per_s": c.batch * 32 / step, "peak_device_bytes": 1e6 * c.k + 1e3 * c.b,
-                                  "peak_host_bytes": host})
+                                           "tokens_per_s": c.batch * 32 / step, "peak_device_bytes": device,
+                                           "peak_host_bytes": host})
 
 
 def test_fits_recover_the_depth_dependence_from_one_depth():
@@ -115,7 +116,8 @@ def test_fits_recover_the_depth_dependence_from_one_depth():
 
     def truth(c: Candidate, layers: int) -> tuple[float, float]:
         v = st.vars(c, layers)
-        step = 2e-9 * v["P"] + 3e-3 * v["G"] + 1e-3 * c.n + 4e-13 * v["F"] * c.batch * 32 + 5e-4 * c.n * v["G"]
+        n = c.num_sub_batches
+        step = 2e-9 * v["P"] + 3e-3 * v["G"] + 1e-3 * n + 4e-13 * v["F"] * c.batch * 32 + 5e-4 * n * v["G"]
         host = 4e8 + v["prior_host"]
         return step, host
 

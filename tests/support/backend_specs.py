@@ -30,7 +30,7 @@ def fsdp(b: int, n: int, cpu: bool = False) -> Candidate:
 def ok(number: int, c: Candidate, tps: float, status: str = "ok") -> FinishedTrial:
     return FinishedTrial(number, c, "grid", {
         "status": status, "tokens_per_s": tps, "step_seconds": c.batch * 32 / tps,
-        "peak_device_bytes": 10**6 * c.b, "peak_host_bytes": 10**8 + c.b,
+        "peak_device_bytes": 10**6 * c.sub_batch_size, "peak_host_bytes": 10**8 + c.sub_batch_size,
         **({"error": "step-1 loss 2 is not plain PyTorch's 1"} if status != "ok" else {}),
         "timing": {"steps_s": [c.batch * 32 / tps] * 5, "median_s": c.batch * 32 / tps,
                    "tokens_per_s_ci95": [0.99 * tps, 1.01 * tps]}})

@@ -83,9 +83,9 @@ def admit(spec: TuningSpec) -> Admitted:
 
 def _backends_run(spec: TuningSpec) -> None:
     """The backends the spec sweeps can run trials here: DeepSpeed is an optional extra, and its nvme offload runs
-    its async I/O op, built against libaio (sltune.backends.knobs.libaio_found). Each refusal is one line naming the
+    its async I/O op, built against libaio (sltune.backend_knobs.libaio_found). Each refusal is one line naming the
     field and the fix; the trial folder nvme swaps to is the runner's own, so it is never missing here."""
-    from sltune.backends.knobs import libaio_found
+    from sltune.backend_knobs import libaio_found
 
     search = spec.search
     if "deepspeed" not in search.backend:

@@ -144,8 +144,8 @@ def smallest(candidates: Iterable[Candidate]) -> list[Candidate]:
     """The configs of the least batch (then the least sub-batch), one per live-block count, activations, KV
     placement, kept share and offload place: among them is the one any limit is met by first."""
     cands = list(candidates)
-    least = min((c.batch, c.b) for c in cands)
-    return [c for c in cands if (c.batch, c.b) == least]
+    least = min((c.batch, c.sub_batch_size) for c in cands)
+    return [c for c in cands if (c.batch, c.sub_batch_size) == least]
 
 
 def shortfall(recipe: Setup, candidates: Iterable[Candidate], host_limit: int | None, device_limit: int | None,

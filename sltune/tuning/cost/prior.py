@@ -112,7 +112,7 @@ def predict(recipe: Setup, c: Candidate) -> Prior:
     if c.backend != "speedloader":
         return _wrapped(recipe, c)
     shape, world = recipe.shape, max(1, recipe.world_size)
-    b, n, k = c.b, c.n, min(c.k, shape.layers)
+    b, n, k = c.sub_batch_size, c.num_sub_batches, min(c.num_live_blocks, shape.layers)
     train = recipe.mode == "train"
     tokens = recipe.seq_len if train else recipe.prompt_len
     groups = _group_layers(shape.layers, k)
@@ -262,7 +262,8 @@ def _weight_terms(recipe: Setup, c: Candidate, groups: list[int]) -> tuple[list[
         if not recipe.on_cpu:
             reads[0] = [tied.name, *reads[0]]
         loads = sum(sizes.get(name(u), 0) for u in phases.loaded(plan))
-        loads *= c.n if recipe.schedule == "canonical" else 1    # canonical: every micro-batch loads every unit
+        if recipe.schedule == "canonical":      # every micro-batch loads every unit
+            loads *= c.num_sub_batches
     else:   # a decoding step loads every unit once (weights kept on the device included: an upper bound)
         reads = [[tied.name, embed.name], *[[u.name] for u in units], [head.name]]
         loads = files
@@ -413,11 +414,11 @@ def play_train_step(t: _Timeline, r: Setup, c: Candidate, groups: list[int], fp:
     if r.schedule == "resident":
         _play_resident(t, r, fp)
         return []
-    n = c.n if r.schedule == "speedloader" else 1
+    n = c.num_sub_batches if r.schedule == "speedloader" else 1
     offload = c.activations == "offload"
     from_files = r.weights_on_disk(c)
     accumulate32 = r.master and r.schedule != "canonical"
-    prologue_kept = c.n * fp.kept       # every sub-batch's layer arguments, all step
+    prologue_kept = c.num_sub_batches * fp.kept       # every sub-batch's layer arguments, all step
 
     def activate(u: _Unit) -> None:
         t.take(u.name, "weights being used", u.nbytes, e)
@@ -464,7 +465,7 @@ def play_train_step(t: _Timeline, r: Setup, c: Candidate, groups: list[int], fp:
         kept = ("layer arguments of every sub-batch", prologue_kept)
         if kind == "embed_fwd":
             compute = [("prologue of one sub-batch", fp.prologue),
-                       ("layer arguments of every sub-batch", (c.n - 1) * fp.kept),
+                       ("layer arguments of every sub-batch", (c.num_sub_batches - 1) * fp.kept),
                        ("activations in flight", a * (n > 1))]
         elif kind == "fwd":
             work = fp.held_forward if offload else fp.forward
@@ -509,7 +510,7 @@ def _generate_step(t: _Timeline, r: Setup, c: Candidate, groups: list[int], fp: 
     """The prefill, the step that holds the most: every unit loaded once (kept ones stay), every sub-batch's
     prompt through it, the last position's logits of every sub-batch."""
     shape, e = r.shape, r.shape.itemsize
-    b, n = c.b, c.n
+    b, n = c.sub_batch_size, c.num_sub_batches
     a = fp.hidden
     if c.kv_on_device or r.schedule == "resident":
         t.static.append(("KV caches", _kv_bytes(shape, b * n, r.prompt_len + r.new_tokens)))

@@ -125,7 +125,7 @@ def _deepspeed(recipe: "Setup", c: "Candidate") -> tuple[Terms, list[Terms], Ter
         part = min(part, NORM_CHUNK) if c.zero_stage == 3 else part
         moments.append([("the largest parameter's gradient", e * largest),
                         ("its partition in float64 for the gradient norm", 8 * part)])
-        if c.zero_stage != 3 and c.n > 1:
+        if c.zero_stage != 3 and c.num_sub_batches > 1:
             # accumulating over micro-batches, ZeRO-2 holds a copy of every gradient larger than its reduce bucket
             # (sltune.backends.export.reduce_bucket) until the step, and accumulates this rank's partition in
             # buffers of host memory made at the first step: the CPU's device counts them, CUDA's does not
@@ -194,9 +194,9 @@ def _activations(recipe: "Setup", c: "Candidate", host: Terms) -> Terms:
     dtype, their float32 upcast for the loss and its gradient), which activation checkpointing runs one after the
     other."""
     shape = recipe.shape
-    fp = footprint(recipe.source, shape.dtype, c.b, recipe.seq_len, 1, 1, "train", resident=False, grads_kept=True,
-                   depth=shape.layers)
-    head = c.b * recipe.seq_len * shape.vocab * (shape.itemsize + 4 + 4)
+    fp = footprint(recipe.source, shape.dtype, c.sub_batch_size, recipe.seq_len, 1, 1, "train", resident=False,
+                   grads_kept=True, depth=shape.layers)
+    head = c.sub_batch_size * recipe.seq_len * shape.vocab * (shape.itemsize + 4 + 4)
     work = ("one layer's recompute and backward, or the head and loss", max(fp.backward, head))
     if c.activations == "offload":
         saved = shape.layers * fp.saved + fp.saved_embed

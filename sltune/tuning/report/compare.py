@@ -28,9 +28,9 @@ from pathlib import Path
 from statistics import median
 from typing import Any, Callable
 
-from sltune.backends.knobs import ALL_KNOBS, BACKENDS, knobs_of
-from sltune.backends.knobs import DEFAULTS as BACKEND_DEFAULTS
-from sltune.backends.knobs import KNOBS as BACKEND_KNOBS
+from sltune.backend_knobs import ALL_KNOBS, BACKENDS, knobs_of
+from sltune.backend_knobs import DEFAULTS as BACKEND_DEFAULTS
+from sltune.backend_knobs import KNOBS as BACKEND_KNOBS
 from sltune.config import RuntimeKnobs
 from sltune.profiling.schema import SPEEDLOADER_ONLY
 from sltune.profiling.stats import paired_ratio_ci, ratio_ci

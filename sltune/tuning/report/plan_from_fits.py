@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from sltune.backends.knobs import KNOBS
+from sltune.backend_knobs import KNOBS
 from sltune.tuning.cost.admission import load
 from sltune.tuning.search.fit import LinearFit, split_key
 from sltune.tuning.search.state import SearchState

@@ -99,7 +99,7 @@ def plan_spec(data: dict[str, Any], source: str | Path, device_memory_limit: int
                      "peak_disk_bytes": p.disk, "fits": p.fits, "over": p.over} for c, p in sorted(preds.items())],
         "largest": [{"config": c.knobs(), "binding_limit": state.binding_limit(c),
                      "prior": state.prior(c).to_dict()}
-                    for c in sorted(largest, key=lambda c: (-c.batch, -c.b, -(c.k or 0)))],
+                    for c in sorted(largest, key=lambda c: (-c.batch, -c.sub_batch_size, -(c.num_live_blocks or 0)))],
         "refusal": shortfall(state.recipe, space.candidates, host_limit or ceiling, device_limit, host_name=host_name,
                              disk_limit=disk_limit, disk_name=disk_name, naming=PLAN),
     }

@@ -111,7 +111,7 @@ def best_config(spec: TuningSpec, result: dict[str, Any], offload_dir: str | Non
     folder, as best.yaml does (the tuning machine's folders were its trials' and are gone), and
     SpeedLoaderConfig.from_yaml asks for one."""
     from sltune.backends.export import backend_of, pick
-    from sltune.backends.knobs import KNOBS
+    from sltune.backend_knobs import KNOBS
 
     if not result.get("best"):
         raise ValueError(f"job {result.get('job_id')} has no best config (status: no successful trial)")

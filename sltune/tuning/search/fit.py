@@ -195,12 +195,11 @@ def split_key(key: str) -> tuple[str, str]:
 def variables(c: Candidate, shape: ModelShape, tokens_per_row: int) -> dict[str, float]:
     """The quantities the features are made of, for one candidate (a wrapped backend's: no live blocks or groups,
     k = G = 0, and its knobs as 0/1)."""
+    batch = {"b": c.sub_batch_size, "N": c.num_sub_batches, "B": c.batch, "s": tokens_per_row, "L": shape.layers,
+             "off": 1.0 if c.activations == "offload" else 0.0}
     if c.backend != "speedloader":
-        return {"b": c.b, "N": c.n, "k": 0.0, "B": c.batch, "s": tokens_per_row, "G": 0.0, "L": shape.layers,
-                "off": 1.0 if c.activations == "offload" else 0.0, "D": 0.0, "disk": 0.0, "wdisk": 0.0, "W": 0.0,
-                **wrapped_variables(c)}
-    return {"b": c.b, "N": c.n, "k": c.k, "B": c.batch, "s": tokens_per_row, "G": shape.groups(c.k),
-            "L": shape.layers, "off": 1.0 if c.activations == "offload" else 0.0, "D": float(c.kv_on_device),
+        return {**batch, "k": 0.0, "G": 0.0, "D": 0.0, "disk": 0.0, "wdisk": 0.0, "W": 0.0, **wrapped_variables(c)}
+    return {**batch, "k": c.num_live_blocks, "G": shape.groups(c.num_live_blocks), "D": float(c.kv_on_device),
             "disk": float(c.on_disk), "wdisk": float(c.weights_on_disk),
             "W": kept_fraction(shape, c)}
 
@@ -220,8 +219,8 @@ def kept_fraction(shape: ModelShape, c: Candidate) -> float:
     at most c.weights_on_device); 0 in training, where nothing is kept."""
     if not c.weights_on_device:
         return 0.0
-    total = sum(shape.unit_bytes(c.k))
-    return shape.kept_bytes(c.k, c.weights_on_device) / total if total else 0.0
+    total = sum(shape.unit_bytes(c.num_live_blocks))
+    return shape.kept_bytes(c.num_live_blocks, c.weights_on_device) / total if total else 0.0
 
 
 @dataclass

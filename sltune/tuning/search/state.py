@@ -246,8 +246,9 @@ class SearchState:
             if (c.on_disk and not o.on_disk) or (c.weights_on_disk and not o.weights_on_disk):
                 return False    # the master and optimizer state, or the weights and gradients, in files: less host
 
+            groups = self.shape.groups
             return c.batch >= o.batch and \
-                (self.shape.groups(c.k) + 1) * c.batch >= (self.shape.groups(o.k) + 1) * o.batch
+                (groups(c.num_live_blocks) + 1) * c.batch >= (groups(o.num_live_blocks) + 1) * o.batch
         return c == o or c.dominates(o)
 
     def best(self, backend: str | None = None) -> FinishedTrial | None:
@@ -279,7 +280,7 @@ class SearchState:
         if disk and disk_limit is not None and disk * (1 + self.margins["disk"] - pad) > disk_limit:
             over.append("disk")
         if "device" not in over and hw.device_memory_limit and c.backend == "speedloader" and \
-                self.shape.min_device_bytes(self.spec.workload.mode, c.k,
+                self.shape.min_device_bytes(self.spec.workload.mode, c.num_live_blocks,
                                             c.weights_on_device or 0.0) > hw.device_memory_limit:
             over.append("device")           # known without a fit: the kept weights beside a streamed unit
         for o, resource in self.oom:

@@ -122,43 +122,44 @@ class OneShotStrategy(Strategy):
     def wrapped_probes(self, cands: list[Candidate]) -> list[Candidate | None]:
         """A wrapped backend's: its first knob combination (the spec's first values) at the corners of b and at a
         larger N, and each other combination once at the least b; the fits' rank probes add what they still lack."""
-        bs = sorted({c.b for c in cands})
+        bs = sorted({c.sub_batch_size for c in cands})
         b_lo, b_mid = bs[0], bs[len(bs) // 2]
         variants = list(dict.fromkeys(tuple(c.backend_knobs().items()) for c in sorted(cands, key=_spec_order)))
 
         def cheapest(b: int, variant: tuple, at_least: int = 0) -> Candidate | None:
-            fits = [c for c in cands if c.b == b and tuple(c.backend_knobs().items()) == variant and c.n >= at_least]
+            fits = [c for c in cands if c.sub_batch_size == b and tuple(c.backend_knobs().items()) == variant
+                    and c.num_sub_batches >= at_least]
             return min(fits, key=lambda c: c.batch, default=None)
 
         plan = [cheapest(b, variants[0]) for b in (b_lo, b_mid)]
         if not self.state.space.by_batch:
-            ns = sorted({c.n for c in cands if c.b == b_lo})
+            ns = sorted({c.num_sub_batches for c in cands if c.sub_batch_size == b_lo})
             plan.append(cheapest(b_lo, variants[0], at_least=ns[len(ns) // 2]))
         return plan + [cheapest(b_lo, v) for v in variants[1:]]
 
     def speedloader_probes(self, cands: list[Candidate]) -> list[Candidate | None]:
         """SpeedLoader's: cheap configs at the corners of (b, k), and at a larger N: enough to pin every model
         down."""
-        bs, ks = sorted({c.b for c in cands}), sorted({c.k for c in cands})
+        bs, ks = sorted({c.sub_batch_size for c in cands}), sorted({c.num_live_blocks for c in cands})
         b_lo, b_mid = bs[0], bs[len(bs) // 2]
 
         def cheapest(b: int, k: int, at_least: int = 0, w: float | None = None) -> Candidate | None:
             # the optimizer (then the weights) in host memory where that is predicted to fit, else on disk
             # (search.optimizer_offload, search.param_offload)
-            fits = [c for c in cands
-                    if c.b == b and c.k == k and c.n >= at_least and (w is None or c.weights_on_device == w)]
+            fits = [c for c in cands if c.sub_batch_size == b and c.num_live_blocks == k
+                    and c.num_sub_batches >= at_least and (w is None or c.weights_on_device == w)]
             return min(fits, key=lambda c: (c.batch, not self._placed(c), c.offloads), default=None)
 
         plan = [cheapest(b, k) for b in (b_lo, b_mid) for k in (ks[0], ks[-1])]
         if not self.state.space.by_batch:
-            ns = sorted({c.n for c in cands if c.b == b_lo})
+            ns = sorted({c.num_sub_batches for c in cands if c.sub_batch_size == b_lo})
             plan += [cheapest(b_lo, k, at_least=ns[len(ns) // 2]) for k in (ks[0], ks[-1])]
         shares = sorted({c.weights_on_device for c in cands if c.weights_on_device is not None})
         if shares and shares[-1] > 0:
             # generation: the most weights kept, where they save the most (the fewest sub-batches: W/N in the
             # step-time fit); measured at many sub-batches instead, W/N is tiny and its noise sets the fit
-            fewest = min(cands, key=lambda c: (c.n, c.b))
-            plan.append(cheapest(fewest.b, ks[0], w=shares[-1]))
+            fewest = min(cands, key=lambda c: (c.num_sub_batches, c.sub_batch_size))
+            plan.append(cheapest(fewest.sub_batch_size, ks[0], w=shares[-1]))
         return plan
 
     def _placed(self, c: Candidate) -> bool:
@@ -191,13 +192,13 @@ class OneShotStrategy(Strategy):
         if blind and not any(d.role == "frontier" for d in st.history):
             # the fitted probes fail there (a step time <= 0): the largest is measured once, so that the model
             # sees beyond the probes; only once, which bounds what a poor fit costs in trials
-            return Proposal(max(blind, key=lambda c: (c.batch, c.b, c.kv_on_device, c.weights_on_device or 0.0,
-                                                      c.k or 0)), "frontier")
+            return Proposal(max(blind, key=lambda c: (c.batch, c.sub_batch_size, c.kv_on_device,
+                                                      c.weights_on_device or 0.0, c.num_live_blocks or 0)), "frontier")
         preds = {c: p or 0.0 for c, p in preds.items()}
 
         def rank(c: Candidate) -> tuple:
             """By predicted tokens/s, ties to the larger batch, then the larger rows per sub-batch."""
-            return preds[c], c.batch, c.b
+            return preds[c], c.batch, c.sub_batch_size
 
         if len(st.space.backends) > 1:
             # over several backends, each one's fit from its probes alone is extrapolated on its frontier (a small
@@ -241,7 +242,8 @@ class OneShotStrategy(Strategy):
         for c in fitting:
             if c in st.tried:
                 continue
-            if not any(o.k == c.k and o.weights_on_device == c.weights_on_device and o.dominates(c) for o in fitting):
+            if not any(o.num_live_blocks == c.num_live_blocks and o.weights_on_device == c.weights_on_device
+                       and o.dominates(c) for o in fitting):
                 out.append(c)
         return out
 
@@ -267,7 +269,11 @@ class OneShotStrategy(Strategy):
         scored = [(g, c) for g, c in scored if g > 0]
         if not scored:
             return None
-        return min(scored, key=lambda gc: (-gc[0], gc[1].b * (gc[1].k or 1), gc[1].batch, gc[1].k or 0))[1]
+        def cheapest(gc: tuple[int, Candidate]) -> tuple:
+            gained, c = gc
+            return -gained, c.sub_batch_size * (c.num_live_blocks or 1), c.batch, c.num_live_blocks or 0
+
+        return min(scored, key=cheapest)[1]
 
 
 def _spec_order(c: Candidate) -> tuple:

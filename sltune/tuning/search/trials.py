@@ -72,8 +72,9 @@ def trial_spec(spec: TuningSpec, c: Candidate, trace: Path | None, default_host_
         which = "offload_optimizer" if c.offload_optimizer == "nvme" else "offload_param"
         files = {"offload_dir": str(_required(offload_dir, f"search.deepspeed.{which} nvme"))}
     return TrialSpec(model=spec.model.source, dtype=spec.model.dtype, mixed_precision=spec.model.mixed_precision,
-                     optimizer=spec.optimizer, sub_batch_size=c.b, num_sub_batches=c.n,
-                     num_live_blocks=c.k if speedloader else 1, schedule=s.schedule if speedloader else "speedloader",
+                     optimizer=spec.optimizer, sub_batch_size=c.sub_batch_size, num_sub_batches=c.num_sub_batches,
+                     num_live_blocks=c.num_live_blocks if speedloader else 1,
+                     schedule=s.schedule if speedloader else "speedloader",
                      activations=c.activations, mode=w.mode, backend=c.backend, **c.backend_knobs(),
                      kv_cache=c.kv_cache or "host", weights_on_device=c.weights_on_device or 0.0, seq_len=w.seq_len,
                      prompt_len=w.prompt_len, new_tokens=w.new_tokens, world_size=hw.world_size, device=hw.device,

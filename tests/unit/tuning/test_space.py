@@ -63,7 +63,7 @@ def test_space_expands_ranges_and_derives_n_from_a_fixed_effective_batch():
     assert space.k_values == [1, 2, 4]                 # llama-tiny has 4 layers: k=8 is k=4
     assert {c.batch for c in space.candidates} == {12}
     assert Candidate(12, 1, 4) in space.candidates and Candidate(4, 3, 2) in space.candidates
-    assert all(c.b != 8 for c in space.candidates)     # 8 does not divide 12
+    assert all(c.sub_batch_size != 8 for c in space.candidates)     # 8 does not divide 12
     assert space.candidate({"sub_batch_size": 8, "effective_batch_size": 12, "num_live_blocks": 1}) is None
 
 
@@ -75,7 +75,7 @@ def test_the_space_is_the_union_of_each_backend_s_and_a_candidate_carries_its_ba
     assert len(sp.candidates) == 8 + 24 + 8 and sorted(sp.candidates) == sp.candidates
     assert ds(1, 1, 2, "none", "cpu") not in sp          # offload_param at ZeRO-2: no candidate
     c = ds(2, 2, 3, "cpu", "cpu")
-    assert c in sp and c.k is None
+    assert c in sp and c.num_live_blocks is None
     assert str(c) == "deepspeed b=2 N=2 zero_stage=3 offload_optimizer=cpu offload_param=cpu"
     assert c.knobs() == {"sub_batch_size": 2, "num_sub_batches": 2, "num_live_blocks": None, "activations": "recompute",
                          "backend": "deepspeed", "zero_stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"}
@@ -83,8 +83,8 @@ def test_the_space_is_the_union_of_each_backend_s_and_a_candidate_carries_its_ba
                                           "activations": "recompute"}      # as before there were backends
     # a stored trial's config of any backend reads back (TrialResult.config: num_live_blocks None, its own knobs)
     for cand in (c, fsdp(1, 2, cpu=True), Candidate(1, 2, 2)):
-        ran = TrialSpec(backend=cand.backend, sub_batch_size=cand.b, num_sub_batches=cand.n,
-                        num_live_blocks=cand.k or 1, **cand.backend_knobs()).knobs()
+        ran = TrialSpec(backend=cand.backend, sub_batch_size=cand.sub_batch_size, num_sub_batches=cand.num_sub_batches,
+                        num_live_blocks=cand.num_live_blocks or 1, **cand.backend_knobs()).knobs()
         assert Candidate.from_knobs(ran) == cand == Candidate.from_knobs(cand.knobs())
     # another backend's configs never dominate (their knobs trade memory for speed): each keeps its frontier
     assert fsdp(2, 2).dominates(fsdp(1, 2)) and not fsdp(2, 2).dominates(fsdp(1, 2, cpu=True))

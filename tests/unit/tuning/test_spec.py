@@ -3,11 +3,15 @@ documents in the OpenAPI schema; its digest; a model folder as its source."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
+from sltune.backend_knobs import knobs_of
+from sltune.config import RuntimeKnobs
 from sltune.tuning.cost.shape import shape_of
 from sltune.tuning.space import Candidate
-from sltune.tuning.spec import TuningSpec
+from sltune.tuning.spec import Search, TuningSpec
 from tests.support.offload_specs import BOTH, TINY, spec
 from tests.support.specs import BASE, admitted_spec, parse
 
@@ -204,3 +208,16 @@ def test_the_openapi_schema_of_a_spec_documents_search_param_offload():
     assert field["description"].startswith("where the dtype copy of the weights the device loads lives")
     disk = TuningSpec.model_json_schema()["$defs"]["Hardware"]["properties"]["disk_limit"]
     assert "search.param_offload" in disk["description"]
+
+
+def test_a_search_sweeps_the_runtime_knobs_marked_searched_and_a_candidate_carries_them_by_name():
+    """The knobs a search sweeps are declared searched where they are declared (RuntimeKnobs), and nowhere else:
+    search.* has a field of that name (schedule alone is the job's, one value), the spec reference documents it with
+    the knob's own doc, and a candidate carries it under the same name, which a trial's config records."""
+    searched = {name for name, knob in knobs_of(RuntimeKnobs).items() if knob.searched}
+    assert searched == (set(Search.model_fields) & set(RuntimeKnobs.model_fields)) - {"schedule"}
+    assert searched <= {f.name for f in dataclasses.fields(Candidate)}
+    for name in ("sub_batch_size", "num_sub_batches", "num_live_blocks"):
+        assert Search.model_fields[name].description.startswith(RuntimeKnobs.model_fields[name].description)
+    c = Candidate(2, 3, 1, "offload", optimizer_offload="disk", param_offload="disk")
+    assert c.knobs() == {name: getattr(c, name) for name in c.knobs()} and Candidate.from_knobs(c.knobs()) == c

@@ -52,7 +52,7 @@ def test_each_backend_is_fitted_to_its_own_trials_under_its_own_names():
     assert "[cpu_offload]" in st.features["fsdp.device"] and "k" not in st.features["fsdp.device"]
     for i, c in enumerate([fsdp(1, 1), fsdp(2, 1), fsdp(1, 2), fsdp(1, 1, cpu=True), fsdp(1, 2, cpu=True),
                            Candidate(1, 1, 1)]):
-        st.add(ok(i, c, 1000.0 * c.batch / (1 + 0.1 * c.n)))
+        st.add(ok(i, c, 1000.0 * c.batch / (1 + 0.1 * c.num_sub_batches)))
     assert st.fits["fsdp.throughput"].n == 5 and st.fits["throughput"].n == 1 and st.fits["fsdp.device"].n == 5
     assert st.predict(fsdp(2, 1, cpu=True)).tokens_per_s is not None     # fitted on fsdp's trials alone
 
@@ -103,7 +103,7 @@ def test_the_prior_alone_predicts_before_any_trial_and_the_trials_correct_it():
     # enough trials to pin every term: what they measure beyond the prior is fitted, so a measured residual linear
     # in the knobs is predicted exactly where no trial ran
     def extra(x: Candidate) -> float:
-        return 5e4 + 3e3 * x.b * 32 + 2e3 * x.k
+        return 5e4 + 3e3 * x.sub_batch_size * 32 + 2e3 * x.num_live_blocks
 
     st = tiny_state()
     ran = [Candidate(b, n, k) for b in (1, 2, 4) for n in (1, 4) for k in (1, 2)]

@@ -31,10 +31,10 @@ def test_oneshot_tries_the_fastest_config_when_only_the_safety_margin_rules_it_o
 
     s = 32
     def peak(c: Candidate) -> float:
-        return 1e6 + 1e4 * c.b * s                          # device memory grows with b only
+        return 1e6 + 1e4 * c.sub_batch_size * s         # device memory grows with b only
 
     def step(c: Candidate) -> float:
-        return 0.05 + 0.01 * c.n + 1e-4 * c.n * c.b * s     # larger b and N: more tokens/s
+        return 0.05 + 0.01 * c.num_sub_batches + 1e-4 * c.batch * s     # larger b and N: more tokens/s
 
     limit = int(peak(Candidate(4, 4, 1)) * 1.03)            # b=4 peaks 3% under the limit
     st = state(num_live_blocks=[1])
@@ -121,12 +121,15 @@ def test_oneshot_stops_only_when_no_config_of_any_backend_can_beat_the_best_allo
     config beyond its probes' b, whose fit erred by 1.3% among them; the grid's best was SpeedLoader's at b=4)."""
     st = state_of(backend=["speedloader", "fsdp"], fsdp={"cpu_offload": [False, True]})
     strategy = OneShotStrategy(st, 0)
-    law = {"speedloader": lambda c: 100.0 * c.b * (1 + 0.2 * c.n) * (1 + 0.05 * c.k),
-           "fsdp": lambda c: 130.0 * c.b * (1 + 0.2 * c.n) * (0.95 if c.cpu_offload else 1.0)}
+    def batch(c):
+        return c.sub_batch_size * (1 + 0.2 * c.num_sub_batches)
+
+    law = {"speedloader": lambda c: 100.0 * batch(c) * (1 + 0.05 * c.num_live_blocks),
+           "fsdp": lambda c: 130.0 * batch(c) * (0.95 if c.cpu_offload else 1.0)}
     while (p := strategy.propose()).role == "probe":
         st.add(ok(len(st.history), p.candidate, law[p.candidate.backend](p.candidate)))
     # first each backend's top predicted config, once: its fit from the probes alone extrapolates there
-    assert (p.candidate.backend, p.candidate.b, p.candidate.n, p.candidate.k) == ("speedloader", 2, 2, 2), p
+    assert p.candidate == Candidate(2, 2, 2), p
     st.add(dataclasses.replace(ok(len(st.history), p.candidate, law["speedloader"](p.candidate)), role="frontier"))
     p = strategy.propose()
     lucky = Candidate(2, 2, None, backend="fsdp", cpu_offload=False, reshard_after_forward=True)
@@ -156,7 +159,7 @@ def test_oneshot_probes_the_weights_on_disk_only_where_the_optimizer_on_disk_alo
     limited = spec(BOTH, hardware={"host_memory_limit": limit})
     st = SearchState(limited, shape, SearchSpace(limited, shape))
     probes = OneShotStrategy(st, 0).probes()
-    assert probes and all(c.weights_on_disk for c in probes if c.b == 1 and c.n == 1)
+    assert probes and all(c.weights_on_disk for c in probes if c.sub_batch_size == 1 and c.num_sub_batches == 1)
     assert st.predict(WEIGHTS).fits and not st.predict(OPTIMIZER).fits
     # what stops a config growing names the host when its weights back in host memory would not fit
     assert "host" in st.binding_limit(WEIGHTS)

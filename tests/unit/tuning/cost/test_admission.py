@@ -37,7 +37,7 @@ def test_a_share_whose_kept_weights_cannot_fit_is_over_the_device_limit_before_a
 
 @needs_deepspeed
 def test_nvme_without_libaio_is_refused_at_admission_and_a_trial_without_its_folder_when_it_is_built(monkeypatch):
-    from sltune.backends import knobs
+    from sltune import backend_knobs as knobs
 
     nvme = {"name": "nvme", "model": {"preset": "llama-tiny"},
             "search": {"backend": "deepspeed", "deepspeed": {"zero_stage": 3, "offload_optimizer": ["none", "nvme"]}}}

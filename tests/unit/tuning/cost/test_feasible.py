@@ -58,7 +58,9 @@ def test_plan_names_the_host_and_the_disk_limit_together_and_following_it_is_not
     assert "optimizer_offload=disk) is predicted to need in host memory: " in refusal
     assert "hardware.disk_limit 1.0 GiB is below the 150.6 GiB" in refusal and "it needs on disk: " in refusal
     # the other way: the optimizer in host memory needs more host memory and no disk
-    assert "under optimizer_offload host it would need 116." in refusal
+    # (about 115 GiB of the model's terms, and what a trial process holds: plan reads the last figure measured on this
+    # machine, else an idle process's, 0.3 to 1.5 GiB as the process's imports go)
+    assert re.search(r"under optimizer_offload host it would need 11[5-7]\.\d GiB", refusal), refusal
     # the weights on disk too (search.param_offload, which the spec does not try) fit the host limit: named first,
     # with the disk they take
     assert "What would fit: no change of dtype, precision or optimizer; search.param_offload [host, disk] (the " \

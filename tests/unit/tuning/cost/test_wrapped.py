@@ -68,7 +68,7 @@ def test_nvme_files_are_disk_held_to_the_disk_limit(monkeypatch):
     """DeepSpeed's nvme offload writes its partitions to files: the prior counts them as disk (its estimators'
     bytes: the float32 master, Adam's two moments and the float32 gradients, 16 per parameter, and ZeRO-3's weight
     shards in dtype), and a spec whose disk limit is below them is refused naming hardware.disk_limit."""
-    from sltune.backends import knobs
+    from sltune import backend_knobs as knobs
 
     monkeypatch.setattr(knobs, "libaio_found", lambda: True)
     base = {"name": "nvme", "model": {"preset": "llama-tiny"}, "workload": {"seq_len": 32},

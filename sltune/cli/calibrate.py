@@ -81,9 +81,11 @@ def run(args: argparse.Namespace) -> int:
                   **(_deepspeed_adam(device) if deepspeed else {})}
     store = Store(settings.db_url())
     machine = Fingerprint.here()
-    # what decides the rates besides the machine: the same key, the same measurement
-    key = hashlib.sha256(json.dumps([workload.key, device, torch.get_num_threads(), str(folder), sorted(optimizers),
-                                     host_optimizer.model_dump(mode="json"), ranks]).encode()).hexdigest()[:16]
+    # what decides the rates besides the machine: the same key, the same measurement; the workload's own key first,
+    # so that a plan finds the rates of its shapes (stored_rates)
+    key = workload.key + "-" + hashlib.sha256(json.dumps([device, torch.get_num_threads(), str(folder),
+                                                         sorted(optimizers), host_optimizer.model_dump(mode="json"),
+                                                         ranks]).encode()).hexdigest()[:16]
     stored = None if args.again else store.latest_rates(machine.key, key)
     if stored is not None and datetime.now(timezone.utc) - stored.measured_at < STALE_AFTER:
         rates = MachineRates.model_validate(stored.rates)
@@ -101,6 +103,19 @@ def run(args: argparse.Namespace) -> int:
         rates.save(args.out)
     print(rates.model_dump_json(indent=1) if args.json else describe(rates, note))
     return 0
+
+
+def stored_rates(store: Any, spec: Any) -> "MachineRates | None":
+    """The newest rates this machine stored for the spec's shapes (`sltune calibrate SPEC`), while fresh; None when
+    there are none."""
+    from sltune.machine import Fingerprint, MachineRates
+    from sltune.tuning.cost.workload import workload_of
+
+    row = store.latest_rates(Fingerprint.here().key, workload_of(spec).key + "-", prefix=True)
+    if row is None:
+        return None
+    rates = MachineRates.model_validate(row.rates)
+    return rates if datetime.now(timezone.utc) - rates.measured_at < STALE_AFTER else None
 
 
 def _deepspeed_adam(device: str) -> dict[str, Callable[[list[Any]], Any]]:

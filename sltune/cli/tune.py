@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 from sltune.backends.export import FORMATS
 from sltune.backend_knobs import BACKENDS
@@ -79,6 +80,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         "disk_versions": ". A spec: the files as `sltune train --disk-versions` keeps them (the tuner does not search "
                          "it)"})
     pl.add_argument("--json", action="store_true", help="print the prediction as JSON")
+    pl.add_argument("--machine", metavar="RATES.json",
+                    help="a spec: predict step times from these rates (`sltune calibrate SPEC --out RATES.json`, "
+                         "on this machine or another: a what-if of that machine) (default: the rates `sltune "
+                         "calibrate SPEC` stored for this machine in --db, if any)")
+    pl.add_argument("--db", help=DB_HELP + " (a spec: where to find this machine's rates)")
     pl.set_defaults(run=run_plan)
 
 
@@ -238,8 +244,9 @@ def run_plan(args: argparse.Namespace) -> int:
     data = read_yaml(source)
     if is_spec(data):
         disk = None if args.disk_limit is None else parse_bytes(args.disk_limit, "--disk-limit")
-        return _plan_spec(data, source, limits, args.json, disk, args.disk_versions)
-    for flag, value in (("--disk-limit", args.disk_limit), ("--disk-versions", args.disk_versions)):
+        return _plan_spec(data, source, limits, args.json, disk, args.disk_versions, _rates(args, data, source))
+    for flag, value in (("--disk-limit", args.disk_limit), ("--disk-versions", args.disk_versions),
+                        ("--machine", args.machine)):
         if value is not None:
             raise ValueError(f"{flag}: {source} is a best.yaml, whose plan predicts from its fitted models without "
                              f"disk; give the tuning spec (sltune plan SPEC.yaml {flag} ...)")
@@ -273,12 +280,32 @@ def run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _rates(args: argparse.Namespace, data: dict, source: str) -> tuple[Any, str | None]:
+    """The rates a spec's plan predicts step times from, and where they came from: --machine's file, else what
+    `sltune calibrate SPEC` stored for this machine (none: (None, None))."""
+    from sltune.machine.rates import MachineRates
+
+    if args.machine:
+        return MachineRates.load(args.machine), f"{args.machine} (a prediction from given rates)"
+    from sltune.cli.calibrate import stored_rates
+    from sltune.settings import Settings
+    from sltune.store import Store
+    from sltune.tuning.spec import TuningSpec
+
+    settings = Settings(db=args.db) if args.db else Settings()
+    open_store(settings)
+    rates = stored_rates(Store(settings.db_url()), TuningSpec.parse(data, str(source)))
+    return (rates, f"this machine's rates, calibrated {rates.measured_at:%Y-%m-%d %H:%M} UTC") if rates else (None, None)
+
+
 def _plan_spec(data: dict, source: str, limits: list, as_json: bool, disk_limit: int | None = None,
-               disk_versions: int | None = None) -> int:
-    """Every config of a spec with its predicted peaks; the refusal when none fits (exit code 1)."""
+               disk_versions: int | None = None, rates: tuple[Any, str | None] = (None, None)) -> int:
+    """Every config of a spec with its predicted peaks (and step times, given rates); the refusal when none fits
+    (exit code 1)."""
     from sltune.tuning.report.plan_from_prior import plan_spec
 
-    r = plan_spec(data, source, *limits, disk_limit=disk_limit, disk_flag="--disk-limit", disk_versions=disk_versions)
+    r = plan_spec(data, source, *limits, disk_limit=disk_limit, disk_flag="--disk-limit", disk_versions=disk_versions,
+                  rates=rates[0], rates_from=rates[1])
     if as_json:
         print(json.dumps(r))
         return 0 if r["fitting"] else 1
@@ -292,11 +319,14 @@ def _plan_spec(data: dict, source: str, limits: list, as_json: bool, disk_limit:
           f"({lim['host_limit_from']}){disk} with the {r['margin']:.0%} margin; no trial ran")
     print(f"  host peaks include {format_bytes(r['trial_baseline_bytes'])} a trial process holds before its model "
           "(as tune or profile last measured it here)")
+    print(f"  step times predicted from {r['rates']['from']}: {r['rates']['machine']}" if r["rates"] else
+          "  no step times: no rates for this spec's shapes on this machine (sltune calibrate SPEC stores them; "
+          "--machine RATES.json reads another's)")
     for row in r["configs"]:
         verdict = "fits" if row["fits"] else "over " + "+".join(row["over"])
         on_disk = f", disk {format_bytes(row.get('peak_disk_bytes') or 0)}" if disk else ""
         print(f"  {describe_config(row['config'])}: host {format_bytes(row['peak_host_bytes'])}, device "
-              f"{format_bytes(row['peak_device_bytes'])}{on_disk}  {verdict}")
+              f"{format_bytes(row['peak_device_bytes'])}{on_disk}{_speed(row) if r['rates'] else ''}  {verdict}")
     shown: dict[str, int] = {}          # the five largest of each backend: a union's ties would hide the others
     for big in r["largest"]:
         backend = big["config"].get("backend") or "speedloader"
@@ -311,6 +341,19 @@ def _plan_spec(data: dict, source: str, limits: list, as_json: bool, disk_limit:
         print(f"  largest that fits: {describe_config(big['config'])} (host {format_bytes(p['peak_host_bytes'])}, "
               f"device {format_bytes(p['peak_device_bytes'])}{on_disk}{moved}); binding limit: "
               f"{big['binding_limit']}")
+    if r["pick"]:
+        print(f"  pick (predicted fastest that fits): {describe_config(r['pick']['config'])}{_speed(r['pick'])}; "
+              f"binding limit: {r['pick']['binding_limit']}")
     if r["refusal"]:
         print(f"  refused: {r['refusal']}")
     return 0 if r["fitting"] else 1
+
+
+def _speed(row: dict) -> str:
+    """', 1,234.5 tokens/s [1,100.0, 1,300.2] (compute 80%, memcpy 12%, ...)' predicted; '' where not modelled."""
+    if row.get("predicted_tokens_per_s") is None:
+        return ", tokens/s not predicted (SpeedLoader's training steps only)"
+    lo, hi = row["predicted_tokens_per_s_interval"]
+    shares = ", ".join(f"{k} {v:.0%}" for k, v in sorted(row["predicted_breakdown"].items(), key=lambda kv: -kv[1])
+                       if v >= 0.005)
+    return f", {row['predicted_tokens_per_s']:,.1f} tokens/s [{lo:,.1f}, {hi:,.1f}] ({shares})"

@@ -7,8 +7,19 @@ writes through the engine's own O_DIRECT files, and the fixed cost of an op), ea
 JSON.
 """
 
-from sltune.machine.calibrate import Workload, calibrate
-from sltune.machine.fingerprint import Fingerprint
-from sltune.machine.rates import AttentionRate, MachineRates, MatmulRate, Rate
+from typing import TYPE_CHECKING
+
+from sltune.lazy import exports
+
+if TYPE_CHECKING:
+    from sltune.machine.probes import calibrate
+    from sltune.machine.fingerprint import Fingerprint
+    from sltune.machine.rates import AttentionRate, MachineRates, MatmulRate, Rate
+    from sltune.machine.workload import Workload
 
 __all__ = ["AttentionRate", "Fingerprint", "MachineRates", "MatmulRate", "Rate", "Workload", "calibrate"]
+# the rates load without torch (a plan reads them from a file); calibrating loads it
+__getattr__ = exports(__name__, {"Workload": "sltune.machine.workload", "calibrate": "sltune.machine.probes",
+                                 "Fingerprint": "sltune.machine.fingerprint", "AttentionRate": "sltune.machine.rates",
+                                 "MachineRates": "sltune.machine.rates", "MatmulRate": "sltune.machine.rates",
+                                 "Rate": "sltune.machine.rates"})

@@ -1,11 +1,15 @@
 """Which machine a set of rates belongs to: rates measured on another CPU, GPU, memory size or torch build say
-nothing about this one."""
+nothing about this one. Taken without importing torch, so that `plan` finds the rates stored for this machine in a
+process that never loads it (calibrate takes the same fingerprint the same way)."""
 
 from __future__ import annotations
 
 import hashlib
 import os
 import platform
+import shutil
+import subprocess
+from importlib.metadata import version
 
 import psutil
 from pydantic import BaseModel, ConfigDict
@@ -23,9 +27,9 @@ class Fingerprint(BaseModel):
     memory_bytes: int
     """the machine's memory"""
     gpus: tuple[str, ...] = ()
-    """each visible CUDA device's name, in index order"""
+    """each visible NVIDIA GPU's name (nvidia-smi's, as torch.cuda names them), in index order"""
     torch: str
-    """torch's version and build (+cpu, +cu124, ...)"""
+    """torch's version and build (+cpu, +cu124, ...), as installed"""
 
     @property
     def key(self) -> str:
@@ -39,12 +43,27 @@ class Fingerprint(BaseModel):
 
     @classmethod
     def here(cls) -> "Fingerprint":
-        import torch
-
-        gpus = tuple(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())) \
-            if torch.cuda.is_available() else ()
         return cls(cpu=_cpu_name(), cores=len(os.sched_getaffinity(0)), memory_bytes=psutil.virtual_memory().total,
-                   gpus=gpus, torch=torch.__version__)
+                   gpus=_gpus(), torch=version("torch"))
+
+
+def _gpus() -> tuple[str, ...]:
+    """The NVIDIA GPUs this process sees (CUDA_VISIBLE_DEVICES' indices, where it names them by index); none where
+    nvidia-smi is missing or fails."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return ()
+    try:
+        out = subprocess.run([smi, "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True,
+                             timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ()
+    names = [line.strip() for line in out.splitlines() if line.strip()]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        picked = [int(i) for i in visible.split(",") if i.strip().isdigit()]
+        names = [names[i] for i in picked if i < len(names)]
+    return tuple(names)
 
 
 def _cpu_name() -> str:

@@ -265,10 +265,12 @@ class Store:
         with self.Session.begin() as s:
             s.add(Calibration(machine=machine, workload=workload, rates=rates))
 
-    def latest_rates(self, machine: str, workload: str) -> Calibration | None:
-        """The newest rates calibrated on this machine for this workload, if any."""
+    def latest_rates(self, machine: str, workload: str, prefix: bool = False) -> Calibration | None:
+        """The newest rates calibrated on this machine for this workload key (`prefix`: for any key that starts
+        with it: the same shapes, measured with any threads or folder), if any."""
+        key = Calibration.workload.startswith(workload, autoescape=True) if prefix else Calibration.workload == workload
         with self.Session() as s:
-            return s.scalars(select(Calibration).where(Calibration.machine == machine, Calibration.workload == workload)
+            return s.scalars(select(Calibration).where(Calibration.machine == machine, key)
                              .order_by(Calibration.id.desc()).limit(1)).first()
 
     def all_rates(self, limit: int = 100) -> list[Calibration]:

@@ -10,13 +10,18 @@ whose configs can fit is refused with every limit the closest config is over, it
 limit larger than the free space is named beside it: the spec's own applies as tune would apply it ("the disk limit is
 1.0 TiB but only 80.0 GiB is free in DIR: planning with 80.0 GiB"), plan's --disk-limit is a what-if and stands, this
 machine's free space said beside it.
+
+Given a machine's rates (`sltune calibrate`, stored or from a file), each config also gets its predicted step time,
+tokens/s and breakdown (sltune.tuning.cost.step_time: SpeedLoader's training steps; None where it does not model
+the config yet), and the plan names the pick: the fitting config predicted fastest. Rates from another machine's
+file make it a what-if of that machine: its device decides how copies overlap compute.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sltune.settings import Settings
 from sltune.sizes import format_bytes, parse_bytes
@@ -25,7 +30,11 @@ from sltune.tuning.cost.baseline import trial_baseline
 from sltune.tuning.cost import feasible
 from sltune.tuning.cost.feasible import PLAN, FreeSpace, disk_room, shortfall
 from sltune.tuning.search.state import SearchState
+from sltune.tuning.cost.step_time import StepTime, step_time
 from sltune.tuning.spec import DISK_LIMIT_WITHOUT_DISK
+
+if TYPE_CHECKING:
+    from sltune.machine.rates import MachineRates
 
 LIMITS = ("device_memory_limit", "host_memory_limit", "disk_limit")
 
@@ -38,11 +47,13 @@ def is_spec(data: Any) -> bool:
 def plan_spec(data: dict[str, Any], source: str | Path, device_memory_limit: int | str | None = None,
               host_memory_limit: int | str | None = None, settings: Settings | None = None,
               disk_limit: int | str | None = None, disk_flag: str = "hardware.disk_limit",
-              disk_versions: int | None = None) -> dict[str, Any]:
+              disk_versions: int | None = None, rates: "MachineRates | None" = None,
+              rates_from: str | None = None) -> dict[str, Any]:
     """Every config's predicted peaks under the spec's limits (or these), which fit, which limit binds the
     largest, and the refusal when none fits. `disk_flag` names where a `disk_limit` given here came from (plan's
     --disk-limit); `disk_versions`: the disk tier's files as `sltune train --disk-versions` keeps them (plan's
-    --disk-versions; not a knob the tuner searches; None: as SpeedLoaderConfig keeps them by default)."""
+    --disk-versions; not a knob the tuner searches; None: as SpeedLoaderConfig keeps them by default). `rates`: a
+    machine's, to predict step times from (`rates_from` says where they came from)."""
     settings = settings or Settings()
     hardware = dict(data.get("hardware") or {})
     asked = {name: hardware.pop(name, None) for name in LIMITS}     # held to below, not refused by the schema
@@ -86,6 +97,9 @@ def plan_spec(data: dict[str, Any], source: str | Path, device_memory_limit: int
     preds = {c: state.predict(c) for c in space.candidates}
     fitting = [c for c, p in preds.items() if p.fits]
     largest = [c for c in fitting if not any(o.dominates(c) for o in fitting)]
+    times = _step_times(state, rates) if rates is not None else {}
+    timed = [c for c in fitting if times.get(c) is not None]
+    pick = max(timed, key=lambda c: times[c].tokens_per_s, default=None)
     out: dict[str, Any] = {
         "source": str(source), "kind": "spec", "model": spec.model.describe(),
         "limits": {"device_memory_limit": device_limit, "host_memory_limit": host_limit or ceiling,
@@ -96,7 +110,12 @@ def plan_spec(data: dict[str, Any], source: str | Path, device_memory_limit: int
         "margin": spec.search.margin, "trial_baseline_bytes": baseline, "disk_versions": state.recipe.disk_versions,
         "candidates": len(preds), "fitting": len(fitting),
         "configs": [{"config": c.knobs(), "peak_device_bytes": p.device, "peak_host_bytes": p.host,
-                     "peak_disk_bytes": p.disk, "fits": p.fits, "over": p.over} for c, p in sorted(preds.items())],
+                     "peak_disk_bytes": p.disk, "fits": p.fits, "over": p.over, **_predicted(times.get(c))}
+                    for c, p in sorted(preds.items())],
+        "rates": None if rates is None else {"from": rates_from, "machine": rates.where(),
+                                             "measured_at": rates.measured_at.isoformat()},
+        "pick": None if pick is None else {"config": pick.knobs(), **_predicted(times[pick]),
+                                           "binding_limit": state.binding_limit(pick)},
         "largest": [{"config": c.knobs(), "binding_limit": state.binding_limit(c),
                      "prior": state.prior(c).to_dict()}
                     for c in sorted(largest, key=lambda c: (-c.batch, -c.sub_batch_size, -(c.num_live_blocks or 0)))],
@@ -104,3 +123,17 @@ def plan_spec(data: dict[str, Any], source: str | Path, device_memory_limit: int
                              disk_limit=disk_limit, disk_name=disk_name, naming=PLAN),
     }
     return out
+
+
+NOT_PREDICTED = {"predicted_step_s": None, "predicted_step_s_interval": None, "predicted_tokens_per_s": None,
+                 "predicted_tokens_per_s_interval": None, "predicted_breakdown": None}
+
+
+def _predicted(t: StepTime | None) -> dict[str, Any]:
+    return NOT_PREDICTED if t is None else t.to_dict()
+
+
+def _step_times(state: SearchState, rates: "MachineRates") -> dict[Any, StepTime | None]:
+    """Each config's predicted step on the rates' machine: its device decides how copies overlap compute."""
+    recipe = dataclasses.replace(state.recipe, device=rates.device)
+    return {c: step_time(recipe, c, rates, state.prior(c)) for c in state.space.candidates}

@@ -56,3 +56,45 @@ def test_calibrate_with_a_spec_measures_its_model_s_shapes_in_its_dtype(tmp_path
 def test_a_bad_flag_is_one_line_naming_it_before_anything_is_measured(tmp_path, flags, says):
     out = sltune("calibrate", "--db", f"sqlite:///{tmp_path / 'jobs.db'}", *flags)
     assert out.returncode == 2 and says in out.stderr and "calibrate: matmuls" not in out.stderr, out.stderr
+
+
+def test_plan_predicts_step_times_from_the_rates_calibrate_stored_or_from_another_machine_s_file(tmp_path):
+    """The rates `calibrate SPEC` stored for this machine give `plan SPEC` each config's predicted step time,
+    tokens/s and breakdown, and its pick; --machine reads another machine's file (a what-if: a GPU's copies overlap
+    compute); without rates plan says how to get them and predicts no speed."""
+    spec = tmp_path / "spec.yaml"
+    spec.write_text("model: {preset: llama-tiny}\nworkload: {seq_len: 16}\n"
+                    "search: {sub_batch_size: [1, 4], num_sub_batches: [1, 2], num_live_blocks: [1, 2]}\n")
+    db, env = f"sqlite:///{tmp_path / 'jobs.db'}", {"SLTUNE_DATA_DIR": str(tmp_path / "data")}
+    before = sltune("plan", str(spec), "--db", db, env=env)
+    assert before.returncode == 0 and "no step times: no rates for this spec's shapes" in before.stdout
+    assert "tokens/s" not in before.stdout
+    made = sltune("calibrate", str(spec), "--db", db, "--budget", "3", "--offload-dir", str(tmp_path),
+                  "--out", str(tmp_path / "rates.json"))
+    assert made.returncode == 0, made.stderr
+    out = sltune("plan", str(spec), "--db", db, "--json", env=env)
+    assert out.returncode == 0, out.stderr
+    r = json.loads(out.stdout)
+    assert r["rates"]["from"].startswith("this machine's rates, calibrated")
+    for row in r["configs"]:
+        assert row["predicted_step_s"] > 0 and row["predicted_tokens_per_s"] == pytest.approx(
+            row["config"]["sub_batch_size"] * row["config"]["num_sub_batches"] * 16 / row["predicted_step_s"])
+        fastest, slowest = row["predicted_step_s_interval"]
+        assert fastest <= row["predicted_step_s"] <= slowest
+        assert sum(row["predicted_breakdown"].values()) == pytest.approx(1.0)
+    best = max((row for row in r["configs"] if row["fits"]), key=lambda row: row["predicted_tokens_per_s"])
+    assert r["pick"]["config"] == best["config"]
+    # another machine's rates: the same file said to be a GPU's, whose copy stream hides copies under compute
+    gpu = MachineRates.load(tmp_path / "rates.json")
+    gpu = gpu.model_copy(update={"device": "cuda", "copies": {"h2d.pinned": gpu.copies["host"],
+                                                              "d2h.pinned": gpu.copies["host"]}})
+    gpu.save(tmp_path / "gpu.json")
+    what_if = sltune("plan", str(spec), "--machine", str(tmp_path / "gpu.json"), env=env)
+    assert what_if.returncode == 0, what_if.stderr
+    assert f"step times predicted from {tmp_path / 'gpu.json'} (a prediction from given rates)" in what_if.stdout
+    assert "pick (predicted fastest that fits): " in what_if.stdout
+    as_json = json.loads(sltune("plan", str(spec), "--machine", str(tmp_path / "gpu.json"), "--json", env=env).stdout)
+    for cpu, other in zip(r["configs"], as_json["configs"]):
+        assert other["predicted_breakdown"]["memcpy"] < cpu["predicted_breakdown"]["memcpy"]
+    missing = sltune("plan", str(spec), "--machine", str(tmp_path / "none.json"), env=env)
+    assert missing.returncode == 2 and "sltune calibrate --out" in missing.stderr

@@ -4,11 +4,8 @@ s on 2 cores)."""
 
 from __future__ import annotations
 
-import hashlib
-import json
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
@@ -19,33 +16,13 @@ from sltune.machine.collectives import collectives
 from sltune.machine.fingerprint import Fingerprint
 from sltune.machine.rates import AttentionRate, MachineRates, MatmulRate, Rate
 from sltune.machine.timing import first_call_s, per_call_s
+from sltune.machine.workload import Workload
 from sltune.runtime.disk.direct_io import DirectFiles, aligned_empty
 from sltune.training.optimizer import OptimizerConfig
 
 Sync = Callable[[], None]       # waits for the device's queued work (nothing on the CPU)
 COPY_BYTES = 64 << 20       # a copy or a file this large: past the caches, like a layer's weights
 OPTIMIZER_ELEMENTS = 1 << 22
-
-
-@dataclass(frozen=True)
-class Workload:
-    """What to measure at: a model's matmuls (k, n) in its dtype, its attention geometry, and the row counts its
-    tuning space spans (sub_batch_size x seq_len). The default is llama-small's shape at seq_len 128."""
-
-    matmuls: tuple[tuple[int, int], ...] = ((512, 512), (512, 1408), (1408, 512), (512, 8192))
-    rows: tuple[int, ...] = (128, 1024)
-    hidden: int = 512
-    heads: int = 8
-    head_dim: int = 64
-    seq_len: int = 128
-    dtype: str = "float32"
-    param_numels: tuple[int, ...] = field(default=())
-    """one decoder layer's parameter sizes: the optimizer is timed on tensors of these sizes (default: one of 4M)"""
-
-    @property
-    def key(self) -> str:
-        """Names the workload in the job store: rates are kept per machine and workload."""
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
 
 
 def calibrate(workload: Workload = Workload(), device: str = "cpu", budget_s: float = 60.0,

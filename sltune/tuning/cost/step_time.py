@@ -1,0 +1,325 @@
+"""A config's step time predicted before any trial: the phase plan a SpeedLoader step runs (sltune.runtime.phases,
+the plan the engine, its traffic count and the memory prior share) replayed on the engine's lanes over this machine's
+calibrated rates (`sltune calibrate`, sltune.machine).
+
+Per phase, per sub-batch of b rows of s tokens, the work is counted from the model's shape:
+
+    compute   each decoder layer's weight matmuls (2 x rows x in x out FLOP each, at the rate calibrated for that
+              matrix's shape, interpolated over rows in log space), causal attention (4 x b x heads x s^2 x head_dim),
+              ELEMENTWISE_PER_LAYER passes over rows x hidden and MLP_ELEMENTWISE over rows x the MLP's width, two
+              RMSNorms; a backward is twice its forward, recompute runs the forward again; the turnaround runs the
+              last group and the head (hidden x vocab, and LOSS_PASSES over the logits) forward and backward at once;
+              each sub-batch's gradients are summed into the unit's (one add per parameter)
+    memcpy    what sltune.runtime.traffic counts a step moves: each phase's units loaded (the turnaround's and the
+              tied weights once), every unit's gradients offloaded once (float32 under a master), each sub-batch's
+              boundary activations put and fetched (phases.edges_moved), under activations offload the saved tensors
+              of every group below the last both ways; the canonical schedule loads and offloads every unit per
+              sub-batch and moves no activations; resident moves nothing
+    cpu       the host optimizer over every parameter (its calibrated rate per element), the dtype copy refreshed
+              from a float32 master, and OPS_PER_LAYER_PASS ops' fixed cost per layer and pass
+    all_gather, reduce_scatter
+              over W ranks: every load gathers the whole unit, every gradient offload reduce-scatters it
+    disk      optimizer_offload or param_offload disk: the bytes the prior says a step reads and writes
+              (Prior.traffic_terms), on a lane of its own (the disk tier's I/O thread), waited for only past the rest
+
+Lanes: on the CPU one thread computes, copies and steps (a memcpy is the CPU's work), so those add up; on a GPU the
+copies run on their own stream, a phase's loads prefetched while the phase before it computes, its activations and
+gradients copied out while it computes. The fixed costs of a step outside every phase (the runtime's bookkeeping,
+"other") are not modelled: trials correct for them. Training only (SpeedLoader's schedules): a wrapped backend's
+step and generation's decode step are None.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from sltune.runtime import phases
+from sltune.tuning.cost.setup import Setup
+from sltune.tuning.space import Candidate
+
+if TYPE_CHECKING:
+    from sltune.machine.rates import MachineRates, Rate
+    from sltune.tuning.cost.prior import Prior
+
+# TrialResult.breakdown's slices (sltune.profiling.breakdown.SLICES, which loads torch; a test holds them equal)
+SLICES = ("compute", "memcpy", "cpu", "all_gather", "reduce_scatter", "disk", "other")
+# a decoder layer's forward, counted on llama's (torch.profiler): residual adds, rotary embedding, the attention's
+# reshapes and softmax scaling, the MLP's activation and product
+ELEMENTWISE_PER_LAYER = 12          # passes over rows x hidden
+MLP_ELEMENTWISE = 3                 # passes over rows x the MLP's width
+NORMS_PER_LAYER = 2
+LOSS_PASSES = 3                     # log-softmax, its gradient, the gather: passes over rows x vocab
+OPS_PER_LAYER_PASS = 60             # aten ops a layer's forward dispatches (a backward: twice)
+ENDS = ("median", "low", "high")    # the rates' median, slowest and fastest sample
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """One config's predicted step: seconds at the rates' medians, the interval their slowest and fastest samples
+    give, and the seconds per slice of TrialResult.breakdown (at the medians)."""
+
+    seconds: float
+    slowest: float
+    fastest: float
+    breakdown: dict[str, float]
+    tokens: int                     # per step, every rank's
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds
+
+    def to_dict(self) -> dict[str, object]:
+        """As `plan --json` gives it beside each config's peaks."""
+        return {"predicted_step_s": self.seconds, "predicted_step_s_interval": [self.fastest, self.slowest],
+                "predicted_tokens_per_s": self.tokens_per_s,
+                "predicted_tokens_per_s_interval": [self.tokens / self.slowest, self.tokens / self.fastest],
+                "predicted_breakdown": {k: v / self.seconds for k, v in self.breakdown.items()}}
+
+
+class MissingRate(ValueError):
+    """The rates hold nothing for a kind of work a config does: calibrate at the spec."""
+
+
+def step_time(recipe: Setup, c: Candidate, rates: "MachineRates", prior: "Prior | None" = None) -> StepTime | None:
+    """The predicted step of config `c` (None for a wrapped backend and for generation: not modelled yet). `prior`:
+    the config's memory prior, whose disk traffic the disk lane reads (needed under optimizer_offload or
+    param_offload disk)."""
+    if c.backend != "speedloader" or recipe.mode != "train":
+        return None
+    if (recipe.on_disk(c) or recipe.weights_on_disk(c)) and prior is None:
+        raise ValueError("a config on disk needs its prior: its disk traffic is the prior's")
+    lanes = {end: _Lanes(_At(rates, recipe.shape.dtype, end), recipe, c, prior) for end in ENDS}
+    median = lanes["median"].play()
+    slowest, fastest = lanes["low"].play(), lanes["high"].play()
+    tokens = c.batch * recipe.seq_len * max(1, recipe.world_size)
+    return StepTime(sum(median.values()), sum(slowest.values()), sum(fastest.values()), median, tokens)
+
+
+class _At:
+    """The rates at one end of their spread: the time each kind of work takes."""
+
+    def __init__(self, rates: "MachineRates", dtype: str, end: str):
+        self.rates, self.dtype, self.end = rates, dtype, end
+        self.matmuls = [m for m in rates.matmul if m.dtype == dtype]
+        self.attention = [a for a in rates.attention if a.dtype == dtype]
+        if not self.matmuls or not self.attention or dtype not in rates.elementwise:
+            measured = sorted({m.dtype for m in rates.matmul}) or ["nothing"]
+            raise MissingRate(f"the rates hold no {dtype} matmuls or attention (measured: {', '.join(measured)}); "
+                              "calibrate at the spec: sltune calibrate SPEC")
+
+    def _of(self, rate: "Rate") -> float:
+        return getattr(rate, self.end)
+
+    def matmul_s(self, rows: int, k: int, n: int) -> float:
+        """(rows x k) @ (k x n): at the rate of the calibrated shape nearest (k, n) in size, interpolated over the
+        measured row counts in log space (held at the ends beyond them)."""
+        size = math.log(k * n)
+        same = min(self.matmuls, key=lambda m: (abs(math.log(m.k * m.n) - size), (m.k, m.n) != (k, n)))
+        points = sorted((m.rows, self._of(m.flops)) for m in self.matmuls if (m.k, m.n) == (same.k, same.n))
+        return 2.0 * rows * k * n / _interpolate(points, rows)
+
+    def attention_s(self, batch: int, heads: int, seq: int, head_dim: int) -> float:
+        points = sorted((a.batch, self._of(a.flops)) for a in self.attention)
+        return 4.0 * batch * heads * seq * seq * head_dim / _interpolate(points, batch)
+
+    def elementwise_s(self, elements: float) -> float:
+        return elements / self._of(self.rates.elementwise[self.dtype])
+
+    def norm_s(self, elements: float) -> float:
+        rate = self.rates.norm.get(self.dtype) or self.rates.elementwise[self.dtype]
+        return elements / self._of(rate)
+
+    def ops_s(self, count: float) -> float:
+        return count / self._of(self.rates.op_overhead) if self.rates.op_overhead else 0.0
+
+    def optimizer_s(self, name: str, params: int) -> float:
+        rate = self.rates.optimizer.get(f"torch.{name}")
+        if rate is None:
+            raise MissingRate(f"the rates hold no torch.{name} step (measured: "
+                              f"{', '.join(self.rates.optimizer) or 'none'}); calibrate at the spec: "
+                              "sltune calibrate SPEC")
+        return params / self._of(rate)
+
+    def copy_s(self, nbytes: float, direction: str) -> float:
+        """Host<->device bytes ('h2d', 'd2h'): pinned where the rates have it; on the CPU a memcpy."""
+        copies = self.rates.copies
+        rate = copies.get(f"{direction}.pinned") or copies.get(direction) or copies.get("host")
+        if rate is None:
+            raise MissingRate("the rates hold no copy rate; calibrate on this device: sltune calibrate SPEC")
+        return nbytes / self._of(rate)
+
+    def disk_s(self, read: float, written: float) -> float:
+        if not read and not written:
+            return 0.0
+        if "read" not in self.rates.disk or "write" not in self.rates.disk:
+            raise MissingRate("the rates hold no disk reads and writes; calibrate with --offload-dir where trials "
+                              "offload to")
+        return read / self._of(self.rates.disk["read"]) + written / self._of(self.rates.disk["write"])
+
+    def collective_s(self, kind: str, world: int, nbytes: float) -> float:
+        rate = self.rates.collectives.get(f"{kind}.{world}")
+        if rate is None:
+            raise MissingRate(f"the rates hold no {kind} over {world} ranks; calibrate with --ranks {world}")
+        return nbytes / self._of(rate)
+
+
+def _interpolate(points: list[tuple[int, float]], x: float) -> float:
+    """The rate at x between measured (x, rate) points, linear in log x; the end's rate beyond them."""
+    if x <= points[0][0]:
+        return points[0][1]
+    for (x0, r0), (x1, r1) in zip(points, points[1:]):
+        if x <= x1:
+            t = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0)) if x1 > x0 else 1.0
+            return r0 + t * (r1 - r0)
+    return points[-1][1]
+
+
+class _Lanes:
+    """One step of config c replayed phase by phase at one end of the rates; play() gives the seconds per slice."""
+
+    def __init__(self, at: _At, recipe: Setup, c: Candidate, prior: "Prior | None"):
+        self.at, self.r, self.c, self.prior = at, recipe, c, prior
+        shape = recipe.shape
+        self.k = min(c.num_live_blocks or 1, shape.layers)
+        full, rest = divmod(shape.layers, self.k)
+        self.group_layers = [self.k] * full + ([rest] if rest else [])
+        self.rows = c.sub_batch_size * recipe.seq_len
+        self.world = max(1, recipe.world_size)
+
+    # -- the work of one sub-batch -------------------------------------------------------------------------------
+    def layer_forward_s(self) -> float:
+        """One decoder layer's forward over one sub-batch: its matmuls, attention, elementwise and norm work."""
+        shape, at, rows = self.r.shape, self.at, self.rows
+        widths = [n // shape.hidden for n in shape.layer_numels if n % shape.hidden == 0 and n // shape.hidden > 1]
+        wide = [i for i, w in enumerate(widths) if w > shape.hidden]
+        down = wide[-1] if wide else None           # the MLP's down projection maps its width back to hidden
+        s = sum(at.matmul_s(rows, w, shape.hidden) if i == down else at.matmul_s(rows, shape.hidden, w)
+                for i, w in enumerate(widths))
+        head_dim = shape.head_dim or 64
+        s += at.attention_s(self.c.sub_batch_size, max(1, shape.hidden // head_dim), self.r.seq_len, head_dim)
+        s += at.elementwise_s(ELEMENTWISE_PER_LAYER * rows * shape.hidden
+                              + MLP_ELEMENTWISE * rows * max(widths, default=shape.hidden))
+        return s + at.norm_s(NORMS_PER_LAYER * rows * shape.hidden)
+
+    def head_forward_s(self) -> float:
+        shape = self.r.shape
+        return self.at.matmul_s(self.rows, shape.hidden, shape.vocab) + self.at.norm_s(self.rows * shape.hidden)
+
+    def loss_s(self) -> float:
+        return self.at.elementwise_s(LOSS_PASSES * self.rows * self.r.shape.vocab)
+
+    # -- the step ------------------------------------------------------------------------------------------------
+    def play(self) -> dict[str, float]:
+        r, c, at, shape = self.r, self.c, self.at, self.r.shape
+        n, recompute = c.num_sub_batches, c.activations == "recompute"
+        layer, head = self.layer_forward_s(), self.head_forward_s()
+        layer_ops = at.ops_s(OPS_PER_LAYER_PASS)
+        plan = phases.plan(len(self.group_layers)) if r.schedule != "resident" else []
+        compute: list[float] = []               # per phase, every sub-batch
+        cpu_ops: list[float] = []
+        for p in plan:
+            layers = self.group_layers[p.group] if p.group is not None else 0
+            passes = {"fwd": 1, "turn": 3, "bwd": 2 + recompute}.get(p.kind, 0)
+            work = layers * passes * layer
+            if p.kind == "turn":
+                work += 3 * head + self.loss_s()
+            elif p.kind in ("embed_fwd", "embed_bwd"):
+                work += at.elementwise_s(self.rows * shape.hidden)
+            compute.append(n * work)
+            cpu_ops.append(n * layers * passes * layer_ops)
+        if r.schedule == "resident":
+            compute.append(n * (3 * shape.layers * layer + 3 * head + self.loss_s()))
+            cpu_ops.append(n * 3 * shape.layers * layer_ops)
+        params = shape.param_bytes // shape.itemsize
+        grads_summed = at.elementwise_s(n * params)         # each sub-batch's gradients into the unit's sums
+        loads, acts, grads = self.copies(plan)
+        optimizer = at.optimizer_s(r.optimizer.name, params // self.world)
+        if r.master:                                       # the dtype copy refreshed from the float32 master
+            optimizer += at.elementwise_s(params // self.world)
+        gathered, scattered = self.collectives(plan)
+        disk = 0.0
+        if self.prior is not None and self.prior.traffic_terms:
+            disk = at.disk_s(self.prior.disk_read, self.prior.disk_written)
+        out = dict.fromkeys(SLICES, 0.0)
+        out["compute"] = sum(compute) + grads_summed
+        out["cpu"] = sum(cpu_ops) + optimizer
+        out["all_gather"], out["reduce_scatter"] = gathered, scattered
+        if r.on_cpu:            # one thread computes, copies and steps
+            out["memcpy"] = sum(loads) + sum(acts) + sum(grads)
+        else:                   # a copy stream: loads prefetched a phase ahead, outputs copied under compute
+            out["memcpy"] = self.exposed_copies(compute, loads, acts, grads)
+        busy = sum(out.values())
+        out["disk"] = max(0.0, disk - busy)             # the I/O thread's lane, waited for past the rest
+        return out
+
+    def copies(self, plan: list[phases.Phase]) -> tuple[list[float], list[float], list[float]]:
+        """Per phase, the seconds of its loads, its activations' traffic and its gradients' offload."""
+        r, c, at, shape = self.r, self.c, self.at, self.r.shape
+        if r.schedule == "resident":
+            return [], [], []
+        n = c.num_sub_batches
+        unit = {"embed": shape.embed_bytes, "head": shape.head_bytes}
+        per_value = 4 if r.master else shape.itemsize           # gradient sums: float32 under a master
+        sub_batches = n if r.schedule == "canonical" else 1     # canonical loads every unit per sub-batch
+        trains = [True] * (len(self.group_layers) + 1)
+        edge = self.rows * shape.hidden * shape.itemsize
+        saved = 0
+        if c.activations == "offload" and r.schedule == "speedloader":
+            saved = self._saved_bytes()
+        loads, acts, grads = [], [], []
+        for i, p in enumerate(plan):
+            units = [unit[u] if isinstance(u, str) else self.group_layers[u] * shape.layer_bytes for u in p.units]
+            nbytes = sum(units) + (shape.tied_bytes if i == 0 else 0)
+            loads.append(sub_batches * at.copy_s(nbytes / self.world, "h2d"))
+            if p.backward:
+                params = (sum(units) + (shape.tied_bytes if i == len(plan) - 1 else 0)) // shape.itemsize
+                grad_bytes = params * (shape.itemsize if r.schedule == "canonical" else per_value)
+                grads.append(sub_batches * at.copy_s(grad_bytes / self.world, "d2h"))
+            else:
+                grads.append(0.0)
+            if r.schedule == "speedloader":
+                put, fetched = phases.edges_moved(p, trains, c.activations == "offload")
+                moved = n * (at.copy_s(put * edge, "d2h") + at.copy_s(fetched * edge, "h2d"))
+                if saved and p.kind in ("fwd", "bwd"):
+                    moved += n * at.copy_s(saved * self.group_layers[p.group], "d2h" if p.kind == "fwd" else "h2d")
+                acts.append(moved)
+            else:
+                acts.append(0.0)
+        return loads, acts, grads
+
+    def _saved_bytes(self) -> int:
+        """What autograd saves in one layer's forward over one sub-batch, parameters excluded (the footprint's,
+        traced on the meta device)."""
+        from sltune.tuning.cost.footprint import footprint
+
+        fp = footprint(self.r.source, self.r.shape.dtype, self.c.sub_batch_size, self.r.seq_len, 1, 1, "train",
+                       depth=self.r.shape.layers)
+        return fp.saved
+
+    def collectives(self, plan: list[phases.Phase]) -> tuple[float, float]:
+        """Over W ranks: every load gathers its whole unit, every gradient offload reduce-scatters it."""
+        if self.world == 1 or self.r.schedule == "resident":
+            return 0.0, 0.0
+        shape, at = self.r.shape, self.at
+        loaded = sum(shape.layer_bytes * self.group_layers[u] if isinstance(u, int)
+                     else {"embed": shape.embed_bytes, "head": shape.head_bytes, "tied": shape.tied_bytes}[u]
+                     for u in phases.loaded(plan))
+        grads = shape.param_bytes // shape.itemsize * (4 if self.r.master else shape.itemsize)
+        sub_batches = self.c.num_sub_batches if self.r.schedule == "canonical" else 1
+        return (sub_batches * at.collective_s("all_gather", self.world, loaded),
+                sub_batches * at.collective_s("reduce_scatter", self.world, grads))
+
+    @staticmethod
+    def exposed_copies(compute: list[float], loads: list[float], acts: list[float], grads: list[float]) -> float:
+        """The copy stream's time the compute waits for: phase p's loads start once the copy stream is free and
+        phase p-1 has started (one phase of prefetch), phase p starts once they are in and phase p-1 is done, and
+        its activations and gradients go out on the copy stream while it computes."""
+        copy_free = compute_free = started = 0.0
+        for p, work in enumerate(compute):
+            load_end = max(copy_free, started) + loads[p]
+            started = max(compute_free, load_end)
+            compute_free = started + work
+            copy_free = max(load_end, started) + acts[p] + grads[p]
+        return max(compute_free, copy_free) - sum(compute)

@@ -329,6 +329,8 @@ def _plan_spec(data: dict, source: str, limits: list, as_json: bool, disk_limit:
     print(f"  step times predicted from {r['rates']['from']}: {r['rates']['machine']}" if r["rates"] else
           "  no step times: no rates for this spec's shapes on this machine (sltune calibrate SPEC stores them; "
           "--machine RATES.json reads another's)")
+    if r["rates"] and r["rates"]["missing"]:
+        print(f"  some configs have no step time: {r['rates']['missing']}")
     for row in r["configs"]:
         verdict = "fits" if row["fits"] else "over " + "+".join(row["over"])
         on_disk = f", disk {format_bytes(row.get('peak_disk_bytes') or 0)}" if disk else ""
@@ -349,8 +351,10 @@ def _plan_spec(data: dict, source: str, limits: list, as_json: bool, disk_limit:
               f"device {format_bytes(p['peak_device_bytes'])}{on_disk}{moved}); binding limit: "
               f"{big['binding_limit']}")
     if r["pick"]:
-        print(f"  pick (predicted fastest that fits): {describe_config(r['pick']['config'])}{_speed(r['pick'])}; "
-              f"binding limit: {r['pick']['binding_limit']}")
+        among = "" if all(row["predicted_step_s"] is not None for row in r["configs"] if row["fits"]) else \
+            " among those with a step time"
+        print(f"  pick (predicted fastest that fits{among}): {describe_config(r['pick']['config'])}"
+              f"{_speed(r['pick'])}; binding limit: {r['pick']['binding_limit']}")
     if r["refusal"]:
         print(f"  refused: {r['refusal']}")
     return 0 if r["fitting"] else 1
@@ -359,7 +363,7 @@ def _plan_spec(data: dict, source: str, limits: list, as_json: bool, disk_limit:
 def _speed(row: dict) -> str:
     """', 1,234.5 tokens/s [1,100.0, 1,300.2] (compute 80%, memcpy 12%, ...)' predicted; '' where not modelled."""
     if row.get("predicted_tokens_per_s") is None:
-        return ", tokens/s not predicted (SpeedLoader's training steps only)"
+        return ", no step time"
     lo, hi = row["predicted_tokens_per_s_interval"]
     shares = ", ".join(f"{k} {v:.0%}" for k, v in sorted(row["predicted_breakdown"].items(), key=lambda kv: -kv[1])
                        if v >= 0.005)

@@ -30,7 +30,7 @@ from sltune.tuning.cost.baseline import trial_baseline
 from sltune.tuning.cost import feasible
 from sltune.tuning.cost.feasible import PLAN, FreeSpace, disk_room, shortfall
 from sltune.tuning.search.state import SearchState
-from sltune.tuning.cost.step_time import StepTime, step_time
+from sltune.tuning.cost.step_time import MissingRate, StepTime, step_time
 from sltune.tuning.spec import DISK_LIMIT_WITHOUT_DISK
 
 if TYPE_CHECKING:
@@ -97,7 +97,7 @@ def plan_spec(data: dict[str, Any], source: str | Path, device_memory_limit: int
     preds = {c: state.predict(c) for c in space.candidates}
     fitting = [c for c, p in preds.items() if p.fits]
     largest = [c for c in fitting if not any(o.dominates(c) for o in fitting)]
-    times = _step_times(state, rates) if rates is not None else {}
+    times, missing = _step_times(state, rates) if rates is not None else ({}, None)
     timed = [c for c in fitting if times.get(c) is not None]
     pick = max(timed, key=lambda c: times[c].tokens_per_s, default=None)
     out: dict[str, Any] = {
@@ -113,7 +113,7 @@ def plan_spec(data: dict[str, Any], source: str | Path, device_memory_limit: int
                      "peak_disk_bytes": p.disk, "fits": p.fits, "over": p.over, **_predicted(times.get(c))}
                     for c, p in sorted(preds.items())],
         "rates": None if rates is None else {"from": rates_from, "machine": rates.where(),
-                                             "measured_at": rates.measured_at.isoformat()},
+                                             "measured_at": rates.measured_at.isoformat(), "missing": missing},
         "pick": None if pick is None else {"config": pick.knobs(), **_predicted(times[pick]),
                                            "binding_limit": state.binding_limit(pick)},
         "largest": [{"config": c.knobs(), "binding_limit": state.binding_limit(c),
@@ -133,7 +133,15 @@ def _predicted(t: StepTime | None) -> dict[str, Any]:
     return NOT_PREDICTED if t is None else t.to_dict()
 
 
-def _step_times(state: SearchState, rates: "MachineRates") -> dict[Any, StepTime | None]:
-    """Each config's predicted step on the rates' machine: its device decides how copies overlap compute."""
+def _step_times(state: SearchState, rates: "MachineRates") -> tuple[dict[Any, StepTime | None], str | None]:
+    """Each config's predicted step on the rates' machine (its device decides how copies overlap compute), and
+    what the rates lack where they cannot predict one (None: nothing), said once."""
     recipe = dataclasses.replace(state.recipe, device=rates.device)
-    return {c: step_time(recipe, c, rates, state.prior(c)) for c in state.space.candidates}
+    times: dict[Any, StepTime | None] = {}
+    missing = None
+    for c in state.space.candidates:
+        try:
+            times[c] = step_time(recipe, c, rates, state.prior(c))
+        except MissingRate as err:
+            times[c], missing = None, str(err)
+    return times, missing

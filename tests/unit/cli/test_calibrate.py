@@ -98,3 +98,10 @@ def test_plan_predicts_step_times_from_the_rates_calibrate_stored_or_from_anothe
         assert other["predicted_breakdown"]["memcpy"] < cpu["predicted_breakdown"]["memcpy"]
     missing = sltune("plan", str(spec), "--machine", str(tmp_path / "none.json"), env=env)
     assert missing.returncode == 2 and "sltune calibrate --out" in missing.stderr
+    # rates that lack a kind of work the spec does (collectives over its two ranks): said once, the rest planned
+    ranks = tmp_path / "ranks.yaml"
+    ranks.write_text(spec.read_text() + "hardware: {world_size: 2}\n")
+    lacking = sltune("plan", str(ranks), "--machine", str(tmp_path / "rates.json"), env=env)
+    assert lacking.returncode == 0, lacking.stderr
+    assert "some configs have no step time: the rates hold no all_gather over 2 ranks; calibrate with --ranks 2" \
+        in lacking.stdout and ", no step time  fits" in lacking.stdout and "pick (" not in lacking.stdout

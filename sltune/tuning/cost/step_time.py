@@ -90,14 +90,14 @@ def step_time(recipe: Setup, c: Candidate, rates: "MachineRates", prior: "Prior 
         return None
     if (recipe.on_disk(c) or recipe.weights_on_disk(c)) and prior is None:
         raise ValueError("a config on disk needs its prior: its disk traffic is the prior's")
-    lanes = {end: _Lanes(_At(rates, recipe.shape.dtype, end), recipe, c, prior) for end in ENDS}
+    lanes = {end: Lanes(RatesAt(rates, recipe.shape.dtype, end), recipe, c, prior) for end in ENDS}
     median = lanes["median"].play()
     slowest, fastest = lanes["low"].play(), lanes["high"].play()
     tokens = c.batch * recipe.seq_len * max(1, recipe.world_size)
     return StepTime(sum(median.values()), sum(slowest.values()), sum(fastest.values()), median, tokens)
 
 
-class _At:
+class RatesAt:
     """The rates at one end of their spread: the time each kind of work takes."""
 
     def __init__(self, rates: "MachineRates", dtype: str, end: str):
@@ -118,11 +118,11 @@ class _At:
         size = math.log(k * n)
         same = min(self.matmuls, key=lambda m: (abs(math.log(m.k * m.n) - size), (m.k, m.n) != (k, n)))
         points = sorted((m.rows, self._of(m.flops)) for m in self.matmuls if (m.k, m.n) == (same.k, same.n))
-        return 2.0 * rows * k * n / _interpolate(points, rows)
+        return 2.0 * rows * k * n / interpolate(points, rows)
 
     def attention_s(self, batch: int, heads: int, seq: int, head_dim: int) -> float:
         points = sorted((a.batch, self._of(a.flops)) for a in self.attention)
-        return 4.0 * batch * heads * seq * seq * head_dim / _interpolate(points, batch)
+        return 4.0 * batch * heads * seq * seq * head_dim / interpolate(points, batch)
 
     def elementwise_s(self, elements: float) -> float:
         return elements / self._of(self.rates.elementwise[self.dtype])
@@ -165,7 +165,7 @@ class _At:
         return nbytes / self._of(rate)
 
 
-def _interpolate(points: list[tuple[int, float]], x: float) -> float:
+def interpolate(points: list[tuple[int, float]], x: float) -> float:
     """The rate at x between measured (x, rate) points, linear in log x; the end's rate beyond them."""
     if x <= points[0][0]:
         return points[0][1]
@@ -176,10 +176,10 @@ def _interpolate(points: list[tuple[int, float]], x: float) -> float:
     return points[-1][1]
 
 
-class _Lanes:
+class Lanes:
     """One step of config c replayed phase by phase at one end of the rates; play() gives the seconds per slice."""
 
-    def __init__(self, at: _At, recipe: Setup, c: Candidate, prior: "Prior | None"):
+    def __init__(self, at: RatesAt, recipe: Setup, c: Candidate, prior: "Prior | None"):
         self.at, self.r, self.c, self.prior = at, recipe, c, prior
         shape = recipe.shape
         self.k = min(c.num_live_blocks or 1, shape.layers)

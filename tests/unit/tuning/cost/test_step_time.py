@@ -13,7 +13,7 @@ from sltune.machine.fingerprint import Fingerprint
 from sltune.machine.rates import AttentionRate, MachineRates, MatmulRate, Rate
 from sltune.tuning.cost.setup import Setup
 from sltune.tuning.cost.shape import shape_of
-from sltune.tuning.cost.step_time import SLICES, MissingRate, _interpolate, _Lanes, step_time
+from sltune.tuning.cost.step_time import SLICES, Lanes, MissingRate, RatesAt, interpolate, step_time
 from sltune.tuning.cost.workload import workload_for
 from sltune.tuning.space import Candidate
 
@@ -75,17 +75,15 @@ def test_compute_follows_the_phase_plan():
     recompute = step_time(r, Candidate(2, 2, 1, "recompute"), rates).breakdown
     offload = step_time(r, Candidate(2, 2, 1, "offload"), rates).breakdown
     assert offload["compute"] < recompute["compute"] and offload["memcpy"] > recompute["memcpy"]
-    lanes = _Lanes(_at(rates), r, Candidate(2, 1, 1), None)
+    lanes = Lanes(_at(rates), r, Candidate(2, 1, 1), None)
     layers = r.shape.layers         # a recomputing body layer runs 4 forwards' work, the last group's 3
     forward = lanes.layer_forward_s()
     body = (layers - 1) * 4 * forward + 3 * forward + 3 * lanes.head_forward_s() + lanes.loss_s()
     assert one["compute"] == pytest.approx(body, rel=0.02)      # the embedding's and the gradient sums' on top
 
 
-def _at(rates: MachineRates):
-    from sltune.tuning.cost.step_time import _At
-
-    return _At(rates, "float32", "median")
+def _at(rates: MachineRates) -> RatesAt:
+    return RatesAt(rates, "float32", "median")
 
 
 def test_canonical_loads_every_unit_per_sub_batch_and_resident_moves_nothing():
@@ -109,17 +107,17 @@ def test_a_gpu_s_copy_stream_hides_copies_under_compute_which_the_cpu_runs_in_li
 
 def test_the_exposed_copies_follow_the_prefetch_of_one_phase():
     # loads of 1 s before each of three 2 s phases: only the first is exposed
-    assert _Lanes.exposed_copies([2.0, 2.0, 2.0], [1.0, 1.0, 1.0], [0.0] * 3, [0.0] * 3) == pytest.approx(1.0)
+    assert Lanes.exposed_copies([2.0, 2.0, 2.0], [1.0, 1.0, 1.0], [0.0] * 3, [0.0] * 3) == pytest.approx(1.0)
     # loads longer than the phases: the copy stream is busy 6 s, and the last phase computes after it (7 s in all)
-    assert _Lanes.exposed_copies([1.0, 1.0], [3.0, 3.0], [0.0, 0.0], [0.0, 0.0]) == pytest.approx(5.0)
+    assert Lanes.exposed_copies([1.0, 1.0], [3.0, 3.0], [0.0, 0.0], [0.0, 0.0]) == pytest.approx(5.0)
     # a phase's outputs go out while it computes: 1.5 s of them past a 1 s phase show 0.5 s
-    assert _Lanes.exposed_copies([1.0], [0.0], [1.5], [0.0]) == pytest.approx(0.5)
+    assert Lanes.exposed_copies([1.0], [0.0], [1.5], [0.0]) == pytest.approx(0.5)
 
 
 def test_rates_between_measured_row_counts_are_interpolated_in_log_space():
-    assert _interpolate([(100, 1.0), (10_000, 3.0)], 1_000) == pytest.approx(2.0)
-    assert _interpolate([(100, 1.0), (10_000, 3.0)], 10) == 1.0
-    assert _interpolate([(100, 1.0), (10_000, 3.0)], 10**6) == 3.0
+    assert interpolate([(100, 1.0), (10_000, 3.0)], 1_000) == pytest.approx(2.0)
+    assert interpolate([(100, 1.0), (10_000, 3.0)], 10) == 1.0
+    assert interpolate([(100, 1.0), (10_000, 3.0)], 10**6) == 3.0
 
 
 def test_rates_that_lack_a_kind_of_work_say_how_to_measure_it():

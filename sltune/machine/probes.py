@@ -40,7 +40,10 @@ def calibrate(workload: Workload = Workload(), device: str = "cpu", budget_s: fl
     dev = torch.device(device)
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     dtype = getattr(torch, workload.dtype)
-    shapes = sorted({(rows, k, n) for k, n in workload.matmuls for rows in workload.rows})
+    # each weight's forward (rows x k @ k x n; its input's gradient does the same work transposed) and its weight's
+    # gradient (n x rows @ rows x k), whose reduction runs over the rows: far slower per FLOP at a few rows
+    shapes = sorted({(rows, k, n) for k, n in workload.matmuls for rows in workload.rows}
+                    | {(n, rows, k) for k, n in workload.matmuls for rows in workload.rows})
     # the probes still to run: each gets its share of the budget that is left
     left = [len(shapes) + len(workload.rows) + 5 + len(optimizers or [None]) + len(world_sizes)]
 

@@ -7,8 +7,11 @@ Per phase, per sub-batch of b rows of s tokens, the work is counted from the mod
     compute   each decoder layer's weight matmuls (2 x rows x in x out FLOP each, at the rate calibrated for that
               matrix's shape, interpolated over rows in log space), causal attention (4 x b x heads x s^2 x head_dim),
               ELEMENTWISE_PER_LAYER passes over rows x hidden and MLP_ELEMENTWISE over rows x the MLP's width, two
-              RMSNorms; a backward is twice its forward, recompute runs the forward again; the turnaround runs the
-              last group and the head (hidden x vocab, and LOSS_PASSES over the logits) forward and backward at once;
+              RMSNorms; a backward runs, per weight, its input's gradient (the forward's work, transposed) and its
+              weight's gradient (out x rows @ rows x in: reduced over the rows, at its own calibrated rate, far
+              slower per FLOP at a few rows), and twice the forward's other work; recompute runs the forward again;
+              the turnaround runs the last group and the head (hidden x vocab, and LOSS_PASSES over the logits)
+              forward and backward at once;
               each sub-batch's gradients are summed into the unit's (one add per parameter)
     memcpy    what sltune.runtime.traffic counts a step moves: each phase's units loaded (the turnaround's and the
               tied weights once), every unit's gradients offloaded once (float32 under a master), each sub-batch's
@@ -189,23 +192,44 @@ class Lanes:
         self.world = max(1, recipe.world_size)
 
     # -- the work of one sub-batch -------------------------------------------------------------------------------
-    def layer_forward_s(self) -> float:
-        """One decoder layer's forward over one sub-batch: its matmuls, attention, elementwise and norm work."""
-        shape, at, rows = self.r.shape, self.at, self.rows
-        widths = [n // shape.hidden for n in shape.layer_numels if n % shape.hidden == 0 and n // shape.hidden > 1]
-        wide = [i for i, w in enumerate(widths) if w > shape.hidden]
+    def weights(self) -> list[tuple[int, int]]:
+        """A decoder layer's weight matrices as (in, out)."""
+        hidden = self.r.shape.hidden
+        widths = [n // hidden for n in self.r.shape.layer_numels if n % hidden == 0 and n // hidden > 1]
+        wide = [i for i, w in enumerate(widths) if w > hidden]
         down = wide[-1] if wide else None           # the MLP's down projection maps its width back to hidden
-        s = sum(at.matmul_s(rows, w, shape.hidden) if i == down else at.matmul_s(rows, shape.hidden, w)
-                for i, w in enumerate(widths))
+        return [(w, hidden) if i == down else (hidden, w) for i, w in enumerate(widths)]
+
+    def layer_forward_s(self) -> float:
+        """One decoder layer's forward over one sub-batch: its matmuls, and its other work (layer_rest_s)."""
+        return sum(self.at.matmul_s(self.rows, k, n) for k, n in self.weights()) + self.layer_rest_s()
+
+    def layer_backward_s(self) -> float:
+        """One decoder layer's backward over one sub-batch: per weight its input's gradient and its own, and twice
+        the forward's other work."""
+        at, rows = self.at, self.rows
+        grads = sum(at.matmul_s(rows, n, k) + at.matmul_s(n, rows, k) for k, n in self.weights())
+        return grads + 2 * self.layer_rest_s()
+
+    def layer_rest_s(self) -> float:
+        """A layer's forward work besides its weights' matmuls: attention, elementwise and norm passes."""
+        shape, at, rows = self.r.shape, self.at, self.rows
+        s = 0.0
         head_dim = shape.head_dim or 64
         s += at.attention_s(self.c.sub_batch_size, max(1, shape.hidden // head_dim), self.r.seq_len, head_dim)
         s += at.elementwise_s(ELEMENTWISE_PER_LAYER * rows * shape.hidden
-                              + MLP_ELEMENTWISE * rows * max(widths, default=shape.hidden))
+                              + MLP_ELEMENTWISE * rows * max((n for _, n in self.weights()), default=shape.hidden))
         return s + at.norm_s(NORMS_PER_LAYER * rows * shape.hidden)
 
     def head_forward_s(self) -> float:
         shape = self.r.shape
         return self.at.matmul_s(self.rows, shape.hidden, shape.vocab) + self.at.norm_s(self.rows * shape.hidden)
+
+    def head_backward_s(self) -> float:
+        """The logits' gradient into the hidden states and into the head's weight (reduced over the rows)."""
+        shape, at = self.r.shape, self.at
+        return (at.matmul_s(self.rows, shape.vocab, shape.hidden) + at.matmul_s(shape.vocab, self.rows, shape.hidden)
+                + 2 * at.norm_s(self.rows * shape.hidden))
 
     def loss_s(self) -> float:
         return self.at.elementwise_s(LOSS_PASSES * self.rows * self.r.shape.vocab)
@@ -214,23 +238,24 @@ class Lanes:
     def play(self) -> dict[str, float]:
         r, c, at, shape = self.r, self.c, self.at, self.r.shape
         n, recompute = c.num_sub_batches, c.activations == "recompute"
-        layer, head = self.layer_forward_s(), self.head_forward_s()
+        layer, back, head = self.layer_forward_s(), self.layer_backward_s(), self.head_forward_s()
         layer_ops = at.ops_s(OPS_PER_LAYER_PASS)
         plan = phases.plan(len(self.group_layers)) if r.schedule != "resident" else []
         compute: list[float] = []               # per phase, every sub-batch
         cpu_ops: list[float] = []
         for p in plan:
             layers = self.group_layers[p.group] if p.group is not None else 0
-            passes = {"fwd": 1, "turn": 3, "bwd": 2 + recompute}.get(p.kind, 0)
-            work = layers * passes * layer
+            forwards, backwards = {"fwd": (1, 0), "turn": (1, 1), "bwd": (int(recompute), 1)}.get(p.kind, (0, 0))
+            passes = forwards + 2 * backwards       # for the ops' fixed costs: a backward dispatches twice as many
+            work = layers * (forwards * layer + backwards * back)
             if p.kind == "turn":
-                work += 3 * head + self.loss_s()
+                work += head + self.head_backward_s() + self.loss_s()
             elif p.kind in ("embed_fwd", "embed_bwd"):
                 work += at.elementwise_s(self.rows * shape.hidden)
             compute.append(n * work)
             cpu_ops.append(n * layers * passes * layer_ops)
         if r.schedule == "resident":
-            compute.append(n * (3 * shape.layers * layer + 3 * head + self.loss_s()))
+            compute.append(n * (shape.layers * (layer + back) + head + self.head_backward_s() + self.loss_s()))
             cpu_ops.append(n * 3 * shape.layers * layer_ops)
         params = shape.param_bytes // shape.itemsize
         grads_summed = at.elementwise_s(n * params)         # each sub-batch's gradients into the unit's sums

@@ -31,19 +31,26 @@ def test_calibrate_stores_the_rates_and_shows_them_from_the_store_until_asked_ag
 
 def test_calibrate_with_a_spec_measures_its_model_s_shapes_in_its_dtype(tmp_path):
     spec = tmp_path / "spec.yaml"
-    spec.write_text("model: {preset: llama-tiny, dtype: bfloat16}\nworkload: {seq_len: 16}\n"
+    spec.write_text("model: {preset: llama-tiny, dtype: bfloat16}\nworkload: {seq_len: 24}\n"
                     "optimizer: {name: sgd, momentum: 0.9}\nsearch: {sub_batch_size: {min: 1, max: 4}}\n")
     out = sltune("calibrate", str(spec), "--db", f"sqlite:///{tmp_path / 'jobs.db'}", "--json", "--budget", "3",
                  "--offload-dir", str(tmp_path))
     assert out.returncode == 0, out.stderr
     rates = MachineRates.model_validate(json.loads(out.stdout))
     config = __import__("sltune.models", fromlist=["build"]).build("llama-tiny").config
-    shapes = {(m.k, m.n) for m in rates.matmul}
+    rows = {24, 48, 96}                                                       # b in 1..4 rows of 24 tokens
+    forward = [m for m in rates.matmul if m.k not in rows]
+    shapes = {(m.k, m.n) for m in forward}
     assert {config.hidden_size} == {k for k, n in shapes} - {config.intermediate_size}
     assert {(config.hidden_size, config.vocab_size), (config.hidden_size, config.intermediate_size),
             (config.intermediate_size, config.hidden_size)} <= shapes             # the MLP's up and down
     assert {m.dtype for m in rates.matmul} == {"bfloat16"}
-    assert {m.rows for m in rates.matmul} <= {16, 32, 64}                      # b in 1..4 rows of 16 tokens
+    assert {m.rows for m in forward} <= rows
+    # each weight's gradient: (out x rows) @ (rows x in), its reduction over the rows
+    # (cut to fewer of the out width where too slow, as the forward's rows are)
+    grads = [m for m in rates.matmul if m.k in rows]
+    assert {m.n for m in grads} == {k for k, n in shapes} and {m.k for m in grads} == rows
+    assert all(any(m.n == k and m.rows <= n for k, n in shapes) for m in grads)
     assert set(rates.optimizer) == {"torch.sgd"}                                # the spec's, as the runtime steps it
 
 

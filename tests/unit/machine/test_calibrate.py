@@ -12,9 +12,11 @@ def test_every_rate_is_a_median_between_its_slowest_and_fastest_sample(tmp_path)
     every = ([m.flops for m in rates.matmul] + [a.flops for a in rates.attention] + list(rates.elementwise.values())
              + list(rates.norm.values()) + list(rates.optimizer.values()) + list(rates.copies.values())
              + list(rates.disk.values()) + [rates.op_overhead])
-    assert len(every) == 4 + 2 + 1 + 1 + 1 + 1 + 2 + 1
+    assert len(every) == 8 + 2 + 1 + 1 + 1 + 1 + 2 + 1        # matmuls: 4 forward, 4 weight gradients
     assert all(r.low <= r.median <= r.high and r.samples >= 3 for r in every)
-    assert {(m.rows, m.k, m.n) for m in rates.matmul} == {(16, 64, 96), (64, 64, 96), (16, 64, 256), (64, 64, 256)}
+    forward = {(16, 64, 96), (64, 64, 96), (16, 64, 256), (64, 64, 256)}
+    weight_grads = {(n, rows, k) for rows, k, n in forward}         # n x rows @ rows x k: reduced over the rows
+    assert {(m.rows, m.k, m.n) for m in rates.matmul} == forward | weight_grads
     assert [a.batch for a in rates.attention] == [1, 4]                  # rows / seq_len
     assert set(rates.disk) == {"write", "read"} and set(rates.copies) == {"host"}
     assert not list(tmp_path.iterdir())                                  # the disk probe's folder is gone
@@ -27,8 +29,10 @@ def test_a_matmul_too_slow_for_its_share_of_the_budget_is_timed_on_fewer_rows_an
     twice. The whole takes a warm-up and 3 samples per probe: a second or two, not the full matmul's."""
     rates = calibrate(Workload(matmuls=((2048, 2048),), rows=(2048, 4096), hidden=256, heads=2, head_dim=128,
                                seq_len=64, param_numels=(4096,)), budget_s=0.1)
-    (m,) = rates.matmul
-    assert 8 <= m.rows < 2048 and (m.k, m.n) == (2048, 2048)
+    (m,) = [m for m in rates.matmul if (m.k, m.n) == (2048, 2048)]
+    assert 8 <= m.rows < 2048
+    # the weight's gradient over 4096 rows (2048 x 4096 @ 4096 x 2048), cut the same way
+    assert {(m.k, m.n) for m in rates.matmul} == {(2048, 2048), (4096, 2048)}
     assert rates.seconds < 10
 
 

@@ -17,7 +17,7 @@ from sltune.tuning.cost.step_time import SLICES, Lanes, MissingRate, RatesAt, in
 from sltune.tuning.cost.workload import workload_for
 from sltune.tuning.space import Candidate
 
-SEQ = 32
+SEQ = 48                    # no width of llama-tiny (64, 32, 176): a weight gradient's k is the rows
 
 
 def rate(median: float, spread: float = 0.0) -> Rate:
@@ -34,7 +34,9 @@ def rates_for(model: str = "llama-tiny", device: str = "cpu", spread: float = 0.
         fingerprint=Fingerprint(cpu="test", cores=2, memory_bytes=1 << 30, gpus=(), torch="test"),
         measured_at=datetime.now(timezone.utc), seconds=1.0, device=device, threads=2,
         matmul=[MatmulRate(rows=r, k=k, n=n, dtype="float32", flops=rate(1e9, spread)) for k, n in w.matmuls
-                for r in w.rows],
+                for r in w.rows]        # each weight's forward, and its gradient (out x rows @ rows x in)
+        + [MatmulRate(rows=n, k=r, n=k, dtype="float32", flops=rate(1e9, spread)) for k, n in w.matmuls
+           for r in w.rows],
         attention=[AttentionRate(batch=r // SEQ, heads=w.heads, seq=SEQ, head_dim=w.head_dim, dtype="float32",
                                  flops=rate(1e9, spread)) for r in w.rows],
         elementwise={"float32": rate(1e9, spread)}, norm={"float32": rate(1e9, spread)},
@@ -76,14 +78,33 @@ def test_compute_follows_the_phase_plan():
     offload = step_time(r, Candidate(2, 2, 1, "offload"), rates).breakdown
     assert offload["compute"] < recompute["compute"] and offload["memcpy"] > recompute["memcpy"]
     lanes = Lanes(_at(rates), r, Candidate(2, 1, 1), None)
-    layers = r.shape.layers         # a recomputing body layer runs 4 forwards' work, the last group's 3
-    forward = lanes.layer_forward_s()
-    body = (layers - 1) * 4 * forward + 3 * forward + 3 * lanes.head_forward_s() + lanes.loss_s()
+    layers = r.shape.layers         # a recomputing body layer runs two forwards and its backward, the last group one
+    forward, backward = lanes.layer_forward_s(), lanes.layer_backward_s()
+    body = (layers - 1) * (2 * forward + backward) + forward + backward + lanes.head_forward_s() \
+        + lanes.head_backward_s() + lanes.loss_s()
     assert one["compute"] == pytest.approx(body, rel=0.02)      # the embedding's and the gradient sums' on top
 
 
 def _at(rates: MachineRates) -> RatesAt:
     return RatesAt(rates, "float32", "median")
+
+
+def test_a_weight_s_gradient_is_timed_at_its_own_shape():
+    """Reduced over the rows, a weight's gradient runs far slower per FLOP at a few rows on a CPU than the forward's
+    matmul: a backward is twice its forward only where both rates agree."""
+    rates, r = rates_for(), recipe()
+    lanes = Lanes(_at(rates), r, Candidate(1, 1, 1), None)
+    assert lanes.layer_backward_s() == pytest.approx(2 * lanes.layer_forward_s())
+    w = workload_for(r.shape, SEQ, (SEQ,))
+    slow = rates.model_copy(update={"matmul": [m if m.k != SEQ else m.model_copy(update={"flops": rate(1e8)})
+                                               for m in rates.matmul]})
+    hidden = r.shape.hidden
+    assert all(m.k == SEQ for m in slow.matmul if m.flops.median == 1e8) and (hidden, hidden) in w.matmuls
+    slower = Lanes(_at(slow), r, Candidate(1, 1, 1), None)
+    assert slower.layer_forward_s() == pytest.approx(lanes.layer_forward_s())
+    # the weights' gradients take ten times as long: half the backward's matmuls
+    matmuls = sum(2 * 2 * SEQ * k * n / 1e9 for k, n in lanes.weights())
+    assert slower.layer_backward_s() - lanes.layer_backward_s() == pytest.approx(9 * matmuls / 2)
 
 
 def test_canonical_loads_every_unit_per_sub_batch_and_resident_moves_nothing():

@@ -271,9 +271,9 @@ class Lanes:
         out["compute"] = sum(compute) + grads_summed
         out["cpu"] = sum(cpu_ops) + optimizer
         out["all_gather"], out["reduce_scatter"] = gathered, scattered
-        if r.on_cpu:            # one thread computes, copies and steps
+        if r.on_cpu or not plan:    # one thread computes, copies and steps; resident moves nothing
             out["memcpy"] = sum(loads) + sum(acts) + sum(grads)
-        else:                   # a copy stream: loads prefetched a phase ahead, outputs copied under compute
+        else:                       # a copy stream: loads prefetched a phase ahead, outputs copied under compute
             out["memcpy"] = self.exposed_copies(compute, loads, acts, grads)
         busy = sum(out.values())
         out["disk"] = max(0.0, disk - busy)             # the I/O thread's lane, waited for past the rest

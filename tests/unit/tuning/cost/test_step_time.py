@@ -113,6 +113,8 @@ def test_canonical_loads_every_unit_per_sub_batch_and_resident_moves_nothing():
     canonical = step_time(recipe(schedule="canonical"), Candidate(1, 4, 1), rates).breakdown["memcpy"]
     resident = step_time(recipe(schedule="resident"), Candidate(1, 4, 1), rates).breakdown["memcpy"]
     assert canonical > 2 * speedloader and resident == 0
+    on_gpu = step_time(recipe(schedule="resident", device="cuda"), Candidate(1, 4, 1), rates_for(device="cuda"))
+    assert on_gpu.breakdown["memcpy"] == 0 and on_gpu.breakdown["compute"] > 0
 
 
 def test_a_gpu_s_copy_stream_hides_copies_under_compute_which_the_cpu_runs_in_line():

@@ -246,11 +246,12 @@ def run_plan(args: argparse.Namespace) -> int:
     if is_spec(data):
         disk = None if args.disk_limit is None else parse_bytes(args.disk_limit, "--disk-limit")
         return _plan_spec(data, source, limits, args.json, disk, args.disk_versions, _rates(args, data, source))
-    for flag, value in (("--disk-limit", args.disk_limit), ("--disk-versions", args.disk_versions),
-                        ("--machine", args.machine)):
+    for flag, value, what in (("--disk-limit", args.disk_limit, "without disk"),
+                              ("--disk-versions", args.disk_versions, "without disk"),
+                              ("--machine", args.machine, "measured here, not from a machine's rates")):
         if value is not None:
-            raise ValueError(f"{flag}: {source} is a best.yaml, whose plan predicts from its fitted models without "
-                             f"disk; give the tuning spec (sltune plan SPEC.yaml {flag} ...)")
+            raise ValueError(f"{flag}: {source} is a best.yaml, whose plan predicts from its fitted models {what}; "
+                             f"give the tuning spec (sltune plan SPEC.yaml {flag} ...)")
     r = plan(source, *limits)
     if args.json:
         print(json.dumps(r))

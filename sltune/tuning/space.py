@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import optuna
 
 from sltune.backend_knobs import ALL_KNOBS, DEFAULTS, KNOBS, BackendChoice
-from sltune.config import param_offload_refusal
+from sltune.config import BACKEND_FIELDS, param_offload_refusal
 from sltune.tuning.knobs import knob_values
 
 if TYPE_CHECKING:
@@ -62,8 +62,8 @@ class Candidate(BackendChoice):
         and has its knobs (num_live_blocks None); one without a backend is SpeedLoader's. A knob the config leaves
         out takes the field's default (results recorded before the knob existed)."""
         backend = knobs.get("backend") or "speedloader"
-        own = {f.name: knobs[f.name] for f in fields(cls) if knobs.get(f.name) is not None and f.name not in ALL_KNOBS
-               and f.name != "backend"}
+        own = {f.name: knobs[f.name] for f in fields(cls) if knobs.get(f.name) is not None
+               and f.name not in BACKEND_FIELDS}
         if backend != "speedloader":
             own = {name: own[name] for name in WRAPPED_FIELDS if name in own}
             return cls(**own, num_live_blocks=None, backend=backend,
@@ -95,7 +95,7 @@ class Candidate(BackendChoice):
         if self.backend != "speedloader":
             return {**{name: getattr(self, name) for name in (*WRAPPED_FIELDS, "num_live_blocks")},
                     "backend": self.backend, **self.backend_knobs()}
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ALL_KNOBS and f.name != "backend"
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in BACKEND_FIELDS
                and (f.name in ALWAYS_RECORDED or getattr(self, f.name) != f.default)}
         return {**out, "backend": self.backend} if named else out
 

@@ -344,6 +344,9 @@ def _swept(knob: str, default: Range | None, how: str = "") -> Any:
         f"powers of two between them, and both ends); default {shown}{how}"))
 
 
+# what search.num_sub_batches tries when neither it nor search.effective_batch_size is given
+SUB_BATCHES = Range(min=1, max=16)
+
 Share = Annotated[float, Field(ge=0.0, le=1.0)]
 Shares = Annotated[Share | Annotated[list[Share], Field(min_length=1, max_length=MAX_KNOB_VALUES)],
                    BeforeValidator(_shares)]
@@ -364,7 +367,7 @@ class Search(_Strict):
         f"backend fsdp: the FSDP2 knobs to sweep; default {_sweeps('fsdp')}"))
     sub_batch_size: Knob = _swept("sub_batch_size", Range(min=1, max=16))
     num_sub_batches: Knob | None = _swept("num_sub_batches", None, (
-        ", which tries {min: 1, max: 16} unless effective_batch_size is given"))
+        f", which tries {{min: {SUB_BATCHES.min}, max: {SUB_BATCHES.max}}} unless effective_batch_size is given"))
     effective_batch_size: Knob | None = Field(None, description=(
         "rows per optimizer step (B = b*N), instead of num_sub_batches: each sub_batch_size that divides a value runs "
         "B/b sub-batches. The values to try: a number, a list, or {min, max}"))
@@ -413,7 +416,7 @@ class Search(_Strict):
         if self.num_sub_batches is not None and self.effective_batch_size is not None:
             raise ValueError("give search.num_sub_batches or search.effective_batch_size, not both")
         if self.num_sub_batches is None and self.effective_batch_size is None:
-            self.num_sub_batches = Range(min=1, max=16)
+            self.num_sub_batches = SUB_BATCHES.model_copy()
         self.activations = list(dict.fromkeys(self.activations))
         for name in ("sub_batch_size", "num_sub_batches", "effective_batch_size", "num_live_blocks"):
             value = getattr(self, name)

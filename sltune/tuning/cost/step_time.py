@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING
 
 from sltune.runtime import phases
 from sltune.tuning.cost.setup import Setup
+from sltune.tuning.cost.workload import layer_widths
 from sltune.tuning.space import Candidate
 
 if TYPE_CHECKING:
@@ -195,7 +196,7 @@ class Lanes:
     def weights(self) -> list[tuple[int, int]]:
         """A decoder layer's weight matrices as (in, out)."""
         hidden = self.r.shape.hidden
-        widths = [n // hidden for n in self.r.shape.layer_numels if n % hidden == 0 and n // hidden > 1]
+        widths = layer_widths(self.r.shape)
         wide = [i for i, w in enumerate(widths) if w > hidden]
         down = wide[-1] if wide else None           # the MLP's down projection maps its width back to hidden
         return [(w, hidden) if i == down else (hidden, w) for i, w in enumerate(widths)]
@@ -285,7 +286,6 @@ class Lanes:
         if r.schedule == "resident":
             return [], [], []
         n = c.num_sub_batches
-        unit = {"embed": shape.embed_bytes, "head": shape.head_bytes}
         per_value = 4 if r.master else shape.itemsize           # gradient sums: float32 under a master
         sub_batches = n if r.schedule == "canonical" else 1     # canonical loads every unit per sub-batch
         trains = [True] * (len(self.group_layers) + 1)
@@ -295,7 +295,7 @@ class Lanes:
             saved = self._saved_bytes()
         loads, acts, grads = [], [], []
         for i, p in enumerate(plan):
-            units = [unit[u] if isinstance(u, str) else self.group_layers[u] * shape.layer_bytes for u in p.units]
+            units = [self.unit_bytes(u) for u in p.units]
             nbytes = sum(units) + (shape.tied_bytes if i == 0 else 0)
             loads.append(sub_batches * at.copy_s(nbytes / self.world, "h2d"))
             if p.backward:
@@ -323,14 +323,19 @@ class Lanes:
                        depth=self.r.shape.layers)
         return fp.saved
 
+    def unit_bytes(self, u: phases.Unit) -> int:
+        """A phase's unit's parameter bytes: a group's layers, the embedding, the head or the tied weights."""
+        shape = self.r.shape
+        if isinstance(u, int):
+            return self.group_layers[u] * shape.layer_bytes
+        return {"embed": shape.embed_bytes, "head": shape.head_bytes, "tied": shape.tied_bytes}[u]
+
     def collectives(self, plan: list[phases.Phase]) -> tuple[float, float]:
         """Over W ranks: every load gathers its whole unit, every gradient offload reduce-scatters it."""
         if self.world == 1 or self.r.schedule == "resident":
             return 0.0, 0.0
         shape, at = self.r.shape, self.at
-        loaded = sum(shape.layer_bytes * self.group_layers[u] if isinstance(u, int)
-                     else {"embed": shape.embed_bytes, "head": shape.head_bytes, "tied": shape.tied_bytes}[u]
-                     for u in phases.loaded(plan))
+        loaded = sum(self.unit_bytes(u) for u in phases.loaded(plan))
         grads = shape.param_bytes // shape.itemsize * (4 if self.r.master else shape.itemsize)
         sub_batches = self.c.num_sub_batches if self.r.schedule == "canonical" else 1
         return (sub_batches * at.collective_s("all_gather", self.world, loaded),

@@ -58,7 +58,12 @@ class TrialOut(BaseModel):
     status: str
     backend: str = Field(description="what ran the trial: speedloader, deepspeed or fsdp (its config names it too)")
     config: dict[str, Any]
-    predicted: dict[str, Any]
+    predicted: dict[str, Any] = Field(description="what the job predicted before the trial ran: peak_device_bytes, "
+                                      "peak_host_bytes, step_seconds, tokens_per_s, fits and over from its models; "
+                                      "prior_device_bytes and prior_host_bytes from the shape; where `sltune "
+                                      "calibrate SPEC` stored this machine's rates, prior_step_seconds, "
+                                      "prior_tokens_per_s and prior_breakdown (shares of the step) from them, "
+                                      "corrected by the trials before it")
     result: dict[str, Any] | None
     started_at: datetime
     finished_at: datetime | None

@@ -8,15 +8,12 @@ import hashlib
 import json
 import math
 import sys
-from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any, Callable
 
 from sltune.cli.common import DB_HELP, open_store
 
 if TYPE_CHECKING:
     from sltune.machine import MachineRates
-
-STALE_AFTER = timedelta(days=30)     # a driver, BIOS or kernel update moves rates without changing the fingerprint
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -50,6 +47,7 @@ def run(args: argparse.Namespace) -> int:
     from sltune.settings import Settings
     from sltune.store import Store
     from sltune.training.optimizer import OptimizerConfig
+    from sltune.tuning.cost.stored_rates import fresh, rates_key
     from sltune.tuning.spec import MAX_WORLD_SIZE
 
     if not (math.isfinite(args.budget) and args.budget > 0):
@@ -78,17 +76,18 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--ranks {ranks[-1]}: the collectives take a GPU per rank on {device}, and this machine "
                          f"has {torch.cuda.device_count()}; give --ranks at most that")
     optimizers = {f"torch.{host_optimizer.name}": host_optimizer.build,         # the runtime's host step
-                  **(_deepspeed_adam(device) if deepspeed else {})}
+                  **(deepspeed_adam(device) if deepspeed else {})}
     store = Store(settings.db_url())
     machine = Fingerprint.here()
     # what decides the rates besides the machine: the same key, the same measurement; the workload's own key first,
     # so that a plan finds the rates of its shapes (stored_rates)
-    key = workload.key + "-" + hashlib.sha256(json.dumps([device, torch.get_num_threads(), str(folder),
-                                                         sorted(optimizers), host_optimizer.model_dump(mode="json"),
-                                                         ranks]).encode()).hexdigest()[:16]
-    stored = None if args.again else store.latest_rates(machine.key, key)
-    if stored is not None and datetime.now(timezone.utc) - stored.measured_at < STALE_AFTER:
-        rates = MachineRates.model_validate(stored.rates)
+    how = json.dumps([device, torch.get_num_threads(), str(folder), sorted(optimizers),
+                      host_optimizer.model_dump(mode="json"), ranks])
+    key = rates_key(workload.key, hashlib.sha256(how.encode()).hexdigest()[:16])
+    row = None if args.again else store.latest_rates(machine.key, key)
+    stored = None if row is None else MachineRates.model_validate(row.rates)
+    if stored is not None and fresh(stored):
+        rates = stored
         note = f"stored {rates.measured_at:%Y-%m-%d %H:%M} UTC (--again measures again)"
     else:
         from sltune.profiling import forks
@@ -105,20 +104,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def stored_rates(store: Any, spec: Any) -> "MachineRates | None":
-    """The newest rates this machine stored for the spec's shapes (`sltune calibrate SPEC`), while fresh; None when
-    there are none."""
-    from sltune.machine import Fingerprint, MachineRates
-    from sltune.tuning.cost.workload import workload_of
-
-    row = store.latest_rates(Fingerprint.here().key, workload_of(spec).key + "-", prefix=True)
-    if row is None:
-        return None
-    rates = MachineRates.model_validate(row.rates)
-    return rates if datetime.now(timezone.utc) - rates.measured_at < STALE_AFTER else None
-
-
-def _deepspeed_adam(device: str) -> dict[str, Callable[[list[Any]], Any]]:
+def deepspeed_adam(device: str) -> dict[str, Callable[[list[Any]], Any]]:
     """DeepSpeedCPUAdam, timed beside torch's AdamW where DeepSpeed's install built it (never compiled here: that is
     minutes, sltune.backends.deepspeed_ops); none where it is missing."""
     from sltune.backends.deepspeed_ops import accelerator_of, missing

@@ -289,7 +289,7 @@ def _rates(args: argparse.Namespace, data: dict, source: str) -> tuple[Any, str 
 
     if args.machine:
         return MachineRates.load(args.machine), f"{args.machine} (a prediction from given rates)"
-    from sltune.cli.calibrate import stored_rates
+    from sltune.tuning.cost.stored_rates import stored_rates
     from sltune.settings import Settings
     from sltune.store import Store
     from sltune.tuning.spec import TuningSpec

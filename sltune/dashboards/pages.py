@@ -451,17 +451,28 @@ def _measured_predicted(t: dict[str, Any]) -> dict[str, Any]:
     and how far off they were."""
     r, pred = t["result"] or {}, t["predicted"] or {}
     rows = []
-    for label, key, show in (("tokens/s", "tokens_per_s", _num), ("step seconds", "step_seconds",
-                                                                    lambda v: _num(v, ".4f")),
-                             ("device peak", "peak_device_bytes", _bytes), ("host peak", "peak_host_bytes", _bytes)):
-        m, p = r.get(key), pred.get(key)
+
+    def seconds(v: Any) -> str:
+        return _num(v, ".4f")
+
+    for label, key, predicted, show in (
+            ("tokens/s", "tokens_per_s", "tokens_per_s", _num),
+            ("step seconds", "step_seconds", "step_seconds", seconds),
+            # the step-time prior from the machine's rates, corrected by the trials before this one
+            ("tokens/s, from calibrated rates", "tokens_per_s", "prior_tokens_per_s", _num),
+            ("step seconds, from calibrated rates", "step_seconds", "prior_step_seconds", seconds),
+            ("device peak", "peak_device_bytes", "peak_device_bytes", _bytes),
+            ("host peak", "peak_host_bytes", "peak_host_bytes", _bytes)):
+        if predicted.startswith("prior_") and pred.get(predicted) is None:
+            continue            # the job had no rates for this machine (sltune calibrate SPEC stores them)
+        m, p = r.get(key), pred.get(predicted)
         off = f"{m / p - 1:+.1%}" if isinstance(m, (int, float)) and isinstance(p, (int, float)) and p > 0 else "-"
         rows.append((label, show(m), show(p), off))
     fits = pred.get("fits")
     verdict = None if fits is None else "predicted to fit" if fits else \
         f"predicted not to fit ({', '.join(map(str, pred.get('over') or [])) or 'over a limit'})"
-    return {"rows": rows, "any": any(pred.get(k) is not None for k in ("tokens_per_s", "step_seconds",
-                                                                        "peak_device_bytes", "peak_host_bytes")),
+    shown = ("tokens_per_s", "step_seconds", "prior_step_seconds", "peak_device_bytes", "peak_host_bytes")
+    return {"rows": rows, "any": any(pred.get(k) is not None for k in shown),
             "verdict": verdict}
 
 

@@ -48,10 +48,18 @@ def steps_figure(trial: dict[str, Any], picks: dict[int, dict[str, Any]] | None 
 
 def breakdown_pie(trial: dict[str, Any]) -> go.Figure | None:
     """The trial's profiled step as one pie (compute, memcpy, CPU, all-gather, reduce-scatter, disk, other), the
-    seconds behind each slice on hover."""
+    seconds behind each slice on hover; beside it, where the job had the machine's rates, the step the step-time
+    prior predicted for it before it ran (`predicted.prior_breakdown`)."""
     if breakdown_of(trial) is None:
         return None
     wall = (trial.get("result") or {}).get("profiled_step_seconds")
     title = f"profiled step: {wall * 1000:,.1f} ms" if isinstance(wall, (int, float)) else "profiled step"
-    return pie_grid([(trial, f"trial #{trial.get('number')}")], [title], 1, "Time breakdown of the profiled step",
-                    height=320)
+    pies, titles = [(trial, f"trial #{trial.get('number')}")], [title]
+    pred = trial.get("predicted") or {}
+    if isinstance(pred.get("prior_breakdown"), dict) and isinstance(pred.get("prior_step_seconds"), (int, float)):
+        predicted = {"number": trial.get("number"), "result": {"breakdown": pred["prior_breakdown"],
+                                                               "step_seconds": pred["prior_step_seconds"]}}
+        pies.append((predicted, "predicted"))
+        titles.append(f"predicted before it ran: {pred['prior_step_seconds'] * 1000:,.1f} ms")
+    return pie_grid(pies, titles, 2, "Time breakdown of the profiled step" + (", measured and predicted"
+                                                                            if len(pies) > 1 else ""), height=320)

@@ -86,7 +86,8 @@ class MachineRates(BaseModel):
     where it is built), float32 on the host: parameters stepped per second"""
     copies: dict[str, Rate] = {}
     """host<->device copies, bytes per second: "h2d.pinned", "d2h.pageable", ...; on the CPU "host" (memcpy between
-    host tensors, what the CPU device and the emulated one do)"""
+    host tensors, what the CPU device and the emulated one do) and "host.fresh" (into a new buffer each time, its
+    pages faulted in: what a wrapper's flat buffers made each step cost)"""
     disk: dict[str, Rate] = {}
     """"write" (flushed) and "read" through the engine's own files (O_DIRECT where the folder allows), bytes per
     second"""

@@ -13,7 +13,7 @@ import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import TYPE_CHECKING, Any, Callable, Literal
 
 import optuna
 
@@ -25,6 +25,7 @@ from sltune.store import Store
 from sltune.tuning.cost.baseline import trial_baseline
 from sltune.tuning.cost.feasible import free_bytes
 from sltune.tuning.cost.shape import shape_of
+from sltune.tuning.cost.stored_rates import stored_rates
 from sltune.tuning.report.result import job_result
 from sltune.tuning.search import confirm
 from sltune.tuning.search.state import FinishedTrial, SearchState
@@ -33,6 +34,9 @@ from sltune.tuning.search.study import add_confirms, name_metric, optuna_storage
 from sltune.tuning.search.trials import trial_spec
 from sltune.tuning.space import Candidate, SearchSpace
 from sltune.tuning.spec import TuningSpec
+
+if TYPE_CHECKING:
+    from sltune.machine.rates import MachineRates
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 log = logging.getLogger("sltune.tuning")
@@ -128,7 +132,8 @@ class JobRun:
         shutil.rmtree(offload_root / job_id, ignore_errors=True)
         on_disk = any(c.uses_disk for c in space.candidates)
         self.state = SearchState(spec, shape, space, baseline=baseline, host_ceiling=default_host_limit,
-                                 disk_ceiling=free_bytes(offload_root) if on_disk else None)
+                                 disk_ceiling=free_bytes(offload_root) if on_disk else None,
+                                 rates=self._rates(store, spec))
         self.elapsed_before = float(job.progress.get("elapsed_s", 0.0))
         # each config's trial times, search and confirmation apart (a confirmation trial is neither profiled nor
         # timed twice): what its next trial will take
@@ -138,6 +143,17 @@ class JobRun:
         self.number = 0                         # the next trial's number
         self.stop: StopReason | None = None     # why the search ended, once it has
         self.confirmation: dict[str, Any] | None = None
+
+    @staticmethod
+    def _rates(store: Store, spec: TuningSpec) -> "MachineRates | None":
+        """This machine's rates for the spec's shapes, where `sltune calibrate SPEC` stored them: each trial's step
+        is then predicted before it runs (its `predicted`), corrected by the trials before it. None without them:
+        the job runs as before."""
+        try:
+            return stored_rates(store, spec)
+        except Exception as err:  # noqa: BLE001 - rates only add a prediction: the job runs without them
+            log.warning("the machine's stored rates could not be read (%s); no step-time prior", err)
+            return None
 
     def resume(self) -> None:
         """Read back what earlier runs finished (a trial left running is marked interrupted, to run again), refit on

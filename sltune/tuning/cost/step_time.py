@@ -28,8 +28,11 @@ Per phase, per sub-batch of b rows of s tokens, the work is counted from the mod
 Lanes: on the CPU one thread computes, copies and steps (a memcpy is the CPU's work), so those add up; on a GPU the
 copies run on their own stream, a phase's loads prefetched while the phase before it computes, its activations and
 gradients copied out while it computes. The fixed costs of a step outside every phase (the runtime's bookkeeping,
-"other") are not modelled: trials correct for them. Training only (SpeedLoader's schedules): a wrapped backend's
-step and generation's decode step are None.
+"other") are not modelled: trials correct for them.
+
+A wrapped backend's step (DeepSpeed ZeRO, FSDP2) is the same sub-batch's work over the whole model per micro-batch,
+with the wrapper's own gathers, reduce-scatters, offload copies and optimizer step (WrappedLanes says which). Training
+only: generation's decode step is None.
 """
 
 from __future__ import annotations
@@ -56,6 +59,8 @@ MLP_ELEMENTWISE = 3                 # passes over rows x the MLP's width
 NORMS_PER_LAYER = 2
 LOSS_PASSES = 3                     # log-softmax, its gradient, the gather: passes over rows x vocab
 OPS_PER_LAYER_PASS = 60             # aten ops a layer's forward dispatches (a backward: twice)
+DEEPSPEED_GRAD_PASSES = 4           # over each gradient every micro-batch, counted in a ZeRO-2 trial's profile
+                                    # (llama-small): its norm, its overflow check (amax, amin), its averaging
 ENDS = ("median", "low", "high")    # the rates' median, slowest and fastest sample
 
 
@@ -87,14 +92,15 @@ class MissingRate(ValueError):
 
 
 def step_time(recipe: Setup, c: Candidate, rates: "MachineRates", prior: "Prior | None" = None) -> StepTime | None:
-    """The predicted step of config `c` (None for a wrapped backend and for generation: not modelled yet). `prior`:
-    the config's memory prior, whose disk traffic the disk lane reads (needed under optimizer_offload or
-    param_offload disk)."""
-    if c.backend != "speedloader" or recipe.mode != "train":
+    """The predicted step of config `c`, SpeedLoader's or a wrapped backend's (None for generation: not modelled
+    yet). `prior`: a SpeedLoader config's memory prior, whose disk traffic the disk lane reads (needed under
+    optimizer_offload or param_offload disk)."""
+    if recipe.mode != "train":
         return None
-    if (recipe.on_disk(c) or recipe.weights_on_disk(c)) and prior is None:
+    if c.backend == "speedloader" and (recipe.on_disk(c) or recipe.weights_on_disk(c)) and prior is None:
         raise ValueError("a config on disk needs its prior: its disk traffic is the prior's")
-    lanes = {end: Lanes(RatesAt(rates, recipe.shape.dtype, end), recipe, c, prior) for end in ENDS}
+    kind = Lanes if c.backend == "speedloader" else WrappedLanes
+    lanes = {end: kind(RatesAt(rates, recipe.shape.dtype, end), recipe, c, prior) for end in ENDS}
     median = lanes["median"].play()
     slowest, fastest = lanes["low"].play(), lanes["high"].play()
     tokens = c.batch * recipe.seq_len * max(1, recipe.world_size)
@@ -139,17 +145,21 @@ class RatesAt:
         return count / self._of(self.rates.op_overhead) if self.rates.op_overhead else 0.0
 
     def optimizer_s(self, name: str, params: int) -> float:
-        rate = self.rates.optimizer.get(f"torch.{name}")
+        """`params` stepped by the optimizer named as calibrate names it ("adamw": torch's, "deepspeed.cpu_adam")."""
+        key = name if "." in name else f"torch.{name}"
+        rate = self.rates.optimizer.get(key)
         if rate is None:
-            raise MissingRate(f"the rates hold no torch.{name} step (measured: "
+            raise MissingRate(f"the rates hold no {key} step (measured: "
                               f"{', '.join(self.rates.optimizer) or 'none'}); calibrate at the spec: "
                               "sltune calibrate SPEC")
         return params / self._of(rate)
 
-    def copy_s(self, nbytes: float, direction: str) -> float:
-        """Host<->device bytes ('h2d', 'd2h'): pinned where the rates have it; on the CPU a memcpy."""
+    def copy_s(self, nbytes: float, direction: str, fresh: bool = False) -> float:
+        """Host<->device bytes ('h2d', 'd2h'): pinned where the rates have it; on the CPU a memcpy, into a new
+        buffer (`fresh`: its pages faulted in) where the rates have that."""
         copies = self.rates.copies
-        rate = copies.get(f"{direction}.pinned") or copies.get(direction) or copies.get("host")
+        rate = copies.get(f"{direction}.pinned") or copies.get(direction) or \
+            (copies.get("host.fresh") if fresh else None) or copies.get("host")
         if rate is None:
             raise MissingRate("the rates hold no copy rate; calibrate on this device: sltune calibrate SPEC")
         return nbytes / self._of(rate)
@@ -353,3 +363,122 @@ class Lanes:
             compute_free = started + work
             copy_free = max(load_end, started) + acts[p] + grads[p]
         return max(compute_free, copy_free) - sum(compute)
+
+
+class WrappedLanes(Lanes):
+    """One step of a DeepSpeed ZeRO or FSDP2 config (sltune.backends): N micro-batches of b rows, each the whole
+    model's forward and backward (the forward again under activation checkpointing), then one optimizer step.
+
+    Per micro-batch, besides the compute a SpeedLoader sub-batch runs (the same work functions), the wrapper moves
+    the weights and gradients as its schedule does:
+        ZeRO-3 gathers every module's weights in dtype for its forward and again for its backward, and
+               reduce-scatters its gradients every micro-batch; under offload_param cpu each gather first copies
+               the shard to the device;
+        ZeRO-2 holds the weights whole, reduce-scatters the gradients every micro-batch into its partition (a copy
+               and, past the first micro-batch, an add over the partition), and all-gathers the updated weights
+               after the step;
+        FSDP2  gathers each decoder layer's weights in the compute dtype (cast from their float32 shards) for its
+               forward and, under reshard_after_forward, again for its backward; the root's (embedding, head) once;
+               accumulates the unsharded gradients without sync and reduce-scatters them in float32 on the last
+               micro-batch; under cpu_offload a gather copies the shard to the device and the gradient goes back.
+    Over one rank a gather or a reduce-scatter is a copy (FSDP2 and ZeRO-3 still copy into and out of their flat
+    buffers). The optimizer steps float32 partitions of 1/W of the parameters: DeepSpeedCPUAdam under
+    offload_optimizer cpu (where calibrate timed it), the spec's torch optimizer otherwise; DeepSpeed then takes the
+    gradients' norm and copies the float32 masters back to the weights' dtype. offload_optimizer nvme reads the
+    masters and the optimizer's state from their files and writes them back each step, with the gradients; ZeRO-3's
+    offload_param nvme reads the weights' shards for every gather (a disk lane of its own, waited for past the rest).
+
+    Lanes: on the CPU they add up. On a GPU the wrappers prefetch gathers and overlap reduce-scatters with the
+    backward, so collectives and copies cost only what exceeds the compute. The wrappers' per-module hooks are
+    fixed costs ("other"), not modelled: trials correct for them.
+    """
+
+    def play(self) -> dict[str, float]:
+        r, c, at, shape = self.r, self.c, self.at, self.r.shape
+        n, layers, world = c.num_sub_batches, shape.layers, self.world
+        recompute = c.activations == "recompute"
+        e = shape.itemsize
+        params = shape.param_bytes // e
+        shard = -(-params // world)
+        forward = layers * self.layer_forward_s() + self.head_forward_s()
+        backward = layers * self.layer_backward_s() + self.head_backward_s() + self.loss_s()
+        embed = 2 * at.elementwise_s(self.rows * shape.hidden)         # the lookup and its gradient's scatter
+        micro = forward + backward + embed + (layers * self.layer_forward_s() if recompute else 0.0)
+        out = dict.fromkeys(SLICES, 0.0)
+        out["compute"] = n * micro
+        out["cpu"] = n * layers * (3 + int(recompute)) * at.ops_s(OPS_PER_LAYER_PASS)
+        moved = self.deepspeed(params, shard) if c.backend == "deepspeed" else self.fsdp(params, shard)
+        extra_compute, optimizer, copies, gathered, scattered, disk = moved
+        out["compute"] += extra_compute
+        if c.offload_optimizer not in (None, "none") or c.cpu_offload:
+            out["cpu"] += optimizer         # stepped on the host (the trial's breakdown says so too)
+        else:
+            out["compute"] += optimizer
+        if r.on_cpu:
+            out["memcpy"], out["all_gather"], out["reduce_scatter"] = copies, gathered, scattered
+        else:       # prefetched gathers, reduce-scatters under the backward: only what exceeds the compute shows
+            hidden = out["compute"]
+            for name, seconds in (("memcpy", copies), ("all_gather", gathered), ("reduce_scatter", scattered)):
+                out[name] = max(0.0, seconds - hidden)
+                hidden = max(0.0, hidden - seconds)
+        out["disk"] = max(0.0, disk - sum(out.values()))
+        return out
+
+    def _collective_s(self, kind: str, nbytes: float) -> float:
+        """An all-gather or reduce-scatter of nbytes over the ranks; nothing over one rank."""
+        return self.at.collective_s(kind, self.world, nbytes) if self.world > 1 else 0.0
+
+    def deepspeed(self, params: int, shard: int) -> tuple[float, float, float, float, float, float]:
+        """(compute besides the layers', the optimizer, copies, all-gathers, reduce-scatters, disk) of a ZeRO
+        step, in seconds."""
+        r, c, at, shape = self.r, self.c, self.at, self.r.shape
+        n, e = c.num_sub_batches, shape.itemsize
+        offload = c.offload_optimizer not in (None, "none")
+        name = r.optimizer.name
+        if c.offload_optimizer == "cpu" and name == "adamw" and "deepspeed.cpu_adam" in at.rates.optimizer:
+            name = "deepspeed.cpu_adam"
+        optimizer = at.optimizer_s(name, shard)
+        # every micro-batch, each gradient is copied into the reduce bucket, passed over DEEPSPEED_GRAD_PASSES
+        # times, reduce-scattered (over one rank: nothing more), and its partition cast to float32 in a new buffer
+        # (under offload in host memory: copies); at the step the masters are copied back to the dtype
+        compute = n * (at.elementwise_s(DEEPSPEED_GRAD_PASSES * params) + at.copy_s(e * params, "d2h"))
+        compute += at.elementwise_s(shard)
+        cast = n * at.copy_s(4 * shard, "d2h", fresh=True)
+        copies = cast + at.copy_s(e * shard, "h2d") if offload else 0.0
+        compute += 0.0 if offload else cast
+        scattered = n * self._collective_s("reduce_scatter", e * params)
+        disk = 0.0
+        if c.zero_stage == 3:
+            gathers = n * 2 * e * params                 # every module's weights, forward and backward
+            gathered = self._collective_s("all_gather", gathers) if self.world > 1 else at.copy_s(gathers, "h2d")
+            if c.offload_param == "cpu":
+                copies += at.copy_s(gathers / self.world, "h2d")
+            elif c.offload_param == "nvme":
+                disk += at.disk_s(gathers / self.world, 0)
+        else:
+            gathered = self._collective_s("all_gather", e * params)           # the updated partitions
+        if c.offload_optimizer == "nvme":
+            state = (4 + r.optimizer.state_bytes_per_param(4)) * shard
+            disk += at.disk_s(state, state + 4 * shard)
+        return compute, optimizer, copies, gathered, scattered, disk
+
+    def fsdp(self, params: int, shard: int) -> tuple[float, float, float, float, float, float]:
+        """The same of an FSDP2 step."""
+        r, c, at, shape = self.r, self.c, self.at, self.r.shape
+        n, e = c.num_sub_batches, shape.itemsize
+        compute_bytes = 2 if shape.dtype == "bfloat16" else 4       # MixedPrecisionPolicy(bfloat16), else float32
+        layer, root = shape.layer_bytes // e, (shape.embed_bytes + shape.head_bytes + shape.tied_bytes) // e
+        per_micro = (1 + int(c.reshard_after_forward is not False)) * shape.layers * layer + root
+        gathers = n * per_micro * compute_bytes     # over one rank still copied into and out of the flat buffer
+        gathered = self._collective_s("all_gather", gathers) if self.world > 1 else at.copy_s(gathers, "h2d")
+        compute = (n - 1) * at.elementwise_s(params)                    # accumulating without sync
+        if compute_bytes != 4:
+            compute += at.elementwise_s(n * per_micro / self.world)     # the shards cast to bfloat16 to gather
+            compute += at.elementwise_s(params)                         # the gradients cast to float32 to reduce
+        # the gradients concatenated into a new float32 buffer, reduce-scattered, the shard copied out (new too)
+        scattered = at.copy_s(4 * params, "d2h", fresh=True) + at.copy_s(4 * shard, "d2h", fresh=True) \
+            + self._collective_s("reduce_scatter", 4 * params)
+        copies = 0.0
+        if c.cpu_offload and not r.on_cpu:          # on the CPU the shards are where the compute is
+            copies = at.copy_s(4 * n * per_micro / self.world, "h2d") + at.copy_s(4 * shard, "d2h")
+        return compute, at.optimizer_s(r.optimizer.name, shard), copies, gathered, scattered, 0.0

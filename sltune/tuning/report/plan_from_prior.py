@@ -12,8 +12,9 @@ limit larger than the free space is named beside it: the spec's own applies as t
 machine's free space said beside it.
 
 Given a machine's rates (`sltune calibrate`, stored or from a file), each config also gets its predicted step time,
-tokens/s and breakdown (sltune.tuning.cost.step_time: SpeedLoader's training steps; None where it does not model
-the config yet), and the plan names the pick: the fitting config predicted fastest. Rates from another machine's
+tokens/s and breakdown (sltune.tuning.cost.step_time: SpeedLoader's, DeepSpeed's and FSDP's training steps; None
+where it does not model the config yet: generation), and the plan names the pick: the fitting config predicted
+fastest, whichever backend it is. Rates from another machine's
 file make it a what-if of that machine: its device decides how copies overlap compute.
 """
 

@@ -4,18 +4,23 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from sltune.tuning.cost.correction import Correction
 from sltune.tuning.cost.depth import DepthTerms, least_probe_layers
 from sltune.tuning.cost.prior import Prior, at_depth, predict as prior_of
 from sltune.tuning.cost.setup import Setup
 from sltune.tuning.cost.shape import ModelShape
+from sltune.tuning.cost.step_time import MissingRate, StepTime, step_time
 from sltune.tuning.search.fit import (ACROSS_DEPTHS, BACKEND_MODELS, FEATURES, MODELS, PRIOR_OFFSETS, LinearFit,
                                       fit_key, split_key, variables)
 from sltune.tuning.space import Candidate, SearchSpace
 from sltune.tuning.spec import TuningSpec
+
+if TYPE_CHECKING:
+    from sltune.machine.rates import MachineRates
 
 # A full-depth step at least this long makes auto probe at reduced depth: a whole-model probe's steps (a warm-up
 # that measures memory, at least two timed, the profiled one) then take several seconds, where its start-up
@@ -74,23 +79,31 @@ class Prediction:
     prior_host: float | None = None
     disk: float | None = None                           # optimizer_offload or param_offload disk: its files at their
                                                         # fullest (from the shape: the prior's)
+    prior_step: StepTime | None = None                  # the step-time prior from the machine's rates, corrected by
+                                                        # the backend's trials so far (None: no rates stored)
 
     def to_dict(self) -> dict[str, Any]:
         return {"peak_device_bytes": self.device, "peak_host_bytes": self.host, "step_seconds": self.step_seconds,
                 "tokens_per_s": self.tokens_per_s, "fits": self.fits, "over": self.over,
                 "prior_device_bytes": self.prior_device, "prior_host_bytes": self.prior_host,
-                **({"peak_disk_bytes": self.disk} if self.disk else {})}
+                **({"peak_disk_bytes": self.disk} if self.disk else {}),
+                **({"prior_step_seconds": self.prior_step.seconds,
+                    "prior_tokens_per_s": self.prior_step.tokens_per_s,
+                    "prior_breakdown": self.prior_step.to_dict()["predicted_breakdown"]} if self.prior_step else {})}
 
 
 class SearchState:
     """History plus models; refit() after every trial."""
 
     def __init__(self, spec: TuningSpec, shape: ModelShape, space: SearchSpace, baseline: int = 0,
-                 host_ceiling: int | None = None, disk_ceiling: int | None = None):
+                 host_ceiling: int | None = None, disk_ceiling: int | None = None,
+                 rates: "MachineRates | None" = None):
         """`baseline`: what a trial process holds before its model (sltune.tuning.cost.baseline; 0 leaves it out of the
         host prior); `host_ceiling`: the host limit trials get when the spec names none (the machine's or the
         server's), which predictions are held to as to the spec's own; `disk_ceiling`: the free space where
-        trials offload to, which disk configs are held to beside the spec's hardware.disk_limit."""
+        trials offload to, which disk configs are held to beside the spec's hardware.disk_limit; `rates`: this
+        machine's (sltune calibrate), from which each config's step is predicted before any trial (the step-time
+        prior, corrected by each backend's trials as they finish)."""
         self.spec = spec
         self.shape = shape
         self.space = space
@@ -108,6 +121,9 @@ class SearchState:
         self.host_ceiling = host_ceiling
         self.disk_ceiling = disk_ceiling
         self._priors: dict[tuple[Candidate, int | None], Prior] = {}
+        self.rates = rates
+        self.corrections: dict[str, Correction | None] = {}     # per backend, from its trials (refit)
+        self._steps: dict[tuple[Candidate, int | None], StepTime | None] = {}
         depths = [None]
         if self.depth:
             wanted = spec.search.probe_layers
@@ -156,6 +172,29 @@ class SearchState:
 
     def refit(self) -> None:
         self.fits = self.fit(self.fitted())
+        if self.rates is not None:      # each backend's trials correct its step-time prior
+            self.corrections = {b: Correction.of([
+                (self.step_prior(d.candidate, self.depth_of(d), corrected=False), float(d.result["step_seconds"]),
+                 d.candidate.num_sub_batches)
+                for d in self.fitted() if d.candidate.backend == b and d.result.get("step_seconds")])
+                for b in self.space.backends}
+
+    def step_prior(self, c: Candidate, layers: int | None = None, corrected: bool = True) -> StepTime | None:
+        """c's step (at `layers` decoder layers; None: the whole model) predicted from the machine's rates
+        (sltune.tuning.cost.step_time), corrected by its backend's trials so far; None without rates, for what the
+        prior does not model (generation) and where the rates lack a kind of work c does."""
+        if self.rates is None:
+            return None
+        key = (c, layers)
+        if key not in self._steps:
+            recipe = self.recipe if layers is None else dataclasses.replace(
+                self.recipe, shape=at_depth(self.shape, layers))
+            try:
+                self._steps[key] = step_time(recipe, c, self.rates, self.prior(c, layers))
+            except MissingRate:
+                self._steps[key] = None
+        t, fix = self._steps[key], self.corrections.get(c.backend) if corrected else None
+        return fix.apply(t, c.num_sub_batches) if t is not None and fix is not None else t
 
     def fitted(self) -> list[FinishedTrial]:
         """The trials the models are fitted to: every one that ran ok, at its own depth; when auto chose the
@@ -287,7 +326,7 @@ class SearchState:
             if resource not in over and self._needs_more(c, o, resource):
                 over.append(resource)           # measured: a config needing no less already ran out
         return Prediction(dev, host, t, tps, fits=not over, over=over, prior_device=v["prior_device"],
-                          prior_host=v["prior_host"], disk=disk or None)
+                          prior_host=v["prior_host"], disk=disk or None, prior_step=self.step_prior(c, layers))
 
     @property
     def disk_limit(self) -> int | None:

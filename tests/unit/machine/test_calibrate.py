@@ -12,13 +12,13 @@ def test_every_rate_is_a_median_between_its_slowest_and_fastest_sample(tmp_path)
     every = ([m.flops for m in rates.matmul] + [a.flops for a in rates.attention] + list(rates.elementwise.values())
              + list(rates.norm.values()) + list(rates.optimizer.values()) + list(rates.copies.values())
              + list(rates.disk.values()) + [rates.op_overhead])
-    assert len(every) == 8 + 2 + 1 + 1 + 1 + 1 + 2 + 1        # matmuls: 4 forward, 4 weight gradients
+    assert len(every) == 8 + 2 + 1 + 1 + 1 + 2 + 2 + 1        # matmuls: 4 forward, 4 weight gradients
     assert all(r.low <= r.median <= r.high and r.samples >= 3 for r in every)
     forward = {(16, 64, 96), (64, 64, 96), (16, 64, 256), (64, 64, 256)}
     weight_grads = {(n, rows, k) for rows, k, n in forward}         # n x rows @ rows x k: reduced over the rows
     assert {(m.rows, m.k, m.n) for m in rates.matmul} == forward | weight_grads
     assert [a.batch for a in rates.attention] == [1, 4]                  # rows / seq_len
-    assert set(rates.disk) == {"write", "read"} and set(rates.copies) == {"host"}
+    assert set(rates.disk) == {"write", "read"} and set(rates.copies) == {"host", "host.fresh"}
     assert not list(tmp_path.iterdir())                                  # the disk probe's folder is gone
     assert MachineRates.model_validate_json(rates.model_dump_json()) == rates
 

@@ -5,43 +5,16 @@ a kind of work. How close it comes to real trials is bench/prior_time.py's to me
 from __future__ import annotations
 
 import dataclasses
-from datetime import datetime, timezone
 
 import pytest
 
-from sltune.machine.fingerprint import Fingerprint
-from sltune.machine.rates import AttentionRate, MachineRates, MatmulRate, Rate
+from sltune.machine.rates import MachineRates, Rate
 from sltune.tuning.cost.setup import Setup
 from sltune.tuning.cost.shape import shape_of
 from sltune.tuning.cost.step_time import SLICES, Lanes, MissingRate, RatesAt, interpolate, step_time
 from sltune.tuning.cost.workload import workload_for
 from sltune.tuning.space import Candidate
-
-SEQ = 48                    # no width of llama-tiny (64, 32, 176): a weight gradient's k is the rows
-
-
-def rate(median: float, spread: float = 0.0) -> Rate:
-    return Rate(median=median, low=median * (1 - spread), high=median * (1 + spread), samples=3, unit="x")
-
-
-def rates_for(model: str = "llama-tiny", device: str = "cpu", spread: float = 0.0, copy: float = 1e9,
-              **changes) -> MachineRates:
-    """Rates at every shape of `model` at SEQ tokens per row: 1e9 FLOP/s and elements/s, `copy` bytes/s."""
-    w = workload_for(shape_of(model, "float32"), SEQ, (SEQ, 8 * SEQ))
-    copies = {"host": rate(copy, spread)} if device == "cpu" else \
-        {f"{d}.pinned": rate(copy, spread) for d in ("h2d", "d2h")}
-    out = MachineRates(
-        fingerprint=Fingerprint(cpu="test", cores=2, memory_bytes=1 << 30, gpus=(), torch="test"),
-        measured_at=datetime.now(timezone.utc), seconds=1.0, device=device, threads=2,
-        matmul=[MatmulRate(rows=r, k=k, n=n, dtype="float32", flops=rate(1e9, spread)) for k, n in w.matmuls
-                for r in w.rows]        # each weight's forward, and its gradient (out x rows @ rows x in)
-        + [MatmulRate(rows=n, k=r, n=k, dtype="float32", flops=rate(1e9, spread)) for k, n in w.matmuls
-           for r in w.rows],
-        attention=[AttentionRate(batch=r // SEQ, heads=w.heads, seq=SEQ, head_dim=w.head_dim, dtype="float32",
-                                 flops=rate(1e9, spread)) for r in w.rows],
-        elementwise={"float32": rate(1e9, spread)}, norm={"float32": rate(1e9, spread)},
-        optimizer={"torch.adamw": rate(1e8, spread)}, copies=copies, op_overhead=rate(1e5, spread))
-    return out.model_copy(update=changes)
+from tests.support.rates import SEQ, rate, rates_for
 
 
 def recipe(**changes) -> Setup:
@@ -156,5 +129,83 @@ def test_rates_that_lack_a_kind_of_work_say_how_to_measure_it():
 
 
 def test_what_it_does_not_model_yet_is_none():
-    assert step_time(recipe(), Candidate(1, 1, None, backend="fsdp"), rates_for()) is None
     assert step_time(recipe(mode="generate"), Candidate(1, 1, 1, kv_cache="host"), rates_for()) is None
+
+
+def wrapped(backend: str, b: int = 2, n: int = 1, activations: str = "recompute", **knobs) -> Candidate:
+    return Candidate(b, n, None, activations, backend=backend, **knobs)
+
+
+def collectives(world: int, bytes_per_s: float = 1e8) -> dict[str, Rate]:
+    return {f"{op}.{world}": rate(bytes_per_s) for op in ("all_gather", "reduce_scatter")}
+
+
+def test_a_wrapped_micro_batch_runs_the_whole_model_and_checkpointing_its_forward_again():
+    """Each of DeepSpeed's and FSDP's micro-batches is a SpeedLoader sub-batch's work over every layer: the same
+    work functions, so a wrapped config and a SpeedLoader one of one group compute alike; recompute adds one
+    forward of every layer."""
+    rates, r = rates_for(), recipe()
+    lanes = Lanes(_at(rates), r, Candidate(2, 1, 1), None)
+    layers = r.shape.layers
+    model = layers * (lanes.layer_forward_s() + lanes.layer_backward_s()) + lanes.head_forward_s() \
+        + lanes.head_backward_s() + lanes.loss_s()
+    for backend in ("deepspeed", "fsdp"):
+        offload, recompute = (step_time(r, wrapped(backend, activations=a, zero_stage=2), rates).breakdown
+                              for a in ("offload", "recompute"))
+        assert offload["compute"] == pytest.approx(model, rel=0.1)          # and the wrapper's elementwise work
+        assert recompute["compute"] - offload["compute"] == pytest.approx(layers * lanes.layer_forward_s())
+        two = step_time(r, wrapped(backend, n=2, activations="offload", zero_stage=2), rates).breakdown
+        assert two["compute"] == pytest.approx(2 * offload["compute"], rel=0.1)
+
+
+def test_zero_3_gathers_every_module_twice_per_micro_batch_and_zero_2_once_per_step():
+    """Over two ranks: ZeRO-3 all-gathers the weights for every forward and backward of every micro-batch, ZeRO-2
+    the updated partitions once a step; both reduce-scatter every micro-batch's gradients."""
+    rates = rates_for(collectives=collectives(2))
+    r = recipe(world_size=2)
+    params = r.shape.param_bytes
+    for n in (1, 3):
+        z3 = step_time(r, wrapped("deepspeed", n=n, zero_stage=3), rates).breakdown
+        z2 = step_time(r, wrapped("deepspeed", n=n, zero_stage=2), rates).breakdown
+        assert z3["all_gather"] == pytest.approx(n * 2 * params / 1e8)
+        assert z2["all_gather"] == pytest.approx(params / 1e8)
+        assert z3["reduce_scatter"] == z2["reduce_scatter"] == pytest.approx(n * params / 1e8)
+    with pytest.raises(MissingRate, match="--ranks 2"):
+        step_time(r, wrapped("deepspeed", zero_stage=3), rates_for())
+
+
+def test_fsdp_gathers_each_layer_again_for_its_backward_only_when_it_resharded():
+    rates = rates_for(collectives=collectives(2))
+    r = recipe(world_size=2)
+    resharded, kept = (step_time(r, wrapped("fsdp", n=2, reshard_after_forward=flag), rates).breakdown
+                       for flag in (True, False))
+    shape = r.shape
+    layers = shape.layers * shape.layer_bytes
+    assert resharded["all_gather"] - kept["all_gather"] == pytest.approx(2 * layers / 1e8)
+    # the gradients reduce-scattered once, on the last micro-batch, in float32 (as many bytes here), from a flat
+    # buffer they are copied into, to the shard copied out (at the copy rate, 1e9 bytes/s)
+    params = shape.param_bytes
+    assert resharded["reduce_scatter"] == pytest.approx(params / 1e8 + (params + params / 2) / 1e9)
+
+
+def test_an_offloaded_optimizer_steps_on_the_host_with_deepspeed_s_cpu_adam_where_it_was_timed():
+    rates, r = rates_for(), recipe()
+    params = r.shape.param_bytes // r.shape.itemsize
+    on_device = step_time(r, wrapped("deepspeed", zero_stage=2, offload_optimizer="none"), rates).breakdown
+    torch_adam = step_time(r, wrapped("deepspeed", zero_stage=2, offload_optimizer="cpu"), rates).breakdown
+    assert torch_adam["cpu"] - on_device["cpu"] == pytest.approx(params / 1e8)      # torch.adamw's rate
+    faster = rates.model_copy(update={"optimizer": {**rates.optimizer, "deepspeed.cpu_adam": rate(1e9)}})
+    cpu_adam = step_time(r, wrapped("deepspeed", zero_stage=2, offload_optimizer="cpu"), faster).breakdown
+    assert cpu_adam["cpu"] - on_device["cpu"] == pytest.approx(params / 1e9)
+    assert torch_adam["memcpy"] > 0 == on_device["memcpy"]                          # gradients out, weights back
+    fsdp = step_time(r, wrapped("fsdp", cpu_offload=True), rates).breakdown
+    assert fsdp["cpu"] > step_time(r, wrapped("fsdp", cpu_offload=False), rates).breakdown["cpu"]
+
+
+def test_a_gpu_hides_a_wrapped_step_s_collectives_under_its_compute():
+    r, c = recipe(world_size=2), wrapped("deepspeed", n=2, zero_stage=3)
+    cpu = step_time(r, c, rates_for(collectives=collectives(2))).breakdown
+    gpu = step_time(dataclasses.replace(r, device="cuda"), c, rates_for(device="cuda", collectives=collectives(2)))
+    assert gpu.breakdown["compute"] == pytest.approx(cpu["compute"])
+    assert gpu.breakdown["all_gather"] + gpu.breakdown["reduce_scatter"] == pytest.approx(
+        max(0.0, cpu["all_gather"] + cpu["reduce_scatter"] - cpu["compute"]))

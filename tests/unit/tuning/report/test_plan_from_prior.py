@@ -14,6 +14,7 @@ from sltune.tuning.report.plan_from_prior import plan_spec
 from tests.support.cli import sltune
 from tests.support.deepspeed import needs_deepspeed
 from tests.support.offload_specs import BOTH, GiB, seven_b
+from tests.support.rates import rates_for
 
 
 @pytest.mark.parametrize("backends", [
@@ -43,6 +44,25 @@ def test_plan_predicts_ranks_and_refuses_a_spec_of_every_backend(backends, tmp_p
     assert r.returncode == 0, r.stderr
     for backend in backends:
         assert re.search(rf"largest that fits: {'' if backend == 'speedloader' else backend + ' '}b=2 N=2", r.stdout)
+
+
+@pytest.mark.parametrize("backends", [
+    ["speedloader", "fsdp"], pytest.param(["speedloader", "deepspeed", "fsdp"], marks=needs_deepspeed)])
+def test_plan_predicts_every_backend_s_step_and_picks_across_them(backends):
+    """Given a machine's rates, every config of every backend gets a step time (a wrapped backend's from its own
+    schedule), and the pick is the fitting config predicted fastest, whichever backend it is."""
+    spec = {"model": {"preset": "llama-tiny"}, "workload": {"seq_len": 32},
+            "search": {"backend": backends, "sub_batch_size": [1, 2], "num_sub_batches": [1, 2],
+                       "num_live_blocks": [1, 2]}}
+    out = plan_spec(spec, "spec.yaml", rates=rates_for(seq=32), rates_from="test")
+    assert out["rates"]["missing"] is None
+    for row in out["configs"]:
+        assert row["predicted_step_s"] > 0, row["config"]
+        assert row["predicted_tokens_per_s"] == pytest.approx(
+            row["config"]["sub_batch_size"] * row["config"]["num_sub_batches"] * 32 / row["predicted_step_s"])
+    assert {row["config"].get("backend") or "speedloader" for row in out["configs"]} == set(backends)
+    best = max((row for row in out["configs"] if row["fits"]), key=lambda row: row["predicted_tokens_per_s"])
+    assert out["pick"]["config"] == best["config"]
 
 
 def test_plan_puts_a_7b_under_17_gib_of_host_with_the_weights_on_disk(monkeypatch, tmp_path):

@@ -9,7 +9,8 @@ from sltune.tuning.report.result import job_result
 from sltune.tuning.search.confirm import ranked, winner_of
 from sltune.tuning.search.state import FinishedTrial, SearchState
 from sltune.tuning.space import Candidate, SearchSpace
-from tests.support.backend_specs import fsdp, ok, state_of
+from tests.support.backend_specs import KNOBS, SHAPE, fsdp, ok, parse, state_of
+from tests.support.rates import rates_for
 from tests.support.search import state
 from tests.support.specs import admitted_spec
 
@@ -120,3 +121,25 @@ def test_with_no_host_limit_configs_are_held_to_the_ceiling_trials_get():
     assert st.predict(c).fits
     st.host_ceiling = int(st.prior(Candidate(1, 1, 1)).host * 1.05) + 1   # room for the smallest config only
     assert st.predict(c).over == ["host"] and st.predict(Candidate(1, 1, 1)).fits
+
+
+def test_with_the_machine_s_rates_each_step_is_predicted_and_its_backend_s_trials_correct_it():
+    """Given rates (sltune calibrate), every config of every backend has a step-time prior before any trial; a
+    trial corrects its own backend's (one trial: by the ratio it measured; sltune.tuning.cost.correction). Each
+    prediction carries it, as a trial's `predicted` stores it."""
+    spec = parse({**KNOBS, "backend": ["speedloader", "fsdp"]})
+    st = SearchState(spec, SHAPE, SearchSpace(spec, SHAPE), rates=rates_for(seq=32))
+    probe, other, wrapped = Candidate(1, 1, 1), Candidate(2, 2, 1), fsdp(2, 2)
+    before = {c: st.predict(c).prior_step for c in (probe, other, wrapped)}
+    assert all(t is not None and t.seconds > 0 for t in before.values())
+    step = 1.5 * before[probe].seconds
+    st.add(FinishedTrial(0, probe, "probe", {"status": "ok", "step_seconds": step, "tokens_per_s": 32 / step}))
+    after = st.predict(other).prior_step
+    assert after.seconds == pytest.approx(1.5 * before[other].seconds)
+    assert after.breakdown["compute"] == pytest.approx(1.5 * before[other].breakdown["compute"])
+    assert st.predict(wrapped).prior_step == before[wrapped]            # FSDP's own trials correct FSDP's
+    stored = st.predict(other).to_dict()
+    assert stored["prior_step_seconds"] == pytest.approx(after.seconds)
+    assert stored["prior_tokens_per_s"] == pytest.approx(2 * 2 * 32 / after.seconds)
+    assert sum(stored["prior_breakdown"].values()) == pytest.approx(1.0)
+    assert "prior_step_seconds" not in state().predict(other).to_dict()     # no rates: no step-time prior

@@ -1,0 +1,63 @@
+"""A tuning job on a machine whose rates `sltune calibrate SPEC` stored: every trial records the step the step-time
+prior predicted for it before it ran, corrected by the trials before it (sltune.tuning.cost.correction), and its
+page shows it beside what it measured. Real calibration, real trials, a real SQLite store."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from sltune.service.local import tune
+from sltune.settings import Settings
+from sltune.store import Store
+from sltune.tuning.cost.shape import shape_of
+from sltune.tuning.cost.stored_rates import stored_rates
+from sltune.tuning.search.state import FinishedTrial, SearchState
+from sltune.tuning.space import Candidate, SearchSpace
+from tests.support.cli import sltune
+from tests.support.specs import admitted_spec
+
+SPEC = {"name": "prior", "model": {"preset": "llama-tiny"}, "workload": {"seq_len": 32},
+        "search": {"strategy": "grid", "sub_batch_size": [1, 2], "num_sub_batches": [1], "num_live_blocks": [1, 2],
+                   "trial_steps": 1, "trial_min_time_s": 0.2, "confirm_rounds": 0}}
+
+
+def test_a_job_predicts_each_trial_s_step_from_the_stored_rates_its_earlier_trials_correct(tmp_path):
+    spec_file = tmp_path / "spec.yaml"
+    spec_file.write_text(yaml.safe_dump(SPEC))
+    db = f"sqlite:///{tmp_path / 'jobs.db'}"
+    made = sltune("calibrate", str(spec_file), "--db", db, "--budget", "3", "--offload-dir", str(tmp_path))
+    assert made.returncode == 0, made.stderr
+    result = tune(SPEC, db, settings=Settings(data_dir=tmp_path / "data"))
+    assert result["status"] == "succeeded", result["error"]
+    trials = [t for t in result["trials"] if t["status"] == "ok"]
+    assert len(trials) == 4
+    # what the job's state predicted for each trial, given the trials before it: replayed here from the record
+    spec = admitted_spec(SPEC)
+    shape = shape_of("llama-tiny")
+    rates = stored_rates(Store(db), spec)
+    assert rates is not None
+    replay = SearchState(spec, shape, SearchSpace(spec, shape), rates=rates)
+    for t in sorted(trials, key=lambda t: t["number"]):
+        stored = Store(db).trial(result["job_id"], t["number"]).predicted
+        c = Candidate.from_knobs(t["config"])
+        expected = replay.predict(c).prior_step
+        assert stored["prior_step_seconds"] == pytest.approx(expected.seconds)
+        assert sum(stored["prior_breakdown"].values()) == pytest.approx(1.0)
+        if replay.corrections.get("speedloader"):      # from the second trial on: corrected by the ones before it
+            assert expected.seconds != pytest.approx(replay.step_prior(c, corrected=False).seconds)
+        replay.add(FinishedTrial(t["number"], c, t["role"], Store(db).trial(result["job_id"], t["number"]).result))
+    # each trial's page: the step predicted from the rates beside the one measured, and its predicted pie
+    from fastapi.testclient import TestClient
+
+    from sltune.api.app import create_app
+
+    last = Store(db).trial(result["job_id"], max(t["number"] for t in trials))
+    predicted, step = last.predicted, last.result["step_seconds"]
+    with TestClient(create_app(Settings(data_dir=tmp_path / "data", db=db))) as client:
+        text = client.get(f"/dashboard/jobs/{result['job_id']}/trials/{last.number}").text
+    off = step / predicted["prior_step_seconds"] - 1
+    assert (f"<tr><th>step seconds, from calibrated rates</th><td class='num'>{step:,.4f}</td>"
+            f"<td class='num'>{predicted['prior_step_seconds']:,.4f}</td>"
+            f"<td class='num'>{off:+.1%}</td></tr>") in text
+    assert text.count('"hole":0.3') == 2 and "predicted before it ran" in text

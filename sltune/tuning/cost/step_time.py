@@ -371,26 +371,26 @@ class WrappedLanes(Lanes):
 
     Per micro-batch, besides the compute a SpeedLoader sub-batch runs (the same work functions), the wrapper moves
     the weights and gradients as its schedule does:
-        ZeRO-3 gathers every module's weights in dtype for its forward and again for its backward, and
-               reduce-scatters its gradients every micro-batch; under offload_param cpu each gather first copies
-               the shard to the device;
-        ZeRO-2 holds the weights whole, reduce-scatters the gradients every micro-batch into its partition (a copy
-               and, past the first micro-batch, an add over the partition), and all-gathers the updated weights
-               after the step;
+        ZeRO   every micro-batch copies each gradient into the reduce bucket, passes over it DEEPSPEED_GRAD_PASSES
+               times (its norm, its overflow check, its averaging), reduce-scatters it and casts its partition to
+               float32 in a new buffer (in host memory under offload_optimizer: a copy);
+        ZeRO-3 gathers every module's weights in dtype for its forward and again for its backward; under
+               offload_param cpu each gather first copies the shard to the device;
+        ZeRO-2 holds the weights whole and all-gathers the updated ones after the step;
         FSDP2  gathers each decoder layer's weights in the compute dtype (cast from their float32 shards) for its
                forward and, under reshard_after_forward, again for its backward; the root's (embedding, head) once;
                accumulates the unsharded gradients without sync and reduce-scatters them in float32 on the last
                micro-batch; under cpu_offload a gather copies the shard to the device and the gradient goes back.
     Over one rank a gather or a reduce-scatter is a copy (FSDP2 and ZeRO-3 still copy into and out of their flat
     buffers). The optimizer steps float32 partitions of 1/W of the parameters: DeepSpeedCPUAdam under
-    offload_optimizer cpu (where calibrate timed it), the spec's torch optimizer otherwise; DeepSpeed then takes the
-    gradients' norm and copies the float32 masters back to the weights' dtype. offload_optimizer nvme reads the
+    offload_optimizer cpu (where calibrate timed it), the spec's torch optimizer otherwise; DeepSpeed then copies the
+    float32 masters back to the weights' dtype. offload_optimizer nvme reads the
     masters and the optimizer's state from their files and writes them back each step, with the gradients; ZeRO-3's
     offload_param nvme reads the weights' shards for every gather (a disk lane of its own, waited for past the rest).
 
     Lanes: on the CPU they add up. On a GPU the wrappers prefetch gathers and overlap reduce-scatters with the
     backward, so collectives and copies cost only what exceeds the compute. The wrappers' per-module hooks are
-    fixed costs ("other"), not modelled: trials correct for them.
+    fixed costs ("other"), not modelled: trials correct for them (sltune.tuning.cost.correction).
     """
 
     def play(self) -> dict[str, float]:

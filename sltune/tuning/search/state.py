@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +22,8 @@ from sltune.tuning.spec import TuningSpec
 
 if TYPE_CHECKING:
     from sltune.machine.rates import MachineRates
+
+log = logging.getLogger("sltune.tuning")
 
 # A full-depth step at least this long makes auto probe at reduced depth: a whole-model probe's steps (a warm-up
 # that measures memory, at least two timed, the profiled one) then take several seconds, where its start-up
@@ -192,6 +195,9 @@ class SearchState:
             try:
                 self._steps[key] = step_time(recipe, c, self.rates, self.prior(c, layers))
             except MissingRate:
+                self._steps[key] = None
+            except Exception as err:  # noqa: BLE001 - an extra prediction: never what ends a search
+                log.warning("no step-time prior for %s: %s: %s", c, type(err).__name__, err)
                 self._steps[key] = None
         t, fix = self._steps[key], self.corrections.get(c.backend) if corrected else None
         return fix.apply(t, c.num_sub_batches) if t is not None and fix is not None else t

@@ -113,3 +113,24 @@ def test_plan_predicts_step_times_from_the_rates_calibrate_stored_or_from_anothe
     assert lacking.returncode == 0, lacking.stderr
     assert "some configs have no step time: the rates hold no all_gather over 2 ranks; calibrate with --ranks 2" \
         in lacking.stdout and ", no step time  fits" in lacking.stdout and "pick (" not in lacking.stdout
+
+
+def test_the_example_gpu_server_s_rates_are_their_script_s_and_plan_a_what_if_there(tmp_path, monkeypatch):
+    """examples/rates/a100-pcie4-nvme.json is what make_a100.py writes (its figures' sources in the README beside
+    it), and `plan --machine` predicts the example spec on it, saying the rates are given, not measured."""
+    import runpy
+    from pathlib import Path
+
+    folder = Path(__file__).resolve().parents[3] / "examples" / "rates"
+    monkeypatch.setattr("sys.argv", ["make_a100.py", str(tmp_path / "a100.json")])
+    runpy.run_path(str(folder / "make_a100.py"), run_name="__main__")
+    assert (tmp_path / "a100.json").read_bytes() == (folder / "a100-pcie4-nvme.json").read_bytes()
+    rates = MachineRates.load(folder / "a100-pcie4-nvme.json")
+    assert rates.device == "cuda:0" and "published figures" in rates.fingerprint.cpu
+    spec = folder.parent / "tiny-llama-cpu.yaml"
+    out = sltune("plan", str(spec), "--machine", str(folder / "a100-pcie4-nvme.json"), "--json",
+                 env={"SLTUNE_DATA_DIR": str(tmp_path / "data")})
+    assert out.returncode == 0, out.stderr
+    r = json.loads(out.stdout)
+    assert r["rates"]["from"].endswith("(a prediction from given rates)") and r["rates"]["missing"] is None
+    assert all(row["predicted_tokens_per_s"] > 0 for row in r["configs"]) and r["pick"] is not None

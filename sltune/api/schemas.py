@@ -50,6 +50,11 @@ class JobDetail(JobSummary):
                                                    "plus its own predicted peaks and binding_limit; one of them is "
                                                    "best. models holds each backend's fits, a wrapped backend's as "
                                                    "'deepspeed.device', 'fsdp.throughput', ...")
+    step_prior: dict[str, Any] | None = Field(None, description="where `sltune calibrate SPEC` stored this machine's "
+                                              "rates: the machine they were measured on (rates, measured_at), and "
+                                              "per backend how far its trials moved the step predicted from them "
+                                              "(corrections: factor on the calibrated work, per_micro_batch_s, "
+                                              "trials, text); null without stored rates")
 
 
 class TrialOut(BaseModel):

@@ -251,6 +251,12 @@ def _job_summary(job, detail: dict[str, Any], spec: dict[str, Any], progress: di
         ("created / started / finished (UTC)",
          f"{_ts(job.created_at)} / {_ts(job.started_at)} / {_ts(job.finished_at)}"),
     ]
+    prior = detail.get("step_prior")
+    if prior:       # each trial's step predicted from the machine's rates, corrected by the trials before it
+        moved = "; ".join(f"{backend} {fix['text']}" for backend, fix in (prior.get("corrections") or {}).items()
+                          if fix) or "no trial has corrected them yet"
+        items.append(("step-time prior", f"from rates calibrated {str(prior.get('measured_at', ''))[:16]} on "
+                                          f"{prior.get('rates')}; {moved}"))
     stop = detail.get("stop_reason") or progress.get("stop_reason")
     if stop:
         items.append(("stopped because", str(stop)))

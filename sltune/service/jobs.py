@@ -27,7 +27,8 @@ def job_detail(store: Store, job: Job, settings: Settings) -> dict[str, Any]:
             "binding_limit": result.get("binding_limit"), "models": models,
             "stop_reason": result.get("stop_reason"), "waiting_for": waiting_for(store, job, settings),
             "confidence": result.get("confidence"), "confirmation": result.get("confirmation"),
-            "depth": result.get("depth"), "best_by_backend": result.get("best_by_backend")}
+            "depth": result.get("depth"), "best_by_backend": result.get("best_by_backend"),
+            "step_prior": result.get("step_prior")}
 
 
 def waiting_for(store: Store, job: Job, settings: Settings) -> str | None:

@@ -47,6 +47,10 @@ def test_a_job_predicts_each_trial_s_step_from_the_stored_rates_its_earlier_tria
         if replay.corrections.get("speedloader"):      # from the second trial on: corrected by the ones before it
             assert expected.seconds != pytest.approx(replay.step_prior(c, corrected=False).seconds)
         replay.add(FinishedTrial(t["number"], c, t["role"], Store(db).trial(result["job_id"], t["number"]).result))
+    # the result says how far the trials moved the rates: what the replay's correction is after all of them
+    moved = result["step_prior"]["corrections"]["speedloader"]
+    assert moved == replay.corrections["speedloader"].to_dict() and moved["trials"] == 4
+    assert result["step_prior"]["rates"] == rates.where()
     # each trial's page: the step predicted from the rates beside the one measured, and its predicted pie
     from fastapi.testclient import TestClient
 
@@ -56,6 +60,11 @@ def test_a_job_predicts_each_trial_s_step_from_the_stored_rates_its_earlier_tria
     predicted, step = last.predicted, last.result["step_seconds"]
     with TestClient(create_app(Settings(data_dir=tmp_path / "data", db=db))) as client:
         text = client.get(f"/dashboard/jobs/{result['job_id']}/trials/{last.number}").text
+        job_page = client.get(f"/dashboard/jobs/{result['job_id']}").text
+        detail = client.get(f"/jobs/{result['job_id']}").json()
+    assert detail["step_prior"] == result["step_prior"]
+    assert "<dt>step-time prior</dt><dd>from rates calibrated" in job_page and \
+        f"speedloader {moved['text']}".replace("'", "&#x27;") in job_page
     off = step / predicted["prior_step_seconds"] - 1
     assert (f"<tr><th>step seconds, from calibrated rates</th><td class='num'>{step:,.4f}</td>"
             f"<td class='num'>{predicted['prior_step_seconds']:,.4f}</td>"

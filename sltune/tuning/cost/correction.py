@@ -65,6 +65,11 @@ class Correction:
         return dataclasses.replace(t, seconds=seconds, slowest=t.slowest * scale, fastest=t.fastest * scale,
                                    breakdown=slices)
 
+    def to_dict(self) -> dict[str, object]:
+        """As a job's result reports it (step_prior.corrections)."""
+        return {"factor": self.factor, "per_micro_batch_s": self.per_micro_batch, "trials": self.trials,
+                "text": self.describe()}
+
     def describe(self) -> str:
         """'x1.11 the calibrated rates' time, +0.177 s a sub-batch (8 trials)'."""
         return (f"x{self.factor:.2f} the calibrated rates' time, +{self.per_micro_batch:.3f} s a sub-batch "

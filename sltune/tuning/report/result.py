@@ -43,6 +43,7 @@ def job_result(job_id: str, spec: TuningSpec, state: SearchState, stop_reason: s
                          **({"probe_layers": spec.search.probe_layers} if depth else {})},
         "confirmation": confirmation,
         "confidence": confirmation["statement"] if confirmation else _unconfirmed(state),
+        "step_prior": _step_prior(state),
         "trials": [{"number": d.number, "role": d.role,
                     "config": d.candidate.knobs(named=several),
                     "status": d.result["status"],
@@ -66,6 +67,15 @@ def job_result(job_id: str, spec: TuningSpec, state: SearchState, stop_reason: s
                                                "predicted": state.predict(own.candidate).to_dict(),
                                                "binding_limit": state.binding_limit(own.candidate)}
     return out
+
+
+def _step_prior(state: SearchState) -> dict[str, Any] | None:
+    """Where the job predicted each trial's step from (the machine's calibrated rates) and how far each backend's
+    trials moved that prediction (sltune.tuning.cost.correction); None: no rates were stored for this machine."""
+    if state.rates is None:
+        return None
+    return {"rates": state.rates.where(), "measured_at": state.rates.measured_at.isoformat(),
+            "corrections": {b: fix.to_dict() if fix is not None else None for b, fix in state.corrections.items()}}
 
 
 def _entry(spec: TuningSpec, state: SearchState, pick: Any, named: bool) -> dict[str, Any]:

@@ -28,6 +28,8 @@ def test_a_factor_and_a_cost_per_sub_batch_are_fitted_to_the_trials_and_carried_
     assert fixed.seconds == pytest.approx(13.0) and fixed.tokens_per_s == pytest.approx(128 / 13.0)
     assert fixed.fastest < fixed.seconds < fixed.slowest
     assert fix.describe() == "x1.50 the calibrated rates' time, +0.100 s a sub-batch (3 trials)"
+    assert fix.to_dict() == {"factor": pytest.approx(1.5), "per_micro_batch_s": pytest.approx(0.1), "trials": 3,
+                             "text": fix.describe()}
 
 
 def test_one_trial_or_trials_that_cannot_tell_the_two_apart_give_the_factor_alone():

@@ -188,9 +188,13 @@ def test_plan_predicts_under_other_limits_and_flags_extrapolation(job, tmp_path)
     assert roomy["fitting"] > tight["fitting"] > 0
     assert all(c["predicted"]["peak_device_bytes"] * 1.05 <= LIMIT for c in tight["configs"])
     assert roomy["best"]["predicted"]["tokens_per_s"] >= tight["best"]["predicted"]["tokens_per_s"]
+    # a config past the largest b the trials measured is flagged as extrapolating b. Which b the search reached
+    # depends on the machine: beside other work it may measure the space's largest that fits, and then none lies
+    # beyond it (CI, 2026-11-29)
     measured_b = max(t["config"]["sub_batch_size"] for t in job["result"]["trials"] if t["status"] == "ok")
     beyond = [c for c in roomy["configs"] if c["config"]["sub_batch_size"] > measured_b]
-    assert beyond and all("b" in c["extrapolated"] for c in beyond)
+    assert all("b" in c["extrapolated"] for c in beyond)
+    assert beyond or measured_b == max(c["config"]["sub_batch_size"] for c in roomy["configs"])
     inside = [c for c in tight["configs"] if not c["extrapolated"]]
     assert inside, "some configs under the tuned limit lie inside the measured range"
     with pytest.raises(ValueError, match="device_memory_limit .* below"):

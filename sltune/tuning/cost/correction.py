@@ -43,7 +43,7 @@ class Correction:
     def of(cls, pairs: list[tuple[StepTime | None, float, int]]) -> "Correction | None":
         """From (the trial's predicted step, its measured step seconds, its num_sub_batches) of one backend's
         trials; None without one that has both."""
-        pairs = [(t, step, n) for t, step, n in pairs if t is not None and step and step > 0]
+        pairs = [(t, step, n) for t, step, n in pairs if t is not None and step > 0]
         if not pairs:
             return None
         ratio = statistics.median(step / t.seconds for t, step, _ in pairs)

@@ -400,10 +400,11 @@ class WrappedLanes(Lanes):
         e = shape.itemsize
         params = shape.param_bytes // e
         shard = -(-params // world)
-        forward = layers * self.layer_forward_s() + self.head_forward_s()
+        layer = self.layer_forward_s()
+        forward = layers * layer + self.head_forward_s()
         backward = layers * self.layer_backward_s() + self.head_backward_s() + self.loss_s()
         embed = 2 * at.elementwise_s(self.rows * shape.hidden)         # the lookup and its gradient's scatter
-        micro = forward + backward + embed + (layers * self.layer_forward_s() if recompute else 0.0)
+        micro = forward + backward + embed + (layers * layer if recompute else 0.0)
         out = dict.fromkeys(SLICES, 0.0)
         out["compute"] = n * micro
         out["cpu"] = n * layers * (3 + int(recompute)) * at.ops_s(OPS_PER_LAYER_PASS)
@@ -444,8 +445,10 @@ class WrappedLanes(Lanes):
         compute = n * (at.elementwise_s(DEEPSPEED_GRAD_PASSES * params) + at.copy_s(e * params, "d2h"))
         compute += at.elementwise_s(shard)
         cast = n * at.copy_s(4 * shard, "d2h", fresh=True)
-        copies = cast + at.copy_s(e * shard, "h2d") if offload else 0.0
-        compute += 0.0 if offload else cast
+        if offload:
+            copies = cast + at.copy_s(e * shard, "h2d")
+        else:
+            compute, copies = compute + cast, 0.0
         scattered = n * self._collective_s("reduce_scatter", e * params)
         disk = 0.0
         if c.zero_stage == 3:

@@ -25,7 +25,7 @@ import argparse
 import statistics
 import time
 
-from sltune.cli.calibrate import deepspeed_adam
+from sltune.backends.deepspeed_ops import deepspeed_adam
 from sltune.machine import calibrate
 from sltune.profiling import run_trial
 from sltune.tuning.cost.admission import load

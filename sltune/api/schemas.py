@@ -51,10 +51,11 @@ class JobDetail(JobSummary):
                                                    "best. models holds each backend's fits, a wrapped backend's as "
                                                    "'deepspeed.device', 'fsdp.throughput', ...")
     step_prior: dict[str, Any] | None = Field(None, description="where `sltune calibrate SPEC` stored this machine's "
-                                              "rates: the machine they were measured on (rates, measured_at), and "
-                                              "per backend how far its trials moved the step predicted from them "
+                                              "rates: the machine they were measured on (rates, measured_at), "
+                                              "whether oneshot ranked the search by the step predicted from them "
+                                              "(guided), and per backend how far its trials moved that prediction "
                                               "(corrections: factor on the calibrated work, per_micro_batch_s, "
-                                              "trials, text); null without stored rates")
+                                              "trials, error, text); null without stored rates")
 
 
 class TrialOut(BaseModel):

@@ -156,6 +156,21 @@ def _build(accelerator: str, ops: list[str]) -> int:
     return 0
 
 
+
+def deepspeed_adam(device: str, say: Callable[[str], None] | None = None) -> dict[str, Callable[[list], object]]:
+    """DeepSpeedCPUAdam by the name calibrate times it under ("deepspeed.cpu_adam"), where DeepSpeed's install built
+    it (never compiled here: that is minutes); none where it is missing, saying so through `say`."""
+    accelerator = accelerator_of(device)
+    if missing(["cpu_adam"], accelerator):
+        if say is not None:
+            say(f"DeepSpeedCPUAdam is not built here: not timed ({INSTALL} builds it)")
+        return {}
+    from sltune.backends.deepspeed import import_deepspeed
+
+    adam = import_deepspeed(device).ops.adam.DeepSpeedCPUAdam
+    return {"deepspeed.cpu_adam": lambda params: adam(params, lr=1e-3)}
+
+
 def main(argv: list[str]) -> int:
     """`python -m sltune.backends.deepspeed_ops --check ACCELERATOR`: exit 0 when DeepSpeed is installed with the ops
     its trials load prebuilt (scripts/install.sh asks); `--build ACCELERATOR OP...`: compile those now."""

@@ -4,11 +4,9 @@
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
 import math
 import sys
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING
 
 from sltune.cli.common import DB_HELP, open_store
 
@@ -42,82 +40,38 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from sltune.machine import Fingerprint, MachineRates, Workload, calibrate
+    from sltune.machine import Fingerprint
     from sltune.runtime.disk.direct_io import writable_dir
     from sltune.settings import Settings
     from sltune.store import Store
-    from sltune.training.optimizer import OptimizerConfig
-    from sltune.tuning.cost.stored_rates import fresh, rates_key
-    from sltune.tuning.spec import MAX_WORLD_SIZE
+    from sltune.tuning.cost.stored_rates import calibrated
+    from sltune.tuning.spec import MAX_WORLD_SIZE, TuningSpec
 
     if not (math.isfinite(args.budget) and args.budget > 0):
         raise ValueError(f"--budget must be a positive number of seconds, got {args.budget:g}")
     settings = Settings(db=args.db) if args.db else Settings()
     open_store(settings)
-    workload, device, threads, ranks, host_optimizer = Workload(), "cpu", None, args.ranks or [], OptimizerConfig()
-    deepspeed = False
-    if args.spec:
-        from sltune.tuning.cost.workload import workload_of
-        from sltune.tuning.spec import TuningSpec
-
-        spec = TuningSpec.load(args.spec)
-        workload, device, threads = workload_of(spec), spec.hardware.device, spec.hardware.cpu_threads
-        host_optimizer, deepspeed = spec.optimizer, "deepspeed" in spec.search.backend
-        ranks = args.ranks or ([spec.hardware.world_size] if spec.hardware.world_size > 1 else [])
-    ranks = sorted(set(ranks))
+    spec = TuningSpec.load(args.spec) if args.spec else None
+    ranks = sorted(set(args.ranks or ([spec.hardware.world_size] if spec and spec.hardware.world_size > 1 else [])))
     if ranks and not 2 <= ranks[0] <= ranks[-1] <= MAX_WORLD_SIZE:
         raise ValueError(f"--ranks: collectives need 2 to {MAX_WORLD_SIZE} ranks, got {' '.join(map(str, ranks))}")
     folder = writable_dir(args.offload_dir or settings.offload_root(), "--offload-dir")
-    import torch
+    device = spec.hardware.device if spec else "cpu"
+    if device.startswith("cuda") and ranks:
+        import torch
 
-    if threads:
-        torch.set_num_threads(threads)          # as the spec's trials run
-    if device.startswith("cuda") and ranks and ranks[-1] > torch.cuda.device_count():
-        raise ValueError(f"--ranks {ranks[-1]}: the collectives take a GPU per rank on {device}, and this machine "
-                         f"has {torch.cuda.device_count()}; give --ranks at most that")
-    optimizers = {f"torch.{host_optimizer.name}": host_optimizer.build,         # the runtime's host step
-                  **(deepspeed_adam(device) if deepspeed else {})}
-    store = Store(settings.db_url())
-    machine = Fingerprint.here()
-    # what decides the rates besides the machine: the same key, the same measurement; the workload's own key first,
-    # so that a plan finds the rates of its shapes (stored_rates)
-    how = json.dumps([device, torch.get_num_threads(), str(folder), sorted(optimizers),
-                      host_optimizer.model_dump(mode="json"), ranks])
-    key = rates_key(workload.key, hashlib.sha256(how.encode()).hexdigest()[:16])
-    row = None if args.again else store.latest_rates(machine.key, key)
-    stored = None if row is None else MachineRates.model_validate(row.rates)
-    if stored is not None and fresh(stored):
-        rates = stored
-        note = f"stored {rates.measured_at:%Y-%m-%d %H:%M} UTC (--again measures again)"
-    else:
-        from sltune.profiling import forks
-
-        rates = calibrate(workload, device, args.budget, folder,
-                          progress=lambda what: print(f"calibrate: {what}...", file=sys.stderr, flush=True),
-                          optimizers=optimizers, world_sizes=tuple(ranks),
-                          processes=forks.context() if ranks else None)
-        store.save_rates(machine.key, key, rates.model_dump(mode="json"))
-        note = f"measured in {rates.seconds:.1f}s, stored for machine {machine.key}"
+        if ranks[-1] > torch.cuda.device_count():
+            raise ValueError(f"--ranks {ranks[-1]}: the collectives take a GPU per rank on {device}, and this machine "
+                             f"has {torch.cuda.device_count()}; give --ranks at most that")
+    rates, measured = calibrated(Store(settings.db_url()), spec, folder, budget_s=args.budget, ranks=ranks,
+                                 again=args.again,
+                                 progress=lambda what: print(f"calibrate: {what}...", file=sys.stderr, flush=True))
+    note = (f"measured in {rates.seconds:.1f}s, stored for machine {Fingerprint.here().key}" if measured else
+            f"stored {rates.measured_at:%Y-%m-%d %H:%M} UTC (--again measures again)")
     if args.out:
         rates.save(args.out)
     print(rates.model_dump_json(indent=1) if args.json else describe(rates, note))
     return 0
-
-
-def deepspeed_adam(device: str) -> dict[str, Callable[[list[Any]], Any]]:
-    """DeepSpeedCPUAdam, timed beside torch's AdamW where DeepSpeed's install built it (never compiled here: that is
-    minutes, sltune.backends.deepspeed_ops); none where it is missing."""
-    from sltune.backends.deepspeed_ops import accelerator_of, missing
-
-    accelerator = accelerator_of(device)
-    if missing(["cpu_adam"], accelerator):
-        print("calibrate: DeepSpeedCPUAdam is not built here: not timed (bash scripts/install.sh backends builds it)",
-              file=sys.stderr)
-        return {}
-    from sltune.backends.deepspeed import import_deepspeed
-
-    adam = import_deepspeed(device).ops.adam.DeepSpeedCPUAdam
-    return {"deepspeed.cpu_adam": lambda params: adam(params, lr=1e-3)}
 
 
 def describe(r: MachineRates, note: str) -> str:

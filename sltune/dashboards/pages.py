@@ -256,7 +256,9 @@ def _job_summary(job, detail: dict[str, Any], spec: dict[str, Any], progress: di
         moved = "; ".join(f"{backend} {fix['text']}" for backend, fix in (prior.get("corrections") or {}).items()
                           if fix) or "no trial has corrected them yet"
         items.append(("step-time prior", f"from rates calibrated {str(prior.get('measured_at', ''))[:16]} on "
-                                          f"{prior.get('rates')}; {moved}"))
+                                          f"{prior.get('rates')}"
+                                          + ("; the search ranked every config by it" if prior.get("guided") else "")
+                                          + f"; {moved}"))
     stop = detail.get("stop_reason") or progress.get("stop_reason")
     if stop:
         items.append(("stopped because", str(stop)))

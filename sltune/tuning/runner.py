@@ -25,7 +25,7 @@ from sltune.store import Store
 from sltune.tuning.cost.baseline import trial_baseline
 from sltune.tuning.cost.feasible import free_bytes
 from sltune.tuning.cost.shape import shape_of
-from sltune.tuning.cost.stored_rates import stored_rates
+from sltune.tuning.cost.stored_rates import calibrated, stored_rates
 from sltune.tuning.report.result import job_result
 from sltune.tuning.search import confirm
 from sltune.tuning.search.state import FinishedTrial, SearchState
@@ -66,6 +66,7 @@ ProgressFn = Callable[[dict[str, Any]], None]
 # hand it back unfinished (a worker shutting down or losing its lease): the trial in flight is killed and marked
 # interrupted either way, so a resumed job runs it again.
 StopFn = Callable[[], StopReason | None]
+CALIBRATE_S = 60.0  # search.step_prior measure: the most a job's calibration takes (the issue's goal on this machine)
 MAX_REPEATS = 200   # asks that return an already-tried or invalid config before the sampler is given up on
 
 
@@ -148,7 +149,9 @@ class JobRun:
     def _rates(store: Store, spec: TuningSpec) -> "MachineRates | None":
         """This machine's rates for the spec's shapes, where `sltune calibrate SPEC` stored them: each trial's step
         is then predicted before it runs (its `predicted`), corrected by the trials before it. None without them:
-        the job runs as before."""
+        the job runs as before (or, under search.step_prior measure, measures them before its first trial)."""
+        if spec.search.step_prior == "off":
+            return None
         try:
             return stored_rates(store, spec)
         except Exception as err:  # noqa: BLE001 - rates only add a prediction: the job runs without them
@@ -199,6 +202,7 @@ class JobRun:
         """Propose, run an isolated trial, record it, refit, report progress; until the strategy stops, a budget is
         spent, the sampler only repeats itself, or should_stop says so. self.stop says which."""
         self.report(phase="starting")
+        self._calibrate()
         repeats = 0
         while True:
             self.stop = self._search_may_not_go_on()
@@ -363,6 +367,28 @@ class JobRun:
         if layers is None:
             self.seconds.setdefault((cand, role == "confirm"), []).append(time.monotonic() - began)
         return result
+
+    def _calibrate(self) -> None:
+        """search.step_prior measure: the rates the store lacks for the spec's shapes, measured before the first trial
+        as `sltune calibrate SPEC` measures them (and stored, for the next job), in at most CALIBRATE_S or a tenth of
+        the time budget, which they count against. A calibration that fails leaves the job on its probes' fits, its
+        progress saying why."""
+        if self.spec.search.step_prior != "measure" or self.state.rates is not None or self.state.history:
+            return
+        budget = min(CALIBRATE_S, self.spec.search.time_budget_s / 10)
+        self.report(phase="calibrating", note=f"measuring this machine's rates for the step-time prior (about "
+                                              f"{budget:.0f}s, once per machine and model shape)")
+        try:
+            self.offload_root.mkdir(parents=True, exist_ok=True)
+            rates, _ = calibrated(self.store, self.spec, self.offload_root, budget_s=budget,
+                                  progress=lambda what: self.report(phase="calibrating", note=f"calibrate: {what}"))
+        except Exception as err:  # noqa: BLE001 - the rates only guide the search: it goes on without them
+            log.warning("job %s: calibration failed (%s: %s); no step-time prior", self.job_id,
+                        type(err).__name__, err)
+            self.report(phase="calibrating", note=f"calibration failed ({type(err).__name__}: {err}); the search "
+                                                  "goes on from its probes' fits")
+            return
+        self.state.use_rates(rates)
 
     def _prepare(self, cand: Candidate) -> None:
         """DeepSpeed's compiled ops, built once before its first trial if the install left them out

@@ -410,6 +410,13 @@ class Search(_Strict):
         None, description="oneshot: run the probes with this many decoder layers (the model's widths, fewer "
         "layers; at least two groups of the largest num_live_blocks), or auto: reduce depth only when a full-depth "
         "probe would be slow. Frontier and confirmation trials run the whole model. Default: the whole model")
+    step_prior: Literal["stored", "measure", "off"] = Field("stored", description=(
+        "oneshot: rank every config of every backend by its step predicted from this machine's calibrated rates, "
+        "measure each backend's top predicted config first, and stop once no unmeasured config can beat the best "
+        "measured (its prediction corrected by the trials so far, allowing that correction's error); no probes. "
+        "stored: where `sltune calibrate SPEC` stored fresh rates for the spec's shapes, else the probes' fits; "
+        "measure: the job measures the rates it lacks before its first trial (within search.time_budget_s, at "
+        "most a minute); off: the probes' fits alone, and no step predicted on the trial pages"))
 
     @model_validator(mode="after")
     def _batch(self) -> "Search":

@@ -70,3 +70,25 @@ def test_a_job_predicts_each_trial_s_step_from_the_stored_rates_its_earlier_tria
             f"<td class='num'>{predicted['prior_step_seconds']:,.4f}</td>"
             f"<td class='num'>{off:+.1%}</td></tr>") in text
     assert text.count('"hole":0.3') == 2 and "predicted before it ran" in text
+
+
+def test_a_job_asked_to_measure_the_rates_measures_them_first_and_is_guided_by_them(tmp_path):
+    """search.step_prior measure on a machine without rates: the job calibrates before its first trial (saying so in
+    its progress, within its time budget), stores the rates for the next job, and oneshot then runs no probes: it
+    measures the top predicted configs, corrected as they run, and stops well short of the space."""
+    spec = {**SPEC, "name": "guided", "search": {**SPEC["search"], "strategy": "oneshot", "step_prior": "measure",
+                                                 "sub_batch_size": [1, 2, 4], "num_sub_batches": [1, 2],
+                                                 "time_budget_s": 60}}
+    db = f"sqlite:///{tmp_path / 'jobs.db'}"
+    seen: list[dict] = []
+    result = tune(spec, db, settings=Settings(data_dir=tmp_path / "data"), progress=seen.append)
+    assert result["status"] == "succeeded", result["error"]
+    notes = [p.get("note", "") for p in seen if p["phase"] == "calibrating"]
+    assert notes and "measuring this machine's rates" in notes[0] and any("calibrate: " in n for n in notes)
+    first = next(i for i, p in enumerate(seen) if (p.get("last_trial") or {}).get("status") == "running")
+    assert all(p["phase"] != "calibrating" for p in seen[first:])        # measured once, before the first trial
+    assert stored_rates(Store(db), admitted_spec(spec)) is not None
+    assert result["step_prior"]["guided"] is True
+    search = [t for t in result["trials"] if t["role"] != "confirm"]
+    assert {t["role"] for t in search} == {"frontier"} and 1 < len(search) < 12, search
+    assert "corrected step-time prior" in result["stop_reason"], result["stop_reason"]

@@ -38,6 +38,8 @@ class Correction:
     factor: float                   # measured over predicted work
     per_micro_batch: float          # seconds each sub-batch spends beyond its counted work
     trials: int
+    error: float | None = None      # the typical (median) relative error predicting one of the trials from the
+                                    # others (from 3 trials; None before): how far to trust it on a config not run
 
     @classmethod
     def of(cls, pairs: list[tuple[StepTime | None, float, int]]) -> "Correction | None":
@@ -46,6 +48,15 @@ class Correction:
         pairs = [(t, step, n) for t, step, n in pairs if t is not None and step > 0]
         if not pairs:
             return None
+        fix = cls._fitted(pairs)
+        if len(pairs) < 3:
+            return fix
+        missed = [abs(cls._fitted(pairs[:i] + pairs[i + 1:]).apply(t, n).seconds / step - 1)
+                  for i, (t, step, n) in enumerate(pairs)]
+        return dataclasses.replace(fix, error=statistics.median(missed))
+
+    @classmethod
+    def _fitted(cls, pairs: list[tuple[StepTime, float, int]]) -> "Correction":
         ratio = statistics.median(step / t.seconds for t, step, _ in pairs)
         if len(pairs) >= 2:
             # relative least squares: each trial's error as a share of its own step
@@ -68,9 +79,11 @@ class Correction:
     def to_dict(self) -> dict[str, object]:
         """As a job's result reports it (step_prior.corrections)."""
         return {"factor": self.factor, "per_micro_batch_s": self.per_micro_batch, "trials": self.trials,
-                "text": self.describe()}
+                "error": self.error, "text": self.describe()}
 
     def describe(self) -> str:
         """'x1.11 the calibrated rates' time, +0.177 s a sub-batch (8 trials)'."""
         return (f"x{self.factor:.2f} the calibrated rates' time, +{self.per_micro_batch:.3f} s a sub-batch "
-                f"({self.trials} trial{'s' if self.trials != 1 else ''})")
+                f"({self.trials} trial{'s' if self.trials != 1 else ''}"
+                + (f"; each predicted from the others within {self.error:.0%}, typically" if self.error is not None
+                   else "") + ")")

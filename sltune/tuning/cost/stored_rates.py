@@ -1,10 +1,13 @@
 """The machine rates a job, a plan and calibrate share: the newest this machine stored for a spec's shapes
-(`sltune calibrate SPEC`), while they are fresh."""
+(`sltune calibrate SPEC`), while they are fresh; measured and stored where they are not."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 from datetime import datetime, timedelta, timezone
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
 
 from sltune.machine.fingerprint import Fingerprint
 from sltune.machine.rates import MachineRates
@@ -36,3 +39,44 @@ def stored_rates(store: Any, spec: "TuningSpec") -> MachineRates | None:
 
 def fresh(rates: MachineRates) -> bool:
     return datetime.now(timezone.utc) - rates.measured_at < STALE_AFTER
+
+
+def calibrated(store: Any, spec: "TuningSpec | None", folder: Path, *, budget_s: float = 60.0,
+               ranks: list[int] | None = None, again: bool = False,
+               progress: Callable[[str], None] = lambda _: None) -> tuple[MachineRates, bool]:
+    """This machine's rates for the spec's shapes, dtype, device and optimizers (without a spec llama-small's in
+    float32 on the CPU), and whether they were measured now: the store's while fresh (unless `again`), else measured
+    in about `budget_s` seconds, the disk in `folder`, and stored. `ranks`: the collectives' rank counts (default: the
+    spec's hardware.world_size when above 1)."""
+    import torch
+
+    from sltune.backends.deepspeed_ops import deepspeed_adam
+    from sltune.machine import Workload, calibrate
+    from sltune.training.optimizer import OptimizerConfig
+
+    workload, device, threads, host_optimizer, deepspeed = Workload(), "cpu", None, OptimizerConfig(), False
+    if spec is not None:
+        workload, device, threads = workload_of(spec), spec.hardware.device, spec.hardware.cpu_threads
+        host_optimizer, deepspeed = spec.optimizer, "deepspeed" in spec.search.backend
+        ranks = ranks or ([spec.hardware.world_size] if spec.hardware.world_size > 1 else [])
+    ranks = sorted(set(ranks or []))
+    if threads:
+        torch.set_num_threads(threads)          # as the spec's trials run
+    optimizers = {f"torch.{host_optimizer.name}": host_optimizer.build,         # the runtime's host step
+                  **(deepspeed_adam(device, progress) if deepspeed else {})}
+    machine = Fingerprint.here()
+    # what decides the rates besides the machine: the same key, the same measurement; the workload's own key first,
+    # so that a plan finds the rates of its shapes (stored_rates)
+    how = json.dumps([device, torch.get_num_threads(), str(folder), sorted(optimizers),
+                      host_optimizer.model_dump(mode="json"), ranks])
+    key = rates_key(workload.key, hashlib.sha256(how.encode()).hexdigest()[:16])
+    row = None if again else store.latest_rates(machine.key, key)
+    stored = None if row is None else MachineRates.model_validate(row.rates)
+    if stored is not None and fresh(stored):
+        return stored, False
+    from sltune.profiling import forks
+
+    rates = calibrate(workload, device, budget_s, folder, progress=progress, optimizers=optimizers,
+                      world_sizes=tuple(ranks), processes=forks.context() if ranks else None)
+    store.save_rates(machine.key, key, rates.model_dump(mode="json"))
+    return rates, True

@@ -70,11 +70,13 @@ def job_result(job_id: str, spec: TuningSpec, state: SearchState, stop_reason: s
 
 
 def _step_prior(state: SearchState) -> dict[str, Any] | None:
-    """Where the job predicted each trial's step from (the machine's calibrated rates) and how far each backend's
-    trials moved that prediction (sltune.tuning.cost.correction); None: no rates were stored for this machine."""
+    """Where the job predicted each trial's step from (the machine's calibrated rates), whether the search was
+    guided by it (oneshot's ranking, sltune.tuning.search.strategies) and how far each backend's trials moved that
+    prediction (sltune.tuning.cost.correction); None: no rates were stored for this machine."""
     if state.rates is None:
         return None
     return {"rates": state.rates.where(), "measured_at": state.rates.measured_at.isoformat(),
+            "guided": state.guided and state.spec.search.strategy == "oneshot",
             "corrections": {b: fix.to_dict() if fix is not None else None for b, fix in state.corrections.items()}}
 
 

@@ -29,6 +29,12 @@ log = logging.getLogger("sltune.tuning")
 # that measures memory, at least two timed, the profiled one) then take several seconds, where its start-up
 # (setup_s, forking and building the model) took under a second here for a 59M-parameter model.
 AUTO_STEP_S = 0.5
+# The error allowed the step-time prior corrected by fewer than 3 trials (so with no error of its own): one factor
+# fitted to a backend's first trial left llama-small's other configs 16-17% off (median), the full correction from 18
+# trials 7% with a 90th percentile of 14% (bench/prior_time.py, docs/benchmarks.md). MIN_PRIOR_ERROR: no less than a
+# trial's own noise on a shared machine.
+PRIOR_ERROR = 0.20
+MIN_PRIOR_ERROR = 0.03
 
 
 def layers_of(done: "FinishedTrial") -> int | None:
@@ -127,6 +133,7 @@ class SearchState:
         self.rates = rates
         self.corrections: dict[str, Correction | None] = {}     # per backend, from its trials (refit)
         self._steps: dict[tuple[Candidate, int | None], StepTime | None] = {}
+        self._guided: bool | None = None
         depths = [None]
         if self.depth:
             wanted = spec.search.probe_layers
@@ -201,6 +208,28 @@ class SearchState:
                 self._steps[key] = None
         t, fix = self._steps[key], self.corrections.get(c.backend) if corrected else None
         return fix.apply(t, c.num_sub_batches) if t is not None and fix is not None else t
+
+    def use_rates(self, rates: "MachineRates") -> None:
+        """Predict each config's step from these rates from now on (a job that measured them before its first
+        trial)."""
+        self.rates, self._steps, self._guided = rates, {}, None
+        self.refit()
+
+    @property
+    def guided(self) -> bool:
+        """Whether oneshot ranks the space by the step-time prior (search.step_prior): the machine's rates are here
+        and predict every config's step (not generation's, not a kind of work they lack)."""
+        if self._guided is None:
+            self._guided = self.rates is not None and self.spec.search.step_prior != "off" and all(
+                self.step_prior(c, corrected=False) is not None for c in self.space.candidates)
+        return self._guided
+
+    def prior_error(self, backend: str) -> float:
+        """Relative error to allow the corrected step-time prior of `backend`'s configs: the correction's own
+        (each of its trials predicted from the others, typically), else PRIOR_ERROR; at least MIN_PRIOR_ERROR."""
+        fix = self.corrections.get(backend)
+        error = fix.error if fix is not None and fix.error is not None else PRIOR_ERROR
+        return max(error, MIN_PRIOR_ERROR)
 
     def fitted(self) -> list[FinishedTrial]:
         """The trials the models are fitted to: every one that ran ok, at its own depth; when auto chose the

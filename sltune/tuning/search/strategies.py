@@ -106,7 +106,10 @@ class OneShotStrategy(Strategy):
     Sweeping several backends (search.backend), each is probed and fitted on its own (sltune.tuning.search.fit's
     BACKEND_MODELS), and the frontier is every backend's: each backend's top predicted config is measured once
     (its fit extrapolates beyond its probes there), and the search goes on while any config of any backend is
-    predicted to beat the best, allowing its own backend's model error."""
+    predicted to beat the best, allowing its own backend's model error.
+
+    On a machine with calibrated rates (search.step_prior; SearchState.guided) none of that: the step-time prior ranks
+    the whole space before any trial, and the search measures its top predictions (by_prior)."""
 
     name = "oneshot"
 
@@ -175,6 +178,8 @@ class OneShotStrategy(Strategy):
 
     def propose(self) -> Proposal | Stop:
         st = self.state
+        if st.guided:
+            return self.by_prior()
         depth = st.probe_layers()        # search.probe_layers: probes at reduced depth, the rest at full depth
         for c in self.probes():
             if not st.ran(c, depth) and st.predict(c).fits:
@@ -229,6 +234,49 @@ class OneShotStrategy(Strategy):
                         f"typical error ({errors})")
         return Proposal(top, "frontier")
 
+    def by_prior(self) -> Proposal | Stop:
+        """Guided by the step-time prior (SearchState.guided): no probes. Every untried config that may fit is ranked
+        by its predicted tokens/s, the prior corrected by its backend's trials so far (sltune.tuning.cost.correction).
+        Each backend that has one is measured first at its top predicted config (the fastest backend first), so the
+        answer across backends is measured, not assumed; then the top predicted config, until none, allowing its
+        backend's correction error (SearchState.prior_error) and the spread of the machine's rates, is predicted to
+        beat the best measured by more than the best's own noise."""
+        st = self.state
+        options = [c for c in st.space.candidates if c not in st.tried and st.predict(c, padded=False).fits]
+        if not options:
+            return Stop("converged", "no untried config is predicted to fit")
+        steps = {c: st.step_prior(c) for c in options}
+
+        def rank(c: Candidate) -> tuple:
+            """By predicted tokens/s, ties to the larger batch, then the larger rows per sub-batch."""
+            return steps[c].tokens_per_s, c.batch, c.sub_batch_size
+
+        def unmeasured(backend: str) -> bool:
+            # a backend whose first tries all failed (ran out of memory, say) is left to the ranking below
+            return st.best(backend) is None and sum(d.candidate.backend == backend for d in st.history) < FIRST_TRIES
+
+        tops = [max((c for c in options if c.backend == b), key=rank, default=None) for b in st.space.backends
+                if unmeasured(b)]
+        if any(tops):
+            return Proposal(max((c for c in tops if c is not None), key=rank), "frontier")
+        best = st.best()
+        noise = st.noise(best) if best is not None else 0.0
+
+        def at_most(c: Candidate) -> float:
+            """The most tokens/s c may run at: its prediction allowing the correction's error, or the rates' fastest
+            samples, whichever is more."""
+            t = steps[c]
+            return max(t.tokens_per_s * (1 + st.prior_error(c.backend)), t.tokens / t.fastest)
+
+        hopeful = [c for c in options if best is None or at_most(c) > best.tokens_per_s * (1 + noise)]
+        if not hopeful:
+            errors = ", ".join(f"{st.prior_error(b):.0%}" + (f" ({b})" if len(st.space.backends) > 1 else "")
+                               for b in st.space.backends if any(c.backend == b for c in options))
+            return Stop("converged", f"no untried config is predicted to beat the best ({best.tokens_per_s:.1f} "
+                        f"tokens/s) by more than its measured noise (±{noise:.1%}), allowing the corrected "
+                        f"step-time prior's error ({errors})")
+        return Proposal(max(hopeful, key=rank), "frontier")
+
     def frontier(self, padded: bool = True) -> list[Candidate]:
         """Untried configs predicted to fit that no other fitting config (tried or not) dominates at the
         same live-block count and share of kept weights: throughput rises with b and B, so a dominated config
@@ -274,6 +322,11 @@ class OneShotStrategy(Strategy):
             return -gained, c.sub_batch_size * (c.num_live_blocks or 1), c.batch, c.num_live_blocks or 0
 
         return min(scored, key=cheapest)[1]
+
+
+# The trials a backend gets at its top predicted configs before the search may stop without it (each one that runs out
+# of memory rules out every config needing more, so the next is smaller)
+FIRST_TRIES = 3
 
 
 def _spec_order(c: Candidate) -> tuple:

@@ -27,9 +27,25 @@ def test_a_factor_and_a_cost_per_sub_batch_are_fitted_to_the_trials_and_carried_
     assert fixed.breakdown["other"] == pytest.approx(0.4)
     assert fixed.seconds == pytest.approx(13.0) and fixed.tokens_per_s == pytest.approx(128 / 13.0)
     assert fixed.fastest < fixed.seconds < fixed.slowest
-    assert fix.describe() == "x1.50 the calibrated rates' time, +0.100 s a sub-batch (3 trials)"
+    assert fix.error == pytest.approx(0.0, abs=1e-9)      # each trial predicted exactly from the other two
+    assert fix.describe() == ("x1.50 the calibrated rates' time, +0.100 s a sub-batch (3 trials; each predicted "
+                              "from the others within 0%, typically)")
     assert fix.to_dict() == {"factor": pytest.approx(1.5), "per_micro_batch_s": pytest.approx(0.1), "trials": 3,
-                             "text": fix.describe()}
+                             "error": fix.error, "text": fix.describe()}
+
+
+def test_its_error_is_how_far_each_trial_lies_from_the_correction_of_the_others():
+    """Four trials of the same sub-batches at 1.0x, 1.2x, 1.0x, 1.2x their prediction: each one left out is predicted
+    at the others' median ratio, 1.2x, 1.0x or between, and missed by the median of those misses."""
+    trials = [(step(1.0), 1.0, 1), (step(2.0), 2.4, 1), (step(3.0), 3.0, 1), (step(4.0), 4.8, 1)]
+    fix = Correction.of(trials)
+    missed = []
+    for i, (t, measured, n) in enumerate(trials):
+        others = Correction.of(trials[:i] + trials[i + 1:])
+        missed.append(abs(others.apply(t, n).seconds / measured - 1))
+    assert fix.error == pytest.approx(sorted(missed)[1:3][0] / 2 + sorted(missed)[1:3][1] / 2)
+    assert 0.05 < fix.error < 0.2
+    assert Correction.of(trials[:2]).error is None           # two trials: nothing to leave out
 
 
 def test_one_trial_or_trials_that_cannot_tell_the_two_apart_give_the_factor_alone():

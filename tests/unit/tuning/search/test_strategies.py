@@ -7,7 +7,7 @@ import dataclasses
 
 from sltune.tuning.cost.shape import shape_of
 from sltune.tuning.search.state import FinishedTrial, SearchState
-from sltune.tuning.search.strategies import OneShotStrategy
+from sltune.tuning.search.strategies import OneShotStrategy, Stop
 from sltune.tuning.space import Candidate, SearchSpace
 from tests.support.backend_specs import ok, state_of
 from tests.support.offload_specs import BOTH, OPTIMIZER, WEIGHTS, spec
@@ -163,3 +163,74 @@ def test_oneshot_probes_the_weights_on_disk_only_where_the_optimizer_on_disk_alo
     assert st.predict(WEIGHTS).fits and not st.predict(OPTIMIZER).fits
     # what stops a config growing names the host when its weights back in host memory would not fit
     assert "host" in st.binding_limit(WEIGHTS)
+
+
+def guided(spec_search: dict | None = None, **changes) -> SearchState:
+    """A SpeedLoader and FSDP space on a machine with rates (tests.support.rates): oneshot guided by the step-time
+    prior."""
+    from tests.support.backend_specs import KNOBS, SHAPE, parse
+    from tests.support.rates import rates_for
+
+    spec = parse({**KNOBS, "sub_batch_size": [1, 2, 4], "num_sub_batches": [1, 2, 4],
+                  "backend": ["speedloader", "fsdp"], **(spec_search or {})})
+    return SearchState(spec, SHAPE, SearchSpace(spec, SHAPE), rates=rates_for(seq=32, **changes))
+
+
+# the machine the guided tests' trials run on: each backend's step its own multiple of the prior's plus a fixed cost
+# per sub-batch (what sltune.tuning.cost.correction fits), FSDP's prior far more optimistic than SpeedLoader's
+LAW = {"speedloader": (1.3, 0.002), "fsdp": (2.5, 0.004)}
+
+
+def run(st: SearchState, c: Candidate, number: int, role: str = "frontier") -> FinishedTrial:
+    factor, fixed = LAW[c.backend]
+    step = factor * st.step_prior(c, corrected=False).seconds + fixed * c.num_sub_batches
+    done = ok(number, c, c.batch * 32 / step)
+    return dataclasses.replace(done, role=role)
+
+
+def test_guided_by_the_step_time_prior_oneshot_measures_each_backend_s_top_then_stops_at_the_measured_best():
+    """With the machine's rates (search.step_prior), oneshot runs no probes: it measures each backend's top predicted
+    config first (the fastest predicted backend first), then the top predicted config as its backend's trials correct
+    the prior, and stops once none can beat the best measured, allowing the correction's error. Its pick is the
+    fastest config of the whole space on this machine, from a fraction of its trials."""
+    st = guided()
+    strategy = OneShotStrategy(st, 0)
+    assert st.guided
+    before = {c: st.step_prior(c).tokens_per_s for c in st.space.candidates}
+    tops = {b: max((c for c in st.space.candidates if c.backend == b), key=lambda c: (before[c], c.batch,
+                                                                                      c.sub_batch_size))
+            for b in st.space.backends}
+    proposed = []
+    while not isinstance(p := strategy.propose(), Stop):
+        assert p.role == "frontier" and p.layers is None and p.candidate not in st.tried
+        proposed.append(p.candidate)
+        st.add(run(st, p.candidate, len(st.history)))
+    assert proposed[:2] == sorted(tops.values(), key=lambda c: -before[c])     # each backend's top, fastest first
+    truth = {c: run(st, c, 0).tokens_per_s for c in st.space.candidates}
+    assert st.best().candidate == max(truth, key=truth.get)
+    assert len(proposed) <= len(st.space.candidates) // 4, (len(proposed), len(st.space.candidates))
+    assert p.kind == "converged" and "allowing the corrected step-time prior's error" in p.reason, p
+    assert "(speedloader)" in p.reason and "(fsdp)" in p.reason
+
+
+def test_a_backend_whose_top_runs_out_of_memory_is_measured_at_its_next_top_before_the_search_may_stop():
+    st = guided()
+    strategy = OneShotStrategy(st, 0)
+    first = strategy.propose().candidate
+    st.add(FinishedTrial(0, first, "frontier", {"status": "oom", "oom_resource": "device", "error": "x"}))
+    again = strategy.propose().candidate
+    assert again.backend == first.backend and again != first and not again.dominates(first)
+    assert not st.predict(first).fits
+
+
+def test_oneshot_probes_as_before_without_rates_with_step_prior_off_or_in_generation():
+    assert not state_of().guided
+    assert not guided({"step_prior": "off"}).guided
+    probes = OneShotStrategy(guided({"step_prior": "off"}), 0)
+    assert probes.propose().role == "probe"
+    from tests.support.backend_specs import SHAPE, parse
+    from tests.support.rates import rates_for
+
+    spec = parse({"sub_batch_size": [1, 2], "num_sub_batches": [1], "num_live_blocks": [1]}, workload={
+        "mode": "generate", "prompt_len": 8, "new_tokens": 4})
+    assert not SearchState(spec, SHAPE, SearchSpace(spec, SHAPE), rates=rates_for(seq=32)).guided

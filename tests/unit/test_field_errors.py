@@ -13,10 +13,6 @@ from sltune.tuning.spec import TuningSpec
 SPEC = {"name": "t", "model": {"preset": "llama-tiny"}}
 
 
-def reason(err: pytest.ExceptionInfo) -> str:
-    return str(err.value).split(": ", 1)[1]
-
-
 def test_the_same_mistake_reads_the_same_in_a_config_a_spec_a_trial_and_the_optimizer_section():
     """A bound of pydantic's, said by each reader through the one formatter: the field, then the same reason."""
     with pytest.raises(ValueError) as config:

@@ -43,3 +43,18 @@ def test_the_rates_are_the_dtype_s_own():
     rates = calibrate(bf16, budget_s=1)
     assert {m.dtype for m in rates.matmul} == {"bfloat16"} and set(rates.norm) == {"bfloat16"}
     assert bf16.key != Workload(**{**bf16.__dict__, "dtype": "float32"}).key
+
+
+def test_elementwise_work_is_timed_on_inputs_no_call_read_since_the_ring_came_round():
+    """The elementwise and norm probes read a new stretch of RING_BYTES each call, as a step reads its activations
+    from memory (one pair of tensors used again and again is read from the cache: 2-3x faster on 2 cores)."""
+    import torch
+
+    from sltune.machine.probes import RING_BYTES, _cold
+
+    sets = _cold(2, 64, 96, torch.float32, torch.device("cpu"))
+    tensors = [t for s in sets for t in s]
+    assert all(len(s) == 2 and t.shape == (64, 96) for s in sets for t in s)
+    assert sum(t.numel() * t.element_size() for t in tensors) >= RING_BYTES - 2 * 64 * 96 * 4
+    starts = sorted(t.data_ptr() for t in tensors)
+    assert all(b - a >= 64 * 96 * 4 for a, b in zip(starts, starts[1:]))        # none overlaps another

@@ -146,18 +146,18 @@ def _attention(batch: int, w: Workload, dtype: torch.dtype, dev: torch.device, s
 
 
 def _elementwise(rows: int, hidden: int, dtype: torch.dtype, dev: torch.device, sync: Sync, budget_s: float) -> Rate:
-    pairs = itertools.cycle(_cold(2, rows, hidden, dtype, dev))
+    pairs = itertools.cycle(cold_inputs(2, rows, hidden, dtype, dev))
     return _rate(lambda: torch.add(*next(pairs)), float(rows * hidden), "elements", sync, budget_s)
 
 
 def _norm(rows: int, hidden: int, dtype: torch.dtype, dev: torch.device, sync: Sync, budget_s: float) -> Rate:
-    inputs = itertools.cycle(_cold(1, rows, hidden, dtype, dev))
+    inputs = itertools.cycle(cold_inputs(1, rows, hidden, dtype, dev))
     weight = torch.ones(hidden, dtype=dtype, device=dev)
     return _rate(lambda: torch.nn.functional.rms_norm(next(inputs)[0], (hidden,), weight, 1e-6), float(rows * hidden),
                  "elements", sync, budget_s)
 
 
-def _cold(count: int, rows: int, hidden: int, dtype: torch.dtype, dev: torch.device) -> list[list[torch.Tensor]]:
+def cold_inputs(count: int, rows: int, hidden: int, dtype: torch.dtype, dev: torch.device) -> list[list[torch.Tensor]]:
     """Sets of `count` rows x hidden tensors filling RING_BYTES between them (at least two sets): each call takes
     the next set, which no call has read since the ring last came round."""
     size = rows * hidden

@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     from sltune.runtime.disk.direct_io import writable_dir
     from sltune.settings import Settings
     from sltune.store import Store
-    from sltune.tuning.cost.stored_rates import calibrated
+    from sltune.tuning.cost.stored_rates import calibrated, collective_ranks
     from sltune.tuning.spec import MAX_WORLD_SIZE, TuningSpec
 
     if not (math.isfinite(args.budget) and args.budget > 0):
@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     settings = Settings(db=args.db) if args.db else Settings()
     open_store(settings)
     spec = TuningSpec.load(args.spec) if args.spec else None
-    ranks = sorted(set(args.ranks or ([spec.hardware.world_size] if spec and spec.hardware.world_size > 1 else [])))
+    ranks = collective_ranks(spec, args.ranks)
     if ranks and not 2 <= ranks[0] <= ranks[-1] <= MAX_WORLD_SIZE:
         raise ValueError(f"--ranks: collectives need 2 to {MAX_WORLD_SIZE} ranks, got {' '.join(map(str, ranks))}")
     folder = writable_dir(args.offload_dir or settings.offload_root(), "--offload-dir")

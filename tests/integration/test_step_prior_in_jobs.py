@@ -99,3 +99,23 @@ def test_a_job_asked_to_measure_the_rates_measures_them_first_and_is_guided_by_t
     replay = SearchState(admitted_spec(spec), shape, SearchSpace(admitted_spec(spec), shape), rates=rates)
     top = max(replay.space.candidates, key=lambda c: (replay.step_prior(c).tokens_per_s, c.batch, c.sub_batch_size))
     assert Candidate.from_knobs(search[0]["config"]) == top
+
+
+def test_calibrating_for_a_spec_s_threads_gives_the_process_its_own_back(tmp_path):
+    """A worker runs job after job in one process: one job's hardware.cpu_threads must not become the threads the next
+    job's calibration measures at (nor its key). The second call finds what the first stored."""
+    import torch
+
+    from sltune.tuning.cost.stored_rates import calibrated
+
+    spec = admitted_spec({**SPEC, "hardware": {"cpu_threads": 1}})
+    store = Store(f"sqlite:///{tmp_path / 'jobs.db'}")
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        rates, measured = calibrated(store, spec, tmp_path, budget_s=1.0)
+        assert measured and rates.threads == 1 and torch.get_num_threads() == 2
+        again, measured = calibrated(store, spec, tmp_path, budget_s=1.0)
+        assert not measured and again == rates and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

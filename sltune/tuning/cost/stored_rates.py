@@ -58,25 +58,36 @@ def calibrated(store: Any, spec: "TuningSpec | None", folder: Path, *, budget_s:
     if spec is not None:
         workload, device, threads = workload_of(spec), spec.hardware.device, spec.hardware.cpu_threads
         host_optimizer, deepspeed = spec.optimizer, "deepspeed" in spec.search.backend
-        ranks = ranks or ([spec.hardware.world_size] if spec.hardware.world_size > 1 else [])
-    ranks = sorted(set(ranks or []))
-    if threads:
-        torch.set_num_threads(threads)          # as the spec's trials run
+    ranks = collective_ranks(spec, ranks)
     optimizers = {f"torch.{host_optimizer.name}": host_optimizer.build,         # the runtime's host step
                   **(deepspeed_adam(device, progress) if deepspeed else {})}
-    machine = Fingerprint.here()
-    # what decides the rates besides the machine: the same key, the same measurement; the workload's own key first,
-    # so that a plan finds the rates of its shapes (stored_rates)
-    how = json.dumps([device, torch.get_num_threads(), str(folder), sorted(optimizers),
-                      host_optimizer.model_dump(mode="json"), ranks])
-    key = rates_key(workload.key, hashlib.sha256(how.encode()).hexdigest()[:16])
-    row = None if again else store.latest_rates(machine.key, key)
-    stored = None if row is None else MachineRates.model_validate(row.rates)
-    if stored is not None and fresh(stored):
-        return stored, False
-    from sltune.profiling import forks
+    before = torch.get_num_threads()
+    if threads:         # as the spec's trials run; given back after, for a worker's next job runs in this process
+        torch.set_num_threads(threads)
+    try:
+        machine = Fingerprint.here()
+        # what decides the rates besides the machine: the same key, the same measurement; the workload's own key
+        # first, so that a plan finds the rates of its shapes (stored_rates)
+        how = json.dumps([device, torch.get_num_threads(), str(folder), sorted(optimizers),
+                          host_optimizer.model_dump(mode="json"), ranks])
+        key = rates_key(workload.key, hashlib.sha256(how.encode()).hexdigest()[:16])
+        row = None if again else store.latest_rates(machine.key, key)
+        stored = None if row is None else MachineRates.model_validate(row.rates)
+        if stored is not None and fresh(stored):
+            return stored, False
+        from sltune.profiling import forks
 
-    rates = calibrate(workload, device, budget_s, folder, progress=progress, optimizers=optimizers,
-                      world_sizes=tuple(ranks), processes=forks.context() if ranks else None)
-    store.save_rates(machine.key, key, rates.model_dump(mode="json"))
-    return rates, True
+        rates = calibrate(workload, device, budget_s, folder, progress=progress, optimizers=optimizers,
+                          world_sizes=tuple(ranks), processes=forks.context() if ranks else None)
+        store.save_rates(machine.key, key, rates.model_dump(mode="json"))
+        return rates, True
+    finally:
+        torch.set_num_threads(before)
+
+
+def collective_ranks(spec: "TuningSpec | None", asked: list[int] | None = None) -> list[int]:
+    """The rank counts calibrate times the collectives over: those asked, else the spec's hardware.world_size when
+    above 1, else none."""
+    if not asked and spec is not None and spec.hardware.world_size > 1:
+        asked = [spec.hardware.world_size]
+    return sorted(set(asked or []))

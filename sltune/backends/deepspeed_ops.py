@@ -156,7 +156,6 @@ def _build(accelerator: str, ops: list[str]) -> int:
     return 0
 
 
-
 def deepspeed_adam(device: str, say: Callable[[str], None] | None = None) -> dict[str, Callable[[list], object]]:
     """DeepSpeedCPUAdam by the name calibrate times it under ("deepspeed.cpu_adam"), where DeepSpeed's install built
     it (never compiled here: that is minutes); none where it is missing, saying so through `say`."""

@@ -255,10 +255,10 @@ class OneShotStrategy(Strategy):
             # a backend whose first tries all failed (ran out of memory, say) is left to the ranking below
             return st.best(backend) is None and sum(d.candidate.backend == backend for d in st.history) < FIRST_TRIES
 
-        tops = [max((c for c in options if c.backend == b), key=rank, default=None) for b in st.space.backends
-                if unmeasured(b)]
-        if any(tops):
-            return Proposal(max((c for c in tops if c is not None), key=rank), "frontier")
+        tops = [c for b in st.space.backends if unmeasured(b)
+                for c in [max((c for c in options if c.backend == b), key=rank, default=None)] if c is not None]
+        if tops:
+            return Proposal(max(tops, key=rank), "frontier")
         best = st.best()
         noise = st.noise(best) if best is not None else 0.0
 

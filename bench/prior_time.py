@@ -7,6 +7,8 @@ machine falls on every config alike.
         [--sub-batch-size 1 2 4 8] [--num-sub-batches 1 2 4] [--num-live-blocks 1 4] [--activations recompute offload]
         [--backend speedloader deepspeed fsdp] [--zero-stage 2 3] [--offload-optimizer none cpu]
         [--cpu-offload false true]
+    python bench/prior_time.py --mode generate [--prompt-len 32] [--new-tokens 16] [--kv-cache host device]
+        [--weights-on-device 0 0.5 1] ...     (generation: a step is one generate call)
 
 prints each config's measured step (median [min, max] over the rounds), its prediction with the interval of the
 rates' slowest and fastest samples, their ratio and the predicted breakdown, then the median and 90th percentile of
@@ -63,10 +65,20 @@ def main() -> None:
     p.add_argument("--zero-stage", type=int, nargs="+", default=[2, 3])
     p.add_argument("--offload-optimizer", nargs="+", default=["none", "cpu"])
     p.add_argument("--cpu-offload", nargs="+", default=["false", "true"], choices=["false", "true"])
+    p.add_argument("--mode", default="train", choices=["train", "generate"])
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--new-tokens", type=int, default=16)
+    p.add_argument("--kv-cache", nargs="+", default=["host", "device"])
+    p.add_argument("--weights-on-device", type=float, nargs="+", default=[0.0, 0.5, 1.0])
     args = p.parse_args()
     search = {"backend": args.backend, "sub_batch_size": args.sub_batch_size,
-              "num_sub_batches": args.num_sub_batches, "activations": args.activations,
-              "trial_min_time_s": 1.0, "profile": False}
+              "num_sub_batches": args.num_sub_batches, "trial_min_time_s": 1.0, "profile": False}
+    workload = {"seq_len": args.seq_len}
+    if args.mode == "train":
+        search["activations"] = args.activations
+    else:
+        search |= {"kv_cache": args.kv_cache, "weights_on_device": args.weights_on_device}
+        workload = {"mode": "generate", "prompt_len": args.prompt_len, "new_tokens": args.new_tokens}
     if "speedloader" in args.backend:
         search["num_live_blocks"] = args.num_live_blocks
     if "deepspeed" in args.backend:
@@ -74,14 +86,16 @@ def main() -> None:
     if "fsdp" in args.backend:
         search["fsdp"] = {"cpu_offload": [v == "true" for v in args.cpu_offload]}
     ok = load({"model": {"preset": args.model, "dtype": args.dtype, "mixed_precision": args.dtype != "float32"},
-               "workload": {"seq_len": args.seq_len}, "search": search}, "bench")
+               "workload": workload, "search": search}, "bench")
     state = SearchState(ok.spec, ok.shape, ok.space)
     configs = ok.space.candidates
     started = time.perf_counter()
     optimizers = {f"torch.{ok.spec.optimizer.name}": ok.spec.optimizer.build,
                   **(deepspeed_adam("cpu") if "deepspeed" in args.backend else {})}
     rates = calibrate(workload_of(ok.spec), budget_s=args.budget, optimizers=optimizers)
-    print(f"{args.model} {args.dtype} seq {args.seq_len}: {len(configs)} configs, {args.rounds} interleaved rounds")
+    what = f"seq {args.seq_len}" if args.mode == "train" else \
+        f"generate {args.prompt_len}+{args.new_tokens} tokens"
+    print(f"{args.model} {args.dtype} {what}: {len(configs)} configs, {args.rounds} interleaved rounds")
     print(f"calibrated in {rates.seconds:.1f}s: {rates.where()}")
     predicted = {c: step_time(state.recipe, c, rates, state.prior(c)) for c in configs}
     specs = {c: trial_spec(ok.spec, c, None) for c in configs}

@@ -9,7 +9,7 @@ import sys
 from datetime import datetime, timezone
 
 from sltune.machine.fingerprint import Fingerprint
-from sltune.machine.rates import AttentionRate, MachineRates, MatmulRate, Rate
+from sltune.machine.rates import AttentionRate, DecodeAttentionRate, MachineRates, MatmulRate, Rate
 
 
 def r(median: float, unit: str, spread: float = 0.1) -> Rate:
@@ -26,6 +26,14 @@ matmul = [MatmulRate(rows=rows, k=k, n=n, dtype=d, flops=r(PEAK[d] * eff, "FLOP"
 attention = [AttentionRate(batch=b, heads=32, seq=2048, head_dim=128, dtype=d, flops=r(PEAK[d] * eff, "FLOP"))
              for d in PEAK for b, eff in ((1, 0.35), (8, 0.5))]               # FlashAttention-2 reaches ~0.5-0.7
 HBM = 1555e9 * 0.8                                                           # datasheet; 80% achieved, assumed
+# generation's decode step reads every weight (and the keys and values) once for a few rows: bound by HBM, not the
+# tensor cores. A matmul of r rows moves k x n x itemsize bytes for 2 x r x k x n FLOP; attention 4 FLOP a position
+# and head dim for 2 x itemsize bytes
+ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
+matmul += [MatmulRate(rows=rows, k=k, n=n, dtype=d, flops=r(min(PEAK[d] * 0.35, 2 * rows * HBM / ITEMSIZE[d]), "FLOP"))
+           for d in PEAK for (k, n) in SHAPES for rows in (1, 8, 32)]
+decode_attention = [DecodeAttentionRate(batch=b, heads=32, past=2048, head_dim=128, dtype=d,
+                                        flops=r(2 * HBM / ITEMSIZE[d], "FLOP")) for d in PEAK for b in (1, 8)]
 elementwise = {d: r(HBM / (3 * s), "elements") for d, s in (("bfloat16", 2), ("float16", 2), ("float32", 4))}
 norm = {d: r(HBM / (2 * s), "elements") for d, s in (("bfloat16", 2), ("float16", 2), ("float32", 4))}
 DDR = 204.8e9 * 0.6            # 8 channels of DDR4-3200 (EPYC 7003 datasheet); 60% achieved, assumed
@@ -40,8 +48,8 @@ rates = MachineRates(
                                 "(published figures, examples/rates/README.md)",
                             cores=32, memory_bytes=512 << 30, gpus=("NVIDIA A100-PCIE-40GB",), torch="example"),
     measured_at=datetime(2026, 11, 29, tzinfo=timezone.utc), seconds=0.0, device="cuda:0", threads=32,
-    matmul=matmul, attention=attention, elementwise=elementwise, norm=norm, optimizer=optimizer, copies=copies,
-    disk=disk, disk_direct=True, op_overhead=r(1e5, "ops"))
+    matmul=matmul, attention=attention, decode_attention=decode_attention, elementwise=elementwise, norm=norm,
+    optimizer=optimizer, copies=copies, disk=disk, disk_direct=True, op_overhead=r(1e5, "ops"))
 
 if __name__ == "__main__":
     out = sys.argv[1] if len(sys.argv) > 1 else "examples/rates/a100-pcie4-nvme.json"

@@ -15,7 +15,7 @@ import torch
 
 from sltune.machine.collectives import collectives
 from sltune.machine.fingerprint import Fingerprint
-from sltune.machine.rates import AttentionRate, MachineRates, MatmulRate, Rate
+from sltune.machine.rates import AttentionRate, DecodeAttentionRate, MachineRates, MatmulRate, Rate
 from sltune.machine.timing import first_call_s, per_call_s
 from sltune.machine.workload import Workload
 from sltune.runtime.disk.direct_io import DirectFiles, aligned_empty
@@ -46,11 +46,14 @@ def calibrate(workload: Workload = Workload(), device: str = "cpu", budget_s: fl
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     dtype = getattr(torch, workload.dtype)
     # each weight's forward (rows x k @ k x n; its input's gradient does the same work transposed) and its weight's
-    # gradient (n x rows @ rows x k), whose reduction runs over the rows: far slower per FLOP at a few rows
-    shapes = sorted({(rows, k, n) for k, n in workload.matmuls for rows in workload.rows}
-                    | {(n, rows, k) for k, n in workload.matmuls for rows in workload.rows})
+    # gradient (n x rows @ rows x k), whose reduction runs over the rows: far slower per FLOP at a few rows;
+    # generation has no backward, and runs its decode steps at a sub-batch's rows
+    shapes = sorted({(rows, k, n) for k, n in workload.matmuls for rows in (*workload.rows, *workload.decode_rows)}
+                    | ({(n, rows, k) for k, n in workload.matmuls for rows in workload.rows}
+                       if not workload.generation else set()))
     # the probes still to run: each gets its share of the budget that is left
-    left = [len(shapes) + len(workload.rows) + 5 + len(optimizers or [None]) + len(world_sizes)]
+    left = [len(shapes) + len(workload.rows) + len(workload.decode_rows) + 5 + len(optimizers or [None])
+            + len(world_sizes)]
 
     def share() -> float:
         left[0] -= 1
@@ -59,7 +62,9 @@ def calibrate(workload: Workload = Workload(), device: str = "cpu", budget_s: fl
     progress("matmuls")
     matmul: list[MatmulRate] = []
     for rows, k, n in shapes:
-        if (m := _matmul(rows, k, n, dtype, dev, sync, share(), {(m.rows, m.k, m.n) for m in matmul})) is not None:
+        cold = rows in workload.decode_rows and rows not in workload.rows
+        if (m := _matmul(rows, k, n, dtype, dev, sync, share(), {(m.rows, m.k, m.n) for m in matmul},
+                         cold)) is not None:
             matmul.append(m)
     progress("attention")
     attention: list[AttentionRate] = []
@@ -67,6 +72,9 @@ def calibrate(workload: Workload = Workload(), device: str = "cpu", budget_s: fl
         a = _attention(max(1, rows // workload.seq_len), workload, dtype, dev, sync, share(),
                        {a.batch for a in attention})
         attention += [a] if a is not None else []
+    if workload.generation:
+        progress("decode attention")
+    decode = [_decode_attention(b, workload, dtype, dev, sync, share()) for b in workload.decode_rows]
     progress("elementwise and norm")
     rows = max(workload.rows)
     elementwise = {workload.dtype: _elementwise(rows, workload.hidden, dtype, dev, sync, share())}
@@ -87,8 +95,9 @@ def calibrate(workload: Workload = Workload(), device: str = "cpu", budget_s: fl
         collective.update(collectives(world, device, share(), processes))
     return MachineRates(fingerprint=Fingerprint.here(), measured_at=datetime.now(timezone.utc),
                         seconds=time.perf_counter() - start, device=str(dev), threads=torch.get_num_threads(),
-                        matmul=matmul, attention=attention, elementwise=elementwise, norm=norm, optimizer=optimizer,
-                        copies=copies, disk=disk, disk_direct=direct, op_overhead=overhead, collectives=collective,
+                        matmul=matmul, attention=attention, decode_attention=decode, elementwise=elementwise,
+                        norm=norm, optimizer=optimizer, copies=copies, disk=disk, disk_direct=direct,
+                        op_overhead=overhead, collectives=collective,
                         collective_backend=("nccl" if dev.type == "cuda" else "gloo") if world_sizes else None)
 
 
@@ -113,14 +122,16 @@ def _largest_within(size: int, start: int, call_for: Callable[[int], Callable[[]
 
 
 def _matmul(rows: int, k: int, n: int, dtype: torch.dtype, dev: torch.device, sync: Sync, budget_s: float,
-            done: set[tuple[int, int, int]]) -> MatmulRate | None:
+            done: set[tuple[int, int, int]], cold: bool = False) -> MatmulRate | None:
     """rows x k @ k x n, on fewer rows where the whole would not fit the budget (the entry says how many); None when
-    that cut lands on a size already measured."""
-    b = torch.randn(k, n, dtype=dtype, device=dev)
+    that cut lands on a size already measured. `cold`: each call reads its weight from memory (a decode step's few
+    rows read a layer's weights once, just loaded, where a cached one ran 2-3x faster), else the same weight."""
+    weights = itertools.cycle(cold_inputs(1, k, n, dtype, dev) if cold else [[torch.randn(k, n, dtype=dtype,
+                                                                                           device=dev)]])
 
     def call_for(r: int) -> Callable[[], object]:
         a = torch.randn(r, k, dtype=dtype, device=dev)
-        return lambda: a @ b
+        return lambda: a @ next(weights)[0]
 
     measured, fn, warm_s = _largest_within(rows, 8, call_for, sync, budget_s)
     if (measured, k, n) in done:
@@ -143,6 +154,17 @@ def _attention(batch: int, w: Workload, dtype: torch.dtype, dev: torch.device, s
     flops = _rate(fn, 4.0 * measured * w.heads * w.seq_len ** 2 * w.head_dim, "FLOP", sync, budget_s, warm_s)
     return AttentionRate(batch=measured, heads=w.heads, seq=w.seq_len, head_dim=w.head_dim,
                          dtype=str(dtype).removeprefix("torch."), flops=flops)
+
+
+def _decode_attention(batch: int, w: Workload, dtype: torch.dtype, dev: torch.device, sync: Sync,
+                      budget_s: float) -> DecodeAttentionRate:
+    """One query position per row over w.kv_len positions of past: a decode step's attention at its longest."""
+    q = torch.randn(batch, w.heads, 1, w.head_dim, dtype=dtype, device=dev)
+    k, v = (torch.randn(batch, w.heads, w.kv_len, w.head_dim, dtype=dtype, device=dev) for _ in range(2))
+    flops = _rate(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v),
+                  4.0 * batch * w.heads * w.kv_len * w.head_dim, "FLOP", sync, budget_s)
+    return DecodeAttentionRate(batch=batch, heads=w.heads, past=w.kv_len, head_dim=w.head_dim,
+                               dtype=str(dtype).removeprefix("torch."), flops=flops)
 
 
 def _elementwise(rows: int, hidden: int, dtype: torch.dtype, dev: torch.device, sync: Sync, budget_s: float) -> Rate:

@@ -62,6 +62,20 @@ class AttentionRate(BaseModel):
     flops: Rate
 
 
+class DecodeAttentionRate(BaseModel):
+    """scaled_dot_product_attention of one query position per row over `past` positions of keys and values, in
+    dtype: a decode step's, 4 x b x h x past x d FLOP (read-bound: the keys and values once)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    batch: int
+    heads: int
+    past: int
+    head_dim: int
+    dtype: str
+    flops: Rate
+
+
 class MachineRates(BaseModel):
     """Everything `sltune calibrate` measured on one machine, with the threads and device it measured on."""
 
@@ -77,6 +91,8 @@ class MachineRates(BaseModel):
     """torch's intra-op threads during the calibration"""
     matmul: list[MatmulRate] = []
     attention: list[AttentionRate] = []
+    decode_attention: list[DecodeAttentionRate] = []
+    """generation's (calibrated at a generate spec): a decode step's attention at each sub_batch_size"""
     elementwise: dict[str, Rate] = {}
     """per dtype: an add of two of a layer's activations (rows x hidden), elements per second"""
     norm: dict[str, Rate] = {}
@@ -109,6 +125,8 @@ class MachineRates(BaseModel):
         rows = [(f"matmul {m.rows}x{m.k} @ {m.k}x{m.n} {m.dtype}", m.flops, 1e9, "GFLOP/s") for m in self.matmul]
         rows += [(f"attention b={a.batch} h={a.heads} s={a.seq} d={a.head_dim} {a.dtype}", a.flops, 1e9, "GFLOP/s")
                  for a in self.attention]
+        rows += [(f"decode attention b={a.batch} h={a.heads} past={a.past} d={a.head_dim} {a.dtype}", a.flops, 1e9,
+                  "GFLOP/s") for a in self.decode_attention]
         rows += [(f"elementwise {d}", r, 1e9, "G elements/s") for d, r in self.elementwise.items()]
         rows += [(f"rms_norm {d}", r, 1e9, "G elements/s") for d, r in self.norm.items()]
         rows += [(f"optimizer {n}", r, 1e6, "M parameters/s") for n, r in self.optimizer.items()]

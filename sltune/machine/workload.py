@@ -21,8 +21,19 @@ class Workload:
     dtype: str = "float32"
     param_numels: tuple[int, ...] = field(default=())
     """one decoder layer's parameter sizes: the optimizer is timed on tensors of these sizes (default: one of 4M)"""
+    decode_rows: tuple[int, ...] = ()
+    """generation's: the rows of one sub-batch's decode step (its sub_batch_size: one new token a row), at which the
+    matmuls and the decode attention are timed too (empty: training, whose backward's matmuls are timed instead)"""
+    kv_len: int = 0
+    """generation's: the positions a decode step's attention reads at most (prompt_len + new_tokens)"""
+
+    @property
+    def generation(self) -> bool:
+        return bool(self.decode_rows)
 
     @property
     def key(self) -> str:
-        """Names the workload in the job store: rates are kept per machine and workload."""
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
+        """Names the workload in the job store: rates are kept per machine and workload (a training workload's
+        key leaves out the generation fields, so rates stored before they existed are still found)."""
+        named = {k: v for k, v in asdict(self).items() if self.generation or k not in ("decode_rows", "kv_len")}
+        return hashlib.sha256(json.dumps(named, sort_keys=True).encode()).hexdigest()[:16]

@@ -101,6 +101,31 @@ def test_a_job_asked_to_measure_the_rates_measures_them_first_and_is_guided_by_t
     assert Candidate.from_knobs(search[0]["config"]) == top
 
 
+def test_a_generation_job_is_guided_by_its_predicted_generate_calls(tmp_path):
+    """Generation too: a job measuring its rates at the generate spec (decode steps among them) runs no probes, and
+    its first trial is the config whose generate call the rates predict fastest per token."""
+    spec = {"name": "guided-generation", "model": {"preset": "llama-tiny"},
+            "workload": {"mode": "generate", "prompt_len": 16, "new_tokens": 8},
+            "search": {"strategy": "oneshot", "step_prior": "measure", "sub_batch_size": [1, 2, 4],
+                       "num_sub_batches": [1, 2], "num_live_blocks": [1, 2], "kv_cache": ["host"],
+                       "weights_on_device": [0.0, 1.0], "trial_steps": 1, "trial_min_time_s": 0.2,
+                       "confirm_rounds": 0, "time_budget_s": 300}}
+    db = f"sqlite:///{tmp_path / 'jobs.db'}"
+    result = tune(spec, db, settings=Settings(data_dir=tmp_path / "data"))
+    assert result["status"] == "succeeded", result["error"]
+    assert result["step_prior"]["guided"] is True
+    rates = stored_rates(Store(db), admitted_spec(spec))
+    assert rates is not None and rates.decode_attention
+    search = [t for t in result["trials"] if t["role"] != "confirm"]
+    assert {t["role"] for t in search} == {"frontier"}, search
+    shape = shape_of("llama-tiny")
+    replay = SearchState(admitted_spec(spec), shape, SearchSpace(admitted_spec(spec), shape), rates=rates)
+    top = max(replay.space.candidates, key=lambda c: (replay.step_prior(c).tokens_per_s, c.batch, c.sub_batch_size))
+    assert Candidate.from_knobs(search[0]["config"]) == top
+    assert Store(db).trial(result["job_id"], search[0]["number"]).predicted["prior_tokens_per_s"] == \
+        pytest.approx(replay.step_prior(top).tokens_per_s)
+
+
 def test_calibrating_for_a_spec_s_threads_gives_the_process_its_own_back(tmp_path):
     """A worker runs job after job in one process: one job's hardware.cpu_threads must not become the threads the next
     job's calibration measures at (nor its key). The second call finds what the first stored."""

@@ -31,8 +31,10 @@ gradients copied out while it computes. The fixed costs of a step outside every 
 "other") are not modelled: trials correct for them.
 
 A wrapped backend's step (DeepSpeed ZeRO, FSDP2) is the same sub-batch's work over the whole model per micro-batch,
-with the wrapper's own gathers, reduce-scatters, offload copies and optimizer step (WrappedLanes says which). Training
-only: generation's decode step is None.
+with the wrapper's own gathers, reduce-scatters, offload copies and optimizer step (WrappedLanes says which).
+
+In generation the "step" is what a generation trial times: one generate call, the prefill and new_tokens - 1 decode
+steps, each walking every unit once (GenerateLanes says what each moves and computes).
 """
 
 from __future__ import annotations
@@ -59,6 +61,11 @@ MLP_ELEMENTWISE = 3                 # passes over rows x the MLP's width
 NORMS_PER_LAYER = 2
 LOSS_PASSES = 3                     # log-softmax, its gradient, the gather: passes over rows x vocab
 OPS_PER_LAYER_PASS = 60             # aten ops a layer's forward dispatches (a backward: twice)
+# a generate call's steps, counted on llama-small (TorchDispatchMode; the KV cache's slices and views included): 1,106
+# aten ops a decode step at N=1, 1,843 at N=2 (k 1-8, b 1-4 within 5%), so much per layer and sub-batch, and so much
+# each step whatever N (the units' walk, the logits, the next tokens)
+DECODE_OPS_PER_LAYER = 92
+DECODE_OPS_PER_STEP = 360
 DEEPSPEED_GRAD_PASSES = 4           # over each gradient every micro-batch, counted in a ZeRO-2 trial's profile
                                     # (llama-small): its norm, its overflow check (amax, amin), its averaging
 ENDS = ("median", "low", "high")    # the rates' median, slowest and fastest sample
@@ -91,19 +98,18 @@ class MissingRate(ValueError):
     """The rates hold nothing for a kind of work a config does: calibrate at the spec."""
 
 
-def step_time(recipe: Setup, c: Candidate, rates: "MachineRates", prior: "Prior | None" = None) -> StepTime | None:
-    """The predicted step of config `c`, SpeedLoader's or a wrapped backend's (None for generation: not modelled
-    yet). `prior`: a SpeedLoader config's memory prior, whose disk traffic the disk lane reads (needed under
+def step_time(recipe: Setup, c: Candidate, rates: "MachineRates", prior: "Prior | None" = None) -> StepTime:
+    """The predicted step of config `c`, SpeedLoader's or a wrapped backend's; in generation one generate call.
+    `prior`: a SpeedLoader training config's memory prior, whose disk traffic the disk lane reads (needed under
     optimizer_offload or param_offload disk)."""
-    if recipe.mode != "train":
-        return None
-    if c.backend == "speedloader" and (recipe.on_disk(c) or recipe.weights_on_disk(c)) and prior is None:
+    train = recipe.mode == "train"
+    if train and c.backend == "speedloader" and (recipe.on_disk(c) or recipe.weights_on_disk(c)) and prior is None:
         raise ValueError("a config on disk needs its prior: its disk traffic is the prior's")
-    kind = Lanes if c.backend == "speedloader" else WrappedLanes
+    kind = GenerateLanes if not train else Lanes if c.backend == "speedloader" else WrappedLanes
     lanes = {end: kind(RatesAt(rates, recipe.shape.dtype, end), recipe, c, prior) for end in ENDS}
     median = lanes["median"].play()
     slowest, fastest = lanes["low"].play(), lanes["high"].play()
-    tokens = c.batch * recipe.seq_len * max(1, recipe.world_size)
+    tokens = c.batch * (recipe.seq_len if train else recipe.new_tokens) * max(1, recipe.world_size)
     return StepTime(sum(median.values()), sum(slowest.values()), sum(fastest.values()), median, tokens)
 
 
@@ -133,6 +139,14 @@ class RatesAt:
     def attention_s(self, batch: int, heads: int, seq: int, head_dim: int) -> float:
         points = sorted((a.batch, self._of(a.flops)) for a in self.attention)
         return 4.0 * batch * heads * seq * seq * head_dim / interpolate(points, batch)
+
+    def decode_attention_s(self, batch: int, heads: int, past: float, head_dim: int) -> float:
+        """One query position per row over `past` positions (at the rate calibrated at the longest past)."""
+        points = sorted((a.batch, self._of(a.flops)) for a in self.rates.decode_attention if a.dtype == self.dtype)
+        if not points:
+            raise MissingRate(f"the rates hold no {self.dtype} decode attention; calibrate at a generate spec: "
+                              "sltune calibrate SPEC")
+        return 4.0 * batch * heads * past * head_dim / interpolate(points, batch)
 
     def elementwise_s(self, elements: float) -> float:
         return elements / self._of(self.rates.elementwise[self.dtype])
@@ -222,12 +236,13 @@ class Lanes:
         grads = sum(at.matmul_s(rows, n, k) + at.matmul_s(n, rows, k) for k, n in self.weights())
         return grads + 2 * self.layer_rest_s()
 
-    def layer_rest_s(self) -> float:
-        """A layer's forward work besides its weights' matmuls: attention, elementwise and norm passes."""
+    def layer_rest_s(self, attention: float | None = None) -> float:
+        """A layer's forward work besides its weights' matmuls: attention (causal over seq_len unless given),
+        elementwise and norm passes."""
         shape, at, rows = self.r.shape, self.at, self.rows
-        s = 0.0
         head_dim = shape.head_dim or 64
-        s += at.attention_s(self.c.sub_batch_size, max(1, shape.hidden // head_dim), self.r.seq_len, head_dim)
+        s = attention if attention is not None else \
+            at.attention_s(self.c.sub_batch_size, max(1, shape.hidden // head_dim), self.r.seq_len, head_dim)
         s += at.elementwise_s(ELEMENTWISE_PER_LAYER * rows * shape.hidden
                               + MLP_ELEMENTWISE * rows * max((n for _, n in self.weights()), default=shape.hidden))
         return s + at.norm_s(NORMS_PER_LAYER * rows * shape.hidden)
@@ -485,3 +500,95 @@ class WrappedLanes(Lanes):
         if c.cpu_offload and not r.on_cpu:          # on the CPU the shards are where the compute is
             copies = at.copy_s(4 * n * per_micro / self.world, "h2d") + at.copy_s(4 * shard, "d2h")
         return compute, at.optimizer_s(r.optimizer.name, shard), copies, gathered, scattered, 0.0
+
+
+class GenerateLanes(Lanes):
+    """One generate call of config c (sltune.runtime.generate): the prefill over prompt_len tokens a row, then
+    new_tokens - 1 decode steps of one token a row, each walking the units once (embedding, the groups, the head)
+    with every sub-batch run through each while it is loaded.
+
+    Per forward step, per sub-batch: each decoder layer's matmuls at its rows (b x prompt_len at the prefill, b at a
+    decode step), its attention (causal over the prompt; a decode step's one position over the past, at the mean past
+    of the call's decode steps: its work is linear in it), its elementwise and norm passes and its ops' fixed costs;
+    the head over each row's last position, and the next tokens picked from the float32 logits; each step's own ops
+    besides (DECODE_OPS_PER_STEP). Moved each step, as
+    GenerationStats counts it: every unit's weights but those weights_on_device keeps (they load at the prefill
+    only), per sub-batch under canonical, nothing resident; each group's boundary activations (speedloader); the new
+    keys and values into KV caches in host memory, read where they lie on the CPU, and on a GPU staged per group
+    and sub-batch (the past copied in). param_offload disk reads the streamed units' files each step on the I/O lane,
+    read ahead. Lanes: on the CPU they add up; on a GPU a unit loads while the one before it computes."""
+
+    def __init__(self, at: RatesAt, recipe: Setup, c: Candidate, prior: "Prior | None"):
+        from sltune.runtime.residency import keep_order, kept_share
+
+        super().__init__(at, recipe, c, prior)
+        shape = recipe.shape
+        groups = [(f"group{i}", k * shape.layer_bytes) for i, k in enumerate(self.group_layers)]
+        self.walk = [("embed", shape.embed_bytes), *groups, ("head", shape.head_bytes)]     # the order a step runs
+        order = keep_order(("tied", shape.tied_bytes), self.walk[0], self.walk[-1], groups)
+        shares = kept_share([nbytes for _, nbytes in order], c.weights_on_device or 0.0)
+        self.kept = {name for (name, _), keep in zip(order, shares) if keep}
+        self.tied = shape.tied_bytes
+
+    def loaded(self, decode: bool) -> list[int]:
+        """Per unit in walking order, the bytes one step loads (the tied weights with the embedding): every unit at
+        the prefill, the ones weights_on_device does not keep at a decode step."""
+        sizes = [0 if decode and name in self.kept else nbytes for name, nbytes in self.walk]
+        sizes[0] += 0 if decode and "tied" in self.kept else self.tied
+        return sizes
+
+    def play(self) -> dict[str, float]:
+        r = self.r
+        decodes = r.new_tokens - 1
+        out = dict.fromkeys(SLICES, 0.0)
+        for rows, past, times in ((self.c.sub_batch_size * r.prompt_len, 0.0, 1),
+                                  (self.c.sub_batch_size, r.prompt_len + decodes / 2, decodes)):
+            if not times:
+                continue
+            compute, loads, moved, ops, gathered = self.forward_step(rows, past)
+            out["compute"] += times * sum(compute)
+            out["cpu"] += times * ops
+            out["all_gather"] += times * gathered
+            if r.on_cpu or r.schedule == "resident":
+                out["memcpy"] += times * (sum(loads) + sum(moved))
+            else:
+                out["memcpy"] += times * self.exposed_copies(compute, loads, moved, [0.0] * len(compute))
+        if r.weights_on_disk(self.c):
+            read = sum(self.loaded(decode=False)) + decodes * sum(self.loaded(decode=True))
+            out["disk"] = max(0.0, self.at.disk_s(read / self.world, 0) - sum(out.values()))
+        return out
+
+    def forward_step(self, rows: int, past: float) -> tuple[list[float], list[float], list[float], float, float]:
+        """(compute per unit, loads per unit, activations' and KV copies per unit, ops' fixed costs, all-gathers)
+        of one forward step at `rows` a sub-batch: the prefill (past 0) or a decode step over `past` positions."""
+        r, c, at, shape = self.r, self.c, self.at, self.r.shape
+        n, b = c.num_sub_batches, c.sub_batch_size
+        head_dim = shape.head_dim or 64
+        heads, q = max(1, shape.hidden // head_dim), rows // b
+        self.rows = rows
+        attention = at.decode_attention_s(b, heads, past + 1, head_dim) if past else \
+            at.attention_s(b, heads, q, head_dim)
+        layer = sum(at.matmul_s(rows, k, w) for k, w in self.weights()) + self.layer_rest_s(attention)
+        head = at.matmul_s(b, shape.hidden, shape.vocab) + at.norm_s(b * shape.hidden)
+        compute = [n * at.elementwise_s(rows * shape.hidden),                  # the embedding's lookup
+                   *(n * layers * layer for layers in self.group_layers),
+                   n * head + at.elementwise_s(2 * n * b * shape.vocab)]       # logits to float32, the next tokens
+        loads = [0.0] * len(compute)
+        if r.schedule != "resident":
+            per_step = n if r.schedule == "canonical" else 1
+            loads = [per_step * at.copy_s(nbytes / self.world, "h2d") for nbytes in self.loaded(decode=past > 0)]
+        edge = rows * shape.hidden * shape.itemsize
+        kv_new = 2 * rows * (shape.kv_heads or heads) * head_dim * shape.itemsize    # a layer's new keys and values
+        moved = [0.0] * len(compute)
+        for g, layers in enumerate(self.group_layers, start=1):
+            if r.schedule == "speedloader":                 # its input fetched, its output put, per sub-batch
+                moved[g] += n * (at.copy_s(edge, "h2d") + at.copy_s(edge, "d2h"))
+            if not c.kv_on_device and r.schedule != "resident":
+                moved[g] += n * layers * at.copy_s(kv_new, "d2h")
+                if not r.on_cpu and past:                   # staged on the device: the past copied in
+                    moved[g] += n * layers * at.copy_s(kv_new * past, "h2d")
+        gathered = 0.0
+        if self.world > 1 and r.schedule != "resident":
+            gathered = at.collective_s("all_gather", self.world, sum(self.loaded(decode=past > 0)))
+        ops = at.ops_s(DECODE_OPS_PER_STEP + n * shape.layers * DECODE_OPS_PER_LAYER)
+        return compute, loads, moved, ops, gathered

@@ -4,6 +4,7 @@ bf16 instructions runs at a hundredth of float32's rate)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 
 from sltune.machine import Workload
@@ -14,11 +15,16 @@ from sltune.tuning.spec import TuningSpec
 
 def workload_of(spec: TuningSpec) -> Workload:
     """The spec's model at rows of the search's smallest, middle and largest sub_batch_size times the tokens per
-    row (workload_for)."""
-    tokens = spec.workload.seq_len if spec.workload.mode == "train" else spec.workload.prompt_len
+    row (workload_for); in generation also at those sub_batch_sizes alone, a decode step's rows, over the positions
+    its attention reads at most."""
+    w = spec.workload
+    tokens = w.seq_len if w.mode == "train" else w.prompt_len
     sizes = knob_values(spec.search.sub_batch_size, "sub_batch_size")
-    return workload_for(shape_of(spec.model.source, spec.model.dtype), tokens,
-                        (sizes[0] * tokens, sizes[len(sizes) // 2] * tokens, sizes[-1] * tokens))
+    spanned = (sizes[0], sizes[len(sizes) // 2], sizes[-1])
+    workload = workload_for(shape_of(spec.model.source, spec.model.dtype), tokens, (b * tokens for b in spanned))
+    if w.mode == "train":
+        return workload
+    return dataclasses.replace(workload, decode_rows=tuple(sorted(set(spanned))), kv_len=w.prompt_len + w.new_tokens)
 
 
 def workload_for(shape: ModelShape, tokens: int, rows: Iterable[int]) -> Workload:

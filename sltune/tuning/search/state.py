@@ -191,8 +191,8 @@ class SearchState:
 
     def step_prior(self, c: Candidate, layers: int | None = None, corrected: bool = True) -> StepTime | None:
         """c's step (at `layers` decoder layers; None: the whole model) predicted from the machine's rates
-        (sltune.tuning.cost.step_time), corrected by its backend's trials so far; None without rates, for what the
-        prior does not model (generation) and where the rates lack a kind of work c does."""
+        (sltune.tuning.cost.step_time), corrected by its backend's trials so far; None without rates and where the
+        rates lack a kind of work c does."""
         if self.rates is None:
             return None
         key = (c, layers)
@@ -218,7 +218,7 @@ class SearchState:
     @property
     def guided(self) -> bool:
         """Whether oneshot ranks the space by the step-time prior (search.step_prior): the machine's rates are here
-        and predict every config's step (not generation's, not a kind of work they lack)."""
+        and predict every config's step (they hold every kind of work the configs do)."""
         if self._guided is None:
             self._guided = self.rates is not None and self.spec.search.step_prior != "off" and all(
                 self.step_prior(c, corrected=False) is not None for c in self.space.candidates)

@@ -38,6 +38,24 @@ def test_a_matmul_too_slow_for_its_share_of_the_budget_is_timed_on_fewer_rows_an
     assert rates.seconds < 10
 
 
+def test_a_generate_workload_times_its_decode_steps_and_no_backward():
+    """At a generate spec's workload: the matmuls at the decode steps' rows too (a sub-batch's rows), attention of one
+    position over kv_len, and no weight gradient (generation has no backward). Its key is its own; a training
+    workload's is what it was before the generation fields existed."""
+    import dataclasses
+    import hashlib
+    import json
+
+    generate = dataclasses.replace(SMALL, decode_rows=(1, 4), kv_len=24)
+    rates = calibrate(generate, budget_s=3)
+    assert {(m.rows, m.k, m.n) for m in rates.matmul} == {(r, k, n) for r in (1, 4, 16, 64) for k, n in SMALL.matmuls}
+    assert [(a.batch, a.past) for a in rates.decode_attention] == [(1, 24), (4, 24)]
+    assert all(a.flops.low <= a.flops.median <= a.flops.high for a in rates.decode_attention)
+    assert generate.key != SMALL.key
+    fields = {k: v for k, v in dataclasses.asdict(SMALL).items() if k not in ("decode_rows", "kv_len")}
+    assert SMALL.key == hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def test_the_rates_are_the_dtype_s_own():
     """A bfloat16 matmul is not a float32 one (on a CPU without bf16 instructions a hundredth of its rate): the
     workload's dtype is what is timed, and it keys the stored rates apart."""

@@ -128,8 +128,52 @@ def test_rates_that_lack_a_kind_of_work_say_how_to_measure_it():
         step_time(recipe(optimizer=OptimizerConfig(name="sgd")), Candidate(1, 1, 1), rates_for())
 
 
-def test_what_it_does_not_model_yet_is_none():
-    assert step_time(recipe(mode="generate"), Candidate(1, 1, 1, kv_cache="host"), rates_for()) is None
+def generate(**changes) -> Setup:
+    return recipe(**{"mode": "generate", "prompt_len": 16, "new_tokens": 9, **changes})
+
+
+def test_a_generate_call_loads_the_weights_it_streams_at_each_of_its_steps():
+    """The prefill and new_tokens - 1 decode steps each load every unit not kept on the device (a kept one loads
+    once); canonical loads per sub-batch; resident nothing. Tokens: a row's new tokens, every row."""
+    shape, copy = generate().shape, 1e6
+    rates = rates_for(copy=copy)
+    streamed = step_time(generate(), Candidate(2, 2, 1, kv_cache="device", weights_on_device=0.0), rates)
+    loads = 9 * shape.param_bytes / copy             # the boundary activations: a few KiB a step, within 3%
+    assert loads <= streamed.breakdown["memcpy"] <= 1.03 * loads
+    assert streamed.tokens == 2 * 2 * 9
+    kept = step_time(generate(), Candidate(2, 2, 1, kv_cache="device", weights_on_device=1.0), rates)
+    assert shape.param_bytes / copy <= kept.breakdown["memcpy"] <= shape.param_bytes / copy + 0.03 * loads
+    canonical = step_time(generate(schedule="canonical"), Candidate(2, 2, 1, kv_cache="device"), rates)
+    assert canonical.breakdown["memcpy"] == pytest.approx(2 * loads, rel=0.03)
+    assert step_time(generate(schedule="resident"), Candidate(2, 2, 1), rates).breakdown["memcpy"] == 0
+
+
+def test_a_decode_step_runs_a_sub_batch_s_rows_and_attends_over_the_past():
+    """Each extra new token is one more decode step: b rows a sub-batch through every layer's matmuls (and the head's
+    last position), its attention over the past, which grows by a position a step."""
+    rates, c = rates_for(), Candidate(2, 1, 1, kv_cache="device", weights_on_device=1.0)
+    shape = generate().shape
+    one, two, three = (step_time(generate(new_tokens=t), c, rates).breakdown["compute"] for t in (1, 2, 3))
+    matmuls = 2 * 2 * (sum(k * n for k, n in Lanes(RatesAt(rates, "float32", "median"), generate(), c, None).weights())
+                       * shape.layers + shape.hidden * shape.vocab) / 1e9
+    attention = 4 * 2 * (shape.hidden // shape.head_dim) * shape.head_dim / 1e9    # per position of past
+    assert two - one > matmuls                       # the decode step's matmuls, and its other work
+    assert (three - two) - (two - one) == pytest.approx(shape.layers * attention, rel=1e-6)    # one position more
+
+
+def test_a_gpu_overlaps_a_unit_s_load_with_the_one_before_and_stages_host_kv_caches():
+    cpu = step_time(generate(), Candidate(2, 2, 1, kv_cache="host"), rates_for()).breakdown
+    gpu = step_time(generate(device="cuda"), Candidate(2, 2, 1, kv_cache="host"), rates_for(device="cuda")).breakdown
+    assert gpu["compute"] == pytest.approx(cpu["compute"]) and gpu["memcpy"] < cpu["memcpy"]
+    slow = rates_for(device="cuda", copy=1e5)
+    staged = step_time(generate(device="cuda"), Candidate(2, 2, 1, kv_cache="host"), slow).breakdown["memcpy"]
+    on_device = step_time(generate(device="cuda"), Candidate(2, 2, 1, kv_cache="device"), slow).breakdown["memcpy"]
+    assert staged > on_device                       # the past copied in for every decode step
+
+
+def test_generation_without_decode_rates_says_to_calibrate_at_a_generate_spec():
+    with pytest.raises(MissingRate, match="decode attention.*generate spec"):
+        step_time(generate(), Candidate(1, 1, 1, kv_cache="host"), rates_for(decode_attention=[]))
 
 
 def wrapped(backend: str, b: int = 2, n: int = 1, activations: str = "recompute", **knobs) -> Candidate:

@@ -223,7 +223,7 @@ def test_a_backend_whose_top_runs_out_of_memory_is_measured_at_its_next_top_befo
     assert not st.predict(first).fits
 
 
-def test_oneshot_probes_as_before_without_rates_with_step_prior_off_or_in_generation():
+def test_oneshot_probes_as_before_without_rates_with_step_prior_off_or_rates_that_lack_a_kind_of_work():
     assert not state_of().guided
     assert not guided({"step_prior": "off"}).guided
     probes = OneShotStrategy(guided({"step_prior": "off"}), 0)
@@ -231,6 +231,9 @@ def test_oneshot_probes_as_before_without_rates_with_step_prior_off_or_in_genera
     from tests.support.backend_specs import SHAPE, parse
     from tests.support.rates import rates_for
 
-    spec = parse({"sub_batch_size": [1, 2], "num_sub_batches": [1], "num_live_blocks": [1]}, workload={
+    spec = parse({"sub_batch_size": [1, 2], "num_sub_batches": [1, 2], "num_live_blocks": [1]}, workload={
         "mode": "generate", "prompt_len": 8, "new_tokens": 4})
-    assert not SearchState(spec, SHAPE, SearchSpace(spec, SHAPE), rates=rates_for(seq=32)).guided
+    # generation is guided by rates calibrated at a generate spec, not by a training spec's (no decode attention)
+    st = SearchState(spec, SHAPE, SearchSpace(spec, SHAPE), rates=rates_for(seq=32))
+    assert st.guided and OneShotStrategy(st, 0).propose().role == "frontier"
+    assert not SearchState(spec, SHAPE, SearchSpace(spec, SHAPE), rates=rates_for(seq=32, decode_attention=[])).guided

@@ -4,7 +4,9 @@
 #
 #   bash scripts/install.sh            the package: tune, train, serve, plan (SpeedLoader and FSDP2)
 #   bash scripts/install.sh backends   ... and DeepSpeed, its CPU ops built now (not in a trial's first minutes)
-#   bash scripts/install.sh test       ... and what the test suite and the docs build need: the README's "Test it"
+#   bash scripts/install.sh ray        ... and Ray: trials on a Ray cluster (hardware.executor ray)
+#   bash scripts/install.sh test       ... and what the test suite and the docs build need, Ray and DeepSpeed among
+#                                      them: the README's "Test it"
 #
 # torch first, pinned: a plain `torch` requirement would pull a multi-GB CUDA build. An environment that has a torch
 # already (a CUDA build on a GPU machine, say) keeps it; SLTUNE_TORCH names another pin.
@@ -15,8 +17,9 @@ what="${1:-package}"
 case "$what" in
     package) extras="" ; backends=0 ;;
     backends) extras="" ; backends=1 ;;
-    test) extras="[test,docs]" ; backends=1 ;;
-    *) echo "install.sh: unknown '$what': give nothing, 'backends' or 'test'" >&2; exit 2 ;;
+    ray) extras="[ray]" ; backends=0 ;;
+    test) extras="[test,docs,ray]" ; backends=1 ;;
+    *) echo "install.sh: unknown '$what': give nothing, 'backends', 'ray' or 'test'" >&2; exit 2 ;;
 esac
 say() { echo "install.sh: $*"; }
 

@@ -60,6 +60,8 @@ class Settings(BaseSettings):
                                               "as a share of the machine's: jobs asking for more (or naming no "
                                               "host_memory_limit) get this")
     # workers
+    ray_address: str | None = Field(None, description="host:port of the Ray cluster's head that jobs with "
+                                    "hardware.executor ray run their trials on; unset: Ray's own RAY_ADDRESS")
     lease_seconds: float = 30.0
     heartbeat_seconds: float = 5.0
     poll_seconds: float = 1.0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -13,8 +14,10 @@ from sltune.cli.common import unused_flags
 from sltune.cli.flags import add_fields, given, reword
 from sltune.config import RuntimeKnobs
 from sltune.field_errors import one_line
-from sltune.profiling import forks, run_trial
+from sltune.executors import EXECUTORS, executor_for
+from sltune.profiling import forks
 from sltune.profiling.schema import TrialSpec
+from sltune.settings import Settings
 from sltune.sizes import format_bytes
 from sltune.training.optimizer import OptimizerConfig
 
@@ -48,6 +51,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--trace", help="write the profiled step as a Chrome/Perfetto trace (JSON)")
     p.add_argument("--no-profile", action="store_true", help="skip the profiled step (no breakdown)")
     p.add_argument("--json", action="store_true", help="print the TrialResult as JSON")
+    p.add_argument("--executor", choices=EXECUTORS, default="local",
+                   help="where the trial runs: this machine, or a node of the Ray cluster at SLTUNE_RAY_ADDRESS (or "
+                        "RAY_ADDRESS; pip install -e '.[ray]')")
     p.set_defaults(run=run)
 
 
@@ -60,17 +66,24 @@ def run(args: argparse.Namespace) -> int:
         from sltune.runtime.disk.direct_io import writable_dir
 
         spec = spec.model_copy(update={"offload_dir": str(writable_dir(spec.offload_dir, "--offload-dir"))})
-    if not args.oversubscribe:
-        from sltune.settings import Settings
-        from sltune.tuning.search.trials import ranks_fit
+    if args.executor == "ray":      # the trial runs on a node of the cluster: neither this machine's cores nor its
+        executor = executor_for("ray", Settings().ray_address)     # memory bound it
+    else:
+        if not args.oversubscribe:
+            from sltune.tuning.search.trials import ranks_fit
 
-        ranks_fit(spec.world_size, Settings().world_size_ceiling, "--world-size", "--oversubscribe")
-    # the trial's fork server imports torch and transformers on the other core while this process checks the spec
-    # against the host (the prior imports them too): one after the other they were 5 of an idle machine's 14 s
-    forks.start()
-    if spec.backend == "speedloader":   # the prior models SpeedLoader's memory; another backend's is measured only
-        _fits_host(spec)
-    result = run_trial(spec)
+            ranks_fit(spec.world_size, Settings().world_size_ceiling, "--world-size", "--oversubscribe")
+        # the trial's fork server imports torch and transformers on the other core while this process checks the
+        # spec against the host (the prior imports them too): one after the other they were 5 of an idle machine's
+        # 14 s
+        forks.start()
+        if spec.backend == "speedloader":   # the prior models SpeedLoader's memory; another backend's is measured
+            _fits_host(spec)
+        executor = executor_for("local")
+    try:
+        result = executor.run(spec)
+    finally:
+        executor.close()
     if args.json:
         print(result.model_dump_json())
     else:
@@ -90,7 +103,6 @@ def _fits_host(spec: TrialSpec) -> None:
     """What the trial would hold, predicted from the model's shape (sltune.tuning.cost.prior): refused before anything
     is built when over --host-memory-limit (else this machine's trial ceiling; all ranks together, as the trial
     is held to it) or --device-memory-limit."""
-    from sltune.settings import Settings
     from sltune.tuning.cost.baseline import trial_baseline
     from sltune.tuning.cost.feasible import FLAGS, shortfall
     from sltune.tuning.cost.setup import Setup
@@ -151,6 +163,8 @@ def describe(r) -> str:
                      f"{p.reference_loss:.6g}, relative difference {p.rel_diff:.2g} (tolerance {p.tolerance:.2g})")
     if r.backend_detail:
         lines.append("  " + ", ".join(f"{k}: {v}" for k, v in r.backend_detail.items()))
+    if r.nodes and set(r.nodes) != {socket.gethostname()}:
+        lines.append(f"  ran on {', '.join(dict.fromkeys(r.nodes))}")
     if r.tokens_per_s is not None:
         lines.append(f"  {r.tokens_per_s:,.1f} tokens/s, {r.step_seconds:.3f} s/step (medians)")
     if r.timing is not None:

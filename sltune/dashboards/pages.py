@@ -409,6 +409,9 @@ def _trial_summary(t: dict[str, Any], picks: dict[int, dict[str, Any]]) -> list[
     shape = ", ".join(f"{k} {ran[k]}" for k in ("seq_len", "world_size", "num_layers") if ran.get(k) is not None)
     if shape:
         items.append(("ran", shape + (" (a probe at reduced depth)" if t["config"].get("num_layers") else "")))
+    if r.get("nodes"):      # rank by rank: the host, and on a Ray cluster its node's id
+        items.append(("on", ", ".join(f"rank {i}: {node}" for i, node in enumerate(r["nodes"]))
+                      if len(set(r["nodes"])) > 1 else r["nodes"][0]))
     items.append(("started / finished (UTC)", f"{_ts(t['started_at'])} / {_ts(t['finished_at'])} "
                                               f"({_duration(t['started_at'], t['finished_at'])})"))
     if timing.get("setup_s") is not None:

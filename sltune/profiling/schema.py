@@ -199,12 +199,15 @@ class TrialResult(BaseModel):
                                   "ok makes the status diverged")
     backend_detail: dict[str, str] | None = Field(None, description="what the backend chose that its knobs do not "
                                                   "say (DeepSpeed's optimizer: DeepSpeedCPUAdam or torch's)")
+    nodes: list[str] | None = Field(None, description="the node each rank ran on, in rank order (its host name; on "
+                                    "a Ray cluster with the node's id after it): where the figures come from")
 
     @model_serializer(mode="wrap")
     def _detail_when_any(self, handler) -> dict[str, Any]:
         out = handler(self)
-        if out.get("backend_detail", 0) is None:        # SpeedLoader's trials: as before there were backends
-            del out["backend_detail"]
+        for key in ("backend_detail", "nodes"):     # as before there were backends and executors
+            if out.get(key, 0) is None:
+                del out[key]
         return out
 
     @model_validator(mode="after")

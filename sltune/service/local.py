@@ -66,9 +66,10 @@ def tune(spec: Admitted | TuningSpec | dict[str, Any] | str | Path, db: str | No
 
 
 def fits_this_machine(ok: Admitted, settings: Settings, oversubscribe: bool = False) -> None:
-    """Refuse, before any trial, ranks beyond this machine's cores (the server's ceiling on hardware.world_size,
-    unless `oversubscribe`), and a spec whose least config is predicted over a limit (sltune.tuning.cost.feasible):
-    the spec's host limit, or without one this machine's trial ceiling (a 70B spec's trials would each grow to it and
+    """Refuse, before any trial, a Ray cluster that does not answer (hardware.executor ray), ranks beyond this
+    machine's cores (the server's ceiling on hardware.world_size, unless `oversubscribe`; on a Ray cluster its
+    executor's), and a spec whose least config is predicted over a limit (sltune.tuning.cost.feasible): the spec's
+    host limit, or without one this machine's trial ceiling (a 70B spec's trials would each grow to it and
     be killed), for all the trial's ranks together; and its device limit. The host prior counts what a trial
     process holds before its model, measured on this machine (once: sltune.tuning.cost.baseline)."""
     from sltune.tuning.cost.baseline import trial_baseline
@@ -77,7 +78,11 @@ def fits_this_machine(ok: Admitted, settings: Settings, oversubscribe: bool = Fa
 
     spec, space = ok.spec, ok.space
     hw = spec.hardware
-    if not oversubscribe:
+    if hw.executor == "ray":        # the cluster answers (a node's CPUs bound the ranks: its executor says so)
+        from sltune.executors.on_ray import reachable
+
+        reachable(settings.ray_address)
+    elif not oversubscribe:
         ranks_fit(hw.world_size, settings.world_size_ceiling, "hardware.world_size", "--oversubscribe")
     recipe = ok.with_baseline(trial_baseline(hw.device, hw.world_size, spec.workload.mode, hw.cpu_threads))
     unset = hw.host_memory_limit is None

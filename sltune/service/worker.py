@@ -138,7 +138,8 @@ class Worker:
             result = run_job(self.store, job_id, progress=progress, should_stop=should_stop, worker_id=self.id,
                              artifact_dir=self.settings.artifact_dir(), offload_root=self.settings.offload_root(),
                              default_host_limit=self.settings.trial_host_limit(),
-                             max_trial_steps=self.settings.max_trial_steps, max_trials=self.settings.max_trials)
+                             max_trial_steps=self.settings.max_trial_steps, max_trials=self.settings.max_trials,
+                             ray_address=self.settings.ray_address)
             log.info("job %s %s", job_id, result["status"])
         except Exception as err:  # noqa: BLE001 - the job fails with the reason; the worker goes on
             if is_transient(err):

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any, Callable, Literal
 import optuna
 
 from sltune.backends import deepspeed_ops
+from sltune.executors import executor_for
 from sltune.models.confined import admitted_under, confinement, within
-from sltune.profiling import run_trial
 from sltune.sizes import format_bytes
 from sltune.store import Store
 from sltune.tuning.cost.baseline import trial_baseline
@@ -36,6 +36,7 @@ from sltune.tuning.space import Candidate, SearchSpace
 from sltune.tuning.spec import TuningSpec
 
 if TYPE_CHECKING:
+    from sltune.executors.base import Executor
     from sltune.machine.rates import MachineRates
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -79,7 +80,8 @@ def requirements(spec: TuningSpec) -> dict[str, Any]:
 def run_job(store: Store, job_id: str, *, progress: ProgressFn | None = None, should_stop: StopFn | None = None,
             worker_id: str | None = None, artifact_dir: Path | None = None,
             default_host_limit: int | None = None, max_trial_steps: int | None = None,
-            max_trials: int | None = None, offload_root: Path | None = None) -> dict[str, Any]:
+            max_trials: int | None = None, offload_root: Path | None = None,
+            ray_address: str | None = None) -> dict[str, Any]:
     """Run (or resume) a job. With worker_id every write is fenced: a runner that lost the job writes
     nothing more. default_host_limit is this worker's ceiling on a trial's host memory, whatever the spec
     says, so no trial can take the machine (and the server beside it) down; max_trial_steps its ceiling on a
@@ -88,16 +90,21 @@ def run_job(store: Store, job_id: str, *, progress: ProgressFn | None = None, sh
     files (a folder per job and trial, removed after each; default: beside artifact_dir, else a temporary
     folder); its free space bounds their disk beside the spec's hardware.disk_limit. A job a server admitted naming
     model.path reads its folder only inside the models_dir it was admitted under (sltune.models.confined), here and
-    in each trial: a folder that now leads outside fails the job in one line."""
+    in each trial: a folder that now leads outside fails the job in one line. Its trials run where
+    hardware.executor says (sltune.executors): on a Ray cluster, the one at ray_address (else RAY_ADDRESS)."""
     job = store.job(job_id)
     with within(admitted_under(job.limits if job is not None else None)):
         run = JobRun(store, job_id, progress=progress, should_stop=should_stop, worker_id=worker_id,
                      artifact_dir=artifact_dir, default_host_limit=default_host_limit,
                      max_trial_steps=max_trial_steps, max_trials=max_trials, offload_root=offload_root)
-        run.resume()
-        run.search()
-        run.confirm()
-        return run.finish()
+        run.executor = executor_for(run.spec.hardware.executor, ray_address)
+        try:
+            run.resume()
+            run.search()
+            run.confirm()
+            return run.finish()
+        finally:
+            run.executor.close()
 
 
 class JobRun:
@@ -105,6 +112,7 @@ class JobRun:
 
     study: optuna.Study
     strategy: Strategy
+    executor: Executor          # where its trials run (run_job's, from hardware.executor)
     start: float                # the clock of this run (elapsed_before holds the runs before it)
 
     def __init__(self, store: Store, job_id: str, *, progress: ProgressFn | None, should_stop: StopFn | None,
@@ -422,7 +430,7 @@ class JobRun:
                 folder.mkdir(parents=True, exist_ok=True)
             spec = trial_spec(self.spec, cand, trace, self.default_host_limit, self.max_trial_steps, layers, folder,
                               confirming=role == "confirm", models_dir=confinement())
-            return run_trial(spec, stop=self._stop_text if self.should_stop else None).model_dump(mode="json")
+            return self.executor.run(spec, stop=self._stop_text if self.should_stop else None).model_dump(mode="json")
         finally:
             if folder is not None:       # the optimizer's files are the trial's alone: gone with it
                 shutil.rmtree(folder, ignore_errors=True)

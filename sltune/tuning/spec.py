@@ -170,6 +170,10 @@ class Hardware(_Strict):
         "ranks each trial runs, all on one machine (a process each: one GPU each on cuda, sharing the cores on "
         "the cpu); a server allows at most its SLTUNE_MAX_WORLD_SIZE, by default its cores"))
     cpu_threads: int | None = Field(None, ge=1, description="torch intra-op threads per trial; default all cores")
+    executor: Literal["local", "ray"] = Field("local", description=(
+        "where trials run: local (this machine; a server's worker's) or ray (a node of the Ray cluster at "
+        "SLTUNE_RAY_ADDRESS or RAY_ADDRESS, each trial's ranks on one node; pip install -e '.[ray]'). Measurements "
+        "from different machines are not comparable: a job's trials run on nodes alike"))
     disk_limit: Bytes | None = Field(None, description=(
         "search.optimizer_offload or search.param_offload disk: the room a trial's files may take (the master and "
         "optimizer state, and under param_offload disk the weights, twice while a step writes its new version; the "

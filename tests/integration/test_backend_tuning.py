@@ -98,10 +98,10 @@ class Measured:
 @needs_deepspeed
 @pytest.mark.parametrize("strategy", ["oneshot", "grid", "random", "tpe"])
 def test_every_strategy_searches_every_backend_s_space(tmp_path, monkeypatch, strategy):
-    import sltune.tuning.runner as runner
+    import sltune.executors.local as local
 
     fake = Measured({"speedloader": 1000.0, "fsdp": 700.0, "deepspeed": 1300.0})
-    monkeypatch.setattr(runner, "run_trial", fake)
+    monkeypatch.setattr(local, "run_trial", fake)
     spec = {**BACKENDS, "name": strategy, "search": {
         **BACKENDS["search"], "strategy": strategy, "backend": ["speedloader", "deepspeed", "fsdp"],
         "num_sub_batches": [1],
@@ -121,9 +121,9 @@ def test_every_strategy_searches_every_backend_s_space(tmp_path, monkeypatch, st
 def test_a_diverged_backend_is_never_picked_however_fast_it_measured(tmp_path, monkeypatch):
     """FSDP's trials measure 10x SpeedLoader's tokens/s but diverge (their step-1 loss is off): the job's best, the
     confirmation's finalists, best_by_backend and Optuna's best trial are all SpeedLoader's."""
-    import sltune.tuning.runner as runner
+    import sltune.executors.local as local
 
-    monkeypatch.setattr(runner, "run_trial", Measured({"speedloader": 1000.0, "fsdp": 10_000.0},
+    monkeypatch.setattr(local, "run_trial", Measured({"speedloader": 1000.0, "fsdp": 10_000.0},
                                                       status={"fsdp": "diverged"}))
     db = f"sqlite:///{tmp_path / 'jobs.db'}"
     spec = {**BACKENDS, "name": "diverged", "search": {**BACKENDS["search"], "strategy": "grid", "confirm_rounds": 2}}

@@ -7,14 +7,14 @@ def test_the_confirmation_is_a_race_the_decisively_beaten_drop_out_and_alike_riv
     rest alike: here b=1 (2x slower when re-measured) runs one confirmation trial, b=2 and b=4 (0.25% apart)
     two each, and the bar's total follows. Confirmation trials are neither profiled nor re-timed within a trial:
     the paired rounds are their repetition."""
-    import sltune.tuning.runner as runner
+    import sltune.executors.local as local
     from sltune.settings import Settings
     from sltune.service.local import tune
     from tests.support.specs import tiny_spec
     from tests.support.fake_trials import FakeTrials
 
     fake = FakeTrials({1: 1990.0, 2: 2000.0, 4: 1995.0}, later={1: (0.5,)})
-    monkeypatch.setattr(runner, "run_trial", fake)
+    monkeypatch.setattr(local, "run_trial", fake)
     spec = tiny_spec("race", trials=3, strategy="grid", num_sub_batches=[1], num_live_blocks=[1], confirm_rounds=3,
                      profile=True)
     calls = []

@@ -346,7 +346,7 @@ def test_one_job_reports_one_best_figure_everywhere(site, monkeypatch, tmp_path,
     import optuna
     import yaml
 
-    import sltune.tuning.runner as runner
+    import sltune.executors.local as local
     from sltune.cli.main import main
     from sltune.cli.progress import JobBar
     from sltune.cli.tune import describe
@@ -356,7 +356,7 @@ def test_one_job_reports_one_best_figure_everywhere(site, monkeypatch, tmp_path,
 
     client, _ = site
     store = client.app.state.store
-    monkeypatch.setattr(runner, "run_trial", FakeTrials({1: 1900.0, 2: 2000.0}, later=(1.5,)))
+    monkeypatch.setattr(local, "run_trial", FakeTrials({1: 1900.0, 2: 2000.0}, later=(1.5,)))
     spec = {**tiny_spec("one-truth"), "search": {**tiny_spec()["search"], "strategy": "grid", "sub_batch_size": [1, 2],
                                                  "num_sub_batches": [1], "num_live_blocks": [1], "max_trials": 2,
                                                  "confirm_rounds": 2}}

@@ -47,12 +47,12 @@ def test_a_slow_check_does_not_hold_a_valid_post_behind_it(tmp_path):
 def test_a_capped_job_reports_only_the_confirmation_the_cap_leaves(tmp_path, monkeypatch):
     """3 search trials and 20 rounds of 3 finalists asked for, 4 trials in all allowed: one confirmation
     trial runs, and that is what the job's progress plans (it said 60)."""
-    import sltune.tuning.runner as runner
+    import sltune.executors.local as local
     from sltune.service.local import tune
     from sltune.settings import Settings
     from tests.support.fake_trials import FakeTrials
 
-    monkeypatch.setattr(runner, "run_trial", FakeTrials({1: 1990.0, 2: 2000.0, 4: 1995.0}))
+    monkeypatch.setattr(local, "run_trial", FakeTrials({1: 1990.0, 2: 2000.0, 4: 1995.0}))
     spec = tiny_spec("capped", trials=3, strategy="grid", num_sub_batches=[1], num_live_blocks=[1],
                      confirm_rounds=20)
     calls = []

@@ -354,10 +354,10 @@ def test_time_left_counts_the_confirmation_rounds_at_the_finalists_own_trial_tim
     configs; the estimate was the search's average over quick probes). Here the trials' times are set: a quick
     probe (b=1) and two slow finalists whose figures tie (b=2, b=4, so all 2 x 2 confirm trials run). From the
     last search trial on, every estimate is held to the time that did remain."""
-    import sltune.tuning.runner as runner
+    import sltune.executors.local as local
     from tests.support.fake_trials import FakeTrials
 
-    monkeypatch.setattr(runner, "run_trial", FakeTrials({1: 500.0, 2: 1000.0, 4: 1000.0},
+    monkeypatch.setattr(local, "run_trial", FakeTrials({1: 500.0, 2: 1000.0, 4: 1000.0},
                                                         wall={1: 0.01, 2: 0.5, 4: 0.5}))
     spec = {**SPEC, "name": "time-left", "search": {**SPEC["search"], "strategy": "grid", "sub_batch_size": [1, 2, 4],
                                                     "num_sub_batches": [1], "num_live_blocks": [1], "max_trials": 3,

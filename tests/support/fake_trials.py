@@ -20,7 +20,7 @@ class FakeTrials:
     (the machine got faster mid-job: the confirmation round re-measures the pick at other figures than its
     search trial; a dict gives each b its own, 1.0 for a b it lacks), 20 steps with 2% lognormal noise, seeded; each
     trial takes wall[b] seconds (default 0).
-    Monkeypatch it over sltune.tuning.runner.run_trial."""
+    Monkeypatch it over sltune.executors.local.run_trial (what a job's local executor runs)."""
 
     def __init__(self, speed: dict[int, float], later: tuple[float, ...] | dict[int, tuple[float, ...]] = (1.0,),
                  wall: dict[int, float] | None = None):

@@ -119,13 +119,13 @@ def test_every_docs_page_is_in_the_nav_and_ci_builds_the_site_before_the_tests()
 
 def test_ci_installs_what_the_readme_s_test_command_installs():
     """CI ran the DeepSpeed tests and a new user's "Test it" did not: both install with the same command now, and the
-    script puts the test tools, the docs build and DeepSpeed's CPU ops in it."""
+    script puts the test tools, the docs build, Ray and DeepSpeed's CPU ops in it."""
     install = "bash scripts/install.sh test"
     ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines() if not line.startswith("#")]
     assert f" && {install} && " in TEST and install in ci
     assert not any(line.startswith(("pip ", "python -m pip")) or " pip install" in line for line in ci)
     script = (ROOT / "scripts" / "install.sh").read_text()
-    assert 'test) extras="[test,docs]" ; backends=1 ;;' in script and "DS_BUILD_CPU_ADAM=1" in script
+    assert 'test) extras="[test,docs,ray]" ; backends=1 ;;' in script and "DS_BUILD_CPU_ADAM=1" in script
 
 
 def test_the_readme_first_command_trains_from_best_yaml_alone():

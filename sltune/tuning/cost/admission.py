@@ -70,6 +70,7 @@ def admit(spec: TuningSpec) -> Admitted:
         what = "workload.seq_len" if spec.workload.mode == "train" else "workload.prompt_len + workload.new_tokens"
         raise ValueError(f"{what} = {tokens} exceeds the model's max_position_embeddings {max_pos}; shorten it")
     _backends_run(spec)
+    _executor_runs(spec)
     space = SearchSpace(spec, shape)
     if not space.candidates:
         raise ValueError("the search space is empty: no sub_batch_size divides any effective_batch_size; "
@@ -79,6 +80,15 @@ def admit(spec: TuningSpec) -> Admitted:
     _memory_fits(ok)
     _probe_depth(spec, shape, space)
     return ok
+
+
+def _executor_runs(spec: TuningSpec) -> None:
+    """hardware.executor ray needs Ray here, an optional extra: one line saying how to install it."""
+    if spec.hardware.executor == "ray" and importlib.util.find_spec("ray") is None:
+        from sltune.executors import INSTALL_RAY
+
+        raise ValueError(f"hardware.executor: ray is not installed here; install it with `{INSTALL_RAY}`, or use "
+                         "hardware.executor local")
 
 
 def _backends_run(spec: TuningSpec) -> None:

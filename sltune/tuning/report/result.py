@@ -52,6 +52,7 @@ def job_result(job_id: str, spec: TuningSpec, state: SearchState, stop_reason: s
                     "unstable": timing_of(d.result).get("unstable"),
                     "peak_device_bytes": d.result.get("peak_device_bytes"),
                     "peak_host_bytes": d.result.get("peak_host_bytes"), "error": d.result.get("error"),
+                    "nodes": d.result.get("nodes"),
                     **({"num_layers": state.depth_of(d)} if state.reduced(d) else {})}
                    for d in sorted(state.history + state.confirms, key=lambda d: d.number)],
     }

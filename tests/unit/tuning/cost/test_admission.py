@@ -61,3 +61,13 @@ def test_a_backend_that_is_not_installed_is_refused_at_admission(monkeypatch):
     with pytest.raises(ValueError, match=r"search\.backend: deepspeed is not installed here; install it with `bash "
                                          r"scripts/install\.sh backends`, or drop deepspeed from search\.backend"):
         admitted({"name": "x", "model": {"preset": "llama-tiny"}, "search": {"backend": ["speedloader", "deepspeed"]}})
+
+
+def test_the_ray_executor_without_ray_installed_is_refused_at_admission_saying_how_to_install_it(monkeypatch):
+    from sltune.tuning.cost import admission
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(admission.importlib.util, "find_spec", lambda name: None if name == "ray" else real(name))
+    with pytest.raises(ValueError, match=r"hardware\.executor: ray is not installed here; install it with `pip "
+                                         r"install -e '\.\[ray\]'`, or use hardware\.executor local"):
+        admitted({"name": "x", "model": {"preset": "llama-tiny"}, "hardware": {"executor": "ray"}})

@@ -201,7 +201,7 @@ class _OwnGroup:
 
     def __init__(self, device: str, timeout_s: float):
         self.started = False
-        if dist.is_initialized():     # one machine: the local rank is the rank (DeepSpeed reads it from the env)
+        if dist.is_initialized():     # the trial's ranks set their local rank when they joined; else one machine's
             os.environ.setdefault("LOCAL_RANK", str(dist.get_rank()))
             os.environ.setdefault("LOCAL_WORLD_SIZE", str(dist.get_world_size()))
             return

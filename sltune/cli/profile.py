@@ -24,7 +24,7 @@ from sltune.training.optimizer import OptimizerConfig
 # TrialSpec's fields `profile` takes as flags, each declared once: the backend and its knobs (sltune.backend_knobs),
 # the runtime's knobs (sltune.config.RuntimeKnobs), then what the trial runs and for how long
 KNOBS = (*BackendKnobs.model_fields, *RuntimeKnobs.model_fields, "mode", "seq_len", "prompt_len", "new_tokens", "steps",
-         "max_steps", "cpu_threads", "host_memory_limit")
+         "max_steps", "cpu_threads", "host_memory_limit", "nodes")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -52,14 +52,26 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-profile", action="store_true", help="skip the profiled step (no breakdown)")
     p.add_argument("--json", action="store_true", help="print the TrialResult as JSON")
     p.add_argument("--executor", choices=EXECUTORS, default="local",
-                   help="where the trial runs: this machine, or a node of the Ray cluster at SLTUNE_RAY_ADDRESS (or "
-                        "RAY_ADDRESS; pip install -e '.[ray]')")
+                   help="where the trial runs: this machine, or the nodes of the Ray cluster at SLTUNE_RAY_ADDRESS "
+                        "(or RAY_ADDRESS; pip install -e '.[ray]')")
+    p.add_argument("--ranks-per-node", type=int, metavar="R",
+                   help="ranks on each of --nodes nodes (--executor ray): --world-size is nodes x R")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     knobs = given(args, KNOBS)
     unused_flags(knobs, knobs)
+    if args.ranks_per_node is not None:
+        world = knobs.get("nodes", 1) * args.ranks_per_node
+        if knobs.get("world_size", world) != world:
+            raise ValueError(f"--world-size {knobs['world_size']} is not --nodes x --ranks-per-node = {world}; give "
+                             "two of the three")
+        knobs["world_size"] = world
+    if "nodes" in knobs:
+        knobs.setdefault("world_size", knobs["nodes"])          # a rank on each
+    if knobs.get("nodes", 1) > 1 and args.executor != "ray":
+        raise ValueError(f"--nodes {knobs['nodes']} needs a cluster: add --executor ray (this machine is one node)")
     spec = _spec(model=_model(args.model), optimizer=_optimizer(args), min_time_s=args.min_time,
                  timeout_s=args.timeout, trace_path=args.trace, profile=not args.no_profile, **knobs)
     if spec.offload_dir:

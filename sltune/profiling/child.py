@@ -23,14 +23,16 @@ from sltune.profiling.lifeline import exit_when_unread
 from sltune.profiling.schema import TrialSpec
 
 
-def main(spec_data: dict[str, Any], conn, rank: int = 0, world: int = 1, port: int | None = None) -> None:
-    """Entry point in a trial process: run the trial (as one rank of `world`), send one result dict, exit."""
+def main(spec_data: dict[str, Any], conn, rank: int = 0, world: int = 1, port: int | None = None,
+         master: str = "127.0.0.1") -> None:
+    """Entry point in a trial process: run the trial (as one rank of `world`, whose process group's store is at
+    master:port), send one result dict, exit."""
     started = time.perf_counter()     # just forked: setup_s counts from here
     exit_when_unread(conn)         # the worker that waits for this result died: stop at once
     spec = TrialSpec.model_validate(spec_data)
     try:
         if world > 1:
-            _join(spec, rank, world, port)
+            _join(spec, rank, world, port, master)
         with within(spec.models_dir):       # a server's job: its model folder read only inside its models_dir
             result = run(spec, rank, started)
         if world > 1:
@@ -47,19 +49,21 @@ def main(spec_data: dict[str, Any], conn, rank: int = 0, world: int = 1, port: i
         conn.close()
 
 
-def _join(spec: TrialSpec, rank: int, world: int, port: int) -> None:
-    """Join the trial's process group: gloo on the CPU, NCCL on CUDA (one GPU per rank)."""
+def _join(spec: TrialSpec, rank: int, world: int, port: int, master: str) -> None:
+    """Join the trial's process group: gloo on the CPU, NCCL on CUDA (one GPU per rank of this node)."""
     import datetime
 
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    here = world // spec.nodes          # the ranks on this node, which share its cores or hold a GPU each
+    os.environ.update(MASTER_ADDR=master, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank % here), LOCAL_WORLD_SIZE=str(here))     # DeepSpeed reads them
     backend = "gloo"
     if spec.device.startswith("cuda"):
         backend = "nccl"
-        torch.cuda.set_device(rank)
-    elif spec.cpu_threads is None:   # the ranks share this machine's cores; oversubscribed threads crawl
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        torch.cuda.set_device(rank % here)
+    elif spec.cpu_threads is None:   # oversubscribed threads crawl
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // here))
     dist.init_process_group(backend, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=max(30.0, spec.timeout_s)))
 

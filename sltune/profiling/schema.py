@@ -25,6 +25,8 @@ class TrialSpec(RuntimeKnobs, CheckedBackendKnobs):
     model: str | dict[str, Any] = Field("llama-tiny", description="preset, config.json path, inline config, or a "
                                         "Hugging Face model folder (whose weights the trial loads, if it has any)")
     world_size: Annotated[int, Knob()] = Field(1, ge=1, description="ranks the trial launches (gloo on the CPU)")
+    nodes: int = Field(1, ge=1, description="machines the ranks are spread over, world_size / nodes on each, in rank "
+                       "order (a Ray cluster's nodes: sltune.executors)")
     mode: Annotated[Literal["train", "generate"], Knob(speedloader=True, recorded="never")] = Field(
         "train", description="time training steps, or generate calls")
     seq_len: int = Field(128, ge=2, description="train: tokens per row")
@@ -49,6 +51,13 @@ class TrialSpec(RuntimeKnobs, CheckedBackendKnobs):
     num_layers: int | None = Field(None, ge=1, description="run this many decoder layers instead of the model's "
                                    "own, every width unchanged (the tuner's reduced-depth probes; seeded random "
                                    "weights, also for a model folder); None: the whole model")
+
+    @model_validator(mode="after")
+    def _ranks_per_node(self) -> "TrialSpec":
+        if self.world_size % self.nodes:
+            raise ValueError(f"world_size {self.world_size} is not a whole number of ranks on each of {self.nodes} "
+                             "nodes; make it a multiple of nodes")
+        return self
 
     @model_validator(mode="after")
     def _param_offload(self) -> "TrialSpec":

@@ -34,25 +34,42 @@ def run_trial(spec: TrialSpec | dict[str, Any], stop: StopFn | None = None) -> T
     `stop` is polled while the trial runs; when it returns a reason the trial is killed and reported as
     failed with "stopped: <reason>"."""
     spec = TrialSpec.model_validate(spec) if not isinstance(spec, TrialSpec) else spec
-    not_ready = _ops_not_ready(spec)
+    not_ready = ops_not_ready(spec)
     if not_ready:
         return TrialResult.model_validate({"status": "failed", "error": not_ready, "config": spec.knobs(),
                                            "wall_seconds": 0.0})
-    ctx = forks.context()
-    world = spec.world_size
-    port = free_port() if world > 1 else None
-    ranks = []
     start = time.monotonic()
-    for rank in range(world):
+    world = spec.world_size
+    outcome = run_ranks(spec, range(world), free_port() if world > 1 else None, stop=stop)
+    return finished(spec, merge(outcome) if isinstance(outcome, list) else outcome, start)
+
+
+def run_ranks(spec: TrialSpec, ranks: range, port: int | None, master: str = "127.0.0.1",
+              stop: StopFn | None = None) -> list[dict[str, Any]] | dict[str, Any]:
+    """These ranks of the trial (every one, or one node's share of a trial over several: sltune.executors) forked
+    here from the fork server and waited for, their process group's store at master:port: each rank's result in
+    rank order, or the first reason there is none. The trial's memory on this machine, all these ranks' together,
+    is the first one's peak_host_bytes when it is more than that rank's own."""
+    ctx = forks.context()
+    procs = []
+    start = time.monotonic()
+    for rank in ranks:
         recv, send = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_rank, args=(spec.model_dump(), send, rank, world, port), daemon=True)
+        proc = ctx.Process(target=_rank, args=(spec.model_dump(), send, rank, spec.world_size, port, master),
+                           daemon=True)
         proc.start()
         send.close()
-        ranks.append((proc, recv))
-    outcome = _wait(ranks, spec, start, stop)
-    for proc, recv in ranks:
-        _stop(proc)
-        recv.close()
+        procs.append((proc, recv))
+    try:
+        return _wait(procs, ranks, spec, start, stop)
+    finally:
+        for proc, recv in procs:
+            _stop(proc)
+            recv.close()
+
+
+def finished(spec: TrialSpec, outcome: dict[str, Any], start: float) -> TrialResult:
+    """The trial's result from its merged ranks' (or its failure), timed from `start`."""
     outcome.setdefault("config", spec.knobs())
     outcome["wall_seconds"] = time.monotonic() - start
     outcome.pop("traceback", None)
@@ -68,7 +85,7 @@ def _rank(*args: Any) -> None:
     child.main(*args)
 
 
-def _ops_not_ready(spec: TrialSpec) -> str | None:
+def ops_not_ready(spec: TrialSpec) -> str | None:
     """Why a DeepSpeed trial cannot start with the ops it loads compiled (a trial never compiles: they are built
     here first, outside its clock and its timeout, saying so on stderr), or None."""
     if spec.backend != "deepspeed":
@@ -79,13 +96,15 @@ def _ops_not_ready(spec: TrialSpec) -> str | None:
                                                                             flush=True))
 
 
-def _wait(ranks, spec: TrialSpec, start: float, stop: StopFn | None) -> dict[str, Any]:
-    """Every rank's result merged, or the first reason there is none."""
+def _wait(ranks, numbers: range, spec: TrialSpec, start: float,
+          stop: StopFn | None) -> list[dict[str, Any]] | dict[str, Any]:
+    """Every rank's result in rank order, or the first reason there is none."""
     deadline = start + spec.timeout_s
     watchers = [_Watcher(proc.pid) for proc, _ in ranks]
     together = _Together(watchers) if len(ranks) > 1 else None
     results: dict[int, dict[str, Any]] = {}
     last_check = 0.0
+    world = spec.world_size
     while True:
         for r, (proc, recv) in enumerate(ranks):
             if r in results:
@@ -94,15 +113,15 @@ def _wait(ranks, spec: TrialSpec, start: float, stop: StopFn | None) -> dict[str
             if got is not None:
                 results[r] = got
                 if got["status"] not in MEASURED:
-                    return _from_rank(got, r, ranks)
+                    return _from_rank(got, r, ranks, numbers, world)
             elif not proc.is_alive():
                 got = _poll(recv, 0)
                 if got is not None:
                     results[r] = got
                     if got["status"] not in MEASURED:
-                        return _from_rank(got, r, ranks)
+                        return _from_rank(got, r, ranks, numbers, world)
                     continue
-                who = "the trial process" if len(ranks) == 1 else f"rank {r} of {len(ranks)}"
+                who = "the trial process" if world == 1 else f"rank {numbers[r]} of {world}"
                 peak = max([w.peak for w in watchers] + [together.peak if together is not None else 0])
                 if proc.exitcode == -signal.SIGKILL and peak > 0.5 * psutil.virtual_memory().total:
                     # the kernel's out-of-memory killer: a host memory overrun, not a crash
@@ -112,10 +131,10 @@ def _wait(ranks, spec: TrialSpec, start: float, stop: StopFn | None) -> dict[str
                                      "num_sub_batches or sub_batch_size, or set host_memory_limit"}
                 return {"status": "failed", "error": _death(who, proc.exitcode)}
         if len(results) == len(ranks):
-            merged = merge([results[r] for r in range(len(ranks))])
+            ordered = [results[r] for r in range(len(ranks))]
             if together is not None:     # the trial's figure is all its ranks' memory together
-                merged["peak_host_bytes"] = max(together.peak, merged.get("peak_host_bytes") or 0)
-            return merged
+                ordered[0]["peak_host_bytes"] = max(together.peak, ordered[0].get("peak_host_bytes") or 0)
+            return ordered
         if stop is not None and time.monotonic() - last_check > 0.5:
             last_check = time.monotonic()
             if why := stop():
@@ -153,20 +172,19 @@ def _poll(recv, timeout: float) -> dict[str, Any] | None:
     return None
 
 
-def _from_rank(result: dict[str, Any], rank: int, ranks) -> dict[str, Any]:
+def _from_rank(result: dict[str, Any], rank: int, ranks, numbers: range, world: int) -> dict[str, Any]:
     """A rank's failure; when a peer died, the peer's death is the cause and this rank's error (a broken
     connection, typically) the consequence, so give both in that order."""
-    world = len(ranks)
     if world == 1:
         return result
-    error = f"rank {rank} of {world}: {result.get('error')}"
+    error = f"rank {numbers[rank]} of {world}: {result.get('error')}"
     deadline = time.monotonic() + 2.0
     while time.monotonic() < deadline:
         dead = [(r, p.exitcode) for r, (p, _) in enumerate(ranks) if r != rank and p.exitcode not in (None, 0)]
         if dead:
             r, code = dead[0]
             return {**result, "status": "failed",
-                    "error": f"{_death(f'rank {r} of {world}', code)}; then {error}"}
+                    "error": f"{_death(f'rank {numbers[r]} of {world}', code)}; then {error}"}
         if all(p.exitcode is not None for r, (p, _) in enumerate(ranks) if r != rank):
             break
         time.sleep(0.05)
@@ -185,8 +203,9 @@ def merge(results: list[dict[str, Any]]) -> dict[str, Any]:
     for key in ("peak_device_bytes", "peak_host_bytes"):
         values = [r.get(key) for r in results if r.get(key) is not None]
         out[key] = max(values) if values else None
-    out["ranks"] = [{"rank": i, **{k: r.get(k) for k in ("tokens_per_s", "step_seconds", "peak_device_bytes",
-                                                             "peak_host_bytes")}} for i, r in enumerate(results)]
+    out["ranks"] = [{"rank": r.get("rank", i), **{k: r.get(k) for k in ("tokens_per_s", "step_seconds",
+                                                                        "peak_device_bytes", "peak_host_bytes")}}
+                    for i, r in enumerate(results)]
     return out
 
 

@@ -6,13 +6,17 @@ import os
 from typing import Any
 
 
-def local_capabilities() -> dict[str, Any]:
+def local_capabilities(ray_address: str | None = None) -> dict[str, Any]:
     """Devices here: the CPU always; CUDA devices with their memory when present (asked of torch where it is
-    imported: a worker process has no need of it otherwise, sltune.profiling.forks.call)."""
+    imported: a worker process has no need of it otherwise, sltune.profiling.forks.call). The executors it runs trials
+    with: local, and ray where Ray is installed and a cluster's address is given (`ray_address`, else RAY_ADDRESS)."""
+    import importlib.util
+
     from sltune.profiling import forks
 
+    ray = importlib.util.find_spec("ray") is not None and bool(ray_address or os.environ.get("RAY_ADDRESS"))
     caps: dict[str, Any] = {"devices": {"cpu": {"count": 1, "memory_bytes": None}},
-                            "max_world_size": max(1, (os.cpu_count() or 1))}
+                            "max_world_size": max(1, (os.cpu_count() or 1)), "executors": ["local", *["ray"] * ray]}
     cuda = forks.call(f"{__name__}:cuda_devices")
     if cuda is not None:
         caps["devices"]["cuda"] = cuda
@@ -34,6 +38,11 @@ def can_run(caps: dict[str, Any], req: dict[str, Any]) -> bool:
 
 
 def why_not(caps: dict[str, Any], req: dict[str, Any]) -> str | None:
+    if req.get("executor", "local") != "local":     # the cluster's nodes run its trials: their devices and ranks
+        if req["executor"] not in caps.get("executors", ["local"]):
+            return (f"needs a {req['executor']} cluster (hardware.executor): no worker was started with Ray and "
+                    "SLTUNE_RAY_ADDRESS")
+        return None
     device = caps["devices"].get(req.get("device", "cpu"))
     if device is None:
         return f"needs device {req.get('device')!r}, offers {', '.join(caps['devices'])}"

@@ -15,7 +15,7 @@ from sltune.settings import Settings
 from sltune.sizes import format_bytes
 from sltune.tuning.cost.admission import Admitted, admit
 from sltune.tuning.search.trials import machine_cores
-from sltune.tuning.spec import MAX_FINALISTS, TuningSpec
+from sltune.tuning.spec import MAX_FINALISTS, MAX_WORLD_SIZE, TuningSpec
 
 
 class Refused(ValueError):
@@ -100,7 +100,10 @@ def _counts(spec: TuningSpec, settings: Settings) -> dict[str, Any]:
                                   ("search.trial_steps", s.trial_steps, settings.max_trial_steps),
                                   ("search.trial_max_steps", s.trial_max_steps, settings.max_trial_steps),
                                   ("search.confirm_rounds", s.confirm_rounds, settings.max_confirm_rounds),
-                                  ("hardware.world_size", spec.hardware.world_size, settings.world_size_ceiling),
+                                  # this server's machine runs a trial's ranks, or a Ray cluster's nodes do
+                                  ("hardware.world_size", spec.hardware.world_size,
+                                   settings.world_size_ceiling if spec.hardware.executor == "local" else
+                                   MAX_WORLD_SIZE),
                                   # each is at most the tokens of a step, whichever the mode reads (as the
                                   # server's OpenAPI document states)
                                   ("workload.seq_len", spec.workload.seq_len, settings.max_tokens_per_step),

@@ -36,7 +36,7 @@ class Worker:
         self.store = Store(settings.db_url(), retry_s=settings.store_retry_s)
         self.quick = Store(settings.db_url())
         self.id = worker_id or self.default_id()
-        self.caps = capabilities or local_capabilities()
+        self.caps = capabilities or local_capabilities(settings.ray_address)
         self.stop = threading.Event()
 
     @staticmethod

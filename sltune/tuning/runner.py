@@ -72,9 +72,10 @@ MAX_REPEATS = 200   # asks that return an already-tried or invalid config before
 
 
 def requirements(spec: TuningSpec) -> dict[str, Any]:
-    """What a worker must offer to run this job."""
+    """What a worker must offer to run this job: on a Ray cluster, the cluster (its nodes hold the ranks)."""
     hw = spec.hardware
-    return {"device": hw.device_kind, "device_memory_limit": hw.device_memory_limit, "world_size": hw.world_size}
+    return {"device": hw.device_kind, "device_memory_limit": hw.device_memory_limit, "world_size": hw.world_size,
+            **({"executor": hw.executor} if hw.executor != "local" else {})}
 
 
 def run_job(store: Store, job_id: str, *, progress: ProgressFn | None = None, should_stop: StopFn | None = None,

@@ -171,14 +171,43 @@ class Hardware(_Strict):
         "the cpu); a server allows at most its SLTUNE_MAX_WORLD_SIZE, by default its cores"))
     cpu_threads: int | None = Field(None, ge=1, description="torch intra-op threads per trial; default all cores")
     executor: Literal["local", "ray"] = Field("local", description=(
-        "where trials run: local (this machine; a server's worker's) or ray (a node of the Ray cluster at "
-        "SLTUNE_RAY_ADDRESS or RAY_ADDRESS, each trial's ranks on one node; pip install -e '.[ray]'). Measurements "
-        "from different machines are not comparable: a job's trials run on nodes alike"))
+        "where trials run: local (this machine; a server's worker's) or ray (the nodes of the Ray cluster at "
+        "SLTUNE_RAY_ADDRESS or RAY_ADDRESS; pip install -e '.[ray]'). Measurements from different machines are not "
+        "comparable: a job's trials run on nodes alike"))
+    nodes: int = Field(1, ge=1, le=MAX_WORLD_SIZE, description=(
+        "machines each trial's ranks span, ranks_per_node on each in rank order (hardware.executor ray: a placement "
+        "group puts them on as many distinct nodes)"))
+    ranks_per_node: int | None = Field(None, ge=1, le=MAX_WORLD_SIZE, description=(
+        "ranks on each node; world_size is nodes x ranks_per_node (default: world_size / nodes)"))
     disk_limit: Bytes | None = Field(None, description=(
         "search.optimizer_offload or search.param_offload disk: the room a trial's files may take (the master and "
         "optimizer state, and under param_offload disk the weights, twice while a step writes its new version; the "
         "gradients once when a step waits for all of them); default: the free space where trials offload to, and "
         "never more than it"))
+
+    @model_validator(mode="after")
+    def _nodes(self) -> "Hardware":
+        """world_size, nodes and ranks_per_node: any two give the third; three must agree."""
+        if self.ranks_per_node is not None:
+            world = self.nodes * self.ranks_per_node
+            if "world_size" in self.model_fields_set and self.world_size != world:
+                raise ValueError(f"hardware.world_size {self.world_size} is not nodes x ranks_per_node = {world}; "
+                                 "give two of the three")
+            if world > MAX_WORLD_SIZE:
+                raise ValueError(f"hardware.nodes x ranks_per_node is {world} ranks, above {MAX_WORLD_SIZE}")
+            self.world_size = world
+        elif self.world_size % self.nodes:
+            raise ValueError(f"hardware.world_size {self.world_size} does not split over {self.nodes} nodes; make it "
+                             "a multiple of hardware.nodes, or give hardware.ranks_per_node")
+        if self.nodes > 1 and self.executor != "ray":
+            raise ValueError(f"hardware.nodes: {self.nodes} nodes need a cluster: set hardware.executor ray (this "
+                             "machine is one node)")
+        return self
+
+    @property
+    def per_node(self) -> int:
+        """Ranks on each node."""
+        return self.world_size // self.nodes
 
     @property
     def device_kind(self) -> str:

@@ -14,6 +14,7 @@ from sltune.profiling import run_trial
 from sltune.profiling.schema import TrialSpec
 from sltune.service.local import tune
 from sltune.settings import Settings
+from tests.support.deepspeed import needs_deepspeed
 
 ray = pytest.importorskip("ray", reason="Ray is the optional extra ray: pip install -e '.[ray]' (scripts/install.sh "
                                         "test installs it)")
@@ -57,17 +58,62 @@ def test_a_trial_on_a_ray_node_measures_what_the_same_trial_measures_here(cluste
         executor.close()
 
 
+def test_ranks_over_two_nodes_train_bit_for_bit_as_two_ranks_on_one(cluster):
+    """Sharded SpeedLoader, 2 nodes x 1 rank against 1 node x 2 ranks (here): the same losses to the bit, each rank
+    on its own node, rank 0's node serving the process group's store."""
+    c, workers = cluster
+    executor = executor_for("ray", c.address)
+    try:
+        spec = TrialSpec(**{**TRIAL, "steps": 2, "max_steps": 2}, world_size=2)
+        there, here = executor.run(spec.model_copy(update={"nodes": 2})), run_trial(spec)
+        assert there.status == "ok", there.error
+        assert there.loss == here.loss and there.parity.loss == here.parity.loss and there.parity.ok
+        assert len(set(there.nodes)) == 2 and {n.split("/")[1] for n in there.nodes} == {w[:8] for w in workers}
+        assert [r["rank"] for r in there.ranks] == [0, 1]
+    finally:
+        executor.close()
+
+
+@pytest.mark.parametrize("knobs", [pytest.param(dict(backend="deepspeed", zero_stage=3), id="zero3",
+                                                marks=needs_deepspeed),
+                                   pytest.param(dict(backend="fsdp"), id="fsdp")])
+def test_a_wrapped_backend_over_two_nodes_keeps_parity(cluster, knobs):
+    c, _ = cluster
+    executor = executor_for("ray", c.address)
+    try:
+        result = executor.run(TrialSpec(**TRIAL, world_size=2, nodes=2, **knobs))
+        assert result.status == "ok", result.error
+        assert result.parity.ok and len(set(result.nodes)) == 2
+    finally:
+        executor.close()
+
+
+def test_more_nodes_than_the_cluster_has_fail_at_once_saying_what_it_has(cluster):
+    c, _ = cluster
+    executor = executor_for("ray", c.address)
+    try:
+        start = time.monotonic()
+        result = executor.run(TrialSpec(**TRIAL, world_size=3, nodes=3))
+        assert result.status == "failed" and time.monotonic() - start < 10
+        assert "has 2 nodes with 1 CPUs for hardware.nodes 3 x ranks_per_node 1" in result.error, result.error
+    finally:
+        executor.close()
+
+
 def test_profile_runs_its_trial_on_the_cluster_with_executor_ray(cluster):
     import json
 
     from tests.support.cli import sltune
 
     c, workers = cluster
-    out = sltune("profile", "--executor", "ray", "--seq-len", "16", "--steps", "1", "--min-time", "0", "--no-profile",
-                 "--json", env={"SLTUNE_RAY_ADDRESS": c.address})
+    out = sltune("profile", "--executor", "ray", "--nodes", "2", "--ranks-per-node", "1", "--seq-len", "16",
+                 "--steps", "1", "--min-time", "0", "--no-profile", "--json", env={"SLTUNE_RAY_ADDRESS": c.address})
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
-    assert result["status"] == "ok" and any(result["nodes"][0].endswith(f"/{w[:8]}") for w in workers)
+    assert result["status"] == "ok" and {n.split("/")[1] for n in result["nodes"]} == {w[:8] for w in workers}
+    assert result["config"]["world_size"] == 2
+    refused = sltune("profile", "--nodes", "2", "--seq-len", "16")
+    assert refused.returncode == 2 and "--nodes 2 needs a cluster: add --executor ray" in refused.stderr
 
 
 def test_ranks_no_node_can_hold_fail_at_once_saying_how_many_a_node_has(cluster):
@@ -82,10 +128,11 @@ def test_ranks_no_node_can_hold_fail_at_once_saying_how_many_a_node_has(cluster)
         executor.close()
 
 
-def test_a_tuning_job_runs_its_trials_on_the_cluster_and_records_where(cluster, tmp_path):
+def test_a_tuning_job_runs_its_trials_over_the_cluster_s_nodes_and_records_where(cluster, tmp_path):
+    """Each trial's two ranks on two nodes (hardware.nodes 2, ranks_per_node 1), every rank's node in the result."""
     c, workers = cluster
     spec = {"name": "on-ray", "model": {"preset": "llama-tiny"}, "workload": {"seq_len": 16},
-            "hardware": {"executor": "ray"},
+            "hardware": {"executor": "ray", "nodes": 2, "ranks_per_node": 1},
             "search": {"strategy": "grid", "sub_batch_size": [1, 2], "num_sub_batches": [1], "num_live_blocks": [1],
                        "trial_steps": 1, "trial_min_time_s": 0.1, "confirm_rounds": 0}}
     result = tune(spec, f"sqlite:///{tmp_path / 'jobs.db'}",
@@ -93,39 +140,67 @@ def test_a_tuning_job_runs_its_trials_on_the_cluster_and_records_where(cluster, 
     assert result["status"] == "succeeded", result["error"]
     assert [t["status"] for t in result["trials"]] == ["ok", "ok"]
     for t in result["trials"]:
-        assert any(t["nodes"][0].endswith(f"/{w[:8]}") for w in workers), t["nodes"]
+        assert {n.split("/")[1] for n in t["nodes"]} == {w[:8] for w in workers}, t["nodes"]
 
 
-def test_a_node_that_dies_under_a_trial_fails_that_trial_in_one_line(tmp_path):
-    """A cluster of its own, one worker node: its raylet removed while the trial runs (a trial timed for 60 s). The
-    trial fails within seconds naming what Ray reported, and the executor runs the next trial on a node that lives."""
+def test_a_node_that_dies_under_a_trial_fails_it_on_every_rank_in_one_line(tmp_path):
+    """A cluster of its own, two worker nodes, a trial over both (timed for 60 s): one node's raylet is removed while
+    its steps run. The trial fails within seconds naming that node, the other node's rank is stopped with it (no
+    process of the trial is left), and the executor runs the next trial once a node has replaced it."""
     import threading
 
+    import psutil
     from ray.cluster_utils import Cluster
 
     c = Cluster(initialize_head=True, head_node_args=head())
-    doomed = c.add_node(num_cpus=2, include_dashboard=False)
+    nodes = [c.add_node(num_cpus=1, include_dashboard=False) for _ in range(2)]
     c.wait_for_nodes()
     executor = executor_for("ray", c.address)
     try:
         out = {}
-        runs = threading.Thread(target=lambda: out.update(result=executor.run(
-            TrialSpec(**{**TRIAL, "steps": 1000, "max_steps": 1000, "min_time_s": 60.0}))))
+        spec = TrialSpec(**{**TRIAL, "steps": 1000, "max_steps": 1000, "min_time_s": 60.0}, world_size=2, nodes=2)
+        runs = threading.Thread(target=lambda: out.update(result=executor.run(spec)))
         runs.start()
-        time.sleep(8)                   # the trial's fork server is up and its steps are running
+        started = time.monotonic()
+        while len(ranks := trial_ranks()) < 2:      # both nodes' fork servers up (slow beside other work)
+            assert time.monotonic() - started < 240 and runs.is_alive(), (ranks, out)
+            time.sleep(0.5)
+        time.sleep(3)                   # both ranks are stepping
         killed = time.monotonic()
-        c.remove_node(doomed, allow_graceful=False)
+        # a node other than the one this process's Ray driver is attached to (removing that one breaks the driver)
+        driver = ray.get_runtime_context().get_node_id()
+        c.remove_node(next(n for n in nodes if n.node_id != driver), allow_graceful=False)
         runs.join(60)
-        assert not runs.is_alive() and time.monotonic() - killed < 45
+        assert not runs.is_alive() and time.monotonic() - killed < 30
         result = out["result"]
-        assert result.status == "failed" and "the Ray node running the trial failed" in result.error, result
+        assert result.status == "failed" and result.error.startswith("Ray node ") and " failed: " in result.error
         assert "\n" not in result.error
-        c.add_node(num_cpus=2, include_dashboard=False)
+        deadline = time.monotonic() + 10
+        while any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in ranks):
+            assert time.monotonic() < deadline, f"a rank outlived its trial: {ranks}"
+            time.sleep(0.2)
+        c.add_node(num_cpus=1, include_dashboard=False)
         c.wait_for_nodes()
-        assert executor.run(TrialSpec(**TRIAL)).status == "ok"
+        assert executor.run(TrialSpec(**TRIAL, world_size=2, nodes=2)).status == "ok"
     finally:
         executor.close()
         c.shutdown()
+
+
+def trial_ranks() -> set[int]:
+    """The trial processes Ray's workers forked here: the children of the fork servers their tasks started."""
+    import psutil
+
+    pids = set()
+    for server in psutil.process_iter(["cmdline"]):
+        if "multiprocessing.forkserver" not in " ".join(server.info["cmdline"] or []):
+            continue
+        try:
+            if "ray::" in " ".join(server.parent().cmdline()):
+                pids |= {child.pid for child in server.children()}
+        except (psutil.Error, AttributeError):
+            pass
+    return pids
 
 
 def test_a_cluster_that_does_not_answer_is_one_line_naming_its_address(tmp_path):

@@ -60,7 +60,7 @@ def trial_spec(spec: TuningSpec, c: Candidate, trace: Path | None, default_host_
         remeasure = 0
     threads = hw.cpu_threads
     if threads is not None:
-        threads = min(threads, max(1, machine_cores() // hw.world_size))
+        threads = min(threads, max(1, machine_cores() // hw.per_node))
     speedloader = c.backend == "speedloader"
     files: dict[str, Any] = {}
     if speedloader and ((c.on_disk and w.mode == "train") or c.weights_on_disk):
@@ -77,7 +77,8 @@ def trial_spec(spec: TuningSpec, c: Candidate, trace: Path | None, default_host_
                      schedule=s.schedule if speedloader else "speedloader",
                      activations=c.activations, mode=w.mode, backend=c.backend, **c.backend_knobs(),
                      kv_cache=c.kv_cache or "host", weights_on_device=c.weights_on_device or 0.0, seq_len=w.seq_len,
-                     prompt_len=w.prompt_len, new_tokens=w.new_tokens, world_size=hw.world_size, device=hw.device,
+                     prompt_len=w.prompt_len, new_tokens=w.new_tokens, world_size=hw.world_size, nodes=hw.nodes,
+                     device=hw.device,
                      device_memory_limit=hw.device_memory_limit,
                      host_memory_limit=min((x for x in (hw.host_memory_limit, default_host_limit) if x),
                                            default=None),

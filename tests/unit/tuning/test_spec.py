@@ -221,3 +221,21 @@ def test_a_search_sweeps_the_runtime_knobs_marked_searched_and_a_candidate_carri
         assert Search.model_fields[name].description.startswith(RuntimeKnobs.model_fields[name].description)
     c = Candidate(2, 3, 1, "offload", optimizer_offload="disk", param_offload="disk")
     assert c.knobs() == {name: getattr(c, name) for name in c.knobs()} and Candidate.from_knobs(c.knobs()) == c
+
+
+def test_nodes_and_ranks_per_node_give_world_size_and_need_a_cluster():
+    """hardware.world_size, nodes and ranks_per_node: any two give the third, three must agree, and ranks over
+    several nodes need hardware.executor ray; each refusal names the fields."""
+    hw = TuningSpec.parse({**BASE, "hardware": {"executor": "ray", "nodes": 2, "ranks_per_node": 3}}).hardware
+    assert (hw.world_size, hw.nodes, hw.per_node) == (6, 2, 3)
+    hw = TuningSpec.parse({**BASE, "hardware": {"executor": "ray", "nodes": 2, "world_size": 4}}).hardware
+    assert hw.per_node == 2
+    with pytest.raises(ValueError, match=r"hardware\.world_size 5 is not nodes x ranks_per_node = 4"):
+        TuningSpec.parse({**BASE, "hardware": {"executor": "ray", "nodes": 2, "ranks_per_node": 2, "world_size": 5}})
+    with pytest.raises(ValueError, match=r"hardware\.world_size 3 does not split over 2 nodes"):
+        TuningSpec.parse({**BASE, "hardware": {"executor": "ray", "nodes": 2, "world_size": 3}})
+    with pytest.raises(ValueError, match=r"hardware\.nodes: 2 nodes need a cluster: set hardware\.executor ray"):
+        TuningSpec.parse({**BASE, "hardware": {"nodes": 2, "ranks_per_node": 1}})
+    # a stored spec reads back the same
+    spec = TuningSpec.parse({**BASE, "hardware": {"executor": "ray", "nodes": 2, "ranks_per_node": 1}})
+    assert TuningSpec.model_validate(spec.model_dump(mode="json")) == spec

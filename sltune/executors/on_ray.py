@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 from typing import Any, Callable
 
@@ -39,10 +40,8 @@ class RayExecutor:
             raise RuntimeError(f"hardware.executor: ray needs Ray installed here: {INSTALL_RAY}") from None
         self.ray = ray
         self.address = reachable(address)
-        if ray.is_initialized():
-            ray.shutdown()          # another cluster's connection in this process: this executor's is the one
-        ray.init(address=self.address, namespace="sltune", log_to_driver=False, logging_level="ERROR",
-                 configure_logging=False)
+        _connect(ray, self.address)
+        self._open = True
         self._whole = ray.remote(max_retries=0)(on_node)
         self._share = ray.remote(max_retries=0)(ranks_on_node)
         self._where = ray.remote(max_retries=0)(rendezvous)
@@ -142,8 +141,37 @@ class RayExecutor:
                 f"ranks_per_node {cpus}; lower hardware.nodes or ranks_per_node, or add nodes")
 
     def close(self) -> None:
-        if self.ray.is_initialized():
-            self.ray.shutdown()
+        if self._open:
+            self._open = False
+            _release(self.ray, self.address)
+
+
+# A process talks to one Ray cluster, through one connection its executors share: a worker running several jobs at
+# once (SLTUNE_JOBS_PER_WORKER) holds one executor per job, and the last one closed ends the connection
+_LOCK = threading.Lock()
+_USERS: dict[str, int] = {}
+
+
+def _connect(ray: Any, address: str) -> None:
+    with _LOCK:
+        if _USERS and address not in _USERS:
+            raise ValueError(f"this process runs trials on the Ray cluster at {next(iter(_USERS))} already; one "
+                             f"process talks to one cluster, and {address} is another (SLTUNE_RAY_ADDRESS)")
+        if not _USERS:
+            if ray.is_initialized():
+                ray.shutdown()      # a connection sltune did not make: the executor's is made to its address
+            ray.init(address=address, namespace="sltune", log_to_driver=False, logging_level="ERROR",
+                     configure_logging=False)
+        _USERS[address] = _USERS.get(address, 0) + 1
+
+
+def _release(ray: Any, address: str) -> None:
+    with _LOCK:
+        _USERS[address] -= 1
+        if not _USERS[address]:
+            del _USERS[address]
+            if ray.is_initialized():
+                ray.shutdown()
 
 
 def on_node(spec_data: dict[str, Any]) -> tuple[dict[str, Any], str]:

@@ -1,8 +1,7 @@
 """The Ray executor: a trial runs on the nodes of a Ray cluster, its ranks forked there as on this machine.
 
-On one node (hardware.nodes 1) the trial is one Ray task that reserves a CPU per rank (a GPU per rank on cuda) and
-calls sltune.profiling.run_trial there. Over N nodes, a placement group of N bundles of ranks_per_node CPUs (or GPUs)
-on N distinct nodes (STRICT_SPREAD) holds them; a task on the first bundle's node names its address and a port free
+A placement group of N bundles (hardware.nodes, one on one node) of ranks_per_node CPUs (a GPU per rank on cuda) on
+N distinct nodes (STRICT_SPREAD) holds the trial's ranks; a task on the first bundle's node names its address and a port free
 there, for the process group's store (rank 0 serves it: torch.distributed's TCPStore); then a task on each bundle
 forks that node's ranks, in rank order, and waits for them (sltune.profiling.trial.run_ranks). The first node whose
 ranks fail ends the trial: the other nodes' tasks are cancelled, which stops their ranks (a rank exits when the
@@ -42,33 +41,22 @@ class RayExecutor:
         self.address = reachable(address)
         _connect(ray, self.address)
         self._open = True
-        self._whole = ray.remote(max_retries=0)(on_node)
         self._share = ray.remote(max_retries=0)(ranks_on_node)
         self._where = ray.remote(max_retries=0)(rendezvous)
 
     def run(self, spec: TrialSpec, stop: StopFn | None = None) -> TrialResult:
-        per = spec.world_size // spec.nodes
-        gpus = per if spec.device.startswith("cuda") else 0
-        if why := self._no_node_holds(spec.nodes, per, gpus):
-            return _failed(spec, why)
-        deadline = time.monotonic() + spec.timeout_s + GRACE_S
-        if spec.nodes == 1:
-            ref = self._whole.options(num_cpus=per, num_gpus=gpus).remote(spec.model_dump(mode="json"))
-            outcome = self._wait({0: ref}, spec, stop, deadline, lambda i: "the Ray node running the trial")
-            if isinstance(outcome, TrialResult):
-                return outcome
-            data, node = outcome[0]
-            return TrialResult.model_validate({**data, "nodes": [node] * spec.world_size})
-        return self._across(spec, per, gpus, stop, deadline)
-
-    def _across(self, spec: TrialSpec, per: int, gpus: int, stop: StopFn | None, deadline: float) -> TrialResult:
-        """A trial whose ranks span spec.nodes distinct nodes, per on each."""
+        """The trial's ranks on spec.nodes distinct nodes, per_node on each (one node: a bundle of one)."""
         from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from sltune.profiling.trial import finished, merge
 
+        per = spec.per_node
+        gpus = per if spec.device.startswith("cuda") else 0
+        if why := self._no_node_holds(spec.nodes, per, gpus):
+            return _failed(spec, why)
         ray, start = self.ray, time.monotonic()
+        deadline = start + spec.timeout_s + GRACE_S
         pg = placement_group([{"CPU": per, **({"GPU": gpus} if gpus else {})}] * spec.nodes, strategy="STRICT_SPREAD")
         try:
             if not ray.wait([pg.ready()], timeout=PLACE_S)[0]:
@@ -174,15 +162,6 @@ def _release(ray: Any, address: str) -> None:
                 ray.shutdown()
 
 
-def on_node(spec_data: dict[str, Any]) -> tuple[dict[str, Any], str]:
-    """A Ray task's body, on the node that runs the whole trial: its result and that node's name."""
-    from sltune.profiling import TrialSpec, run_trial
-
-    if why := as_a_trial_runs():
-        return {"status": "failed", "error": why, "config": TrialSpec.model_validate(spec_data).knobs()}, node_name()
-    return run_trial(spec_data).model_dump(mode="json"), node_name()
-
-
 def as_a_trial_runs() -> str | None:
     """This Ray worker set to run a trial as it runs on its own machine, or why it cannot be. Ray starts its workers
     niced (15 by default), where a trial's ranks would get a sliver of a busy node (on 2 cores beside one busy loop,
@@ -203,16 +182,15 @@ def as_a_trial_runs() -> str | None:
 
 def ranks_on_node(spec_data: dict[str, Any], first: int, port: int,
                   master: str) -> tuple[list[dict[str, Any]] | dict[str, Any], str]:
-    """A Ray task's body on one node of a trial over several: its ranks first.. forked here, and their results in
-    rank order (or the first reason there are none), with this node's name."""
+    """A Ray task's body on one node of a trial: its ranks first.. forked here, and their results in rank order (or
+    the first reason there are none), with this node's name."""
     from sltune.profiling.schema import TrialSpec
     from sltune.profiling.trial import ops_not_ready, run_ranks
 
     spec = TrialSpec.model_validate(spec_data)
     if why := as_a_trial_runs() or ops_not_ready(spec):
         return {"status": "failed", "error": why}, node_name()
-    per = spec.world_size // spec.nodes
-    return run_ranks(spec, range(first, first + per), port, master), node_name()
+    return run_ranks(spec, range(first, first + spec.per_node), port, master), node_name()
 
 
 def rendezvous() -> tuple[str, int]:

@@ -55,7 +55,7 @@ def _join(spec: TrialSpec, rank: int, world: int, port: int, master: str) -> Non
 
     import torch.distributed as dist
 
-    here = world // spec.nodes          # the ranks on this node, which share its cores or hold a GPU each
+    here = spec.per_node                # the ranks on this node, which share its cores or hold a GPU each
     os.environ.update(MASTER_ADDR=master, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank % here), LOCAL_WORLD_SIZE=str(here))     # DeepSpeed reads them
     backend = "gloo"

@@ -52,6 +52,11 @@ class TrialSpec(RuntimeKnobs, CheckedBackendKnobs):
                                    "own, every width unchanged (the tuner's reduced-depth probes; seeded random "
                                    "weights, also for a model folder); None: the whole model")
 
+    @property
+    def per_node(self) -> int:
+        """Ranks on each node."""
+        return self.world_size // self.nodes
+
     @model_validator(mode="after")
     def _ranks_per_node(self) -> "TrialSpec":
         if self.world_size % self.nodes:

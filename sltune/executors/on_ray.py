@@ -1,9 +1,9 @@
 """The Ray executor: a trial runs on the nodes of a Ray cluster, its ranks forked there as on this machine.
 
 A placement group of N bundles (hardware.nodes, one on one node) of ranks_per_node CPUs (a GPU per rank on cuda) on
-N distinct nodes (STRICT_SPREAD) holds the trial's ranks; a task on the first bundle's node names its address and a port free
-there, for the process group's store (rank 0 serves it: torch.distributed's TCPStore); then a task on each bundle
-forks that node's ranks, in rank order, and waits for them (sltune.profiling.trial.run_ranks). The first node whose
+N distinct nodes (STRICT_SPREAD) holds the trial's ranks; a task on the first bundle's node names its address and a
+port free there, for the process group's store (rank 0 serves it: torch.distributed's TCPStore); then a task on each
+bundle forks that node's ranks, in rank order, and waits for them (sltune.profiling.trial.run_ranks). The first node whose
 ranks fail ends the trial: the other nodes' tasks are cancelled, which stops their ranks (a rank exits when the
 process that waits for it is gone), and the trial fails naming that node.
 

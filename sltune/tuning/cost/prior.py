@@ -60,7 +60,6 @@ from typing import Any
 
 from sltune.runtime import phases
 from sltune.runtime.disk.layout import DEPTH, pack, padded, pieces
-from sltune.runtime.residency import keep_order, kept_share
 from sltune.tuning.cost import wrapped
 from sltune.tuning.cost.footprint import Footprint, footprint
 from sltune.tuning.cost.setup import Setup
@@ -517,8 +516,7 @@ def _generate_step(t: _Timeline, r: Setup, c: Candidate, groups: list[int], fp: 
     if r.schedule == "resident":
         t.static.append(("weights", shape.param_bytes))
     embed, tied, units, head = _units(shape, groups)
-    order = keep_order(tied, embed, head, units)
-    kept = {u.name for u, keep in zip(order, kept_share([u.nbytes for u in order], c.weights_on_device or 0.0)) if keep}
+    kept = shape.kept_units(groups[0], c.weights_on_device or 0.0)
     m = 1 if r.schedule == "canonical" else n      # canonical: one sub-batch per pass, the earlier ones' logits held
     ahead = not r.on_cpu and not r.weights_on_disk(c)     # param_offload disk reads ahead into host memory only
     logits = 4 * b * shape.vocab                    # the last position's, in float32, kept to the step's end

@@ -44,12 +44,23 @@ class ModelShape:
     def groups(self, k: int) -> int:
         return math.ceil(self.layers / k)
 
-    def unit_bytes(self, k: int) -> list[int]:
-        """The bytes of the units weights_on_device picks from, in the engine's order: tied weights,
-        embedding, head, then the groups of k layers (the last one smaller when k does not divide them)."""
+    def units(self, k: int) -> list[tuple[str, int]]:
+        """The units weights_on_device picks from, named and with their bytes, in the engine's order: tied weights,
+        embedding, head, then the groups of k layers ("group0", ...; the last one smaller when k does not divide
+        them)."""
         full, rest = divmod(self.layers, k)
         groups = [k * self.layer_bytes] * full + ([rest * self.layer_bytes] if rest else [])
-        return keep_order(self.tied_bytes, self.embed_bytes, self.head_bytes, groups)
+        return keep_order(("tied", self.tied_bytes), ("embed", self.embed_bytes), ("head", self.head_bytes),
+                          [(f"group{i}", nbytes) for i, nbytes in enumerate(groups)])
+
+    def unit_bytes(self, k: int) -> list[int]:
+        """The bytes of the units weights_on_device picks from, in the engine's order (units)."""
+        return [nbytes for _, nbytes in self.units(k)]
+
+    def kept_units(self, k: int, share: float) -> set[str]:
+        """The names of the units a share keeps on the device, as the engine picks them (units' names)."""
+        units = self.units(k)
+        return {name for (name, _), keep in zip(units, kept_share([n for _, n in units], share)) if keep}
 
     def kept_bytes(self, k: int, share: float) -> int:
         """The parameter bytes a share keeps on the device, in whole units as the engine keeps them."""

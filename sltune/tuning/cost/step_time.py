@@ -519,15 +519,11 @@ class GenerateLanes(Lanes):
     read ahead. Lanes: on the CPU they add up; on a GPU a unit loads while the one before it computes."""
 
     def __init__(self, at: RatesAt, recipe: Setup, c: Candidate, prior: "Prior | None"):
-        from sltune.runtime.residency import keep_order, kept_share
-
         super().__init__(at, recipe, c, prior)
         shape = recipe.shape
         groups = [(f"group{i}", k * shape.layer_bytes) for i, k in enumerate(self.group_layers)]
         self.walk = [("embed", shape.embed_bytes), *groups, ("head", shape.head_bytes)]     # the order a step runs
-        order = keep_order(("tied", shape.tied_bytes), self.walk[0], self.walk[-1], groups)
-        shares = kept_share([nbytes for _, nbytes in order], c.weights_on_device or 0.0)
-        self.kept = {name for (name, _), keep in zip(order, shares) if keep}
+        self.kept = shape.kept_units(self.k, c.weights_on_device or 0.0)
         self.tied = shape.tied_bytes
 
     def loaded(self, decode: bool) -> list[int]:

@@ -28,6 +28,8 @@ def field_error(error: dict[str, Any], *, within: str = "", unknown: str = UNKNO
     where = ".".join(str(p) for p in error["loc"] if not str(p).startswith(UNION_MEMBERS))
     reason = error["msg"].removeprefix("Value error, ").removeprefix(f"{where}: ").removeprefix(
         f"{where.rpartition('.')[2]}: ")
+    if where and reason.startswith(f"{where}."):     # a section's check that names the field it blames within it
+        where = ""
     if error["type"] == "extra_forbidden":
         reason = unknown
     elif error["type"] == "missing":

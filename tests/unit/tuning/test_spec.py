@@ -230,11 +230,11 @@ def test_nodes_and_ranks_per_node_give_world_size_and_need_a_cluster():
     assert (hw.world_size, hw.nodes, hw.per_node) == (6, 2, 3)
     hw = TuningSpec.parse({**BASE, "hardware": {"executor": "ray", "nodes": 2, "world_size": 4}}).hardware
     assert hw.per_node == 2
-    with pytest.raises(ValueError, match=r"hardware\.world_size 5 is not nodes x ranks_per_node = 4"):
+    with pytest.raises(ValueError, match=r"^spec: hardware\.world_size 5 is not nodes x ranks_per_node = 4"):
         TuningSpec.parse({**BASE, "hardware": {"executor": "ray", "nodes": 2, "ranks_per_node": 2, "world_size": 5}})
     with pytest.raises(ValueError, match=r"hardware\.world_size 3 does not split over 2 nodes"):
         TuningSpec.parse({**BASE, "hardware": {"executor": "ray", "nodes": 2, "world_size": 3}})
-    with pytest.raises(ValueError, match=r"hardware\.nodes: 2 nodes need a cluster: set hardware\.executor ray"):
+    with pytest.raises(ValueError, match=r"^spec: hardware\.nodes: 2 nodes need a cluster: set hardware\.executor ray"):
         TuningSpec.parse({**BASE, "hardware": {"nodes": 2, "ranks_per_node": 1}})
     # a stored spec reads back the same
     spec = TuningSpec.parse({**BASE, "hardware": {"executor": "ray", "nodes": 2, "ranks_per_node": 1}})

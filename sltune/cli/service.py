@@ -28,7 +28,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "--no-worker, one worker that runs the submitted jobs.",
                        epilog="environment: SLTUNE_API_TOKEN is the bearer token every write needs (without it "
                               "the server binds to loopback only); every other setting is an SLTUNE_* variable "
-                              "too (SLTUNE_DB, SLTUNE_DATA_DIR, SLTUNE_MAX_TRIALS, ...: see sltune/settings.py).")
+                              "too (SLTUNE_DB, SLTUNE_DATA_DIR, SLTUNE_MAX_TRIALS, ...: see sltune/settings.py). "
+                              "SLTUNE_RAY_ADDRESS (else RAY_ADDRESS), host:port of a Ray cluster's head: the worker "
+                              "runs the trials of jobs with hardware.executor ray there (docs/guides/ray.md).")
     s.add_argument("--host", default=None, help="address to bind (default: $SLTUNE_HOST, else 127.0.0.1)")
     s.add_argument("--port", type=int, default=None, help="port to bind (default: $SLTUNE_PORT, else 8000)")
     s.add_argument("--db", help=DB_HELP)
@@ -47,7 +49,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description="Run queued jobs from the database, beside a server's embedded worker or "
                                    "on another machine that reaches the same database. Stops on SIGTERM/Ctrl-C, "
                                    "handing its job back for another worker to resume.",
-                       epilog="environment: SLTUNE_DB, SLTUNE_DATA_DIR and the other SLTUNE_* settings.")
+                       epilog="environment: SLTUNE_DB, SLTUNE_DATA_DIR and the other SLTUNE_* settings; "
+                              "SLTUNE_RAY_ADDRESS (else RAY_ADDRESS), host:port of a Ray cluster's head: the trials "
+                              "of jobs with hardware.executor ray run there (docs/guides/ray.md).")
     w.add_argument("--db", help=DB_HELP)
     w.add_argument("--data-dir", help=DATA_DIR_HELP)
     w.add_argument("--exit-with-parent", action="store_true", help=argparse.SUPPRESS)   # serve's own worker

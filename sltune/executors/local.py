@@ -12,9 +12,12 @@ from sltune.profiling.schema import TrialResult, TrialSpec
 class LocalExecutor:
     name = "local"
 
-    def run(self, spec: TrialSpec, stop: StopFn | None = None) -> TrialResult:
+    def run(self, spec: TrialSpec, stop: StopFn | None = None, on: str | None = None) -> TrialResult:
         result = run_trial(spec, stop)
         return result.model_copy(update={"nodes": [socket.gethostname()] * spec.world_size})
+
+    def slots(self, nodes: int, per_node: int, device: str) -> int:
+        return 1            # trials side by side on one machine would measure each other
 
     def close(self) -> None:
         pass

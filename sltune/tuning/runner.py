@@ -11,6 +11,7 @@ import logging
 import shutil
 import tempfile
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Literal
@@ -20,6 +21,7 @@ import optuna
 from sltune.backends import deepspeed_ops
 from sltune.executors import executor_for
 from sltune.models.confined import admitted_under, confinement, within
+from sltune.profiling.schema import TrialSpec
 from sltune.sizes import format_bytes
 from sltune.store import Store
 from sltune.tuning.cost.baseline import trial_baseline
@@ -69,6 +71,22 @@ ProgressFn = Callable[[dict[str, Any]], None]
 StopFn = Callable[[], StopReason | None]
 CALIBRATE_S = 60.0  # search.step_prior measure: the most a job's calibration takes (the issue's goal on this machine)
 MAX_REPEATS = 200   # asks that return an already-tried or invalid config before the sampler is given up on
+
+
+@dataclass
+class Launched:
+    """A trial started (its row in the store), running or about to: what its record needs once it answers."""
+    number: int
+    candidate: Candidate
+    role: str
+    layers: int | None          # decoder layers it runs (a probe at reduced depth); None: the whole model
+    optuna_trial: optuna.Trial | None
+    spec: TrialSpec
+    folder: Path | None         # the optimizer's files, the trial's alone: removed once it answers
+    trace: Path | None
+    trace_error: str | None
+    began: float                # the trial's whole cost from here, its records included: what the next will take
+    started: float              # as its processes start
 
 
 def requirements(spec: TuningSpec) -> dict[str, Any]:
@@ -153,6 +171,9 @@ class JobRun:
         self.number = 0                         # the next trial's number
         self.stop: StopReason | None = None     # why the search ended, once it has
         self.confirmation: dict[str, Any] | None = None
+        # where the confirmation round runs: the node of its first trial, so that its race is measured on one
+        # machine when the executor has several (trials of one node each)
+        self.confirm_node: str | None = None
 
     @staticmethod
     def _rates(store: Store, spec: TuningSpec) -> "MachineRates | None":
@@ -209,36 +230,64 @@ class JobRun:
 
     def search(self) -> None:
         """Propose, run an isolated trial, record it, refit, report progress; until the strategy stops, a budget is
-        spent, the sampler only repeats itself, or should_stop says so. self.stop says which."""
+        spent, the sampler only repeats itself, or should_stop says so. self.stop says which. With
+        hardware.parallel_trials, up to that many trials run at once (on as many nodes), each proposed while the
+        others run where the strategy's next choice does not wait on their results (its probes, the grid)."""
         self.report(phase="starting")
         self._calibrate()
+        room = self.slots()
+        running: dict[Future, Launched] = {}
         repeats = 0
-        while True:
-            self.stop = self._search_may_not_go_on()
-            if self.stop is not None:
-                return
-            proposal = self.strategy.propose()
-            if isinstance(proposal, Stop):
-                self.stop = StopReason(proposal.kind, proposal.reason)
-                return
-            ot, cand = self._ask(proposal)
-            if cand is None:
-                repeats += 1
-                if repeats > MAX_REPEATS:
-                    self.stop = StopReason("stuck", "the sampler keeps proposing configs already tried")
+        with ThreadPoolExecutor(max_workers=room, thread_name_prefix="trial") as pool:
+            while True:
+                while self.stop is None and len(running) < room:
+                    self.stop = self._search_may_not_go_on(len(running))
+                    if self.stop is not None:
+                        break
+                    proposal = self.strategy.propose([(t.candidate, t.layers) for t in running.values()])
+                    if proposal is None:
+                        break                   # the next choice reads the results of the trials in flight
+                    if isinstance(proposal, Stop):
+                        if not running:         # else asked again once they have answered
+                            self.stop = StopReason(proposal.kind, proposal.reason)
+                        break
+                    ot, cand = self._ask(proposal, [(t.candidate, t.layers) for t in running.values()])
+                    if cand is None:
+                        repeats += 1
+                        if repeats > MAX_REPEATS:
+                            self.stop = StopReason("stuck", "the sampler keeps proposing configs already tried")
+                        continue
+                    trial = self.launch(cand, proposal.role, ot, proposal.layers)
+                    if trial is None:
+                        self.study.tell(ot, state=optuna.trial.TrialState.FAIL)
+                        break
+                    running[pool.submit(self.execute, trial)] = trial
+                if not running:
                     return
-                continue
-            result = self.measure(cand, proposal.role, ot.number, proposal.layers)
-            if result is None:
-                self.study.tell(ot, state=optuna.trial.TrialState.FAIL)
-                return
-            done = FinishedTrial(self.number, cand, proposal.role, result)
-            tell(self.study, ot, result, proposal.role, self.number, self.state.depth_of(done))
-            self.state.add(done)                # and refit
-            for kind, fit in self.state.fits.items():
-                self.store.save_fit(self.job_id, kind, fit.n, fit.to_dict())
-            self.report(last=self._last(cand, result), phase=proposal.role)
-            self.number += 1
+                finished, _ = wait(running, return_when=FIRST_COMPLETED)
+                for future in sorted(finished, key=lambda f: running[f].number):
+                    trial = running.pop(future)
+                    result = self.record(trial, future.result())
+                    if result is None:
+                        self.study.tell(trial.optuna_trial, state=optuna.trial.TrialState.FAIL)
+                        continue
+                    done = FinishedTrial(trial.number, trial.candidate, trial.role, result)
+                    tell(self.study, trial.optuna_trial, result, trial.role, trial.number, self.state.depth_of(done))
+                    self.state.add(done)                # and refit
+                    for kind, fit in self.state.fits.items():
+                        self.store.save_fit(self.job_id, kind, fit.n, fit.to_dict())
+                    self.report(last=self._last(trial, result), phase=trial.role)
+
+    def slots(self) -> int:
+        """The trials this job runs at once: hardware.parallel_trials, or as many as the executor's nodes hold,
+        saying so in the job's progress when that is fewer."""
+        hw = self.spec.hardware
+        room = min(hw.parallel_trials, self.executor.slots(hw.nodes, hw.per_node, hw.device))
+        if 0 < room < hw.parallel_trials:       # none: each trial fails saying what the nodes lack
+            self.report(phase="starting", note=f"hardware.parallel_trials {hw.parallel_trials}: the "
+                                               f"{self.executor.name} executor's nodes hold {room} such trials at "
+                                               f"once; {room} run at once")
+        return max(1, room)
 
     def confirm(self) -> None:
         """The confirmation round: the finalists run again, a race the beaten drop out of, within the same budgets;
@@ -260,13 +309,15 @@ class JobRun:
             if why := self._asked_to_stop():
                 self.stop = why
                 break
-            result = self.measure(cand, "confirm", None)
+            trial = self.launch(cand, "confirm", None, None)
+            result = None if trial is None else self.record(trial, self.execute(trial, on=self.confirm_node))
             if result is None:
                 break
-            state.confirms.append(FinishedTrial(self.number, cand, "confirm", result))
+            if self.confirm_node is None and result.get("nodes") and self.spec.hardware.nodes == 1:
+                self.confirm_node = result["nodes"][0]      # the round's every trial on the node of its first
+            state.confirms.append(FinishedTrial(trial.number, cand, "confirm", result))
             add_confirms(self.study, self.space.params, self.space.distributions(), state.confirms[-1:])
-            self.report(last=self._last(cand, result), phase="confirm")
-            self.number += 1
+            self.report(last=self._last(trial, result), phase="confirm")
         self.confirmation = confirm.verdict(state, self.picks)
 
     def finish(self) -> dict[str, Any]:
@@ -311,23 +362,25 @@ class JobRun:
     def _asked_to_stop(self) -> StopReason | None:
         return self.should_stop() if self.should_stop else None
 
-    def _search_may_not_go_on(self) -> StopReason | None:
-        """Why no further search trial may start: a budget spent, or should_stop."""
+    def _search_may_not_go_on(self, running: int = 0) -> StopReason | None:
+        """Why no further search trial may start (`running` in flight): a budget spent, or should_stop."""
         search = self.spec.search
-        if len(self.state.history) >= search.max_trials:
+        if len(self.state.history) + running >= search.max_trials:
             return StopReason("max_trials", f"max_trials ({search.max_trials}) reached")
         if self.elapsed() >= search.time_budget_s:
             return StopReason("time_budget", f"time_budget_s ({search.time_budget_s:g}s) used up")
         return self._asked_to_stop()
 
-    def _ask(self, proposal: Proposal) -> tuple[optuna.Trial, Candidate | None]:
+    def _ask(self, proposal: Proposal, pending: list[tuple[Candidate, int | None]]
+             ) -> tuple[optuna.Trial, Candidate | None]:
         """The proposal as an Optuna trial (the sampler's choice, or the strategy's enqueued) and its config; None for
-        a config that is not a candidate or has run at this depth, its trial told already (a repeat, not run)."""
+        a config that is not a candidate, has run at this depth or runs now (`pending`), its trial told already (a
+        repeat, not run)."""
         if proposal.candidate is not None:
             self.study.enqueue_trial(self.space.params(proposal.candidate))
         ot = self.study.ask()
         cand = self.space.suggest(ot)       # define-by-run: a backend's own knobs only (as ask(distributions) alone)
-        if cand is None or self.state.ran(cand, proposal.layers):
+        if cand is None or self.state.ran(cand, proposal.layers) or (cand, proposal.layers) in pending:
             prev = next((d for d in self.state.history
                          if d.candidate == cand and self.state.depth_of(d) == proposal.layers), None)
             if prev is not None and prev.result["status"] == "ok":
@@ -337,44 +390,67 @@ class JobRun:
             return ot, None
         return ot, cand
 
-    def measure(self, cand: Candidate, role: str, optuna_number: int | None,
-                layers: int | None = None) -> dict[str, Any] | None:
-        """Run one trial (of `layers` decoder layers: a probe at reduced depth; None: the whole model) and record
-        it; None (self.stop set) when the job was stopped or taken over."""
+    def launch(self, cand: Candidate, role: str, ot: optuna.Trial | None, layers: int | None) -> Launched | None:
+        """Start a trial's record (of `layers` decoder layers: a probe at reduced depth; None: the whole model) and
+        say so in the job's progress: the next trial number is its; None (self.stop set) when the job was taken
+        over."""
         self._prepare(cand)            # before its clock: what the next trial takes is the trial's alone
-        began = time.monotonic()       # the trial's whole cost, its records included: what the next will take
+        began = time.monotonic()
+        number = self.number
         pred = self.state.predict(cand, layers=layers)
-        trace, trace_error = self._trace_file(role)
+        trace, trace_error = self._trace_file(role, number)
         depth = {"num_layers": layers} if layers is not None else {}
         schedule = self.spec.search.schedule if cand.backend == "speedloader" else None    # as TrialResult.config
-        if not self.store.start_trial(self.job_id, self.number, role, {**cand.knobs(), "schedule": schedule, **depth},
-                                      pred.to_dict(), optuna_number, self.worker_id):
+        if not self.store.start_trial(self.job_id, number, role, {**cand.knobs(), "schedule": schedule, **depth},
+                                      pred.to_dict(), ot.number if ot is not None else None, self.worker_id):
             self.stop = TAKEN_OVER
             return None
-        self.report(last={"number": self.number, "config": cand.knobs(self._named), "status": "running"}, phase=role)
-        t0 = time.monotonic()
-        result = self._run_trial(cand, role, trace, layers)
+        self.number += 1
+        self.report(last={"number": number, "config": cand.knobs(self._named), "status": "running"}, phase=role)
+        folder = self.offload_root / self.job_id / f"trial-{number}" if cand.writes_files else None
+        spec = trial_spec(self.spec, cand, trace, self.default_host_limit, self.max_trial_steps, layers, folder,
+                          confirming=role == "confirm", models_dir=confinement())
+        return Launched(number, cand, role, layers, ot, spec, folder, trace, trace_error, began, time.monotonic())
+
+    def execute(self, trial: Launched, on: str | None = None) -> dict[str, Any]:
+        """The trial in processes of its own (on the node `on` names, where the executor has several); killed if
+        should_stop says so while it runs. Touches no store: trials run side by side in threads of their own."""
+        folder = trial.folder
+        try:
+            if folder is not None:
+                folder.mkdir(parents=True, exist_ok=True)
+            return self.executor.run(trial.spec, stop=self._stop_text if self.should_stop else None,
+                                     on=on).model_dump(mode="json")
+        finally:
+            if folder is not None:       # the optimizer's files are the trial's alone: gone with it
+                shutil.rmtree(folder, ignore_errors=True)
+                _remove_if_empty(folder.parent)
+
+    def record(self, trial: Launched, result: dict[str, Any]) -> dict[str, Any] | None:
+        """A trial's answer stored with its trace; None (self.stop set) when the job was stopped or taken over."""
+        trace, trace_error = trial.trace, trial.trace_error
         if trace is not None and result["status"] == "ok" and not trace.exists():
             trace, trace_error = None, f"no trace: it could not be written ({free_space(self.artifact_dir)})"
         if trace_error:
             result["trace_error"] = trace_error
-        self.trial_seconds.append(time.monotonic() - t0)
+        self.trial_seconds.append(time.monotonic() - trial.started)
         if (why := self._asked_to_stop()) and result["status"] == "failed":
             # killed mid-way: not a result, run it again
             self.store.interrupt_running_trials(self.job_id, self.worker_id)
             self.stop = why
             return None
-        if not self.store.finish_trial(self.job_id, self.number, result, worker_id=self.worker_id):
+        if not self.store.finish_trial(self.job_id, trial.number, result, worker_id=self.worker_id):
             self.stop = TAKEN_OVER
             return None
         if trace is not None and trace.exists():
             try:
-                self.store.add_artifact(self.job_id, self.number, "trace", str(trace.relative_to(self.artifact_dir)),
-                                        trace.stat().st_size)
+                self.store.add_artifact(self.job_id, trial.number, "trace",
+                                        str(trace.relative_to(self.artifact_dir)), trace.stat().st_size)
             except Exception as err:  # noqa: BLE001 - the trial's result is stored; only its trace is lost
-                log.warning("job %s trial %d: its trace could not be recorded (%s)", self.job_id, self.number, err)
-        if layers is None:
-            self.seconds.setdefault((cand, role == "confirm"), []).append(time.monotonic() - began)
+                log.warning("job %s trial %d: its trace could not be recorded (%s)", self.job_id, trial.number, err)
+        if trial.layers is None:
+            self.seconds.setdefault((trial.candidate, trial.role == "confirm"), []).append(
+                time.monotonic() - trial.began)
         return result
 
     def _calibrate(self) -> None:
@@ -412,30 +488,16 @@ class JobRun:
             deepspeed_ops.prepare(ops, accelerator, say=lambda line: self.report(phase="preparing", note=line),
                                   timeout_s=self.spec.search.time_budget_s - self.elapsed())
 
-    def _trace_file(self, role: str) -> tuple[Path | None, str | None]:
+    def _trace_file(self, role: str, number: int) -> tuple[Path | None, str | None]:
         """Where the next trial writes its profile (search.profile: search trials only), or why it writes none."""
         if not (self.spec.search.profile and self.artifact_dir is not None and role != "confirm"):
             return None, None
-        trace = Path(self.artifact_dir) / self.job_id / f"trial-{self.number}.json"
+        trace = Path(self.artifact_dir) / self.job_id / f"trial-{number}.json"
         try:
             trace.parent.mkdir(parents=True, exist_ok=True)
         except OSError as err:          # a full disk costs the trial its trace, nothing more
             return None, f"no trace: its folder could not be made ({err.strerror})"
         return trace, None
-
-    def _run_trial(self, cand: Candidate, role: str, trace: Path | None, layers: int | None) -> dict[str, Any]:
-        """The trial in processes of its own; killed if should_stop says so while it runs."""
-        folder = self.offload_root / self.job_id / f"trial-{self.number}" if cand.writes_files else None
-        try:
-            if folder is not None:
-                folder.mkdir(parents=True, exist_ok=True)
-            spec = trial_spec(self.spec, cand, trace, self.default_host_limit, self.max_trial_steps, layers, folder,
-                              confirming=role == "confirm", models_dir=confinement())
-            return self.executor.run(spec, stop=self._stop_text if self.should_stop else None).model_dump(mode="json")
-        finally:
-            if folder is not None:       # the optimizer's files are the trial's alone: gone with it
-                shutil.rmtree(folder, ignore_errors=True)
-                _remove_if_empty(folder.parent)
 
     def _stop_text(self) -> str | None:
         """should_stop as run_trial polls it: the reason's words, which a killed trial's error quotes."""
@@ -472,9 +534,9 @@ class JobRun:
         if self.progress:
             self.progress(payload)
 
-    def _last(self, cand: Candidate, result: dict[str, Any]) -> dict[str, Any]:
+    def _last(self, trial: Launched, result: dict[str, Any]) -> dict[str, Any]:
         """A finished trial as progress shows it."""
-        return {"number": self.number, "config": cand.knobs(self._named), "status": result["status"],
+        return {"number": trial.number, "config": trial.candidate.knobs(self._named), "status": result["status"],
                 "tokens_per_s": result.get("tokens_per_s"), "error": result.get("error")}
 
 

@@ -160,6 +160,7 @@ class Workload(_Strict):
 # a trial runs every rank as a process on one machine: more ranks than the largest machines' cores is no trial any
 # machine runs, and the predictions' cost grows with the ranks (524,289 held a server's spec check for 20 s)
 MAX_WORLD_SIZE = 1024
+MAX_PARALLEL_TRIALS = 256       # a trial's thread each in the runner, and a cluster's nodes for each
 
 
 class Hardware(_Strict):
@@ -179,6 +180,10 @@ class Hardware(_Strict):
         "group puts them on as many distinct nodes)"))
     ranks_per_node: int | None = Field(None, ge=1, le=MAX_WORLD_SIZE, description=(
         "ranks on each node; world_size is nodes x ranks_per_node (default: world_size / nodes)"))
+    parallel_trials: int = Field(1, ge=1, le=MAX_PARALLEL_TRIALS, description=(
+        "trials a job runs at once, each on nodes of its own (hardware.executor ray; nodes alike: their trials are "
+        "compared): the trials whose choice waits on no other's result (oneshot's probes, the grid, random and tpe's "
+        "samples); the confirmation round runs one trial at a time on one node, the first's"))
     disk_limit: Bytes | None = Field(None, description=(
         "search.optimizer_offload or search.param_offload disk: the room a trial's files may take (the master and "
         "optimizer state, and under param_offload disk the weights, twice while a step writes its new version; the "
@@ -199,6 +204,9 @@ class Hardware(_Strict):
         elif self.world_size % self.nodes:
             raise ValueError(f"hardware.world_size {self.world_size} does not split over {self.nodes} nodes; make it "
                              "a multiple of hardware.nodes, or give hardware.ranks_per_node")
+        if self.parallel_trials > 1 and self.executor != "ray":
+            raise ValueError(f"hardware.parallel_trials: {self.parallel_trials} trials at once need nodes of their "
+                             "own: set hardware.executor ray (trials side by side on one machine measure each other)")
         if self.nodes > 1 and self.executor != "ray":
             raise ValueError(f"hardware.nodes: {self.nodes} nodes need a cluster: set hardware.executor ray (this "
                              "machine is one node)")

@@ -8,8 +8,10 @@ import functools
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 import tomllib
 from pathlib import Path
 
@@ -102,7 +104,7 @@ def test_dockerfile_is_cpu_by_default_and_selects_cuda_by_build_args():
     assert '--index-url "${TORCH_INDEX}"' in torch_runs[0] and '"torch==${TORCH_VERSION}"' in torch_runs[0]
     # the project is installed after torch, so pip keeps the build torch came from
     runs = args_of(ins, "RUN")
-    install = next(i for i, r in enumerate(runs) if re.search(r"pip install /src\b", r))
+    install = next(i for i, r in enumerate(runs) if re.search(r'pip install "?/src\b', r))
     assert install > runs.index(torch_runs[0])
 
 
@@ -193,7 +195,7 @@ ENV = {"SLTUNE_API_TOKEN": "secret"}
 def test_compose_has_api_workers_and_postgres_on_one_database():
     c = load_compose()
     services = c["services"]
-    assert set(services) == {"api", "worker", "postgres"}
+    assert {name for name, svc in services.items() if "profiles" not in svc} == {"api", "worker", "postgres"}
     api, worker, pg = services["api"], services["worker"], services["postgres"]
 
     api_cmd = [interpolate(a, ENV) for a in api["command"]]
@@ -232,6 +234,7 @@ def test_compose_env_volumes_healthchecks_and_start_order():
             interpolate(env["SLTUNE_API_TOKEN"], {})                             # and required
         assert env["SLTUNE_DATA_DIR"] == "/data"
         assert "artifacts:/data" in svc["volumes"]                                 # shared traces
+        assert "models:/models" in svc["volumes"] and env["SLTUNE_MODELS_DIR"] == "/models"    # and model folders
         assert svc["depends_on"]["postgres"]["condition"] == "service_healthy"
     assert s["worker"]["depends_on"]["api"]["condition"] == "service_healthy"
     assert s["worker"]["healthcheck"] == {"disable": True}
@@ -239,4 +242,95 @@ def test_compose_env_volumes_healthchecks_and_start_order():
     pg = s["postgres"]
     assert "pg_isready" in " ".join(pg["healthcheck"]["test"])
     assert any(v.startswith("pgdata:") and v.endswith("/var/lib/postgresql/data") for v in pg["volumes"])
-    assert set(c["volumes"]) == {"pgdata", "artifacts"}
+    assert set(c["volumes"]) == {"pgdata", "artifacts", "models"}
+
+
+def ray_command(argv: list[str]) -> None:
+    """argv (after `ray`) is `ray start` with flags Ray's real CLI has."""
+    assert argv[0] == "start", argv
+    usage = subprocess.run([Path(sys.executable).with_name("ray"), "start", "--help"], capture_output=True, text=True,
+                           timeout=120).stdout
+    for flag in (a for a in argv if a.startswith("--")):
+        assert f"  {flag}" in usage, f"{flag} is not in `ray start --help`"
+
+
+def test_compose_s_ray_profile_is_a_head_nodes_and_a_worker_on_one_image_with_ray():
+    """--profile ray: a head that runs no trial, nodes that join it (trials at the default priority, the models
+    volume at the worker's path), a worker pointed at the head on the database the others use; one image built with
+    the extra ray, so the pre-flight finds the same versions everywhere."""
+    pytest.importorskip("ray", reason="Ray is the optional extra ray: pip install -e '.[ray]'")
+    c = load_compose()
+    s = c["services"]
+    ray_side = {name for name, svc in s.items() if svc.get("profiles") == ["ray"]}
+    assert ray_side == {"ray-head", "ray-node", "worker-ray"}
+    for name in ray_side:
+        assert s[name]["build"]["args"] == {"EXTRAS": "ray"} and s[name]["image"] == "sltune:ray"
+        assert (COMPOSE.parent / s[name]["build"]["context"] / s[name]["build"]["dockerfile"]).resolve() == DOCKERFILE
+    assert build_args(instructions())["EXTRAS"] == '""'
+    head, node, worker = s["ray-head"], s["ray-node"], s["worker-ray"]
+    assert head["entrypoint"] == node["entrypoint"] == ["ray"]
+    ray_command(head["command"])
+    ray_command(node["command"])
+    port = head["command"][head["command"].index("--port") + 1]
+    assert head["command"][head["command"].index("--num-cpus") + 1] == "0" and "--head" in head["command"]
+    assert node["command"][node["command"].index("--address") + 1] == f"ray-head:{port}"
+    assert worker["environment"]["SLTUNE_RAY_ADDRESS"] == f"ray-head:{port}"
+    assert node["environment"]["RAY_worker_niceness"] == "0"
+    assert "models:/models" in node["volumes"] and "models:/models" in worker["volumes"]
+    assert worker["environment"]["SLTUNE_MODELS_DIR"] == "/models"
+    worker_cmd = [interpolate(a, ENV) for a in worker["command"]]
+    plain = [interpolate(a, ENV) for a in s["worker"]["command"]]
+    assert worker_cmd == plain
+    sltune_command(worker_cmd)
+    assert f"'127.0.0.1', {port}" in " ".join(head["healthcheck"]["test"])
+    assert "models" in c["volumes"]
+
+
+def test_the_ray_profile_s_commands_start_a_cluster_that_runs_a_trial():
+    """ray-head's and ray-node's commands run here as they run in their containers (the head's port, and the ports
+    Ray would otherwise take at their defaults, free ones on this machine; the head's host this machine), and a trial
+    runs on the node."""
+    pytest.importorskip("ray", reason="Ray is the optional extra ray: pip install -e '.[ray]'")
+    from sltune.executors import executor_for
+    from sltune.loopback import free_port
+    from sltune.profiling.schema import TrialSpec
+
+    s = load_compose()["services"]
+    port = str(free_port())
+
+    def here(argv: list[str]) -> list[str]:
+        argv = [port if a == "6379" else f"127.0.0.1:{port}" if a == "ray-head:6379" else a for a in argv]
+        ports = ("--dashboard-agent-listen-port", "--dashboard-agent-grpc-port", "--metrics-export-port",
+                 "--runtime-env-agent-port")
+        return [str(Path(sys.executable).with_name("ray")), *argv, *(x for p in ports for x in (p, str(free_port())))]
+
+    env = {**os.environ, **s["ray-node"]["environment"]}
+    started = []
+    try:
+        for svc in ("ray-head", "ray-node"):
+            started.append(subprocess.Popen(here(s[svc]["command"]), env=env, start_new_session=True,
+                                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            if svc == "ray-head":
+                check = s["ray-head"]["healthcheck"]["test"][1:]
+                code = check[2].replace("6379", port)
+                deadline = time.monotonic() + 120
+                while subprocess.run([sys.executable, "-c", code], capture_output=True).returncode != 0:
+                    assert time.monotonic() < deadline and started[0].poll() is None, "the head did not start"
+                    time.sleep(1)
+        executor = executor_for("ray", f"127.0.0.1:{port}")
+        try:
+            import ray
+
+            deadline = time.monotonic() + 120
+            while not any(n["Alive"] and n["Resources"].get("CPU", 0) > 0 for n in ray.nodes()):
+                assert time.monotonic() < deadline and started[1].poll() is None, "the node did not join"
+                time.sleep(1)
+            result = executor.run(TrialSpec(model="llama-tiny", seq_len=16, steps=1, min_time_s=0.0, max_steps=1,
+                                            remeasure=0, profile=False))
+            assert result.status == "ok", result.error
+        finally:
+            executor.close()
+    finally:
+        for proc in reversed(started):
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

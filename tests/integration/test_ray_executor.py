@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +16,7 @@ from sltune.profiling import run_trial
 from sltune.profiling.schema import TrialSpec
 from sltune.service.local import tune
 from sltune.settings import Settings
+from sltune.store import Store
 from tests.support.deepspeed import needs_deepspeed
 
 ray = pytest.importorskip("ray", reason="Ray is the optional extra ray: pip install -e '.[ray]' (scripts/install.sh "
@@ -170,6 +172,43 @@ def test_a_tuning_job_runs_its_trials_over_the_cluster_s_nodes_and_records_where
         assert {n.split("/")[1] for n in t["nodes"]} == {w[:8] for w in workers}, t["nodes"]
 
 
+def test_a_grid_job_s_trials_run_two_at_once_on_both_nodes_as_a_local_job_runs_them(cluster, tmp_path):
+    """hardware.parallel_trials 2: the same configs, in the same order, with the same statuses as the job run here one
+    trial at a time; its search trials over both nodes, two of them running at once; its confirmation round on one."""
+    c, workers = cluster
+    search = {"strategy": "grid", "sub_batch_size": [1, 2], "num_sub_batches": [1, 2], "num_live_blocks": [1],
+              "trial_steps": 1, "trial_min_time_s": 0.1, "confirm_rounds": 1}
+    spec = {"name": "side-by-side", "model": {"preset": "llama-tiny"}, "workload": {"seq_len": 16}, "search": search}
+    here = tune(spec, f"sqlite:///{tmp_path / 'here.db'}", settings=Settings(data_dir=tmp_path / "here"))
+    db = f"sqlite:///{tmp_path / 'there.db'}"
+    there = tune({**spec, "hardware": {"executor": "ray", "parallel_trials": 2}}, db,
+                 settings=Settings(data_dir=tmp_path / "there", ray_address=c.address))
+    assert there["status"] == "succeeded", there["error"]
+    search_trials = [t for t in there["trials"] if t["role"] != "confirm"]
+    assert [(t["config"], t["status"]) for t in search_trials] == \
+        [(t["config"], t["status"]) for t in here["trials"] if t["role"] != "confirm"]
+    assert {t["nodes"][0].split("/")[1] for t in search_trials} == {w[:8] for w in workers}
+    rows = sorted((t for t in Store(db).trials(there["job_id"]) if t.role != "confirm"), key=lambda t: t.number)
+    assert any(a.finished_at > b.started_at for a, b in zip(rows, rows[1:])), \
+        [(t.number, t.started_at, t.finished_at) for t in rows]
+    confirms = [t for t in there["trials"] if t["role"] == "confirm"]
+    assert len(confirms) >= 2 and len({t["nodes"][0] for t in confirms}) == 1, confirms
+
+
+def test_parallel_trials_beyond_the_cluster_s_nodes_run_as_many_as_it_holds(cluster, tmp_path):
+    """Four trials at once asked of two nodes: two at once, the job's progress saying so, and every trial runs."""
+    c, _ = cluster
+    spec = {"name": "too-wide", "model": {"preset": "llama-tiny"}, "workload": {"seq_len": 16},
+            "hardware": {"executor": "ray", "parallel_trials": 4},
+            "search": {"strategy": "grid", "sub_batch_size": [1, 2], "num_sub_batches": [1, 2], "num_live_blocks": [1],
+                       "trial_steps": 1, "trial_min_time_s": 0.1, "confirm_rounds": 0}}
+    notes = []
+    result = tune(spec, f"sqlite:///{tmp_path / 'jobs.db'}", progress=lambda p: notes.append(p.get("note")),
+                  settings=Settings(data_dir=tmp_path / "data", ray_address=c.address))
+    assert [t["status"] for t in result["trials"]] == ["ok"] * 4, result["trials"]
+    assert any(n and "hold 2 such trials at once" in n for n in notes), notes
+
+
 def test_a_node_that_dies_under_a_trial_fails_it_on_every_rank_in_one_line(tmp_path):
     """A cluster of its own, two worker nodes whose workers Ray niced (the executor sets its tasks back to the default
     priority), a trial over both (timed for 60 s): one node's raylet is removed while its steps run. The trial fails
@@ -221,6 +260,62 @@ def test_a_node_that_dies_under_a_trial_fails_it_on_every_rank_in_one_line(tmp_p
     finally:
         executor.close()
         c.shutdown()
+
+
+def test_a_node_that_cannot_run_the_trial_is_refused_at_pre_flight_naming_it_and_the_fix(cluster, tmp_path):
+    """A third node joins, started apart (`ray start` in a mount namespace of its own, as on another machine): first
+    where an empty folder is mounted over the model's, then with another torch on its path. A trial over all three
+    nodes is refused before any rank starts, in one line naming that node and the fix; the same trial over the two
+    nodes that have both runs."""
+    import shutil
+    import subprocess
+    import sys
+    from importlib.metadata import version
+
+    from sltune.models import PRESETS
+
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("hiding a folder from one node needs a mount namespace of its own: root and unshare")
+    c, workers = cluster
+    models = tmp_path / "models"
+    PRESETS["llama-tiny"].config().save_pretrained(models / "tiny")
+    other = tmp_path / "other" / "torch-9.9.9.dist-info"
+    other.mkdir(parents=True)
+    (other / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\nVersion: 9.9.9\n")
+    spec = TrialSpec(**{**TRIAL, "model": str(models / "tiny")}, world_size=3, nodes=3)
+    executor = executor_for("ray", c.address)
+    try:
+        for setup, env, refusal in [(f"mount -t tmpfs none {models}", {}, "cannot read the model at "
+                                     f"{models / 'tiny'} (no such file or folder): every node needs the model at the "
+                                     "same path"),
+                                    ("true", {"PYTHONPATH": str(other.parent)},
+                                     f"has torch 9.9.9 where this machine has {version('torch')}: install the same")]:
+            ray_cli = Path(sys.executable).with_name("ray")
+            node = subprocess.Popen(["unshare", "-m", "sh", "-c", f"{setup} && exec {ray_cli} start --address "
+                                     f"{c.address} --num-cpus 1 --block"],
+                                    env={**os.environ, **env}, start_new_session=True, stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.DEVNULL)
+            try:
+                deadline = time.monotonic() + 120
+                while sum(n["Alive"] and n["Resources"].get("CPU", 0) > 0 for n in ray.nodes()) < 3:
+                    assert time.monotonic() < deadline and node.poll() is None, "the third node did not join"
+                    time.sleep(0.5)
+                started = time.monotonic()
+                refused = executor.run(spec)
+                assert refused.status == "failed" and refused.error.startswith("pre-flight: Ray node "), refused.error
+                assert refusal in refused.error and "\n" not in refused.error, refused.error
+                assert time.monotonic() - started < 60
+            finally:
+                os.killpg(node.pid, 9)
+                node.wait()
+            deadline = time.monotonic() + 60
+            while sum(n["Alive"] and n["Resources"].get("CPU", 0) > 0 for n in ray.nodes()) > 2:
+                assert time.monotonic() < deadline, "the third node is still alive"
+                time.sleep(0.5)
+        ran = executor.run(spec.model_copy(update={"world_size": 2, "nodes": 2}))
+        assert ran.status == "ok", ran.error
+    finally:
+        executor.close()
 
 
 def trial_ranks() -> set[int]:

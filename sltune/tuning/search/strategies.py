@@ -2,11 +2,17 @@
 
 Every strategy runs through Optuna: each trial is an Optuna trial in the job's study. The baselines let
 Optuna's samplers choose; oneshot chooses itself (from its fitted models) and enqueues its choice.
+
+A job may run several trials at once (hardware.parallel_trials): propose is then asked again while trials are in
+flight (`pending`), and proposes only what does not wait on their results, or None until one finishes: the grid's and
+the samplers' next configs, oneshot's probes and each backend's first guided trial; oneshot's later choices read the
+fits of every trial before them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Literal
 
@@ -33,6 +39,10 @@ class Stop:
     reason: str
 
 
+# what is in flight when a strategy proposes: each running trial's config and depth (Proposal.layers)
+Pending = Collection[tuple[Candidate, "int | None"]]
+
+
 class Strategy:
     name = "base"
 
@@ -43,9 +53,10 @@ class Strategy:
     def sampler(self) -> optuna.samplers.BaseSampler:
         return optuna.samplers.RandomSampler(seed=self.seed)
 
-    def propose(self) -> Proposal | Stop:
-        if self.state.tried >= set(self.state.space.candidates):
-            return Stop("exhausted", "every candidate has been tried")
+    def propose(self, pending: Pending = ()) -> Proposal | Stop | None:
+        """The next trial, or why there is none; None: nothing until a trial in flight finishes."""
+        if self.state.tried | {c for c, _ in pending} >= set(self.state.space.candidates):
+            return None if pending else Stop("exhausted", "every candidate has been tried")
         return Proposal(None, self.name)
 
 
@@ -57,7 +68,8 @@ class TPEStrategy(Strategy):
     name = "tpe"
 
     def sampler(self) -> optuna.samplers.BaseSampler:
-        return optuna.samplers.TPESampler(seed=self.seed, n_startup_trials=5)
+        # constant_liar: trials in flight count as bad ones, so trials proposed side by side differ
+        return optuna.samplers.TPESampler(seed=self.seed, n_startup_trials=5, constant_liar=True)
 
 
 class _EnqueuedGrid(optuna.samplers.GridSampler):
@@ -78,10 +90,11 @@ class GridStrategy(Strategy):
     def sampler(self) -> optuna.samplers.BaseSampler:
         return _EnqueuedGrid(self.state.space.grid(), seed=self.seed)
 
-    def propose(self) -> Proposal | Stop:
-        untried = [c for c in self.state.space.candidates if c not in self.state.tried]
+    def propose(self, pending: Pending = ()) -> Proposal | Stop | None:
+        busy = {c for c, _ in pending}
+        untried = [c for c in self.state.space.candidates if c not in self.state.tried and c not in busy]
         if not untried:
-            return Stop("exhausted", "every candidate has been tried")
+            return None if pending else Stop("exhausted", "every candidate has been tried")
         return Proposal(untried[0], "grid")   # in order, so an interrupted grid resumes where it stopped
 
 
@@ -176,14 +189,16 @@ class OneShotStrategy(Strategy):
             return True
         return c == next((t for t in places if self.state.predict(t).fits), places[0])
 
-    def propose(self) -> Proposal | Stop:
+    def propose(self, pending: Pending = ()) -> Proposal | Stop | None:
         st = self.state
         if st.guided:
-            return self.by_prior()
+            return self.by_prior(pending)
         depth = st.probe_layers()        # search.probe_layers: probes at reduced depth, the rest at full depth
         for c in self.probes():
-            if not st.ran(c, depth) and st.predict(c).fits:
+            if not st.ran(c, depth) and (c, depth) not in pending and st.predict(c).fits:
                 return Proposal(c, "probe", depth)
+        if pending:
+            return None                 # what follows the probes reads the fits of every trial before it
         if not st.fits or not all(f.well_posed for f in st.fits.values() if f.features):
             extra = self._rank_probe(depth)
             if extra is not None:
@@ -234,16 +249,21 @@ class OneShotStrategy(Strategy):
                         f"typical error ({errors})")
         return Proposal(top, "frontier")
 
-    def by_prior(self) -> Proposal | Stop:
+    def by_prior(self, pending: Pending = ()) -> Proposal | Stop | None:
         """Guided by the step-time prior (SearchState.guided): no probes. Every untried config that may fit is ranked
         by its predicted tokens/s, the prior corrected by its backend's trials so far (sltune.tuning.cost.correction).
         Each backend that has one is measured first at its top predicted config (the fastest backend first), so the
         answer across backends is measured, not assumed; then the top predicted config, until none, allowing its
         backend's correction error (SearchState.prior_error) and the spread of the machine's rates, is predicted to
-        beat the best measured by more than the best's own noise."""
+        beat the best measured by more than the best's own noise. With trials in flight, only the first trials of
+        backends none of them runs: the rest is ranked on their results."""
         st = self.state
-        options = [c for c in st.space.candidates if c not in st.tried and st.predict(c, padded=False).fits]
+        busy = {c for c, _ in pending}
+        options = [c for c in st.space.candidates
+                   if c not in st.tried and c not in busy and st.predict(c, padded=False).fits]
         if not options:
+            if pending:
+                return None
             return Stop("converged", "no untried config is predicted to fit")
         steps = {c: st.step_prior(c) for c in options}
 
@@ -255,10 +275,12 @@ class OneShotStrategy(Strategy):
             # a backend whose first tries all failed (ran out of memory, say) is left to the ranking below
             return st.best(backend) is None and sum(d.candidate.backend == backend for d in st.history) < FIRST_TRIES
 
-        tops = [c for b in st.space.backends if unmeasured(b)
+        tops = [c for b in st.space.backends if unmeasured(b) and all(p.backend != b for p in busy)
                 for c in [max((c for c in options if c.backend == b), key=rank, default=None)] if c is not None]
         if tops:
             return Proposal(max(tops, key=rank), "frontier")
+        if pending:
+            return None
         best = st.best()
         noise = st.noise(best) if best is not None else 0.0
 

@@ -225,7 +225,7 @@ def test_a_search_sweeps_the_runtime_knobs_marked_searched_and_a_candidate_carri
 
 def test_nodes_and_ranks_per_node_give_world_size_and_need_a_cluster():
     """hardware.world_size, nodes and ranks_per_node: any two give the third, three must agree, and ranks over
-    several nodes need hardware.executor ray; each refusal names the fields."""
+    several nodes need hardware.executor ray, as do trials side by side; each refusal names the fields."""
     hw = TuningSpec.parse({**BASE, "hardware": {"executor": "ray", "nodes": 2, "ranks_per_node": 3}}).hardware
     assert (hw.world_size, hw.nodes, hw.per_node) == (6, 2, 3)
     hw = TuningSpec.parse({**BASE, "hardware": {"executor": "ray", "nodes": 2, "world_size": 4}}).hardware
@@ -236,6 +236,11 @@ def test_nodes_and_ranks_per_node_give_world_size_and_need_a_cluster():
         TuningSpec.parse({**BASE, "hardware": {"executor": "ray", "nodes": 2, "world_size": 3}})
     with pytest.raises(ValueError, match=r"^spec: hardware\.nodes: 2 nodes need a cluster: set hardware\.executor ray"):
         TuningSpec.parse({**BASE, "hardware": {"nodes": 2, "ranks_per_node": 1}})
+    with pytest.raises(ValueError, match=r"^spec: hardware\.parallel_trials: 2 trials at once need nodes of their own: "
+                                         r"set hardware\.executor ray"):
+        TuningSpec.parse({**BASE, "hardware": {"parallel_trials": 2}})
+    hw = TuningSpec.parse({**BASE, "hardware": {"executor": "ray", "parallel_trials": 2}}).hardware
+    assert hw.parallel_trials == 2
     # a stored spec reads back the same
     spec = TuningSpec.parse({**BASE, "hardware": {"executor": "ray", "nodes": 2, "ranks_per_node": 1}})
     assert TuningSpec.model_validate(spec.model_dump(mode="json")) == spec

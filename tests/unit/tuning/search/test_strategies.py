@@ -237,3 +237,36 @@ def test_oneshot_probes_as_before_without_rates_with_step_prior_off_or_rates_tha
     st = SearchState(spec, SHAPE, SearchSpace(spec, SHAPE), rates=rates_for(seq=32))
     assert st.guided and OneShotStrategy(st, 0).propose().role == "frontier"
     assert not SearchState(spec, SHAPE, SearchSpace(spec, SHAPE), rates=rates_for(seq=32, decode_attention=[])).guided
+
+
+def test_with_trials_in_flight_oneshot_proposes_the_probes_they_are_not_and_then_waits():
+    """hardware.parallel_trials: asked again while probes run, oneshot proposes each other probe once, the same ones
+    it proposes one at a time; past them it waits (None) for the trials in flight, whose results its next choice
+    reads; with none in flight it goes on as before."""
+    from sltune.tuning.search.strategies import OneShotStrategy
+
+    st = state()
+    strategy = OneShotStrategy(st, 0)
+    pending = []
+    while (p := strategy.propose(pending)) is not None:
+        assert p.role == "probe" and (p.candidate, p.layers) not in pending
+        pending.append((p.candidate, p.layers))
+    assert [c for c, _ in pending] == [c for c in strategy.probes() if st.predict(c).fits]
+    for i, (c, _) in enumerate(pending):
+        st.add(ok(i, c, 100.0 * c.batch))
+    assert strategy.propose() is not None and strategy.propose(pending[:1]) is None
+
+
+def test_with_trials_in_flight_the_grid_proposes_the_configs_they_are_not_and_stops_once_they_are_done():
+    from sltune.tuning.search.strategies import GridStrategy
+
+    st = state(num_live_blocks=[1])
+    grid = GridStrategy(st, 0)
+    pending = []
+    while (p := grid.propose(pending)) is not None:
+        assert not isinstance(p, Stop)
+        pending.append((p.candidate, None))
+    assert [c for c, _ in pending] == st.space.candidates and grid.propose(pending) is None
+    for i, (c, _) in enumerate(pending):
+        st.add(ok(i, c, 100.0))
+    assert isinstance(grid.propose(), Stop)

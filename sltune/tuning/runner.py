@@ -169,6 +169,7 @@ class JobRun:
         self.trial_seconds: list[float] = []    # this run's trials, for the average a trial takes
         self.picks: list[Candidate] = []        # the confirmation round's finalists, once the search has ended
         self.number = 0                         # the next trial's number
+        self.room = 1                           # the search's trials at once (search(): slots())
         self.stop: StopReason | None = None     # why the search ended, once it has
         self.confirmation: dict[str, Any] | None = None
         # where the confirmation round runs: the node of its first trial, so that its race is measured on one
@@ -235,7 +236,7 @@ class JobRun:
         others run where the strategy's next choice does not wait on their results (its probes, the grid)."""
         self.report(phase="starting")
         self._calibrate()
-        room = self.slots()
+        room = self.room = self.slots()
         running: dict[Future, Launched] = {}
         repeats = 0
         with ThreadPoolExecutor(max_workers=room, thread_name_prefix="trial") as pool:
@@ -519,7 +520,7 @@ class JobRun:
             rest = rest[:max(0, self.trials_cap - len(state.history) - len(state.confirms))]
         if phase == "finished":
             rest = []
-        left = confirm.time_left(state, search, self.elapsed(), rest, self.seconds, avg, self.trials_cap)
+        left = confirm.time_left(state, search, self.elapsed(), rest, self.seconds, avg, self.trials_cap, self.room)
         if phase == "finished":
             left = 0.0
         payload = {"trials_done": done, "max_trials": search.max_trials, "confirm_done": len(state.confirms),

@@ -227,13 +227,14 @@ def winner_of(state: SearchState, confirmation: dict[str, Any] | None) -> Finish
 
 def time_left(state: SearchState, search: Any, elapsed: float, rest: list[Candidate] | None,
               seconds: dict[tuple[Candidate, bool], list[float]], avg: float | None,
-              trials_cap: int | None = None) -> float:
+              trials_cap: int | None = None, at_once: int = 1) -> float:
     """Seconds the job has left. The confirmation trials still to run (`rest` once the search has ended, else
     every finalist as they stand, in each of `confirm_rounds`, as many as `trials_cap` leaves after the search's
     max_trials: the trials in all a server allows) are counted at their own config's median
     confirmation trial time so far, else its search trials' (the finalists are the largest configs, and an
     average over the search's small probes said 6-8 s where 25 s ran). The search's remaining trials count at
-    the average; the time budget caps both, except for a trial already started or about to start."""
+    the average, `at_once` at a time (hardware.parallel_trials: at most; oneshot runs only its probes so); the time
+    budget caps both, except for a trial already started or about to start."""
     budget = search.time_budget_s - elapsed
 
     def cost(c: Candidate) -> float:
@@ -247,7 +248,7 @@ def time_left(state: SearchState, search: Any, elapsed: float, rest: list[Candid
     coming = plan(state, search.confirm_rounds)
     if trials_cap is not None:
         coming = coming[:max(0, trials_cap - search.max_trials)]
-    return min(budget, (search.max_trials - len(state.history)) * avg + sum(map(cost, coming)))
+    return min(budget, (search.max_trials - len(state.history)) * avg / at_once + sum(map(cost, coming)))
 
 
 def _ci(d: FinishedTrial) -> tuple[float, float]:

@@ -83,3 +83,21 @@ def test_a_gap_measured_under_interference_must_show_in_two_rounds():
     round_(1000.0, 600.0, unstable=True)
     assert confirm.settled(st, picks) and confirm.remaining(st, picks, 3) == []
     assert confirm.verdict(st, picks)["rounds"] == 2
+
+
+def test_time_left_counts_the_search_s_trials_to_come_at_the_trials_run_at_once():
+    """hardware.parallel_trials: the search's remaining trials take their average time each, `at_once` at a time;
+    the confirmation trials to come, one at a time, at their own configs' times."""
+    from types import SimpleNamespace
+
+    from sltune.tuning.search import confirm
+
+    st = state()
+    a, b = Candidate(4, 4, 1), Candidate(2, 4, 1)
+    st.add(ok(0, a, 1000.0, (990, 1010)))
+    st.add(ok(1, b, 990.0, (980, 1000)))
+    search = SimpleNamespace(time_budget_s=10_000.0, max_trials=10, confirm_rounds=1)
+    seconds = {(a, False): [30.0], (b, False): [20.0]}
+    one = confirm.time_left(st, search, 0.0, None, seconds, 10.0)
+    two = confirm.time_left(st, search, 0.0, None, seconds, 10.0, at_once=2)
+    assert (one, two) == (8 * 10.0 + 30.0 + 20.0, 8 * 10.0 / 2 + 30.0 + 20.0)

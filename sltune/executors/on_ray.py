@@ -129,7 +129,8 @@ class RayExecutor:
                     if isinstance(answer[0], dict) and answer[0].get("status") not in (None, "ok", "diverged"):
                         # a node's ranks failed: the others cannot finish. A node that died makes its peers' ranks
                         # fail too (a connection reset), often before Ray reports the death: that is the cause
-                        ready, pending = ray.wait(pending, num_returns=len(pending), timeout=CAUSE_S)
+                        ready, pending = (ray.wait(pending, num_returns=len(pending), timeout=CAUSE_S) if pending
+                                          else ([], []))
                         for dead in ready:
                             try:
                                 ray.get(dead)

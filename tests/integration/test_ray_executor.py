@@ -145,6 +145,20 @@ def test_executors_in_one_process_share_its_connection_to_the_cluster(cluster):
     assert not ray.is_initialized()
 
 
+def test_a_trial_whose_ranks_fail_answers_their_failure_and_the_node_runs_the_next(cluster):
+    """A one-node trial over its device memory limit answers 'oom' as run here does (never an exception), and the
+    node's host runs the next trial."""
+    c, _ = cluster
+    executor = executor_for("ray", c.address)
+    try:
+        over = TrialSpec(**TRIAL, device_memory_limit=1024)
+        there, here = executor.run(over), run_trial(over)
+        assert there.status == here.status == "oom", there.error
+        assert executor.run(TrialSpec(**TRIAL)).status == "ok"
+    finally:
+        executor.close()
+
+
 def test_ranks_no_node_can_hold_fail_at_once_saying_how_many_a_node_has(cluster):
     c, _ = cluster
     executor = executor_for("ray", c.address)

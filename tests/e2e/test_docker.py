@@ -276,6 +276,7 @@ def test_compose_s_ray_profile_is_a_head_nodes_and_a_worker_on_one_image_with_ra
     assert node["command"][node["command"].index("--address") + 1] == f"ray-head:{port}"
     assert worker["environment"]["SLTUNE_RAY_ADDRESS"] == f"ray-head:{port}"
     assert node["environment"]["RAY_worker_niceness"] == "0"
+    assert node["healthcheck"] == worker["healthcheck"] == {"disable": True}     # no /healthz to poll there
     assert "models:/models" in node["volumes"] and "models:/models" in worker["volumes"]
     assert worker["environment"]["SLTUNE_MODELS_DIR"] == "/models"
     worker_cmd = [interpolate(a, ENV) for a in worker["command"]]

@@ -33,26 +33,136 @@ TRIAL = dict(model="llama-tiny", seq_len=16, steps=1, min_time_s=0.0, max_steps=
 
 
 @pytest.fixture(scope="module", autouse=True)
-def workers_not_niced():
+def cluster_settings():
     """The nodes' raylets start their workers at the default priority, as a cluster for trials should be started
-    (docs/guides/ray.md): the executor needs no root to lower Ray's nice 15."""
-    before = os.environ.get("RAY_worker_niceness")
-    os.environ["RAY_worker_niceness"] = "0"
+    (docs/guides/ray.md): the executor needs no root to lower Ray's nice 15. And the head notices a dead node within
+    about 2 s (a health check every 0.5 s, three missed), not Ray's 15 s and more: the tests that remove a node wait
+    for that, not for the executor."""
+    settings = {"RAY_worker_niceness": "0", "RAY_health_check_period_ms": "500", "RAY_health_check_timeout_ms": "1000",
+                "RAY_health_check_failure_threshold": "3"}
+    before = {name: os.environ.get(name) for name in settings}
+    os.environ.update(settings)
     yield
-    if before is None:
-        os.environ.pop("RAY_worker_niceness")
-    else:
-        os.environ["RAY_worker_niceness"] = before
+    for name, value in before.items():
+        if value is None:
+            os.environ.pop(name)
+        else:
+            os.environ[name] = value
+
+
+def test_a_cluster_that_does_not_answer_is_one_line_naming_its_address(tmp_path):
+    """Within seconds: from the executor, and from `sltune tune`, which refuses the spec before any job or trial
+    (a server's worker fails the job with the same line)."""
+    import yaml
+
+    from sltune.store import Store
+    from tests.support.cli import sltune
+
+    address = f"127.0.0.1:{free_port()}"
+    start = time.monotonic()
+    with pytest.raises(ConnectionError, match=f"no Ray cluster answers at {address}.*ray start --head"):
+        executor_for("ray", address)
+    assert time.monotonic() - start < 10
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(yaml.safe_dump({
+        "name": "no-ray", "model": {"preset": "llama-tiny"}, "workload": {"seq_len": 16},
+        "hardware": {"executor": "ray"},
+        "search": {"strategy": "grid", "sub_batch_size": [1], "num_sub_batches": [1], "num_live_blocks": [1]}}))
+    db = f"sqlite:///{tmp_path / 'jobs.db'}"
+    out = sltune("tune", str(spec), "--db", db, env={"SLTUNE_RAY_ADDRESS": address,
+                                                     "SLTUNE_DATA_DIR": str(tmp_path / "data")})
+    assert out.returncode != 0 and out.stderr.strip().splitlines() == [
+        f"sltune tune: error: no Ray cluster answers at {address} (Connection refused): start its head there (`ray "
+        f"start --head --port {address.split(':')[1]}`) or point SLTUNE_RAY_ADDRESS (or RAY_ADDRESS) at a running "
+        "one"], out.stderr
+    assert Store(db).jobs() == []
+
+
+def test_a_node_that_dies_under_a_trial_fails_it_on_every_rank_in_one_line(tmp_path):
+    """A cluster of its own, two worker nodes whose workers Ray niced (the executor sets its tasks back to the default
+    priority), a trial over both (timed for 60 s): one node's raylet is removed while its steps run. The trial fails
+    within seconds naming that node, the other node's rank is stopped with it (no process of the trial is left), and
+    the executor runs the next trial once a node has replaced it."""
+    import threading
+
+    import psutil
+    from ray.cluster_utils import Cluster
+
+    os.environ["RAY_worker_niceness"] = "15"        # Ray's default: the executor lowers it, as root may
+    try:
+        c = Cluster(initialize_head=True, head_node_args=head())
+        nodes = [c.add_node(num_cpus=1, include_dashboard=False) for _ in range(2)]
+        c.wait_for_nodes()
+    finally:
+        os.environ["RAY_worker_niceness"] = "0"
+    executor = executor_for("ray", c.address)
+    try:
+        if os.geteuid() != 0:           # others may not: the trial says how the nodes should be started instead
+            result = executor.run(TrialSpec(**TRIAL))
+            assert result.status == "failed" and "RAY_worker_niceness=0" in result.error, result
+            return
+        out = {}
+        spec = TrialSpec(**{**TRIAL, "steps": 1000, "max_steps": 1000, "min_time_s": 60.0}, world_size=2, nodes=2)
+        runs = threading.Thread(target=lambda: out.update(result=executor.run(spec)))
+        runs.start()
+        started = time.monotonic()
+        while len(ranks := trial_ranks()) < 2:      # both nodes' fork servers up (slow beside other work)
+            assert time.monotonic() - started < 240 and runs.is_alive(), (ranks, out)
+            time.sleep(0.5)
+        time.sleep(3)                   # both ranks are stepping
+        killed = time.monotonic()
+        # a node other than the one this process's Ray driver is attached to (removing that one breaks the driver)
+        driver = ray.get_runtime_context().get_node_id()
+        c.remove_node(next(n for n in nodes if n.node_id != driver), allow_graceful=False)
+        runs.join(60)
+        assert not runs.is_alive() and time.monotonic() - killed < 30
+        result = out["result"]
+        assert result.status == "failed" and result.error.startswith("Ray node ") and " failed: " in result.error
+        assert "\n" not in result.error
+        deadline = time.monotonic() + 10
+        while any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in ranks):
+            assert time.monotonic() < deadline, f"a rank outlived its trial: {ranks}"
+            time.sleep(0.2)
+        c.add_node(num_cpus=1, include_dashboard=False)
+        c.wait_for_nodes()
+        assert executor.run(TrialSpec(**TRIAL, world_size=2, nodes=2)).status == "ok"
+    finally:
+        executor.close()
+        connected = ray.is_initialized()
+        c.shutdown()
+    assert not connected, "the process's last executor closed, and its connection to the cluster stayed open"
+
+
+def trial_ranks() -> set[int]:
+    """The trial processes Ray's workers forked here: the children of the fork servers their tasks started."""
+    import psutil
+
+    pids = set()
+    for server in psutil.process_iter(["cmdline"]):
+        if "multiprocessing.forkserver" not in " ".join(server.info["cmdline"] or []):
+            continue
+        try:
+            if "ray::" in " ".join(server.parent().cmdline()):
+                pids |= {child.pid for child in server.children()}
+        except (psutil.Error, AttributeError):
+            pass
+    return pids
 
 
 @pytest.fixture(scope="module")
-def cluster(workers_not_niced):
+def cluster(cluster_settings):
+    """The cluster the tests below share (after the two above, which need no cluster or one of their own: a process
+    talks to one cluster at a time)."""
     from ray.cluster_utils import Cluster
 
     c = Cluster(initialize_head=True, head_node_args=head())
     workers = [c.add_node(num_cpus=2, include_dashboard=False) for _ in range(2)]
     c.wait_for_nodes()
+    # the tests below share one connection, as a worker's jobs at once do: each node's trial host (its fork server's
+    # imports, seconds beside other work) is started once for them all, not once a test
+    held = executor_for("ray", c.address)
     yield c, {n.node_id for n in workers}
+    held.close()
     ray.shutdown()
     c.shutdown()
 
@@ -142,7 +252,7 @@ def test_executors_in_one_process_share_its_connection_to_the_cluster(cluster):
     finally:
         first.close()
         second.close()
-    assert not ray.is_initialized()
+    assert ray.is_initialized()         # the cluster fixture's connection: the last one closed ends it
 
 
 def test_a_trial_whose_ranks_fail_answers_their_failure_and_the_node_runs_the_next(cluster):
@@ -223,59 +333,6 @@ def test_parallel_trials_beyond_the_cluster_s_nodes_run_as_many_as_it_holds(clus
     assert any(n and "hold 2 such trials at once" in n for n in notes), notes
 
 
-def test_a_node_that_dies_under_a_trial_fails_it_on_every_rank_in_one_line(tmp_path):
-    """A cluster of its own, two worker nodes whose workers Ray niced (the executor sets its tasks back to the default
-    priority), a trial over both (timed for 60 s): one node's raylet is removed while its steps run. The trial fails
-    within seconds naming that node, the other node's rank is stopped with it (no process of the trial is left), and
-    the executor runs the next trial once a node has replaced it."""
-    import threading
-
-    import psutil
-    from ray.cluster_utils import Cluster
-
-    os.environ["RAY_worker_niceness"] = "15"        # Ray's default: the executor lowers it, as root may
-    try:
-        c = Cluster(initialize_head=True, head_node_args=head())
-        nodes = [c.add_node(num_cpus=1, include_dashboard=False) for _ in range(2)]
-        c.wait_for_nodes()
-    finally:
-        os.environ["RAY_worker_niceness"] = "0"
-    executor = executor_for("ray", c.address)
-    try:
-        if os.geteuid() != 0:           # others may not: the trial says how the nodes should be started instead
-            result = executor.run(TrialSpec(**TRIAL))
-            assert result.status == "failed" and "RAY_worker_niceness=0" in result.error, result
-            return
-        out = {}
-        spec = TrialSpec(**{**TRIAL, "steps": 1000, "max_steps": 1000, "min_time_s": 60.0}, world_size=2, nodes=2)
-        runs = threading.Thread(target=lambda: out.update(result=executor.run(spec)))
-        runs.start()
-        started = time.monotonic()
-        while len(ranks := trial_ranks()) < 2:      # both nodes' fork servers up (slow beside other work)
-            assert time.monotonic() - started < 240 and runs.is_alive(), (ranks, out)
-            time.sleep(0.5)
-        time.sleep(3)                   # both ranks are stepping
-        killed = time.monotonic()
-        # a node other than the one this process's Ray driver is attached to (removing that one breaks the driver)
-        driver = ray.get_runtime_context().get_node_id()
-        c.remove_node(next(n for n in nodes if n.node_id != driver), allow_graceful=False)
-        runs.join(60)
-        assert not runs.is_alive() and time.monotonic() - killed < 30
-        result = out["result"]
-        assert result.status == "failed" and result.error.startswith("Ray node ") and " failed: " in result.error
-        assert "\n" not in result.error
-        deadline = time.monotonic() + 10
-        while any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in ranks):
-            assert time.monotonic() < deadline, f"a rank outlived its trial: {ranks}"
-            time.sleep(0.2)
-        c.add_node(num_cpus=1, include_dashboard=False)
-        c.wait_for_nodes()
-        assert executor.run(TrialSpec(**TRIAL, world_size=2, nodes=2)).status == "ok"
-    finally:
-        executor.close()
-        c.shutdown()
-
-
 def test_a_node_that_cannot_run_the_trial_is_refused_at_pre_flight_naming_it_and_the_fix(cluster, tmp_path):
     """A third node joins, started apart (`ray start` in a mount namespace of its own, as on another machine): first
     where an empty folder is mounted over the model's, then with another torch on its path. A trial over all three
@@ -330,47 +387,3 @@ def test_a_node_that_cannot_run_the_trial_is_refused_at_pre_flight_naming_it_and
         assert ran.status == "ok", ran.error
     finally:
         executor.close()
-
-
-def trial_ranks() -> set[int]:
-    """The trial processes Ray's workers forked here: the children of the fork servers their tasks started."""
-    import psutil
-
-    pids = set()
-    for server in psutil.process_iter(["cmdline"]):
-        if "multiprocessing.forkserver" not in " ".join(server.info["cmdline"] or []):
-            continue
-        try:
-            if "ray::" in " ".join(server.parent().cmdline()):
-                pids |= {child.pid for child in server.children()}
-        except (psutil.Error, AttributeError):
-            pass
-    return pids
-
-
-def test_a_cluster_that_does_not_answer_is_one_line_naming_its_address(tmp_path):
-    """Within seconds: from the executor, and from `sltune tune`, which refuses the spec before any job or trial
-    (a server's worker fails the job with the same line)."""
-    import yaml
-
-    from sltune.store import Store
-    from tests.support.cli import sltune
-
-    address = f"127.0.0.1:{free_port()}"
-    start = time.monotonic()
-    with pytest.raises(ConnectionError, match=f"no Ray cluster answers at {address}.*ray start --head"):
-        executor_for("ray", address)
-    assert time.monotonic() - start < 10
-    spec = tmp_path / "spec.yaml"
-    spec.write_text(yaml.safe_dump({
-        "name": "no-ray", "model": {"preset": "llama-tiny"}, "workload": {"seq_len": 16},
-        "hardware": {"executor": "ray"},
-        "search": {"strategy": "grid", "sub_batch_size": [1], "num_sub_batches": [1], "num_live_blocks": [1]}}))
-    db = f"sqlite:///{tmp_path / 'jobs.db'}"
-    out = sltune("tune", str(spec), "--db", db, env={"SLTUNE_RAY_ADDRESS": address,
-                                                     "SLTUNE_DATA_DIR": str(tmp_path / "data")})
-    assert out.returncode != 0 and out.stderr.strip().splitlines() == [
-        f"sltune tune: error: no Ray cluster answers at {address} (Connection refused): start its head there (`ray "
-        f"start --head --port {address.split(':')[1]}`) or point SLTUNE_RAY_ADDRESS (or RAY_ADDRESS) at a running "
-        "one"], out.stderr
-    assert Store(db).jobs() == []

@@ -4,6 +4,7 @@ each test by its folder."""
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,14 +14,14 @@ from tests.support.servers import Services
 
 
 def pytest_configure(config):
-    """Each xdist worker computes with its share of the cores: two workers of two torch threads each on two cores
-    made the in-process tests three times slower than one thread each (OpenMP's threads waiting on each other).
-    The trials, forked from a fork server started fresh, keep the machine's default."""
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    if workers > 1:
-        import torch
-
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+    """Every process of the suite computes on one torch thread unless OMP_NUM_THREADS says otherwise: the test
+    processes, and the trials, servers, workers and ranks they start, which inherit the variable. The suite runs
+    several of them at once on 2 cores beside other work, where OpenMP's threads spin at their barriers waiting for a
+    thread that has no core: 30 steps of llama-tiny beside the suite and a busy loop took 10.8 s and 6.0 CPU-seconds
+    on two threads, 2.0 s and 0.8 on one. A trial that names hardware.cpu_threads still takes them."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if "torch" in sys.modules:          # imported before this hook (by a plugin): the variable came too late for it
+        sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.fixture

@@ -4,7 +4,6 @@ each test by its folder."""
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,9 +18,7 @@ def pytest_configure(config):
     several of them at once on 2 cores beside other work, where OpenMP's threads spin at their barriers waiting for a
     thread that has no core: 30 steps of llama-tiny beside the suite and a busy loop took 10.8 s and 6.0 CPU-seconds
     on two threads, 2.0 s and 0.8 on one. A trial that names hardware.cpu_threads still takes them."""
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    if "torch" in sys.modules:          # imported before this hook (by a plugin): the variable came too late for it
-        sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    os.environ.setdefault("OMP_NUM_THREADS", "1")      # set before torch is first imported here, so it holds here too
 
 
 @pytest.fixture

@@ -40,14 +40,10 @@ def cluster_settings():
     for that, not for the executor."""
     settings = {"RAY_worker_niceness": "0", "RAY_health_check_period_ms": "500", "RAY_health_check_timeout_ms": "1000",
                 "RAY_health_check_failure_threshold": "3"}
-    before = {name: os.environ.get(name) for name in settings}
-    os.environ.update(settings)
-    yield
-    for name, value in before.items():
-        if value is None:
-            os.environ.pop(name)
-        else:
-            os.environ[name] = value
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in settings.items():
+            mp.setenv(name, value)
+        yield
 
 
 def test_a_cluster_that_does_not_answer_is_one_line_naming_its_address(tmp_path):

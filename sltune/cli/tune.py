@@ -356,6 +356,13 @@ def _plan_spec(data: dict, source: str, limits: list, as_json: bool, disk_limit:
             " among those with a step time"
         print(f"  pick (predicted fastest that fits{among}): {describe_config(r['pick']['config'])}"
               f"{_speed(r['pick'])}; binding limit: {r['pick']['binding_limit']}")
+    if r["too_slow"]:
+        timeout = f"search.trial_timeout_s {r['trial_timeout_s']:g}s"
+        print(f"  {r['too_slow']} of the {r['fitting']} configs that fit are predicted to outlast {timeout}: their "
+              f"trials would time out, so the pick is among the others" if r["pick"] else
+              f"  every config that fits is predicted to outlast {timeout}: a trial of any would time out, so there "
+              f"is no pick; raise it, or make a step cheaper (a shorter workload.seq_len, float32 where this CPU's "
+              f"bfloat16 matmuls are slow)")
     if r["refusal"]:
         print(f"  refused: {r['refusal']}")
     return 0 if r["fitting"] else 1

@@ -44,14 +44,14 @@ if TYPE_CHECKING:
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 log = logging.getLogger("sltune.tuning")
 
-StopKind = Literal["exhausted", "converged", "max_trials", "time_budget", "stuck", "cancelled", "released"]
+StopKind = Literal["exhausted", "converged", "too_slow", "max_trials", "time_budget", "stuck", "cancelled", "released"]
 
 
 @dataclass(frozen=True)
 class StopReason:
     """Why the search ended or the job was stopped. The runner decides by kind alone: "cancelled" ends the job as
     cancelled and "released" hands it back unfinished (neither runs the confirmation round); every other kind is
-    the search ending by itself: the strategy's Stop ("exhausted", "converged"), a budget ("max_trials",
+    the search ending by itself: the strategy's Stop ("exhausted", "converged", "too_slow"), a budget ("max_trials",
     "time_budget"), or a sampler that only repeats itself ("stuck"). text is what the job's result and progress
     say, word for word."""
 

@@ -441,7 +441,9 @@ class Search(_Strict):
     trial_max_steps: int = Field(100, ge=1, le=100_000, description="timed steps per trial at most")
     confirm_rounds: int = Field(3, ge=0, le=20, description="interleaved re-measurements of the finalists "
                                                             "before the job ends (0: none)")
-    trial_timeout_s: float = Field(300.0, gt=0)
+    trial_timeout_s: float = Field(300.0, gt=0, description=(
+        "a trial still running after this many seconds is stopped (status timeout); a search guided by the step-time "
+        "prior starts no config predicted to outlast it"))
     time_budget_s: float = Field(600.0, gt=0)
     margin: float = Field(0.05, ge=0.0, lt=1.0, description="predicted peaks within this fraction of a limit "
                                                             "count as over it")

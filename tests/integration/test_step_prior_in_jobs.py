@@ -99,6 +99,13 @@ def test_a_job_asked_to_measure_the_rates_measures_them_first_and_is_guided_by_t
     replay = SearchState(admitted_spec(spec), shape, SearchSpace(admitted_spec(spec), shape), rates=rates)
     top = max(replay.space.candidates, key=lambda c: (replay.step_prior(c).tokens_per_s, c.batch, c.sub_batch_size))
     assert Candidate.from_knobs(search[0]["config"]) == top
+    # the same job with a trial timeout every config's predicted steps outlast: no trial starts, only to time out
+    quickest = min(replay.trial_seconds(c) for c in replay.space.candidates)
+    short = {**spec, "name": "too-slow", "search": {**spec["search"], "trial_timeout_s": quickest / 2}}
+    ended = tune(short, db, settings=Settings(data_dir=tmp_path / "data"))
+    assert ended["status"] == "failed" and ended["trials"] == [], ended
+    assert ended["stop_reason"].startswith("no trial ran: every untried config that fits is predicted to outlast "
+                                           f"search.trial_timeout_s {quickest / 2:g}s"), ended["stop_reason"]
 
 
 def test_a_generation_job_is_guided_by_its_predicted_generate_calls(tmp_path):

@@ -100,7 +100,9 @@ def plan_spec(data: dict[str, Any], source: str | Path, device_memory_limit: int
     largest = [c for c in fitting if not any(o.dominates(c) for o in fitting)]
     times, missing = _step_times(state, rates) if rates is not None else ({}, None)
     timed = [c for c in fitting if times.get(c) is not None]
-    pick = max(timed, key=lambda c: times[c].tokens_per_s, default=None)
+    timeout = spec.search.trial_timeout_s
+    in_time = [c for c in timed if state.trial_floor(times[c]) <= timeout]
+    pick = max(in_time, key=lambda c: times[c].tokens_per_s, default=None)
     out: dict[str, Any] = {
         "source": str(source), "kind": "spec", "model": spec.model.describe(),
         "limits": {"device_memory_limit": device_limit, "host_memory_limit": host_limit or ceiling,
@@ -117,6 +119,7 @@ def plan_spec(data: dict[str, Any], source: str | Path, device_memory_limit: int
                                              "measured_at": rates.measured_at.isoformat(), "missing": missing},
         "pick": None if pick is None else {"config": pick.knobs(), **_predicted(times[pick]),
                                            "binding_limit": state.binding_limit(pick)},
+        "too_slow": len(timed) - len(in_time), "trial_timeout_s": timeout,
         "largest": [{"config": c.knobs(), "binding_limit": state.binding_limit(c),
                      "prior": state.prior(c).to_dict()}
                     for c in sorted(largest, key=lambda c: (-c.batch, -c.sub_batch_size, -(c.num_live_blocks or 0)))],

@@ -231,6 +231,20 @@ class SearchState:
         error = fix.error if fix is not None and fix.error is not None else PRIOR_ERROR
         return max(error, MIN_PRIOR_ERROR)
 
+    def trial_seconds(self, c: Candidate) -> float | None:
+        """The seconds a trial of c is predicted to take at least: the steps every trial runs (a warm-up that measures
+        memory, search.trial_steps timed, the profiled one) at its predicted step, its start and its parity check
+        left out; None without a prediction. A config past search.trial_timeout_s by this would more likely than
+        not time out."""
+        return self.trial_floor(self.step_prior(c))
+
+    def trial_floor(self, t: StepTime | None) -> float | None:
+        """trial_seconds of a config whose step is predicted as t (plan's, on another machine's rates)."""
+        if t is None:
+            return None
+        s = self.spec.search
+        return t.seconds * (1 + s.trial_steps + s.profile)
+
     def fitted(self) -> list[FinishedTrial]:
         """The trials the models are fitted to: every one that ran ok, at its own depth; when auto chose the
         whole model after its first probe, that one reduced-depth probe is left out."""

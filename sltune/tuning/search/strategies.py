@@ -34,8 +34,9 @@ class Proposal:
 @dataclass(frozen=True)
 class Stop:
     """Nothing more is worth a trial: every candidate has run ("exhausted"), or none untried is predicted to fit and
-    be faster than the best ("converged"). The runner ends the search with it; reason is the job's stop_reason."""
-    kind: Literal["exhausted", "converged"]
+    be faster than the best ("converged"), or every one left is predicted to outlast search.trial_timeout_s
+    ("too_slow"). The runner ends the search with it; reason is the job's stop_reason."""
+    kind: Literal["exhausted", "converged", "too_slow"]
     reason: str
 
 
@@ -259,12 +260,16 @@ class OneShotStrategy(Strategy):
         backends none of them runs: the rest is ranked on their results."""
         st = self.state
         busy = {c for c, _ in pending}
-        options = [c for c in st.space.candidates
+        fitting = [c for c in st.space.candidates
                    if c not in st.tried and c not in busy and st.predict(c, padded=False).fits]
-        if not options:
+        if not fitting:
             if pending:
                 return None
             return Stop("converged", "no untried config is predicted to fit")
+        timeout = st.spec.search.trial_timeout_s
+        options = [c for c in fitting if st.trial_seconds(c) <= timeout]
+        if not options:
+            return None if pending else _too_slow(st, fitting, timeout)
         steps = {c: st.step_prior(c) for c in options}
 
         def rank(c: Candidate) -> tuple:
@@ -294,9 +299,11 @@ class OneShotStrategy(Strategy):
         if not hopeful:
             errors = ", ".join(f"{st.prior_error(b):.0%}" + (f" ({b})" if len(st.space.backends) > 1 else "")
                                for b in st.space.backends if any(c.backend == b for c in options))
+            slow = len(fitting) - len(options)
             return Stop("converged", f"no untried config is predicted to beat the best ({best.tokens_per_s:.1f} "
                         f"tokens/s) by more than its measured noise (±{noise:.1%}), allowing the corrected "
-                        f"step-time prior's error ({errors})")
+                        f"step-time prior's error ({errors})" + (
+                            f"; {slow} more would outlast search.trial_timeout_s {timeout:g}s" if slow else ""))
         return Proposal(max(hopeful, key=rank), "frontier")
 
     def frontier(self, padded: bool = True) -> list[Candidate]:
@@ -349,6 +356,20 @@ class OneShotStrategy(Strategy):
 # The trials a backend gets at its top predicted configs before the search may stop without it (each one that runs out
 # of memory rules out every config needing more, so the next is smaller)
 FIRST_TRIES = 3
+
+
+def _too_slow(st: SearchState, fitting: list[Candidate], timeout: float) -> Stop:
+    """Every config left that fits would time out: the quickest one's predicted step, and what would make it run."""
+    quickest = min(fitting, key=st.trial_seconds)
+    t, s = st.step_prior(quickest), st.spec.search
+    most = max(t.breakdown, key=t.breakdown.get)
+    return Stop("too_slow", (
+        ("" if st.history else "no trial ran: ") + "every untried config that fits is predicted to outlast "
+        f"search.trial_timeout_s {timeout:g}s on this machine: the quickest, {quickest}, steps in {t.seconds:.3g}s "
+        f"[{t.fastest:.3g}, {t.slowest:.3g}] ({most} {t.breakdown[most] / t.seconds:.0%}) and a trial runs at least {1 + s.trial_steps + s.profile} "
+        f"steps; raise search.trial_timeout_s to {st.trial_seconds(quickest) * 1.5:.3g}s or more, or make a step cheaper "
+        f"(a shorter workload.seq_len, fewer layers, float32 where this CPU's bfloat16 or float16 matmuls are slow: "
+        f"`sltune calibrate SPEC` shows its rates)"))
 
 
 def _spec_order(c: Candidate) -> tuple:

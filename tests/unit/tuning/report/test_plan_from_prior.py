@@ -65,6 +65,26 @@ def test_plan_predicts_every_backend_s_step_and_picks_across_them(backends):
     assert out["pick"]["config"] == best["config"]
 
 
+def test_plan_picks_no_config_whose_trial_would_outlast_the_trial_timeout():
+    """plan's pick is what the guided search would measure first: a config predicted to outlast
+    search.trial_timeout_s would only time out, so it is counted apart (too_slow) and never picked."""
+    spec = {"model": {"preset": "llama-tiny"}, "workload": {"seq_len": 32},
+            "search": {"sub_batch_size": [1, 2, 4], "num_sub_batches": [1, 2], "num_live_blocks": [1, 2]}}
+    free = plan_spec(spec, "spec.yaml", rates=rates_for(seq=32), rates_from="test")
+    steps = sorted(row["predicted_step_s"] for row in free["configs"] if row["fits"])
+    assert free["too_slow"] == 0 and free["pick"]["config"]["sub_batch_size"] == 4
+    # a timeout between the quickest configs' trials and the slowest ones': the pick is among the quick ones
+    timeout = steps[len(steps) // 2] * 4                 # a warm-up, 2 timed and 1 profiled step
+    bound = plan_spec({**spec, "search": {**spec["search"], "trial_timeout_s": timeout}}, "spec.yaml",
+                      rates=rates_for(seq=32), rates_from="test")
+    pick = next(row for row in bound["configs"] if row["config"] == bound["pick"]["config"])
+    assert 0 < bound["too_slow"] < bound["fitting"]
+    assert pick["predicted_step_s"] * 4 <= timeout < free["pick"]["predicted_step_s"] * 4
+    none = plan_spec({**spec, "search": {**spec["search"], "trial_timeout_s": steps[0] * 3}}, "spec.yaml",
+                     rates=rates_for(seq=32), rates_from="test")
+    assert none["pick"] is None and none["too_slow"] == none["fitting"]
+
+
 def test_plan_puts_a_7b_under_17_gib_of_host_with_the_weights_on_disk(monkeypatch, tmp_path):
     data = seven_b(2 * 2**40, monkeypatch, **BOTH)
     r = plan_spec(data, "7b.yaml", host_memory_limit="17GiB", disk_limit="1TiB",

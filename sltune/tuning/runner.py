@@ -163,6 +163,7 @@ class JobRun:
                                  disk_ceiling=free_bytes(offload_root) if on_disk else None,
                                  rates=self._rates(store, spec))
         self.elapsed_before = float(job.progress.get("elapsed_s", 0.0))
+        self.state.seconds_left = lambda: self.spec.search.time_budget_s - self.elapsed()   # no trial predicted past it
         # each config's trial times, search and confirmation apart (a confirmation trial is neither profiled nor
         # timed twice): what its next trial will take
         self.seconds: dict[tuple[Candidate, bool], list[float]] = {}

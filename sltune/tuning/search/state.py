@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -134,6 +135,8 @@ class SearchState:
         self.corrections: dict[str, Correction | None] = {}     # per backend, from its trials (refit)
         self._steps: dict[tuple[Candidate, int | None], StepTime | None] = {}
         self._guided: bool | None = None
+        # the seconds left of the job's time budget (the runner's clock; None: no clock, as in plan)
+        self.seconds_left: Callable[[], float] | None = None
         depths = [None]
         if self.depth:
             wanted = spec.search.probe_layers

@@ -34,8 +34,8 @@ class Proposal:
 @dataclass(frozen=True)
 class Stop:
     """Nothing more is worth a trial: every candidate has run ("exhausted"), or none untried is predicted to fit and
-    be faster than the best ("converged"), or every one left is predicted to outlast search.trial_timeout_s
-    ("too_slow"). The runner ends the search with it; reason is the job's stop_reason."""
+    be faster than the best ("converged"), or every one left is predicted to outlast search.trial_timeout_s or the
+    time budget's rest ("too_slow"). The runner ends the search with it; reason is the job's stop_reason."""
     kind: Literal["exhausted", "converged", "too_slow"]
     reason: str
 
@@ -266,10 +266,10 @@ class OneShotStrategy(Strategy):
             if pending:
                 return None
             return Stop("converged", "no untried config is predicted to fit")
-        timeout = st.spec.search.trial_timeout_s
-        options = [c for c in fitting if st.trial_seconds(c) <= timeout]
+        timeout, left = st.spec.search.trial_timeout_s, st.seconds_left() if st.seconds_left else None
+        options = [c for c in fitting if st.trial_seconds(c) <= min(timeout, left if left is not None else timeout)]
         if not options:
-            return None if pending else _too_slow(st, fitting, timeout)
+            return None if pending else _too_slow(st, fitting, timeout, left)
         steps = {c: st.step_prior(c) for c in options}
 
         def rank(c: Candidate) -> tuple:
@@ -303,7 +303,8 @@ class OneShotStrategy(Strategy):
             return Stop("converged", f"no untried config is predicted to beat the best ({best.tokens_per_s:.1f} "
                         f"tokens/s) by more than its measured noise (±{noise:.1%}), allowing the corrected "
                         f"step-time prior's error ({errors})" + (
-                            f"; {slow} more would outlast search.trial_timeout_s {timeout:g}s" if slow else ""))
+                            f"; {slow} more would outlast search.trial_timeout_s {timeout:g}s"
+                            + (" or the time left" if left is not None else "") if slow else ""))
         return Proposal(max(hopeful, key=rank), "frontier")
 
     def frontier(self, padded: bool = True) -> list[Candidate]:
@@ -358,10 +359,15 @@ class OneShotStrategy(Strategy):
 FIRST_TRIES = 3
 
 
-def _too_slow(st: SearchState, fitting: list[Candidate], timeout: float) -> Stop:
-    """Every config left that fits would time out: the quickest one's predicted step, and what would make it run."""
+def _too_slow(st: SearchState, fitting: list[Candidate], timeout: float, left: float | None) -> Stop:
+    """Every config left that fits would time out, or outlast the time budget's rest (`left`): the quickest one's
+    predicted step, and what would make it run."""
     quickest = min(fitting, key=st.trial_seconds)
     t, s = st.step_prior(quickest), st.spec.search
+    if left is not None and st.trial_seconds(quickest) <= timeout:
+        return Stop("too_slow", f"the {max(left, 0):.0f}s left of search.time_budget_s {s.time_budget_s:g}s are "
+                                f"fewer than any untried config's trial is predicted to take (the quickest, "
+                                f"{quickest}, {st.trial_seconds(quickest):.0f}s)")
     most = max(t.breakdown, key=t.breakdown.get)
     return Stop("too_slow", (
         ("" if st.history else "no trial ran: ") + "every untried config that fits is predicted to outlast "

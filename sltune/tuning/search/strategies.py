@@ -373,9 +373,10 @@ def _too_slow(st: SearchState, fitting: list[Candidate], timeout: float, left: f
         ("" if st.history else "no trial ran: ") + "every untried config that fits is predicted to outlast "
         f"search.trial_timeout_s {timeout:g}s on this machine: the quickest, {quickest}, steps in {t.seconds:.3g}s "
         f"[{t.fastest:.3g}, {t.slowest:.3g}] ({most} {t.breakdown[most] / t.seconds:.0%}) and a trial runs at least "
-        f"{1 + s.trial_steps + s.profile} steps; raise search.trial_timeout_s to {st.trial_seconds(quickest) * 1.5:.3g}s "
-        f"or more, or make a step cheaper (a shorter workload.seq_len, fewer layers, float32 where this CPU's bfloat16 or float16 matmuls are slow: "
-        f"`sltune calibrate SPEC` shows its rates)"))
+        f"{1 + s.trial_steps + s.profile} steps; raise search.trial_timeout_s to "
+        f"{st.trial_seconds(quickest) * 1.5:.3g}s or more, or make a step cheaper (a shorter workload.seq_len, fewer "
+        f"layers, float32 where this CPU's bfloat16 or float16 matmuls are slow: `sltune calibrate SPEC` shows its "
+        f"rates)"))
 
 
 def _spec_order(c: Candidate) -> tuple:

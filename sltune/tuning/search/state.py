@@ -235,18 +235,20 @@ class SearchState:
         return max(error, MIN_PRIOR_ERROR)
 
     def trial_seconds(self, c: Candidate) -> float | None:
-        """The seconds a trial of c is predicted to take at least: the steps every trial runs (a warm-up that measures
-        memory, search.trial_steps timed, the profiled one) at its predicted step, its start and its parity check
-        left out; None without a prediction. A config past search.trial_timeout_s by this would more likely than
-        not time out."""
-        return self.trial_floor(self.step_prior(c))
+        """The seconds a trial of c is predicted to take: the steps it runs (a warm-up that measures memory,
+        search.trial_steps timed, the profiled one) and one more for its start, its parity check and its end, at its
+        predicted step, allowing its backend's prior error; None without a prediction. (A qwen2-0.5b trial on 2 CPU
+        cores took 4.85 of its measured steps with 2 timed, its step 1.21x the uncorrected prior's.) A config past
+        search.trial_timeout_s by this would likely time out."""
+        return self.trial_floor(self.step_prior(c), c.backend)
 
-    def trial_floor(self, t: StepTime | None) -> float | None:
-        """trial_seconds of a config whose step is predicted as t (plan's, on another machine's rates)."""
+    def trial_floor(self, t: StepTime | None, backend: str) -> float | None:
+        """trial_seconds of a config of `backend` whose step is predicted as t (plan's, on another machine's
+        rates)."""
         if t is None:
             return None
         s = self.spec.search
-        return t.seconds * (1 + s.trial_steps + s.profile)
+        return t.seconds * (2 + s.trial_steps + s.profile) * (1 + self.prior_error(backend))
 
     def fitted(self) -> list[FinishedTrial]:
         """The trials the models are fitted to: every one that ran ok, at its own depth; when auto chose the

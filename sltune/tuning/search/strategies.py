@@ -372,9 +372,9 @@ def _too_slow(st: SearchState, fitting: list[Candidate], timeout: float, left: f
     return Stop("too_slow", (
         ("" if st.history else "no trial ran: ") + "every untried config that fits is predicted to outlast "
         f"search.trial_timeout_s {timeout:g}s on this machine: the quickest, {quickest}, steps in {t.seconds:.3g}s "
-        f"[{t.fastest:.3g}, {t.slowest:.3g}] ({most} {t.breakdown[most] / t.seconds:.0%}) and a trial runs at least "
-        f"{1 + s.trial_steps + s.profile} steps; raise search.trial_timeout_s to "
-        f"{st.trial_seconds(quickest) * 1.5:.3g}s or more, or make a step cheaper (a shorter workload.seq_len, fewer "
+        f"[{t.fastest:.3g}, {t.slowest:.3g}] ({most} {t.breakdown[most] / t.seconds:.0%}), and its trial "
+        f"{st.trial_seconds(quickest):.3g}s ({1 + s.trial_steps + s.profile} steps, its start and its parity check); "
+        f"raise search.trial_timeout_s past that, or make a step cheaper (a shorter workload.seq_len, fewer "
         f"layers, float32 where this CPU's bfloat16 or float16 matmuls are slow: `sltune calibrate SPEC` shows its "
         f"rates)"))
 

@@ -74,13 +74,13 @@ def test_plan_picks_no_config_whose_trial_would_outlast_the_trial_timeout():
     steps = sorted(row["predicted_step_s"] for row in free["configs"] if row["fits"])
     assert free["too_slow"] == 0 and free["pick"]["config"]["sub_batch_size"] == 4
     # a timeout between the quickest configs' trials and the slowest ones': the pick is among the quick ones
-    timeout = steps[len(steps) // 2] * 4                 # a warm-up, 2 timed and 1 profiled step
+    timeout = steps[len(steps) // 2] * 5 * 1.2       # 2 timed steps, a warm-up, a profiled one, one more; 20% error
     bound = plan_spec({**spec, "search": {**spec["search"], "trial_timeout_s": timeout}}, "spec.yaml",
                       rates=rates_for(seq=32), rates_from="test")
     pick = next(row for row in bound["configs"] if row["config"] == bound["pick"]["config"])
     assert 0 < bound["too_slow"] < bound["fitting"]
-    assert pick["predicted_step_s"] * 4 <= timeout < free["pick"]["predicted_step_s"] * 4
-    none = plan_spec({**spec, "search": {**spec["search"], "trial_timeout_s": steps[0] * 3}}, "spec.yaml",
+    assert pick["predicted_step_s"] * 5 * 1.2 <= timeout < free["pick"]["predicted_step_s"] * 5 * 1.2
+    none = plan_spec({**spec, "search": {**spec["search"], "trial_timeout_s": steps[0] * 5}}, "spec.yaml",
                      rates=rates_for(seq=32), rates_from="test")
     assert none["pick"] is None and none["too_slow"] == none["fitting"]
 

@@ -237,9 +237,10 @@ class SearchState:
     def trial_seconds(self, c: Candidate) -> float | None:
         """The seconds a trial of c is predicted to take: the steps it runs (a warm-up that measures memory,
         search.trial_steps timed, the profiled one) and one more for its start, its parity check and its end, at its
-        predicted step, allowing its backend's prior error; None without a prediction. (A qwen2-0.5b trial on 2 CPU
-        cores took 4.85 of its measured steps with 2 timed, its step 1.21x the uncorrected prior's.) A config past
-        search.trial_timeout_s by this would likely time out."""
+        predicted step, allowing its backend's prior error; None without a prediction. (qwen2-0.5b's trials on 2 CPU
+        cores took 4.4-6.2 of their measured steps with 2 timed, DeepSpeed's the most, and their steps 0.95-1.21x
+        the uncorrected prior's: docs/benchmarks.md.) A config past search.trial_timeout_s by this would likely time
+        out."""
         return self.trial_floor(self.step_prior(c), c.backend)
 
     def trial_floor(self, t: StepTime | None, backend: str) -> float | None:

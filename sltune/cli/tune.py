@@ -311,6 +311,7 @@ def _plan_spec(data: dict, source: str, limits: list, as_json: bool, disk_limit:
     """Every config of a spec with its predicted peaks (and step times, given rates); the refusal when none fits
     (exit code 1)."""
     from sltune.tuning.report.plan_from_prior import plan_spec
+    from sltune.tuning.search.state import CHEAPER_STEP
 
     r = plan_spec(data, source, *limits, disk_limit=disk_limit, disk_flag="--disk-limit", disk_versions=disk_versions,
                   rates=rates[0], rates_from=rates[1])
@@ -361,8 +362,7 @@ def _plan_spec(data: dict, source: str, limits: list, as_json: bool, disk_limit:
         print(f"  {r['too_slow']} of the {r['fitting']} configs that fit are predicted to outlast {timeout}: their "
               f"trials would time out, so the pick is among the others" if r["pick"] else
               f"  every config that fits is predicted to outlast {timeout}: a trial of any would time out, so there "
-              f"is no pick; raise it, or make a step cheaper (a shorter workload.seq_len, float32 where this CPU's "
-              f"bfloat16 matmuls are slow)")
+              f"is no pick; raise it, or make a step cheaper ({CHEAPER_STEP})")
     if r["refusal"]:
         print(f"  refused: {r['refusal']}")
     return 0 if r["fitting"] else 1

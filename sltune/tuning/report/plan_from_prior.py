@@ -101,7 +101,7 @@ def plan_spec(data: dict[str, Any], source: str | Path, device_memory_limit: int
     times, missing = _step_times(state, rates) if rates is not None else ({}, None)
     timed = [c for c in fitting if times.get(c) is not None]
     timeout = spec.search.trial_timeout_s
-    in_time = [c for c in timed if state.trial_floor(times[c], c.backend) <= timeout]
+    in_time = [c for c in timed if state.trial_seconds_for(times[c], c.backend) <= timeout]
     pick = max(in_time, key=lambda c: times[c].tokens_per_s, default=None)
     out: dict[str, Any] = {
         "source": str(source), "kind": "spec", "model": spec.model.describe(),

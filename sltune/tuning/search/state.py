@@ -36,6 +36,9 @@ AUTO_STEP_S = 0.5
 # trial's own noise on a shared machine.
 PRIOR_ERROR = 0.20
 MIN_PRIOR_ERROR = 0.03
+# what makes a step cheaper, when every config's trial would outlast search.trial_timeout_s (the search's stop, plan)
+CHEAPER_STEP = ("a shorter workload.seq_len, fewer layers, float32 where this CPU's bfloat16 or float16 matmuls are "
+                "slow: `sltune calibrate SPEC` shows its rates")
 
 
 def layers_of(done: "FinishedTrial") -> int | None:
@@ -241,9 +244,9 @@ class SearchState:
         cores took 4.4-6.2 of their measured steps with 2 timed, DeepSpeed's the most, and their steps 0.95-1.21x
         the uncorrected prior's: docs/benchmarks.md.) A config past search.trial_timeout_s by this would likely time
         out."""
-        return self.trial_floor(self.step_prior(c), c.backend)
+        return self.trial_seconds_for(self.step_prior(c), c.backend)
 
-    def trial_floor(self, t: StepTime | None, backend: str) -> float | None:
+    def trial_seconds_for(self, t: StepTime | None, backend: str) -> float | None:
         """trial_seconds of a config of `backend` whose step is predicted as t (plan's, on another machine's
         rates)."""
         if t is None:

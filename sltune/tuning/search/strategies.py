@@ -20,7 +20,7 @@ import numpy as np
 import optuna
 
 from sltune.tuning.search.fit import FEATURES, split_key
-from sltune.tuning.search.state import SearchState
+from sltune.tuning.search.state import CHEAPER_STEP, SearchState
 from sltune.tuning.space import Candidate
 
 
@@ -267,7 +267,8 @@ class OneShotStrategy(Strategy):
                 return None
             return Stop("converged", "no untried config is predicted to fit")
         timeout, left = st.spec.search.trial_timeout_s, st.seconds_left() if st.seconds_left else None
-        options = [c for c in fitting if st.trial_seconds(c) <= min(timeout, left if left is not None else timeout)]
+        limit = timeout if left is None else min(timeout, left)
+        options = [c for c in fitting if st.trial_seconds(c) <= limit]
         if not options:
             return None if pending else _too_slow(st, fitting, timeout, left)
         steps = {c: st.step_prior(c) for c in options}
@@ -374,9 +375,7 @@ def _too_slow(st: SearchState, fitting: list[Candidate], timeout: float, left: f
         f"search.trial_timeout_s {timeout:g}s on this machine: the quickest, {quickest}, steps in {t.seconds:.3g}s "
         f"[{t.fastest:.3g}, {t.slowest:.3g}] ({most} {t.breakdown[most] / t.seconds:.0%}), and its trial "
         f"{st.trial_seconds(quickest):.3g}s ({1 + s.trial_steps + s.profile} steps, its start and its parity check); "
-        f"raise search.trial_timeout_s past that, or make a step cheaper (a shorter workload.seq_len, fewer "
-        f"layers, float32 where this CPU's bfloat16 or float16 matmuls are slow: `sltune calibrate SPEC` shows its "
-        f"rates)"))
+        f"raise search.trial_timeout_s past that, or make a step cheaper ({CHEAPER_STEP})"))
 
 
 def _spec_order(c: Candidate) -> tuple:

@@ -273,9 +273,10 @@ def test_with_trials_in_flight_the_grid_proposes_the_configs_they_are_not_and_st
 
 
 def test_guided_oneshot_never_starts_a_trial_its_predicted_steps_would_time_out_and_says_so_when_none_is_left():
-    """A config whose trial is predicted to outlast search.trial_timeout_s (its warm-up, timed and profiled steps at
-    the rates' fastest samples) can only time out: bfloat16 qwen2-0.5b on a CPU without bfloat16 matmuls was predicted
-    at 0.4 tokens/s, and the guided search still started it, then its next top, each stopped after 300 s."""
+    """A config whose trial is predicted to outlast search.trial_timeout_s (SearchState.trial_seconds: its steps and
+    one more at its predicted step, allowing the prior's error) would likely only time out: bfloat16 qwen2-0.5b on a
+    CPU without bfloat16 matmuls was predicted at 0.4 tokens/s, and the guided search still started it, then its next
+    top, each stopped after 300 s."""
     quick = guided()
     floors = {c: quick.trial_seconds(c) for c in quick.space.candidates}
     timeout = sorted(floors.values())[len(floors) // 2]         # half the space would time out

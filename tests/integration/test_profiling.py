@@ -52,9 +52,16 @@ def test_cli_json_is_a_trial_result_whose_fractions_sum_to_one(tmp_path):
 
 
 def test_canonical_spends_a_larger_share_on_copies_at_small_sub_batches():
-    shares = {s: trial(model=MID, sub_batch_size=1, num_sub_batches=8, schedule=s).breakdown.memcpy
-              for s in ("speedloader", "canonical")}
-    assert shares["canonical"] > shares["speedloader"], shares
+    """Canonical loads every unit once a sub-batch, 8x SpeedLoader's weight traffic here: some 0.08 of its step
+    against 0.03. A profiled step is one step, and one copy stalled beside other work had SpeedLoader's share at
+    0.099 in a CI run: so three rounds, interleaved, and their medians."""
+    import statistics
+
+    shares: dict[str, list[float]] = {"speedloader": [], "canonical": []}
+    for _ in range(3):
+        for s in shares:
+            shares[s].append(trial(model=MID, sub_batch_size=1, num_sub_batches=8, schedule=s).breakdown.memcpy)
+    assert statistics.median(shares["canonical"]) > statistics.median(shares["speedloader"]), shares
 
 
 def test_a_generate_trial_keeps_the_share_of_the_weights_it_is_given():

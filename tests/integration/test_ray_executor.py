@@ -102,7 +102,7 @@ def test_a_node_that_dies_under_a_trial_fails_it_on_every_rank_in_one_line(tmp_p
         runs = threading.Thread(target=lambda: out.update(result=executor.run(spec)))
         runs.start()
         started = time.monotonic()
-        while len(ranks := trial_ranks()) < 2:      # both nodes' fork servers up (slow beside other work)
+        while len(ranks := trial_ranks(nodes)) < 2:     # both nodes' fork servers up (slow beside other work)
             assert time.monotonic() - started < 240 and runs.is_alive(), (ranks, out)
             time.sleep(0.5)
         time.sleep(3)                   # both ranks are stepping
@@ -129,16 +129,21 @@ def test_a_node_that_dies_under_a_trial_fails_it_on_every_rank_in_one_line(tmp_p
     assert not connected, "the process's last executor closed, and its connection to the cluster stayed open"
 
 
-def trial_ranks() -> set[int]:
-    """The trial processes Ray's workers forked here: the children of the fork servers their tasks started."""
+def trial_ranks(nodes: list) -> set[int]:
+    """The trial processes these nodes' Ray workers forked: the children of the fork servers their tasks started.
+    Only theirs: another test file may run a Ray cluster of its own on this machine at the same time (xdist), and
+    its trial's ranks counted here had this test remove a node while its own trial was still in pre-flight."""
     import psutil
 
+    raylets = {info.process.pid for node in nodes for info in node.all_processes.get("raylet", [])}
+    assert len(raylets) == len(nodes), "a node's raylet process is not where ray.cluster_utils keeps it"
     pids = set()
     for server in psutil.process_iter(["cmdline"]):
         if "multiprocessing.forkserver" not in " ".join(server.info["cmdline"] or []):
             continue
         try:
-            if "ray::" in " ".join(server.parent().cmdline()):
+            worker = server.parent()
+            if "ray::" in " ".join(worker.cmdline()) and raylets & {p.pid for p in worker.parents()}:
                 pids |= {child.pid for child in server.children()}
         except (psutil.Error, AttributeError):
             pass

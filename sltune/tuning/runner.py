@@ -305,8 +305,13 @@ class JobRun:
                 self.stop = self.stop.cut_short(f"this server allows {cap} trials in all, confirmation included "
                                                 "(SLTUNE_MAX_TRIALS)")
                 break
-            if self.elapsed() >= search.time_budget_s:
+            left, took = search.time_budget_s - self.elapsed(), confirm.trial_seconds(self.seconds, cand)
+            if left <= 0:
                 self.stop = self.stop.cut_short(f"time_budget_s ({search.time_budget_s:g}s) used up")
+                break
+            if took is not None and took > left:    # it would overrun the budget by what is left of its trial
+                self.stop = self.stop.cut_short(f"the {left:.0f}s left of time_budget_s ({search.time_budget_s:g}s) "
+                                                f"are fewer than a trial of {cand} takes ({took:.0f}s)")
                 break
             if why := self._asked_to_stop():
                 self.stop = why

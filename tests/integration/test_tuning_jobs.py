@@ -374,3 +374,24 @@ def test_time_left_counts_the_confirmation_rounds_at_the_finalists_own_trial_tim
         remaining = end - c["elapsed_s"]
         assert 0.5 * remaining - 0.25 <= c["time_left_s"] <= 2 * remaining + 1.0, (c, remaining)
     assert calls[-1]["time_left_s"] == 0 and calls[-1]["confirm_done"] == 4
+
+
+def test_the_confirmation_round_starts_no_trial_its_config_s_own_trials_say_would_overrun_the_budget(tmp_path,
+                                                                                                     monkeypatch):
+    """The round started a finalist's trial whenever any of time_budget_s was left, and a job whose last search
+    trial ended near its budget overran it by a whole trial. Here the pick (b=4) takes 5 s a trial, and its search
+    trial ends with about 5 s of a 10 s budget left: the round does not start it again, says why, and the job ends
+    within its budget."""
+    import sltune.executors.local as local
+    from tests.support.fake_trials import FakeTrials
+
+    monkeypatch.setattr(local, "run_trial", FakeTrials({1: 500.0, 4: 1000.0}, wall={1: 0.01, 4: 5.0}))
+    spec = {**SPEC, "name": "late", "search": {**SPEC["search"], "strategy": "grid", "sub_batch_size": [1, 4],
+                                               "num_sub_batches": [1], "num_live_blocks": [1], "max_trials": 2,
+                                               "confirm_rounds": 2, "time_budget_s": 10}}
+    r = tune(spec, f"sqlite:///{tmp_path / 'jobs.db'}", settings=Settings(data_dir=tmp_path))
+    assert r["status"] == "succeeded", r
+    assert [t["config"]["sub_batch_size"] for t in r["trials"] if t["role"] == "confirm"].count(4) == 0, r["trials"]
+    assert "confirmation cut short: the " in r["stop_reason"], r["stop_reason"]
+    assert "s left of time_budget_s (10s) are fewer than a trial of " in r["stop_reason"], r["stop_reason"]
+    assert r["wall_seconds"] < 10, r["wall_seconds"]

@@ -238,8 +238,8 @@ def time_left(state: SearchState, search: Any, elapsed: float, rest: list[Candid
     budget = search.time_budget_s - elapsed
 
     def cost(c: Candidate) -> float:
-        times = seconds.get((c, True)) or seconds.get((c, False))
-        return median(times) if times else (avg or 0.0)
+        took = trial_seconds(seconds, c)
+        return (avg or 0.0) if took is None else took
 
     if rest is not None:
         return min(sum(map(cost, rest)), max(budget, 0.0) + cost(rest[0])) if rest else 0.0
@@ -249,6 +249,13 @@ def time_left(state: SearchState, search: Any, elapsed: float, rest: list[Candid
     if trials_cap is not None:
         coming = coming[:max(0, trials_cap - search.max_trials)]
     return min(budget, (search.max_trials - len(state.history)) * avg / at_once + sum(map(cost, coming)))
+
+
+def trial_seconds(seconds: dict[tuple[Candidate, bool], list[float]], c: Candidate) -> float | None:
+    """What a trial of c takes, from its own full-depth trials so far (`seconds`, by config and whether they were
+    confirmation trials): the median of its confirmation trials, else of its search trials; None before any."""
+    times = seconds.get((c, True)) or seconds.get((c, False))
+    return median(times) if times else None
 
 
 def _ci(d: FinishedTrial) -> tuple[float, float]:

@@ -6,13 +6,15 @@ machine falls on every config alike.
     python bench/prior_time.py [--model llama-small] [--seq-len 128] [--rounds 3] [--budget 60]
         [--sub-batch-size 1 2 4 8] [--num-sub-batches 1 2 4] [--num-live-blocks 1 4] [--activations recompute offload]
         [--backend speedloader deepspeed fsdp] [--zero-stage 2 3] [--offload-optimizer none cpu]
-        [--cpu-offload false true]
+        [--cpu-offload false true] [--save FILE | --replay FILE]
     python bench/prior_time.py --mode generate [--prompt-len 32] [--new-tokens 16] [--kv-cache host device]
         [--weights-on-device 0 0.5 1] ...     (generation: a step is one generate call)
 
 prints each config's measured step (median [min, max] over the rounds), its prediction with the interval of the
 rates' slowest and fastest samples, their ratio and the predicted breakdown, then the median and 90th percentile of
-|error| and Spearman's rank correlation of the two orders, over every config and per backend. Run by hand
+|error| and Spearman's rank correlation of the two orders, over every config and per backend. --save keeps the rates
+and the trials' steps; --replay predicts them again with this checkout's prior, so that a change to the prior is
+judged against the very trials the one before it was. Run by hand
 (minutes; a DeepSpeed trial takes 10-20 s here), not in the suite.
 
 Issue #49's goals for the prior before any trial: median |error| <= 15%, 90th percentile <= 30%, Spearman >= 0.85.
@@ -24,11 +26,14 @@ here yet: oneshot against the grid.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
+from pathlib import Path
 
 from sltune.backends.deepspeed_ops import deepspeed_adam
 from sltune.machine import calibrate
+from sltune.machine.rates import MachineRates
 from sltune.profiling import run_trial
 from sltune.tuning.cost.admission import load
 from sltune.tuning.cost.correction import Correction
@@ -70,6 +75,9 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--kv-cache", nargs="+", default=["host", "device"])
     p.add_argument("--weights-on-device", type=float, nargs="+", default=[0.0, 0.5, 1.0])
+    p.add_argument("--save", metavar="FILE", help="write the rates and every trial's steps here (JSON)")
+    p.add_argument("--replay", metavar="FILE", help="no calibration and no trials: the rates and steps a --save "
+                   "wrote, predicted by this checkout's prior (a change to the prior against the same trials)")
     args = p.parse_args()
     search = {"backend": args.backend, "sub_batch_size": args.sub_batch_size,
               "num_sub_batches": args.num_sub_batches, "trial_min_time_s": 1.0, "profile": False}
@@ -90,9 +98,13 @@ def main() -> None:
     state = SearchState(ok.spec, ok.shape, ok.space)
     configs = ok.space.candidates
     started = time.perf_counter()
-    optimizers = {f"torch.{ok.spec.optimizer.name}": ok.spec.optimizer.build,
-                  **(deepspeed_adam("cpu") if "deepspeed" in args.backend else {})}
-    rates = calibrate(workload_of(ok.spec), budget_s=args.budget, optimizers=optimizers)
+    saved = json.loads(Path(args.replay).read_text()) if args.replay else None
+    if saved is not None:
+        rates = MachineRates.model_validate(saved["rates"])
+    else:
+        optimizers = {f"torch.{ok.spec.optimizer.name}": ok.spec.optimizer.build,
+                      **(deepspeed_adam("cpu") if "deepspeed" in args.backend else {})}
+        rates = calibrate(workload_of(ok.spec), budget_s=args.budget, optimizers=optimizers)
     what = f"seq {args.seq_len}" if args.mode == "train" else \
         f"generate {args.prompt_len}+{args.new_tokens} tokens"
     print(f"{args.model} {args.dtype} {what}: {len(configs)} configs, {args.rounds} interleaved rounds")
@@ -100,13 +112,19 @@ def main() -> None:
     predicted = {c: step_time(state.recipe, c, rates, state.prior(c)) for c in configs}
     specs = {c: trial_spec(ok.spec, c, None) for c in configs}
     measured: dict = {c: [] for c in configs}
-    for r in range(args.rounds):
+    if saved is not None:
+        steps = {json.dumps(t["config"], sort_keys=True): t["steps"] for t in saved["trials"]}
+        measured = {c: steps[json.dumps(c.knobs(named=True), sort_keys=True)] for c in configs}
+    for r in range(0 if saved is not None else args.rounds):
         for c in configs:
             result = run_trial(specs[c])
             if result.status != "ok":
                 raise SystemExit(f"{c}: {result.status}: {result.error}")
             measured[c].append(result.step_seconds)
         print(f"round {r + 1} done at {time.perf_counter() - started:.0f}s", flush=True)
+    if args.save:
+        Path(args.save).write_text(json.dumps({"rates": rates.model_dump(mode="json"), "trials": [
+            {"config": c.knobs(named=True), "steps": measured[c]} for c in configs]}, indent=1) + "\n")
     for c in configs:
         t, step = predicted[c], statistics.median(measured[c])
         parts = " ".join(f"{k} {v:.3f}" for k, v in t.breakdown.items() if v)

@@ -305,7 +305,7 @@ class JobRun:
                 self.stop = self.stop.cut_short(f"this server allows {cap} trials in all, confirmation included "
                                                 "(SLTUNE_MAX_TRIALS)")
                 break
-            left, took = search.time_budget_s - self.elapsed(), confirm.trial_seconds(self.seconds, cand)
+            left, took = search.time_budget_s - self.elapsed(), confirm.measured_seconds(self.seconds, cand)
             if left <= 0:
                 self.stop = self.stop.cut_short(f"time_budget_s ({search.time_budget_s:g}s) used up")
                 break

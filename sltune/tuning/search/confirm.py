@@ -238,7 +238,7 @@ def time_left(state: SearchState, search: Any, elapsed: float, rest: list[Candid
     budget = search.time_budget_s - elapsed
 
     def cost(c: Candidate) -> float:
-        took = trial_seconds(seconds, c)
+        took = measured_seconds(seconds, c)
         return (avg or 0.0) if took is None else took
 
     if rest is not None:
@@ -251,7 +251,7 @@ def time_left(state: SearchState, search: Any, elapsed: float, rest: list[Candid
     return min(budget, (search.max_trials - len(state.history)) * avg / at_once + sum(map(cost, coming)))
 
 
-def trial_seconds(seconds: dict[tuple[Candidate, bool], list[float]], c: Candidate) -> float | None:
+def measured_seconds(seconds: dict[tuple[Candidate, bool], list[float]], c: Candidate) -> float | None:
     """What a trial of c takes, from its own full-depth trials so far (`seconds`, by config and whether they were
     confirmation trials): the median of its confirmation trials, else of its search trials; None before any."""
     times = seconds.get((c, True)) or seconds.get((c, False))

@@ -278,22 +278,22 @@ def test_guided_oneshot_never_starts_a_trial_its_predicted_steps_would_time_out_
     CPU without bfloat16 matmuls was predicted at 0.4 tokens/s, and the guided search still started it, then its next
     top, each stopped after 300 s."""
     quick = guided()
-    floors = {c: quick.trial_seconds(c) for c in quick.space.candidates}
-    timeout = sorted(floors.values())[len(floors) // 2]         # half the space would time out
+    predicted = {c: quick.trial_seconds(c) for c in quick.space.candidates}
+    timeout = sorted(predicted.values())[len(predicted) // 2]     # half the space would time out
     st = guided({"trial_timeout_s": timeout})
     strategy = OneShotStrategy(st, 0)
     proposed = []
     while not isinstance(p := strategy.propose(), Stop):
-        assert floors[p.candidate] <= timeout, (p.candidate, floors[p.candidate], timeout)
+        assert predicted[p.candidate] <= timeout, (p.candidate, predicted[p.candidate], timeout)
         proposed.append(p.candidate)
         st.add(run(st, p.candidate, len(st.history)))
     assert proposed and p.kind == "converged", p
     assert p.reason.endswith("more would outlast search.trial_timeout_s " f"{timeout:g}s"), p.reason
-    fastest_in_time = max((c for c in floors if floors[c] <= timeout and quick.predict(c, padded=False).fits),
+    fastest_in_time = max((c for c in predicted if predicted[c] <= timeout and quick.predict(c, padded=False).fits),
                           key=lambda c: quick.step_prior(c).tokens_per_s)
     assert proposed[0].backend == fastest_in_time.backend or fastest_in_time in proposed
 
-    none_in_time = OneShotStrategy(guided({"trial_timeout_s": min(floors.values()) / 2}), 0).propose()
+    none_in_time = OneShotStrategy(guided({"trial_timeout_s": min(predicted.values()) / 2}), 0).propose()
     assert isinstance(none_in_time, Stop) and none_in_time.kind == "too_slow"
     assert none_in_time.reason.startswith("no trial ran: every untried config that fits is predicted to outlast "
                                           "search.trial_timeout_s"), none_in_time.reason

@@ -46,6 +46,7 @@ disk = {"read": r(7.45e9, "bytes"), "write": r(6.9e9, "bytes")}               # 
 rates = MachineRates(
     fingerprint=Fingerprint(cpu="example: AMD EPYC 7003 host with NVIDIA A100 40GB PCIe and a PCIe 4.0 NVMe "
                                 "(published figures, examples/rates/README.md)",
+                            isa=("avx", "avx2", "f16c", "fma"),          # Zen 3: AVX2 and FMA, no AVX-512
                             cores=32, memory_bytes=512 << 30, gpus=("NVIDIA A100-PCIE-40GB",), torch="example"),
     measured_at=datetime(2026, 11, 29, tzinfo=timezone.utc), seconds=0.0, device="cuda:0", threads=32,
     matmul=matmul, attention=attention, decode_attention=decode_attention, elementwise=elementwise, norm=norm,

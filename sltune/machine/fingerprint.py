@@ -14,6 +14,10 @@ from importlib.metadata import version
 import psutil
 from pydantic import BaseModel, ConfigDict
 
+# the flags whose instructions decide a kernel's speed (x86's AVX, AMX, FMA and F16C; Arm's SIMD, SVE, bf16, i8mm)
+ISA_PREFIXES = ("avx", "amx", "fma", "f16c", "asimd", "sve", "bf16", "i8mm")
+SHOWN = ("amx_bf16", "avx512_bf16", "avx512f", "avx2", "sve2", "sve", "asimd")   # describe's, widest first
+
 
 class Fingerprint(BaseModel):
     """What decides a machine's rates; `key` names it in the job store."""
@@ -22,6 +26,10 @@ class Fingerprint(BaseModel):
 
     cpu: str
     """the CPU's model name (/proc/cpuinfo), or the platform's processor where there is none"""
+    isa: tuple[str, ...] = ()
+    """the CPU's vector and matrix instructions (/proc/cpuinfo's flags: avx2, avx512f, avx512_bf16, amx_bf16, sve,
+    ...), sorted: a hypervisor names two CPUs alike ("AMD EPYC") whose bfloat16 matmuls ran at 1-2 and 420-435
+    GFLOP/s, one without AVX-512 and one with its bf16 instructions (docs/concepts/machine-rates.md)"""
     cores: int
     """the cores this process may run on (its affinity), not the machine's count"""
     memory_bytes: int
@@ -39,11 +47,14 @@ class Fingerprint(BaseModel):
         from sltune.sizes import format_bytes
 
         gpus = f", {', '.join(self.gpus)}" if self.gpus else ""
-        return f"{self.cpu}, {self.cores} cores, {format_bytes(self.memory_bytes)}{gpus}, torch {self.torch}"
+        widest = [flag for flag in SHOWN if flag in self.isa]
+        flags = f" ({'/'.join(widest)})" if widest else ""
+        return f"{self.cpu}{flags}, {self.cores} cores, {format_bytes(self.memory_bytes)}{gpus}, torch {self.torch}"
 
     @classmethod
     def here(cls) -> "Fingerprint":
-        return cls(cpu=_cpu_name(), cores=len(os.sched_getaffinity(0)), memory_bytes=psutil.virtual_memory().total,
+        return cls(cpu=_cpu_name(), isa=isa(), cores=len(os.sched_getaffinity(0)),
+                   memory_bytes=psutil.virtual_memory().total,
                    gpus=_gpus(), torch=version("torch"))
 
 
@@ -64,6 +75,20 @@ def _gpus() -> tuple[str, ...]:
         picked = [int(i) for i in visible.split(",") if i.strip().isdigit()]
         names = [names[i] for i in picked if i < len(names)]
     return tuple(names)
+
+
+def isa(cpuinfo: str = "/proc/cpuinfo") -> tuple[str, ...]:
+    """The instruction flags (ISA_PREFIXES) of the first processor in `cpuinfo` (x86's "flags" line, Arm's
+    "Features"); none where the file is missing (macOS, Windows: rates are then told apart by the CPU's name)."""
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("flags", "Features"):
+                    return tuple(sorted({flag for flag in value.split() if flag.startswith(ISA_PREFIXES)}))
+    except OSError:
+        pass
+    return ()
 
 
 def _cpu_name() -> str:

@@ -31,7 +31,7 @@ import statistics
 import time
 from pathlib import Path
 
-from sltune.backends.deepspeed_ops import deepspeed_adam
+from sltune.backends.deepspeed import deepspeed_adam
 from sltune.machine import calibrate
 from sltune.machine.rates import MachineRates
 from sltune.profiling import run_trial

@@ -17,13 +17,14 @@ import os
 import sys
 import tempfile
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 from sltune.backends.base import (TrainingSpec, WrappedBackend, checkpoint_activations, full_model, optimizer_tensors,
                                   storage_bytes)
+from sltune.backends.deepspeed_ops import INSTALL, accelerator_of, missing, remember_cpu_info
 from sltune.backends.export import NO_CLIPPING, ds_config  # noqa: F401 - the trial's config, written by export too
 
 
@@ -58,6 +59,7 @@ def import_deepspeed(device: str) -> Any:
     os.environ["DS_ACCELERATOR"] = "cuda" if device.startswith("cuda") else "cpu"
     with stdout_to_stderr():
         import deepspeed
+    remember_cpu_info()         # DeepSpeedCPUAdam's py-cpuinfo: seconds a rank, asked once a machine
     log = logging.getLogger("DeepSpeed")      # its handler writes to stdout: warnings go to stderr instead
     log.setLevel(logging.WARNING)
     for handler in log.handlers:
@@ -66,6 +68,18 @@ def import_deepspeed(device: str) -> Any:
     # DeepSpeed 0.19 calls collectives torch 2.13 renamed: a FutureWarning per call
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
     return deepspeed
+
+
+def deepspeed_adam(device: str, say: Callable[[str], None] | None = None) -> dict[str, Callable[[list], object]]:
+    """DeepSpeedCPUAdam by the name calibrate times it under ("deepspeed.cpu_adam"), where DeepSpeed's install built
+    it (never compiled here: that is minutes); none where it is missing, saying so through `say`."""
+    accelerator = accelerator_of(device)
+    if missing(["cpu_adam"], accelerator):
+        if say is not None:
+            say(f"DeepSpeedCPUAdam is not built here: not timed ({INSTALL} builds it)")
+        return {}
+    adam = import_deepspeed(device).ops.adam.DeepSpeedCPUAdam
+    return {"deepspeed.cpu_adam": lambda params: adam(params, lr=1e-3)}
 
 
 def cpu_adam(params: list[torch.nn.Parameter], optimizer: Any) -> tuple[torch.optim.Optimizer | None, str]:

@@ -13,8 +13,11 @@ them; it says so in a line first, and a build that fails or runs past its time i
 from __future__ import annotations
 
 import ast
+import hashlib
 import importlib.util
+import json
 import os
+import platform
 import subprocess
 import sys
 import time
@@ -156,18 +159,50 @@ def _build(accelerator: str, ops: list[str]) -> int:
     return 0
 
 
-def deepspeed_adam(device: str, say: Callable[[str], None] | None = None) -> dict[str, Callable[[list], object]]:
-    """DeepSpeedCPUAdam by the name calibrate times it under ("deepspeed.cpu_adam"), where DeepSpeed's install built
-    it (never compiled here: that is minutes); none where it is missing, saying so through `say`."""
-    accelerator = accelerator_of(device)
-    if missing(["cpu_adam"], accelerator):
-        if say is not None:
-            say(f"DeepSpeedCPUAdam is not built here: not timed ({INSTALL} builds it)")
-        return {}
-    from sltune.backends.deepspeed import import_deepspeed
+def remember_cpu_info() -> None:
+    """py-cpuinfo's answer kept per CPU beside the ops, for DeepSpeedCPUAdam asks it each time one is built (for the
+    CPU's vendor): py-cpuinfo starts a Python of its own that times the clock over a second, busy-waiting on it,
+    1.3 s and 1.3 s of CPU here in every rank of every trial that offloads the optimizer. Asked once a CPU, it is
+    read from the file after; an empty answer (py-cpuinfo failed) is not kept."""
+    try:
+        import cpuinfo
+    except ImportError:
+        return
+    asked = cpuinfo.get_cpu_info
+    if getattr(asked, "remembered", False):
+        return
 
-    adam = import_deepspeed(device).ops.adam.DeepSpeedCPUAdam
-    return {"deepspeed.cpu_adam": lambda params: adam(params, lr=1e-3)}
+    def get_cpu_info() -> dict:
+        path = cpu_info_file()
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError):
+            pass
+        info = asked()
+        if info:
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                part = path.with_name(f"{path.name}.{os.getpid()}")
+                part.write_text(json.dumps(info))
+                os.replace(part, path)
+            except OSError:
+                pass            # a cache it cannot write: asked again next time
+        return info
+
+    get_cpu_info.remembered = True          # type: ignore[attr-defined]
+    cpuinfo.get_cpu_info = get_cpu_info
+
+
+def cpu_info_file() -> Path:
+    """Where remember_cpu_info keeps py-cpuinfo's answer: in the ops' cache, named by a digest of what
+    /proc/cpuinfo says of the first CPU (its clock aside), so that a home shared by two kinds of CPU keeps two."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            first = f.read().split("\n\n")[0]
+    except OSError:
+        first = platform.processor() or platform.machine()
+    said = "\n".join(line for line in first.splitlines() if not line.startswith("cpu MHz"))
+    return jit_cache() / f"py-cpuinfo-{hashlib.sha256(said.encode()).hexdigest()[:16]}.json"
 
 
 def main(argv: list[str]) -> int:

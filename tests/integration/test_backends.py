@@ -137,3 +137,43 @@ def test_a_backends_knobs_default_and_reach_the_config():
     assert (spec.zero_stage, spec.offload_optimizer, spec.offload_param) == (2, "none", "none")
     assert TrialSpec(backend="fsdp").knobs()["reshard_after_forward"] is True
     assert "zero_stage" not in TrialSpec().knobs()
+
+
+@needs_deepspeed
+def test_deepspeed_s_cpu_adam_asks_py_cpuinfo_once_a_machine(tmp_path, monkeypatch):
+    """DeepSpeedCPUAdam asks py-cpuinfo for the CPU's vendor each time one is built, and py-cpuinfo answers from a
+    Python of its own that busy-waits a second on the clock: 1.3 s and 1.3 s of CPU in every rank of every trial
+    that offloads the optimizer. Asked once, the answer is kept per CPU beside DeepSpeed's ops."""
+    import resource
+
+    import cpuinfo
+    import torch
+
+    from sltune.backends.deepspeed import import_deepspeed
+    from sltune.backends.deepspeed_ops import cpu_info_file, missing
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    import_deepspeed("cpu")
+
+    def asked() -> tuple[dict, float]:
+        """py-cpuinfo's answer as DeepSpeed asks it, and the CPU seconds of the processes that took to answer."""
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        from cpuinfo import get_cpu_info              # as DeepSpeedCPUAdam.__init__ imports it
+
+        info = get_cpu_info()
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return info, after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+
+    first, cpu_first = asked()
+    assert first["vendor_id_raw"] and cpu_first > 0.1                      # py-cpuinfo's own process, this once
+    kept = cpu_info_file()
+    assert kept.parent == tmp_path and json.loads(kept.read_text()) == first
+    again, cpu_again = asked()
+    assert again == first and cpu_again == pytest.approx(0.0, abs=1e-6)       # no process of its own
+    if not missing(["cpu_adam"], "cpu"):              # built at install (scripts/install.sh): never compiled here
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_utime
+        DeepSpeedCPUAdam([torch.nn.Parameter(torch.zeros(4))])
+        assert resource.getrusage(resource.RUSAGE_CHILDREN).ru_utime == before
+    assert getattr(cpuinfo.get_cpu_info, "remembered", False)

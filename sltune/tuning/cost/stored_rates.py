@@ -50,7 +50,7 @@ def calibrated(store: Any, spec: "TuningSpec | None", folder: Path, *, budget_s:
     spec's hardware.world_size when above 1)."""
     import torch
 
-    from sltune.backends.deepspeed_ops import deepspeed_adam
+    from sltune.backends.deepspeed import deepspeed_adam
     from sltune.machine import Workload, calibrate
     from sltune.training.optimizer import OptimizerConfig
 

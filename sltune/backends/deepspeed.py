@@ -59,7 +59,7 @@ def import_deepspeed(device: str) -> Any:
     os.environ["DS_ACCELERATOR"] = "cuda" if device.startswith("cuda") else "cpu"
     with stdout_to_stderr():
         import deepspeed
-    remember_cpu_info()         # DeepSpeedCPUAdam's py-cpuinfo: seconds a rank, asked once a machine
+    remember_cpu_info()         # DeepSpeedCPUAdam's py-cpuinfo: a second's busy-wait a rank, asked once a CPU
     log = logging.getLogger("DeepSpeed")      # its handler writes to stdout: warnings go to stderr instead
     log.setLevel(logging.WARNING)
     for handler in log.handlers:

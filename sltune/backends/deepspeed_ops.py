@@ -162,7 +162,7 @@ def _build(accelerator: str, ops: list[str]) -> int:
 def remember_cpu_info() -> None:
     """py-cpuinfo's answer kept per CPU beside the ops, for DeepSpeedCPUAdam asks it each time one is built (for the
     CPU's vendor): py-cpuinfo starts a Python of its own that times the clock over a second, busy-waiting on it,
-    1.3 s and 1.3 s of CPU here in every rank of every trial that offloads the optimizer. Asked once a CPU, it is
+    1.3 s here, all of it CPU, in every rank of every trial that offloads the optimizer. Asked once a CPU, it is
     read from the file after; an empty answer (py-cpuinfo failed) is not kept."""
     try:
         import cpuinfo

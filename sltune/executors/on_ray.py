@@ -31,6 +31,8 @@ from sltune.profiling.schema import TrialResult, TrialSpec
 GRACE_S = 60.0          # beyond the trial's own timeout, which its node enforces: the answer on its way back
 CONNECT_S = 3.0
 PLACE_S = 20.0          # to place a trial's ranks on distinct nodes before it is failed as one the cluster cannot hold
+PREFLIGHT_S = 120.0     # a node's host to answer the pre-flight: a Ray worker that imports sltune and torch first, slow
+                        # on a busy node (20 s timed out beside two test suites on 2 cores)
 CAUSE_S = 5.0           # a node's ranks failed: how long the other nodes have to say theirs died first
 
 
@@ -84,7 +86,7 @@ class RayExecutor:
             hosts = [self._host(node) for node in nodes]
             try:
                 checks = ray.get([host.preflight.remote(spec.model, serve=i == 0) for i, host in enumerate(hosts)],
-                                 timeout=PLACE_S)
+                                 timeout=PREFLIGHT_S)
             except ray.exceptions.RayError as err:
                 self._retire(nodes)
                 return _failed(spec, f"pre-flight: Ray nodes {', '.join(n[:8] for n in nodes)}: "

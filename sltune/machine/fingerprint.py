@@ -53,9 +53,9 @@ class Fingerprint(BaseModel):
 
     @classmethod
     def here(cls) -> "Fingerprint":
-        return cls(cpu=_cpu_name(), isa=isa(), cores=len(os.sched_getaffinity(0)),
-                   memory_bytes=psutil.virtual_memory().total,
-                   gpus=_gpus(), torch=version("torch"))
+        cpu = first_cpu()           # /proc/cpuinfo read once, for the name and the flags
+        return cls(cpu=_cpu_name(cpu), isa=isa(fields=cpu), cores=len(os.sched_getaffinity(0)),
+                   memory_bytes=psutil.virtual_memory().total, gpus=_gpus(), torch=version("torch"))
 
 
 def _gpus() -> tuple[str, ...]:
@@ -77,26 +77,29 @@ def _gpus() -> tuple[str, ...]:
     return tuple(names)
 
 
-def isa(cpuinfo: str = "/proc/cpuinfo") -> tuple[str, ...]:
-    """The instruction flags (ISA_PREFIXES) of the first processor in `cpuinfo` (x86's "flags" line, Arm's
-    "Features"); none where the file is missing (macOS, Windows: rates are then told apart by the CPU's name)."""
+def first_cpu(cpuinfo: str = "/proc/cpuinfo") -> dict[str, str]:
+    """The fields /proc/cpuinfo gives the first processor ("model name", x86's "flags", Arm's "Features", ...); none
+    where the file is missing (macOS, Windows)."""
+    fields: dict[str, str] = {}
     try:
         with open(cpuinfo) as f:
             for line in f:
+                if not line.strip():
+                    break
                 key, _, value = line.partition(":")
-                if key.strip() in ("flags", "Features"):
-                    return tuple(sorted({flag for flag in value.split() if flag.startswith(ISA_PREFIXES)}))
+                fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return ()
+    return fields
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+def isa(cpuinfo: str = "/proc/cpuinfo", fields: dict[str, str] | None = None) -> tuple[str, ...]:
+    """The instruction flags (ISA_PREFIXES) of the first processor (`fields` as first_cpu reads them from
+    `cpuinfo`): none where there are none (macOS, Windows: rates are then told apart by the CPU's name)."""
+    fields = first_cpu(cpuinfo) if fields is None else fields
+    flags = fields.get("flags", fields.get("Features", "")).split()
+    return tuple(sorted({flag for flag in flags if flag.startswith(ISA_PREFIXES)}))
+
+
+def _cpu_name(fields: dict[str, str]) -> str:
+    return fields.get("model name") or platform.processor() or platform.machine()
